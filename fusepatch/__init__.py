@@ -1,0 +1,32 @@
+"""fusepatch: patch Qwen layers with fused GPU kernels, and say exactly what fell back and why.
+
+>>> import fusepatch
+>>> report = fusepatch.apply(model)   # doctest: +SKIP
+>>> print(report)                     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fusepatch.env import Environment, capture
+from fusepatch.patch import FusePatchError, apply, report, revert
+from fusepatch.registry import Row, register
+from fusepatch.report import PatchReport
+
+__version__ = "0.1.0"
+
+logging.getLogger("fusepatch").addHandler(logging.NullHandler())
+
+__all__ = [
+    "Environment",
+    "FusePatchError",
+    "PatchReport",
+    "Row",
+    "__version__",
+    "apply",
+    "capture",
+    "register",
+    "report",
+    "revert",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from fusepatch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,97 @@
+"""``python -m fusepatch doctor | list | demo``: the command line prints; the library only logs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from fusepatch.known_issues import KNOWN_ISSUES
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from fusepatch.doctor import diagnose, render
+
+    prefer = tuple(args.prefer.split(",")) if args.prefer else None
+    try:
+        report = diagnose(model_types=args.model_type or None, prefer=prefer)
+    except ValueError as exc:
+        print(f"fusepatch doctor: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 1 if args.strict and report["fallbacks"] else 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    from fusepatch.ops import OPS
+    from fusepatch.registry import all_rows
+
+    rows = [r for r in all_rows() if not args.model_type or set(r.model_types) & set(args.model_type)]
+    if args.json:
+        payload = {
+            "rows": [r.to_dict() for r in rows],
+            "ops": {n: [f"{c.name} ({c.source})" for c in op.candidates] + ["eager"] for n, op in OPS.items()},
+            "known_issues": [i.to_dict() for i in KNOWN_ISSUES],
+        }
+        print(json.dumps(payload, indent=2))
+        return 0
+    for row in rows:
+        ops = []
+        for name in row.ops:
+            ops.append(f"{name} [{' > '.join(c.name for c in OPS[name].candidates)} > eager]")
+        ops += [f"{name} [planned]" for name in row.planned]
+        patched = "patched" if row.forward is not None else "not patched"
+        print(f"{'/'.join(row.model_types):28s} {row.layer:36s} {patched:12s} {'; '.join(ops)}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from fusepatch.demo import run
+
+    result = run(model_type=args.model_type, steps=args.steps, seq_len=args.seq_len, device=args.device)
+    print(result["report"])
+    print()
+    print(f"device {result['device']} / {result['dtype']}, {args.steps} training steps, seq {args.seq_len}")
+    print(
+        "eager   losses: "
+        + " ".join(f"{x:.4f}" for x in result["eager_losses"])
+        + f"   {result['eager_steps_per_s']:.2f} steps/s"
+    )
+    print(
+        "patched losses: "
+        + " ".join(f"{x:.4f}" for x in result["patched_losses"])
+        + f"   {result['patched_steps_per_s']:.2f} steps/s"
+    )
+    gap = max(abs(a - b) for a, b in zip(result["eager_losses"], result["patched_losses"]))
+    print(f"largest loss difference: {gap:.2e}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fusepatch", description="Fused kernels for Qwen fine-tuning.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show fusepatch's log")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    doctor = sub.add_parser("doctor", help="what this machine can run, what falls back, and the fix")
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument("--strict", action="store_true", help="exit 1 when any op would fall back to eager")
+    doctor.add_argument("--model-type", action="append", help="only the rows of this model_type (repeatable)")
+    doctor.add_argument("--prefer", help="kernel source priority, e.g. pip,hub,source")
+    doctor.set_defaults(func=_doctor)
+
+    listing = sub.add_parser("list", help="the registry: layer class -> ops -> candidates")
+    listing.add_argument("--json", action="store_true")
+    listing.add_argument("--model-type", action="append")
+    listing.set_defaults(func=_list)
+
+    demo = sub.add_parser("demo", help="tiny Qwen3.5, a few training steps eager vs patched")
+    demo.add_argument("--model-type", default="qwen3_5_text")
+    demo.add_argument("--steps", type=int, default=5)
+    demo.add_argument("--seq-len", type=int, default=128)
+    demo.add_argument("--device", default=None)
+    demo.set_defaults(func=_demo)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    return args.func(args)

@@ -1,0 +1,143 @@
+"""What this machine can run: every candidate of every op, ok or rejected with the reason and the fix."""
+
+from __future__ import annotations
+
+from fusepatch import __version__
+from fusepatch.env import Environment, capture
+from fusepatch.known_issues import KNOWN_ISSUES
+from fusepatch.ops import OPS
+from fusepatch.ops.base import Op
+from fusepatch.registry import all_rows
+from fusepatch.resolve import evaluate, ordered, preferred_sources, static_verdict
+
+
+def _target(env: Environment) -> tuple[str, str]:
+    return ("cuda", "bfloat16") if env.cuda_available and env.gpus else ("cpu", "float32")
+
+
+def examine_op(op: Op, env: Environment, device: str, dtype: str, prefer: tuple[str, ...]) -> dict:
+    """Every candidate's verdict for ``device``/``dtype`` (self-tests run where the checks pass)."""
+    candidates = []
+    chosen = None
+    for candidate in ordered(op, prefer):
+        static, env = static_verdict(candidate, env)
+        verdict, _ = evaluate(op, candidate, static, device, dtype)
+        candidates.append(
+            {
+                "name": candidate.name,
+                "source": candidate.source,
+                "provides": candidate.provides,
+                "ok": verdict.ok,
+                "planned": "not wired up" in verdict.reason,
+                "reason": verdict.reason,
+                "fix": verdict.fix,
+            }
+        )
+        if verdict.ok and chosen is None:
+            chosen = candidate.name
+    candidates.append(
+        {
+            "name": "eager",
+            "source": "eager",
+            "provides": op.reference.__qualname__,
+            "ok": True,
+            "planned": False,
+            "reason": "",
+            "fix": "",
+        }
+    )
+    return {"summary": op.summary, "chosen": chosen or "eager", "candidates": candidates}
+
+
+def diagnose(*, model_types: list[str] | None = None, prefer: tuple[str, ...] | None = None) -> dict:
+    """The doctor report as a JSON-serialisable dict."""
+    env = capture()
+    prefer = preferred_sources(prefer)
+    device, dtype = _target(env)
+    rows = [r for r in all_rows() if not model_types or set(r.model_types) & set(model_types)]
+    if model_types and not rows:
+        known = sorted({t for r in all_rows() for t in r.model_types})
+        raise ValueError(f"no fusepatch rows for model_type {model_types}; known: {', '.join(known)}")
+    op_names = [name for name in OPS if any(name in (*r.ops, *r.planned) for r in rows)]
+    ops = {name: examine_op(OPS[name], env, device, dtype, prefer) for name in op_names}
+    families: dict[str, dict] = {}
+    fallbacks: list[str] = []
+    fixes: list[str] = []
+    for row in rows:
+        for model_type in row.model_types:
+            layer = families.setdefault(model_type, {}).setdefault(row.layer, {})
+            for name in row.ops:
+                layer[name] = {
+                    "kernel": ops[name]["chosen"],
+                    "status": "fused" if ops[name]["chosen"] != "eager" else "fallback",
+                }
+            for name in row.planned:
+                layer[name] = {"kernel": "eager", "status": "planned"}
+    for name in sorted({n for r in rows for n in r.ops}):
+        if ops[name]["chosen"] == "eager":
+            wired = [c for c in ops[name]["candidates"] if c["source"] != "eager" and not c["planned"]]
+            reasons = "; ".join(f"{c['name']}: {c['reason']}" for c in wired)
+            fallbacks.append(f"{name} -> eager ({reasons})")
+            for c in wired:
+                if c["fix"] and c["fix"] not in fixes:
+                    fixes.append(c["fix"])
+    probed = env.with_imports([i.unless_importable for i in KNOWN_ISSUES if i.unless_importable])
+    matching = [issue for issue in KNOWN_ISSUES if issue.matches(probed)]
+    return {
+        "fusepatch": __version__,
+        "target": {"device": device, "dtype": dtype},
+        "environment": probed.to_dict(),
+        "known_issues": [dict(issue.to_dict(), affects_this_machine=issue in matching) for issue in KNOWN_ISSUES],
+        "ops": ops,
+        "families": families,
+        "fallbacks": fallbacks,
+        "fixes": fixes,
+    }
+
+
+def render(report: dict) -> str:
+    env = report["environment"]
+    gpus = ", ".join(f"{g['name']} ({g['arch']})" for g in env["gpus"]) or "none"
+    lines = [
+        f"fusepatch {report['fusepatch']} doctor",
+        "",
+        "Environment",
+        f"  python {env['python']}  torch {env['torch']} (CUDA {env['torch_cuda'] or 'none: CPU build'})",
+        f"  GPU: {gpus}",
+        f"  triton {env['triton'] or '-'}  transformers {env['transformers'] or '-'}",
+        "  packages: " + (", ".join(f"{k} {v}" for k, v in sorted(env["distributions"].items())) or "-"),
+        f"  checked for: {report['target']['device']}/{report['target']['dtype']}",
+        "",
+        "Known-bad stacks",
+    ]
+    for issue in report["known_issues"]:
+        mark = "AFFECTS THIS MACHINE" if issue["affects_this_machine"] else "not this machine"
+        lines.append(
+            f"  [{mark}] {issue['package']} {issue['package_spec']} + triton {issue['triton_spec']} on sm_{issue['capability_major']}x: "
+            f"{issue['what']} ({issue['link']}); fix: {issue['fix']}"
+        )
+    lines += ["", "Ops (candidates in priority order)"]
+    for name, op in report["ops"].items():
+        lines.append(f"  {name}: {op['chosen']}   -- {op['summary']}")
+        for c in op["candidates"]:
+            if c["source"] == "eager":
+                continue
+            status = "ok" if c["ok"] else ("planned" if c["planned"] else "rejected")
+            detail = (
+                ""
+                if c["ok"]
+                else f": {c['reason']}" + (f"  [fix: {c['fix']}]" if c["fix"] and not c["planned"] else "")
+            )
+            lines.append(f"    {status:8s} {c['name']} ({c['source']}){detail}")
+    lines += ["", "Families"]
+    for model_type, layers in report["families"].items():
+        parts = []
+        for layer, ops in layers.items():
+            for name, info in ops.items():
+                parts.append(f"{layer}.{name}={info['kernel'] if info['status'] != 'planned' else 'planned'}")
+        lines.append(f"  {model_type}: " + ", ".join(parts))
+    lines += ["", "Would fall back"]
+    lines += [f"  {f}" for f in report["fallbacks"]] or ["  nothing"]
+    if report["fixes"]:
+        lines += ["", "Fix"] + [f"  {f}" for f in report["fixes"]]
+    return "\n".join(lines)

@@ -1,0 +1,218 @@
+"""A snapshot of the facts every compatibility rule reads.
+
+The snapshot is a plain value: tests build one by hand (``Environment(torch="2.11.0", ...)``) so that
+every rule can be checked without the hardware or packages it talks about.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as metadata
+import os
+import platform
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+# Distributions whose versions decide what can run. Versions come from importlib.metadata, never from
+# importing the package, so a broken install still shows its version.
+TRACKED_DISTRIBUTIONS: tuple[str, ...] = (
+    "torch",
+    "triton",
+    "transformers",
+    "flash-linear-attention",
+    "fla-core",
+    "causal-conv1d",
+    "tilelang",
+    "kernels",
+    "liger-kernel",
+    "accelerate",
+    "datasets",
+)
+
+OFFLINE_VARIABLES: tuple[str, ...] = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One visible accelerator."""
+
+    name: str
+    capability: tuple[int, int]
+
+    @property
+    def arch(self) -> str:
+        return f"sm_{self.capability[0]}{self.capability[1]}"
+
+
+def _frozen(mapping: Mapping[str, str | None] | None) -> Mapping[str, str | None]:
+    return MappingProxyType(dict(mapping or {}))
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What this process can run: versions, devices, import results, offline flags.
+
+    Args:
+        python: Python version, e.g. ``"3.12.3"``.
+        torch: torch version or ``None`` when torch is missing.
+        torch_cuda: CUDA version torch was built with (``torch.version.cuda``), ``None`` for a CPU build.
+        cuda_available: whether ``torch.cuda.is_available()``.
+        gpus: visible GPUs, in device order.
+        distributions: distribution name -> installed version (missing ones absent).
+        imports: import name -> ``None`` when ``import`` worked, else the error text. Only modules that
+            were probed appear; a module absent here counts as "not probed".
+        offline: whether Hugging Face offline mode is set.
+        env_vars: the few environment variables rules read (``FUSEPATCH_*``, offline flags).
+    """
+
+    python: str = "3.12.0"
+    platform: str = "linux"
+    torch: str | None = None
+    torch_cuda: str | None = None
+    cuda_available: bool = False
+    gpus: tuple[GPU, ...] = ()
+    distributions: Mapping[str, str] = field(default_factory=dict)
+    imports: Mapping[str, str | None] = field(default_factory=dict)
+    offline: bool = False
+    env_vars: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "distributions", _frozen(self.distributions))
+        object.__setattr__(self, "imports", _frozen(self.imports))
+        object.__setattr__(self, "env_vars", _frozen(self.env_vars))
+
+    @property
+    def triton(self) -> str | None:
+        return self.distributions.get("triton")
+
+    @property
+    def transformers(self) -> str | None:
+        return self.distributions.get("transformers")
+
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        """Compute capability of the first GPU (the one ``cuda`` means by default)."""
+        return self.gpus[0].capability if self.gpus else None
+
+    def version(self, distribution: str) -> str | None:
+        return self.distributions.get(distribution)
+
+    def import_error(self, module: str) -> str | None:
+        """The error importing ``module`` raised, ``None`` when it imported (or was not probed)."""
+        return self.imports.get(module)
+
+    def imported(self, module: str) -> bool:
+        return module in self.imports and self.imports[module] is None
+
+    def with_imports(self, modules: Iterable[str]) -> Environment:
+        """This snapshot plus import probes of ``modules`` not probed yet (imports really happen)."""
+        missing = [m for m in modules if m not in self.imports]
+        if not missing:
+            return self
+        imports = dict(self.imports)
+        imports.update({m: probe_import(m) for m in missing})
+        return replace(self, imports=imports)
+
+    def fingerprint(self) -> str:
+        """A short key for caches that depend on this stack (self-test results, built wheels)."""
+        parts = [self.python, self.torch or "-", self.torch_cuda or "cpu", self.triton or "-"]
+        parts += [gpu.arch for gpu in self.gpus[:1]]
+        parts += [f"{k}={v}" for k, v in sorted(self.distributions.items())]
+        return "|".join(parts)
+
+    def to_dict(self) -> dict:
+        return {
+            "python": self.python,
+            "platform": self.platform,
+            "torch": self.torch,
+            "torch_cuda": self.torch_cuda,
+            "cuda_available": self.cuda_available,
+            "gpus": [{"name": g.name, "capability": list(g.capability), "arch": g.arch} for g in self.gpus],
+            "triton": self.triton,
+            "transformers": self.transformers,
+            "distributions": dict(self.distributions),
+            "imports": dict(self.imports),
+            "offline": self.offline,
+        }
+
+
+def probe_import(module: str) -> str | None:
+    """Import ``module``; return ``None`` on success, else ``"ExcType: message"`` (first line)."""
+    try:
+        importlib.import_module(module)
+    except BaseException as exc:  # noqa: BLE001 - an ABI error can be any exception type
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        text = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+    return None
+
+
+def _distribution_versions(names: Iterable[str]) -> dict[str, str]:
+    found = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def _gpus() -> tuple[GPU, ...]:
+    try:
+        import torch
+    except ImportError:
+        return ()
+    if not torch.cuda.is_available():
+        return ()
+    gpus = []
+    for index in range(torch.cuda.device_count()):
+        gpus.append(GPU(torch.cuda.get_device_name(index), tuple(torch.cuda.get_device_capability(index))))
+    return tuple(gpus)
+
+
+_CAPTURED: Environment | None = None
+
+
+def capture(*, refresh: bool = False, probe: Iterable[str] = ()) -> Environment:
+    """Snapshot this process's environment (cached per process; ``refresh`` re-reads it).
+
+    Args:
+        refresh: read versions and devices again instead of using the cached snapshot.
+        probe: import names to try importing now (results go to ``Environment.imports``).
+
+    Returns:
+        The snapshot. Example::
+
+            >>> env = capture()
+            >>> env.torch is not None
+            True
+    """
+    global _CAPTURED
+    if _CAPTURED is None or refresh:
+        try:
+            import torch
+
+            torch_version = torch.__version__.split("+")[0]
+            torch_cuda = torch.version.cuda
+            cuda_available = bool(torch.cuda.is_available())
+        except ImportError:
+            torch_version, torch_cuda, cuda_available = None, None, False
+        env_vars = {k: v for k, v in os.environ.items() if k.startswith("FUSEPATCH_") or k in OFFLINE_VARIABLES}
+        offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in OFFLINE_VARIABLES)
+        _CAPTURED = Environment(
+            python=platform.python_version(),
+            platform=sys.platform,
+            torch=torch_version,
+            torch_cuda=torch_cuda,
+            cuda_available=cuda_available,
+            gpus=_gpus(),
+            distributions=_distribution_versions(TRACKED_DISTRIBUTIONS),
+            offline=offline,
+            env_vars=env_vars,
+        )
+    if probe:
+        _CAPTURED = _CAPTURED.with_imports(probe)
+    return _CAPTURED

@@ -1,0 +1,73 @@
+"""Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next linear attention) for training and prefill.
+
+The flow is transformers' (projections, conv + SiLU, gated delta rule, gated RMSNorm, out projection), with
+three differences: every op goes through a per-call dispatcher (fused on GPU, eager elsewhere), q/k are
+never copied for grouped value heads (the kernels take them natively), and packed documents are exact
+(``cu_seqlens`` reaches the conv and the recurrence). With a cache (generation) the original forward runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _projections(self, hidden_states: torch.Tensor):
+    """(mixed_qkv [B, T, conv_dim], z [B, T, Hv, Dv], b [B, T, Hv], a [B, T, Hv]) for either layout."""
+    if hasattr(self, "in_proj_qkvz"):  # Qwen3-Next: interleaved per key-head group
+        query, key, value, z, b, a = self.fix_query_key_value_ordering(
+            self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
+        )
+        query, key, value = (x.reshape(x.shape[0], x.shape[1], -1) for x in (query, key, value))
+        return torch.cat((query, key, value), dim=-1), z, b, a
+    batch, length, _ = hidden_states.shape
+    z = self.in_proj_z(hidden_states).reshape(batch, length, -1, self.head_v_dim)
+    return self.in_proj_qkv(hidden_states), z, self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+
+
+def gated_deltanet_forward(
+    self,
+    hidden_states: torch.Tensor,
+    cache_params=None,
+    attention_mask: torch.Tensor | None = None,
+    cache=None,
+    **kwargs,
+):
+    state = self._fusepatch
+    cache = cache if cache is not None else cache_params
+    if cache is not None or self.activation not in ("silu", "swish"):
+        # Generation keeps transformers' own cached path (conv/recurrent state updates). The cache goes in
+        # positionally: it is `cache_params` up to transformers 5.2x and `cache` after.
+        return state.original(hidden_states, cache, attention_mask=attention_mask, **kwargs)
+
+    if attention_mask is not None and attention_mask.ndim == 2:  # zero padded positions, as transformers does
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None:
+        cu_seqlens = getattr(self, "_fusepatch_cu_seqlens", None)
+    batch, length, _ = hidden_states.shape
+    mixed_qkv, z, b, a = _projections(self, hidden_states)
+
+    if cu_seqlens is not None and batch > 1:  # varlen kernels take one flattened row
+        if cu_seqlens[-1] != batch * length:
+            raise ValueError(
+                f"cu_seq_lens_q ends at {int(cu_seqlens[-1])} but the batch holds {batch}x{length} tokens; "
+                "packed batches must be flattened to one row (DataCollatorWithFlattening does this)"
+            )
+        mixed_qkv, z, b, a = (t.reshape(1, batch * length, *t.shape[2:]) for t in (mixed_qkv, z, b, a))
+
+    ops = state.ops
+    mixed_qkv = ops["causal_conv1d"](
+        mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation="silu", cu_seqlens=cu_seqlens
+    )
+    rows, tokens = mixed_qkv.shape[:2]
+    query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    query = query.reshape(rows, tokens, -1, self.head_k_dim)
+    key = key.reshape(rows, tokens, -1, self.head_k_dim)
+    value = value.reshape(rows, tokens, -1, self.head_v_dim)
+
+    core = ops["gated_delta_rule"](query, key, value, a, b, self.A_log, self.dt_bias, cu_seqlens=cu_seqlens)
+    core = ops["gated_rms_norm"](
+        core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight, self.norm.variance_epsilon
+    )
+    return self.out_proj(core.reshape(batch, length, -1))

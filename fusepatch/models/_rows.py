@@ -1,0 +1,20 @@
+"""Shorthands for the family tables."""
+
+from __future__ import annotations
+
+from fusepatch.layers.gated_deltanet import gated_deltanet_forward
+from fusepatch.layers.packing import decoder_layer_forward
+from fusepatch.layers.simple import rms_norm_forward, rms_norm_zero_centered_forward, swiglu_mlp_forward
+from fusepatch.registry import Row
+
+GDN_OPS = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm")
+
+__all__ = [
+    "GDN_OPS",
+    "Row",
+    "decoder_layer_forward",
+    "gated_deltanet_forward",
+    "rms_norm_forward",
+    "rms_norm_zero_centered_forward",
+    "swiglu_mlp_forward",
+]

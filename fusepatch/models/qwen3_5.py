@@ -1,0 +1,50 @@
+"""Qwen3.5 and Qwen3.5-MoE: hybrid Gated DeltaNet (3 of 4 layers) + gated full attention, zero-centered norms."""
+
+from fusepatch.models._rows import (
+    GDN_OPS,
+    Row,
+    decoder_layer_forward,
+    gated_deltanet_forward,
+    rms_norm_zero_centered_forward,
+    swiglu_mlp_forward,
+)
+
+DENSE = ("qwen3_5", "qwen3_5_text")
+DENSE_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
+MOE = ("qwen3_5_moe", "qwen3_5_moe_text")
+MOE_MODULE = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
+
+ROWS = [
+    # model types, module, layer class, ops, replacement forward
+    Row(DENSE, DENSE_MODULE, "Qwen3_5GatedDeltaNet", GDN_OPS, gated_deltanet_forward, note="linear attention"),
+    Row(
+        DENSE,
+        DENSE_MODULE,
+        "Qwen3_5DecoderLayer",
+        (),
+        decoder_layer_forward,
+        planned=("add_rms_norm",),
+        note="packed boundaries to linear attention",
+    ),
+    Row(DENSE, DENSE_MODULE, "Qwen3_5RMSNorm", ("rms_norm_zero_centered",), rms_norm_zero_centered_forward),
+    Row(DENSE, DENSE_MODULE, "Qwen3_5MLP", ("swiglu",), swiglu_mlp_forward),
+    Row(DENSE, DENSE_MODULE, "Qwen3_5Attention", (), None, planned=("rotary",), note="gated full attention"),
+    Row(DENSE, DENSE_MODULE, "Qwen3_5ForCausalLM", (), None, planned=("linear_cross_entropy",)),
+    Row(DENSE, DENSE_MODULE, "Qwen3_5ForConditionalGeneration", (), None, planned=("linear_cross_entropy",)),
+    Row(MOE, MOE_MODULE, "Qwen3_5MoeGatedDeltaNet", GDN_OPS, gated_deltanet_forward, note="linear attention"),
+    Row(
+        MOE,
+        MOE_MODULE,
+        "Qwen3_5MoeDecoderLayer",
+        (),
+        decoder_layer_forward,
+        planned=("add_rms_norm",),
+        note="packed boundaries to linear attention",
+    ),
+    Row(MOE, MOE_MODULE, "Qwen3_5MoeRMSNorm", ("rms_norm_zero_centered",), rms_norm_zero_centered_forward),
+    Row(MOE, MOE_MODULE, "Qwen3_5MoeMLP", ("swiglu",), swiglu_mlp_forward, note="shared expert"),
+    Row(MOE, MOE_MODULE, "Qwen3_5MoeExperts", (), None, planned=("moe_experts",)),
+    Row(MOE, MOE_MODULE, "Qwen3_5MoeAttention", (), None, planned=("rotary",), note="gated full attention"),
+    Row(MOE, MOE_MODULE, "Qwen3_5MoeForCausalLM", (), None, planned=("linear_cross_entropy",)),
+    Row(MOE, MOE_MODULE, "Qwen3_5MoeForConditionalGeneration", (), None, planned=("linear_cross_entropy",)),
+]

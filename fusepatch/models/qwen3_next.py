@@ -1,0 +1,31 @@
+"""Qwen3-Next: hybrid Gated DeltaNet + gated attention, MoE, zero-centered norms."""
+
+from fusepatch.models._rows import (
+    GDN_OPS,
+    Row,
+    decoder_layer_forward,
+    gated_deltanet_forward,
+    rms_norm_zero_centered_forward,
+    swiglu_mlp_forward,
+)
+
+TYPES = ("qwen3_next",)
+MODULE = "transformers.models.qwen3_next.modeling_qwen3_next"
+
+ROWS = [
+    Row(TYPES, MODULE, "Qwen3NextGatedDeltaNet", GDN_OPS, gated_deltanet_forward, note="linear attention"),
+    Row(
+        TYPES,
+        MODULE,
+        "Qwen3NextDecoderLayer",
+        (),
+        decoder_layer_forward,
+        planned=("add_rms_norm",),
+        note="packed boundaries to linear attention",
+    ),
+    Row(TYPES, MODULE, "Qwen3NextRMSNorm", ("rms_norm_zero_centered",), rms_norm_zero_centered_forward),
+    Row(TYPES, MODULE, "Qwen3NextMLP", ("swiglu",), swiglu_mlp_forward, note="dense and shared-expert MLP"),
+    Row(TYPES, MODULE, "Qwen3NextExperts", (), None, planned=("moe_experts",)),
+    Row(TYPES, MODULE, "Qwen3NextAttention", (), None, planned=("rotary",), note="gated full attention"),
+    Row(TYPES, MODULE, "Qwen3NextForCausalLM", (), None, planned=("linear_cross_entropy",)),
+]

@@ -1,0 +1,28 @@
+"""Every op fusepatch knows, by name. One module per op family holds its reference and its candidates."""
+
+from __future__ import annotations
+
+from fusepatch.ops.base import Candidate, Op, SelfTest
+from fusepatch.ops.causal_conv1d import CAUSAL_CONV1D
+from fusepatch.ops.gated_delta_rule import GATED_DELTA_RULE
+from fusepatch.ops.norms import GATED_RMS_NORM, RMS_NORM, RMS_NORM_ZERO_CENTERED
+from fusepatch.ops.planned import ADD_RMS_NORM, LINEAR_CROSS_ENTROPY, MOE_EXPERTS, ROTARY
+from fusepatch.ops.swiglu import SWIGLU
+
+OPS: dict[str, Op] = {
+    op.name: op
+    for op in (
+        GATED_DELTA_RULE,
+        CAUSAL_CONV1D,
+        GATED_RMS_NORM,
+        RMS_NORM,
+        RMS_NORM_ZERO_CENTERED,
+        ADD_RMS_NORM,
+        SWIGLU,
+        ROTARY,
+        LINEAR_CROSS_ENTROPY,
+        MOE_EXPERTS,
+    )
+}
+
+__all__ = ["OPS", "Candidate", "Op", "SelfTest"]

@@ -1,0 +1,62 @@
+"""Requirement bundles and helpers shared by the op modules."""
+
+from __future__ import annotations
+
+import torch
+
+from fusepatch.requirements import (
+    CudaDevice,
+    DistributionVersion,
+    Importable,
+    MinCapability,
+    NoKnownIssue,
+    NotImplementedYet,
+)
+
+FLA_FIX = 'pip install "flash-linear-attention[cuda]"'
+CAUSAL_CONV1D_FIX = "pip install causal-conv1d --no-build-isolation   (or: python -m fusepatch build causal-conv1d)"
+HUB_FIX = 'pip install "fusepatch[hub]"'
+
+
+def fla_requirements(module: str) -> tuple:
+    """What every fla (Triton) kernel needs: fla-core >= 0.5 (native GVA, in-kernel gate), a GPU, Triton."""
+    return (
+        CudaDevice(),
+        MinCapability((8, 0), "fla's Triton kernels"),
+        DistributionVersion("fla-core", ">=0.5", FLA_FIX, why="older fla needs q/k heads repeated for grouped values"),
+        DistributionVersion("triton", ">=3.3", FLA_FIX),
+        Importable(module, "fla-core", FLA_FIX),
+    )
+
+
+def fla_backward_requirements(module: str) -> tuple:
+    """fla kernels whose backward goes through the gated chunk_bwd_dqkwg kernel (see known_issues.py)."""
+    return fla_requirements(module) + (NoKnownIssue("fla-core"),)
+
+
+def hub_requirements(repo: str) -> tuple:
+    return (
+        CudaDevice(),
+        DistributionVersion("kernels", ">=0.10", HUB_FIX),
+        NotImplementedYet(f"Kernel Hub repo {repo}: planned with the kernel-sources work"),
+    )
+
+
+def planned(what: str) -> tuple:
+    return (NotImplementedYet(what),)
+
+
+def rand(shape, device, dtype, generator, *, scale: float = 1.0, grad: bool = True) -> torch.Tensor:
+    """Fresh random test data, drawn in fp32 on the CPU generator, then moved (so every device sees the same)."""
+    t = torch.randn(*shape, generator=generator, dtype=torch.float32) * scale
+    return t.to(device=device, dtype=dtype).requires_grad_(grad)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected||, in fp64; inf when actual has NaN/Inf."""
+    a, e = actual.detach().double(), expected.detach().double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    denom = e.norm().item()
+    diff = (a - e).norm().item()
+    return diff / denom if denom > 0 else diff

@@ -1,0 +1,70 @@
+"""What an op and a kernel candidate are."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusepatch.requirements import InputRule, Requirement
+
+SOURCES = ("pip", "source", "hub", "eager")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One kernel that implements an op, from one source.
+
+    ``load`` returns a callable with the op's signature (the adapter to the upstream API lives in the op's
+    module). It is only called after every requirement passed, so it may import freely.
+    """
+
+    name: str
+    source: str  # one of SOURCES
+    requirements: tuple[Requirement, ...]
+    load: Callable[[], Callable[..., Any]]
+    inputs: InputRule = field(default_factory=InputRule)
+    provides: str = ""  # the upstream function, for the report ("fla.ops.gated_delta_rule.chunk_gated_delta_rule")
+    distribution: str | None = None  # the distribution loaded, for "which copy was loaded"
+    varlen: bool = True  # honours cu_seqlens (packed documents); a candidate that cannot is skipped for them
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"unknown source {self.source!r}; expected one of {SOURCES}")
+
+
+@dataclass(frozen=True)
+class SelfTest:
+    """How to check a candidate against the reference on tiny fresh random inputs.
+
+    ``make_inputs(device, dtype, generator)`` returns ``(args, kwargs)``; float tensors that require grad
+    get gradients compared too. ``tolerance`` maps dtype name -> max relative error (norm of the difference
+    over norm of the reference), for outputs and every gradient.
+    """
+
+    make_inputs: Callable[..., tuple[tuple, dict]]
+    tolerance: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One computation with an eager reference and fused candidates in priority order."""
+
+    name: str
+    summary: str
+    reference: Callable[..., Any]
+    candidates: tuple[Candidate, ...]
+    selftest: SelfTest | None = None
+
+    @property
+    def eager(self) -> Candidate:
+        return Candidate(
+            name="eager",
+            source="eager",
+            requirements=(),
+            load=lambda: self.reference,
+            inputs=InputRule(
+                devices=("cpu", "cuda", "mps", "xpu", "meta"), dtypes=("bfloat16", "float16", "float32", "float64")
+            ),
+            provides=f"{self.reference.__module__}.{self.reference.__qualname__}",
+        )

@@ -1,0 +1,134 @@
+"""causal_conv1d: depthwise causal convolution over time (+ SiLU), honouring packed-document boundaries.
+
+Layout is channels-last, ``x: [B, T, D]``, ``weight: [D, W]``; with ``cu_seqlens`` (packed documents) the
+batch must be 1 and no output position reads an input of an earlier document.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fusepatch.ops._common import (
+    CAUSAL_CONV1D_FIX,
+    fla_requirements,
+    hub_requirements,
+    rand,
+)
+from fusepatch.ops.base import Candidate, Op, SelfTest
+from fusepatch.requirements import CudaDevice, DistributionVersion, Importable, InputRule
+
+
+def document_starts(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """For every position of a packed row, the index where its document starts."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=total)
+
+
+def causal_conv1d_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Eager causal depthwise conv, the same arithmetic as transformers' torch path when not packed."""
+    batch, length, dim = x.shape
+    width = weight.shape[-1]
+    if cu_seqlens is None:
+        out = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight.unsqueeze(1), bias, padding=width - 1, groups=dim)
+        out = out[..., :length].transpose(1, 2)
+    else:
+        if batch != 1:
+            raise ValueError(f"packed inputs (cu_seqlens) need batch size 1, got {batch}")
+        # out[t] = sum_s w[W-1-s] * x[t-s], keeping only taps inside t's document.
+        starts = document_starts(cu_seqlens.to(x.device), length)
+        positions = torch.arange(length, device=x.device)
+        xw = x.to(weight.dtype)
+        out = torch.zeros_like(xw)
+        for shift in range(width):
+            shifted = F.pad(xw, (0, 0, shift, 0))[:, :length]
+            keep = (positions - shift >= starts).to(xw.dtype)[None, :, None]
+            out = out + shifted * keep * weight[:, width - 1 - shift]
+        if bias is not None:
+            out = out + bias
+    if activation in ("silu", "swish"):
+        out = F.silu(out)
+    elif activation is not None:
+        raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+    return out.to(x.dtype)
+
+
+def _load_causal_conv1d():
+    from causal_conv1d import causal_conv1d_fn
+
+    def causal_conv1d_cuda(x, weight, bias=None, activation="silu", cu_seqlens=None):
+        seq_idx = None
+        if cu_seqlens is not None:
+            if x.shape[0] != 1:
+                raise ValueError(f"packed inputs (cu_seqlens) need batch size 1, got {x.shape[0]}")
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(x.device)
+            ids = torch.arange(len(lengths), device=x.device, dtype=torch.int32)
+            seq_idx = torch.repeat_interleave(ids, lengths, output_size=x.shape[1])[None]
+        # [B, T, D] contiguous -> a [B, D, T] view with stride(1) == 1: the channel-last layout seq_idx needs.
+        out = causal_conv1d_fn(x.transpose(1, 2), weight, bias, seq_idx=seq_idx, activation=activation)
+        return out.transpose(1, 2)
+
+    return causal_conv1d_cuda
+
+
+def _load_fla_conv():
+    from fla.modules.causal_conv1d.ops import causal_conv1d as fla_causal_conv1d
+
+    def causal_conv1d_fla(x, weight, bias=None, activation="silu", cu_seqlens=None):
+        out, _ = fla_causal_conv1d(x, weight, bias, activation=activation, backend="triton", cu_seqlens=cu_seqlens)
+        return out
+
+    return causal_conv1d_fla
+
+
+def _selftest_inputs(device, dtype, generator):
+    batch, length, dim, width = 1, 77, 96, 4
+    x = rand((batch, length, dim), device, dtype, generator)
+    weight = rand((dim, width), device, dtype, generator, scale=0.5)
+    cu = torch.tensor([0, 30, 31, 77], dtype=torch.int32, device=device)
+    return (x, weight, None), {"activation": "silu", "cu_seqlens": cu}
+
+
+CAUSAL_CONV1D = Op(
+    name="causal_conv1d",
+    summary="depthwise causal conv1d + SiLU over the q/k/v channels, varlen-exact",
+    reference=causal_conv1d_reference,
+    candidates=(
+        Candidate(
+            name="causal-conv1d",
+            source="pip",
+            requirements=(
+                CudaDevice(),
+                DistributionVersion("causal-conv1d", ">=1.4", CAUSAL_CONV1D_FIX),
+                Importable("causal_conv1d", "causal-conv1d", CAUSAL_CONV1D_FIX),
+            ),
+            load=_load_causal_conv1d,
+            inputs=InputRule(kernel="causal-conv1d", dtypes=("bfloat16", "float16", "float32")),
+            provides="causal_conv1d.causal_conv1d_fn (seq_idx for packed rows)",
+            distribution="causal-conv1d",
+        ),
+        Candidate(
+            name="fla-conv",
+            source="pip",
+            requirements=fla_requirements("fla.modules.causal_conv1d.ops"),
+            load=_load_fla_conv,
+            inputs=InputRule(kernel="fla's Triton conv"),
+            provides="fla.modules.causal_conv1d.ops.causal_conv1d (backend='triton')",
+            distribution="fla-core",
+        ),
+        Candidate(
+            name="hub:kernels-community/mamba-ssm",
+            source="hub",
+            requirements=hub_requirements("kernels-community/mamba-ssm"),
+            load=lambda: None,
+            provides="causal_conv1d_fn",
+        ),
+    ),
+    selftest=SelfTest(_selftest_inputs, {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}),
+)

@@ -1,0 +1,198 @@
+"""gated_delta_rule: the Gated DeltaNet recurrence, with the gate, beta and q/k L2-norm folded in.
+
+Op signature (training path, no carried state)::
+
+    o = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None)
+
+``q, k: [B, T, Hk, Dk]``, ``v: [B, T, Hv, Dv]`` with ``Hv`` a multiple of ``Hk`` (grouped value heads),
+``a, b: [B, T, Hv]`` the raw projections; the decay is ``g = -exp(A_log) * softplus(a + dt_bias)`` and
+``beta = sigmoid(b)``; q and k are L2-normalised and q scaled by ``Dk ** -0.5``. Per token the state
+``S [Dk, Dv]`` evolves as ``S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q``. With ``cu_seqlens``
+(packed documents, batch 1) the state restarts at every document start.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fusepatch.ops._common import fla_backward_requirements, hub_requirements, rand
+from fusepatch.ops.base import Candidate, Op, SelfTest
+from fusepatch.requirements import InputRule
+
+CHUNK = 64
+
+
+def gate_and_beta(a, b, A_log, dt_bias):
+    """The decay (log space, fp32) and beta, computed as transformers' Qwen3.5/Qwen3-Next layers do."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, b.sigmoid()
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _chunked(q, k, v, g, beta):
+    """Chunk-parallel form of the recurrence for one batch of equal-length rows. Inputs [B, H, T, *], fp32."""
+    batch, heads, length, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-length) % CHUNK
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    n = (length + pad) // CHUNK
+    q, k, v = (t.reshape(batch, heads, n, CHUNK, -1) for t in (q, k, v))
+    g, beta = (t.reshape(batch, heads, n, CHUNK) for t in (g, beta))
+
+    gc = g.cumsum(-1)  # decay from the chunk start to (and including) each token
+    lower = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    # exp(gc_i - gc_j) for j <= i, 0 above the diagonal (masked before exp so it cannot overflow)
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+
+    # Within a chunk the corrections u solve (I + A) u = beta v - beta exp(gc) (k S0),
+    # with A[i, j] = beta_i exp(gc_i - gc_j) k_i.k_j for j < i.
+    system = (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
+    system = system + torch.eye(CHUNK, dtype=q.dtype, device=q.device)
+    u_values = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
+    w_keys = torch.linalg.solve_triangular(
+        system, beta[..., None] * gc.exp()[..., None] * k, upper=False, unitriangular=True
+    )
+    scores = (q @ k.transpose(-1, -2)) * decay  # causal, decayed q.k within the chunk
+    q_decayed = q * gc.exp()[..., None]
+    k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]
+    chunk_decay = gc[..., -1].exp()[..., None, None]
+
+    state = q.new_zeros(batch, heads, dk, dv)
+    out = torch.empty_like(v)
+    for i in range(n):
+        u = u_values[:, :, i] - w_keys[:, :, i] @ state
+        out[:, :, i] = q_decayed[:, :, i] @ state + scores[:, :, i] @ u
+        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
+    return out.reshape(batch, heads, n * CHUNK, dv)[:, :, :length]
+
+
+def gated_delta_rule_reference(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
+    """Eager gated delta rule in fp32 (chunked, exact per document when packed)."""
+    g, beta = gate_and_beta(a, b, A_log, dt_bias)
+    groups = v.shape[2] // q.shape[2]
+    if groups > 1:
+        q = q.repeat_interleave(groups, dim=2)
+        k = k.repeat_interleave(groups, dim=2)
+    out_dtype = q.dtype
+    q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))
+    q = _l2norm(q) * q.shape[-1] ** -0.5
+    k = _l2norm(k)
+    if cu_seqlens is None:
+        out = _chunked(q, k, v, g, beta)
+    else:
+        if q.shape[0] != 1:
+            raise ValueError(f"packed inputs (cu_seqlens) need batch size 1, got {q.shape[0]}")
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+        pieces = [
+            _chunked(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], g[:, :, s:e], beta[:, :, s:e])
+            for s, e in zip(bounds[:-1], bounds[1:])
+            if e > s
+        ]
+        out = torch.cat(pieces, dim=2)
+    return out.transpose(1, 2).to(out_dtype).contiguous()
+
+
+def gated_delta_rule_recurrent(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
+    """Token-by-token form of the same recurrence: slow, obviously right; the tests' ground truth."""
+    g, beta = gate_and_beta(a, b, A_log, dt_bias)
+    groups = v.shape[2] // q.shape[2]
+    q = q.repeat_interleave(groups, dim=2).double()
+    k = k.repeat_interleave(groups, dim=2).double()
+    v, g, beta = v.double(), g.double(), beta.double()
+    q = _l2norm(q) * q.shape[-1] ** -0.5
+    k = _l2norm(k)
+    batch, length, heads, dk = q.shape
+    starts = set([0] if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()])
+    out = torch.zeros_like(v)
+    state = q.new_zeros(batch, heads, dk, v.shape[-1])
+    for t in range(length):
+        if t in starts:
+            state = torch.zeros_like(state)
+        state = state * g[:, t].exp()[..., None, None]
+        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t]))
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
+    return out
+
+
+def _load_fla(gate_in_kernel: bool):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    def gated_delta_rule_fla(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
+        if gate_in_kernel:
+            out, _ = chunk_gated_delta_rule(
+                q,
+                k,
+                v,
+                a,
+                b,
+                use_qk_l2norm_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True,
+                use_gate_in_kernel=True,
+                A_log=A_log,
+                dt_bias=dt_bias,
+                cu_seqlens=cu_seqlens,
+            )
+        else:
+            g, beta = gate_and_beta(a, b, A_log, dt_bias)
+            out, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+        return out
+
+    return gated_delta_rule_fla
+
+
+def _selftest_inputs(device, dtype, generator):
+    # Odd length, a packed row of three documents, grouped value heads (2 k heads -> 4 v heads).
+    length, hk, hv, dk, dv = 150, 2, 4, 64, 64
+    q = rand((1, length, hk, dk), device, dtype, generator)
+    k = rand((1, length, hk, dk), device, dtype, generator)
+    v = rand((1, length, hv, dv), device, dtype, generator)
+    a = rand((1, length, hv), device, dtype, generator)
+    b = rand((1, length, hv), device, dtype, generator)
+    A_log = (torch.rand(hv, generator=generator) * 2 - 1).to(device).requires_grad_(True)
+    dt_bias = rand((hv,), device, torch.float32, generator, scale=0.5)
+    cu = torch.tensor([0, 64, 101, length], dtype=torch.int32, device=device)
+    return (q, k, v, a, b, A_log, dt_bias), {"cu_seqlens": cu}
+
+
+FLA_INPUTS = InputRule(kernel="fla's chunked gated delta rule", dtypes=("bfloat16", "float16", "float32"))
+
+GATED_DELTA_RULE = Op(
+    name="gated_delta_rule",
+    summary="chunked gated delta rule fwd+bwd, gate/beta/L2-norm in kernel, native grouped value heads",
+    reference=gated_delta_rule_reference,
+    candidates=(
+        Candidate(
+            name="fla",
+            source="pip",
+            requirements=fla_backward_requirements("fla.ops.gated_delta_rule"),
+            load=lambda: _load_fla(gate_in_kernel=True),
+            inputs=FLA_INPUTS,
+            provides="fla.ops.gated_delta_rule.chunk_gated_delta_rule (use_gate_in_kernel, use_beta_sigmoid_in_kernel)",
+            distribution="fla-core",
+        ),
+        Candidate(
+            name="fla-gate-outside",
+            source="pip",
+            requirements=fla_backward_requirements("fla.ops.gated_delta_rule"),
+            load=lambda: _load_fla(gate_in_kernel=False),
+            inputs=FLA_INPUTS,
+            provides="fla.ops.gated_delta_rule.chunk_gated_delta_rule (gate and beta computed in torch)",
+            distribution="fla-core",
+        ),
+        Candidate(
+            name="hub:kernels-community/fla",
+            source="hub",
+            requirements=hub_requirements("kernels-community/fla"),
+            load=lambda: None,
+            provides="chunk_gated_delta_rule",
+        ),
+    ),
+    selftest=SelfTest(_selftest_inputs, {"bfloat16": 5e-2, "float16": 2e-2, "float32": 5e-3}),
+)

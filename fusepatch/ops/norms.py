@@ -1,0 +1,144 @@
+"""RMSNorm in its three Qwen forms: plain (Qwen2/3), zero-centered ``x * (1 + w)`` (Qwen3.5/Next), and gated
+``norm(x) * w * silu(z)`` (the Gated DeltaNet output norm).
+
+The eager references repeat transformers' arithmetic step for step, so an unpatched and a patched-but-eager
+model give bit-identical results.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fusepatch.ops._common import fla_requirements, hub_requirements, rand
+from fusepatch.ops.base import Candidate, Op, SelfTest
+from fusepatch.requirements import InputRule
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen2/Qwen3 RMSNorm: normalise in fp32, cast back, then scale by ``weight``."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rms_norm_zero_centered_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5/Qwen3-Next RMSNorm: ``(norm(x) * (1 + w))`` in fp32, then cast back."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
+def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated DeltaNet output norm: ``weight * norm(x)`` then ``* silu(gate)``, as transformers computes it."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    h = h * F.silu(gate.to(torch.float32))
+    return h.to(dtype)
+
+
+def _load_fla_rms_norm(zero_centered: bool):
+    from fla.modules.norm.layernorm import rms_norm
+
+    def rms_norm_fla(x, weight, eps):
+        # The (1 + w) shift is one [D]-sized op; autograd carries its gradient to w unchanged.
+        w = 1.0 + weight.float() if zero_centered else weight
+        return rms_norm(x, w, None, eps=eps)
+
+    return rms_norm_fla
+
+
+def _load_fla_gated():
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+    def gated_rms_norm_fla(x, gate, weight, eps):
+        return rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
+
+    return gated_rms_norm_fla
+
+
+def _norm_inputs(device, dtype, generator):
+    x = rand((3, 37, 200), device, dtype, generator)
+    weight = rand((200,), device, dtype, generator, scale=0.1)
+    return (x, weight, 1e-6), {}
+
+
+def _gated_inputs(device, dtype, generator):
+    x = rand((211, 128), device, dtype, generator)
+    gate = rand((211, 128), device, dtype, generator)
+    weight = (1 + rand((128,), device, torch.float32, generator, scale=0.1, grad=False)).to(dtype).requires_grad_(True)
+    return (x, gate, weight, 1e-6), {}
+
+
+NORM_TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}
+FLA_NORM_INPUTS = InputRule(kernel="fla's Triton RMSNorm")
+
+RMS_NORM = Op(
+    name="rms_norm",
+    summary="RMSNorm fwd+bwd (Qwen2/Qwen3 form, x * w)",
+    reference=rms_norm_reference,
+    candidates=(
+        Candidate(
+            name="fla",
+            source="pip",
+            requirements=fla_requirements("fla.modules.norm.layernorm"),
+            load=lambda: _load_fla_rms_norm(zero_centered=False),
+            inputs=FLA_NORM_INPUTS,
+            provides="fla.modules.norm.layernorm.rms_norm",
+            distribution="fla-core",
+        ),
+        Candidate(
+            name="hub:kernels-community/rmsnorm",
+            source="hub",
+            requirements=hub_requirements("kernels-community/rmsnorm"),
+            load=lambda: None,
+        ),
+    ),
+    selftest=SelfTest(_norm_inputs, NORM_TOLERANCE),
+)
+
+RMS_NORM_ZERO_CENTERED = Op(
+    name="rms_norm_zero_centered",
+    summary="RMSNorm fwd+bwd (Qwen3.5/Qwen3-Next form, x * (1 + w))",
+    reference=rms_norm_zero_centered_reference,
+    candidates=(
+        Candidate(
+            name="fla",
+            source="pip",
+            requirements=fla_requirements("fla.modules.norm.layernorm"),
+            load=lambda: _load_fla_rms_norm(zero_centered=True),
+            inputs=FLA_NORM_INPUTS,
+            provides="fla.modules.norm.layernorm.rms_norm with weight 1 + w",
+            distribution="fla-core",
+        ),
+    ),
+    selftest=SelfTest(_norm_inputs, NORM_TOLERANCE),
+)
+
+GATED_RMS_NORM = Op(
+    name="gated_rms_norm",
+    summary="gated RMSNorm norm(x) * w * silu(z), fwd+bwd in one kernel",
+    reference=gated_rms_norm_reference,
+    candidates=(
+        Candidate(
+            name="fla",
+            source="pip",
+            requirements=fla_requirements("fla.modules.norm.fused_norm_gate"),
+            load=_load_fla_gated,
+            inputs=InputRule(kernel="fla's fused gated RMSNorm"),
+            provides="fla.modules.norm.fused_norm_gate.rms_norm_gated",
+            distribution="fla-core",
+        ),
+        Candidate(
+            name="hub:kernels-community/fla",
+            source="hub",
+            requirements=hub_requirements("kernels-community/fla"),
+            load=lambda: None,
+            provides="FusedRMSNormGated",
+        ),
+    ),
+    selftest=SelfTest(_gated_inputs, NORM_TOLERANCE),
+)

@@ -1,0 +1,140 @@
+"""Ops the registry already names, whose fused wiring comes in a later release.
+
+Each has a real eager reference (the ground truth a fused candidate will be tested against) and lists the
+upstream candidates, so ``doctor`` can say today what is installed and what is still missing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fusepatch.ops._common import fla_requirements, hub_requirements, planned
+from fusepatch.ops.base import Candidate, Op
+from fusepatch.requirements import DistributionVersion, NotImplementedYet
+
+
+def add_rms_norm_reference(x, residual, weight, eps):
+    """Residual add followed by RMSNorm: returns (normed, new_residual)."""
+    h = x + residual
+    normed = h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * normed.to(h.dtype)), h
+
+
+def rotary_reference(q, k, cos, sin):
+    """Rotary embedding on the first ``cos.shape[-1]`` channels (partial rotary), the rest passed through."""
+    rot = cos.shape[-1]
+
+    def rotate(x):
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        half = rot // 2
+        rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+        return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def linear_cross_entropy_reference(hidden, weight, labels, ignore_index=-100, reduction="mean"):
+    """lm_head matmul + cross-entropy, materialising the logits (what the fused kernel avoids)."""
+    logits = (hidden @ weight.t()).float()
+    return F.cross_entropy(
+        logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=ignore_index, reduction=reduction
+    )
+
+
+def moe_experts_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    """Experts as a loop over experts: the shape of transformers' eager path."""
+    out = torch.zeros_like(hidden)
+    for expert in range(gate_up_proj.shape[0]):
+        token, slot = torch.where(top_k_index == expert)
+        if token.numel() == 0:
+            continue
+        gate, up = F.linear(hidden[token], gate_up_proj[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down_proj[expert]) * top_k_weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def _never():
+    raise RuntimeError("planned candidate: not loadable in this release")
+
+
+def _planned(name, source, what, requirements=(), provides=""):
+    requirements = tuple(requirements)
+    if not any(isinstance(r, NotImplementedYet) for r in requirements):
+        requirements += planned(what)
+    return Candidate(name=name, source=source, requirements=requirements, load=_never, provides=provides)
+
+
+ADD_RMS_NORM = Op(
+    name="add_rms_norm",
+    summary="residual add fused into the following RMSNorm (decoder layer)",
+    reference=add_rms_norm_reference,
+    candidates=(
+        _planned(
+            "fla",
+            "pip",
+            "fused residual + norm: planned",
+            fla_requirements("fla.modules.norm.layernorm"),
+            "rms_norm(residual=...)",
+        ),
+    ),
+)
+
+ROTARY = Op(
+    name="rotary",
+    summary="rotary embedding of q and k in one kernel, partial rotary and mrope text positions",
+    reference=rotary_reference,
+    candidates=(
+        _planned(
+            "fla",
+            "pip",
+            "fused rotary: planned",
+            fla_requirements("fla.modules.rotary"),
+            "fla.modules.rotary.rotary_embedding",
+        ),
+        _planned(
+            "hub:kernels-community/rotary",
+            "hub",
+            "Kernel Hub rotary: planned",
+            hub_requirements("kernels-community/rotary"),
+        ),
+    ),
+)
+
+LINEAR_CROSS_ENTROPY = Op(
+    name="linear_cross_entropy",
+    summary="lm_head + cross-entropy without materialising the tokens x vocab logits",
+    reference=linear_cross_entropy_reference,
+    candidates=(
+        _planned(
+            "fla",
+            "pip",
+            "fused linear cross-entropy: planned",
+            fla_requirements("fla.modules.fused_linear_cross_entropy"),
+            "fla.modules.FusedLinearCrossEntropyLoss",
+        ),
+        _planned(
+            "liger",
+            "pip",
+            "Liger fused linear cross-entropy: planned",
+            (DistributionVersion("liger-kernel", ">=0.6", "pip install liger-kernel"),),
+            "liger_kernel.ops.fused_linear_cross_entropy",
+        ),
+    ),
+)
+
+MOE_EXPERTS = Op(
+    name="moe_experts",
+    summary="MoE experts as one grouped GEMM instead of a Python loop over experts",
+    reference=moe_experts_reference,
+    candidates=(
+        _planned("torch-grouped-mm", "pip", "grouped GEMM experts: planned", (), "torch._grouped_mm"),
+        _planned(
+            "hub:kernels-community/megablocks",
+            "hub",
+            "Kernel Hub MoE: planned",
+            hub_requirements("kernels-community/megablocks"),
+        ),
+    ),
+)

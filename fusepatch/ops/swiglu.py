@@ -1,0 +1,49 @@
+"""swiglu: ``silu(gate) * up`` fused into one kernel (the projections stay cuBLAS matmuls)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from fusepatch.ops._common import fla_requirements, hub_requirements, rand
+from fusepatch.ops.base import Candidate, Op, SelfTest
+from fusepatch.requirements import InputRule
+
+
+def swiglu_reference(gate, up):
+    return F.silu(gate) * up
+
+
+def _load_fla():
+    from fla.modules.activations import swiglu
+
+    return swiglu
+
+
+def _inputs(device, dtype, generator):
+    return (rand((5, 33, 300), device, dtype, generator), rand((5, 33, 300), device, dtype, generator)), {}
+
+
+SWIGLU = Op(
+    name="swiglu",
+    summary="SwiGLU activation silu(gate) * up, fwd+bwd fused",
+    reference=swiglu_reference,
+    candidates=(
+        Candidate(
+            name="fla",
+            source="pip",
+            requirements=fla_requirements("fla.modules.activations"),
+            load=_load_fla,
+            inputs=InputRule(kernel="fla's fused SwiGLU"),
+            provides="fla.modules.activations.swiglu",
+            distribution="fla-core",
+        ),
+        Candidate(
+            name="hub:kernels-community/activation",
+            source="hub",
+            requirements=hub_requirements("kernels-community/activation"),
+            load=lambda: None,
+            provides="silu_and_mul",
+        ),
+    ),
+    selftest=SelfTest(_inputs, {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-5}),
+)

@@ -1,0 +1,247 @@
+"""apply / revert / report: replace ``forward`` on matching module instances, and undo it exactly.
+
+Only the instance's ``forward`` attribute changes, so parameter names, ``state_dict()``, checkpoints and the
+module tree stay as they were, and ``revert`` restores the previous forward object itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import types
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fusepatch.env import capture
+from fusepatch.ops import OPS
+from fusepatch.registry import Row, known_model_types, rows_for
+from fusepatch.report import LayerReport, PatchReport
+from fusepatch.resolve import Dispatch, make_dispatch, preferred_sources
+
+logger = logging.getLogger("fusepatch")
+
+_NO_INSTANCE_FORWARD = object()
+
+
+class FusePatchError(RuntimeError):
+    """Raised by ``apply(..., strict=True)`` when any op would fall back; nothing was patched."""
+
+
+@dataclass
+class PatchState:
+    """Kept on each patched module as ``module._fusepatch``."""
+
+    row: Row
+    ops: dict[str, Dispatch]
+    original: Callable[..., Any]  # the forward in effect before apply (bound)
+    instance_forward: Any  # what ``module.__dict__['forward']`` held, or _NO_INSTANCE_FORWARD
+
+
+def _model_types(model: torch.nn.Module) -> tuple[str, ...]:
+    config = getattr(model, "config", None)
+    found: list[str] = []
+    for cfg in (config, getattr(config, "text_config", None), getattr(config, "get_text_config", lambda: None)()):
+        model_type = getattr(cfg, "model_type", None)
+        if isinstance(model_type, str) and model_type not in found:
+            found.append(model_type)
+    return tuple(found)
+
+
+def _device_and_dtype(model: torch.nn.Module) -> tuple[str, str]:
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            return parameter.device.type, str(parameter.dtype).removeprefix("torch.")
+    return "cpu", "float32"
+
+
+def _disabled() -> bool:
+    return os.environ.get("FUSEPATCH_DISABLE", "").lower() in ("1", "true", "yes", "on")
+
+
+def _matches(model: torch.nn.Module, rows: list[Row]) -> dict[Row, list[torch.nn.Module]]:
+    found: dict[Row, list[torch.nn.Module]] = defaultdict(list)
+    for module in model.modules():
+        for row in rows:
+            if row.matches(module):
+                found[row].append(module)
+                break
+    return found
+
+
+def _build_report(
+    model: torch.nn.Module,
+    layers: list[LayerReport],
+    *,
+    message: str = "",
+    newly: int = 0,
+    already: int = 0,
+) -> PatchReport:
+    device, dtype = _device_and_dtype(model)
+    env = capture()
+    return PatchReport(
+        model=type(model).__name__,
+        model_types=_model_types(model),
+        device=device,
+        dtype=dtype,
+        layers=tuple(layers),
+        message=message,
+        newly_patched=newly,
+        already_patched=already,
+        environment={
+            "torch": env.torch,
+            "cuda": env.torch_cuda,
+            "transformers": env.transformers,
+            "triton": env.triton,
+        },
+    )
+
+
+def apply(
+    model: torch.nn.Module,
+    *,
+    ops: Iterable[str] | None = None,
+    exclude: Iterable[str] = (),
+    prefer: Iterable[str] | None = None,
+    strict: bool = False,
+) -> PatchReport:
+    """Patch every layer of ``model`` that the registry knows, in place.
+
+    Each op of each layer gets the first candidate kernel (by ``prefer``) that passes its checks and its
+    self-test for the model's current device and dtype; the choice is re-made per call if the model moves.
+    Anything that falls back to eager is logged at WARNING with the reason and the fix.
+
+    Args:
+        model: a Hugging Face model (``Qwen3_5ForCausalLM``, ``Qwen3ForCausalLM``, ...).
+        ops: only these ops may use fused kernels (default: all).
+        exclude: ops that stay eager.
+        prefer: kernel source priority, e.g. ``("pip", "hub", "source")``; default ``FUSEPATCH_PREFER`` or
+            ``("hub", "pip", "source")``.
+        strict: raise :class:`FusePatchError` listing every fallback instead of patching anything.
+
+    Returns:
+        The :class:`PatchReport`. Example::
+
+            >>> report = fusepatch.apply(model)
+            >>> print(report)  # doctest: +SKIP
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fusepatch.apply expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    ops = None if ops is None else list(ops)
+    exclude = list(exclude)
+    for name in [*(ops or []), *exclude]:
+        if name not in OPS:
+            raise ValueError(f"unknown op {name!r}; known ops: {', '.join(sorted(OPS))}")
+    prefer = preferred_sources(prefer)
+    model_types = _model_types(model)
+
+    if _disabled():
+        message = "FUSEPATCH_DISABLE is set: nothing patched, the model runs as transformers ships it"
+        logger.warning("fusepatch: %s", message)
+        return _build_report(model, [], message=message)
+
+    rows = rows_for(set(model_types))
+    found = _matches(model, rows) if rows else {}
+    if not found:
+        label = ", ".join(repr(t) for t in model_types) or "(no config.model_type)"
+        message = (
+            f"no fusepatch rows for model_type {label}; the model is left untouched "
+            f"(supported: {', '.join(known_model_types())})"
+        )
+        if strict:
+            raise FusePatchError(message)
+        logger.warning("fusepatch: %s", message)
+        return _build_report(model, [], message=message)
+
+    device, dtype = _device_and_dtype(model)
+    env = capture()
+    layers: list[LayerReport] = []
+    dispatches: dict[Row, dict[str, Dispatch]] = {}
+    for row, modules in found.items():
+        existing = [m for m in modules if hasattr(m, "_fusepatch")]
+        if existing:  # reuse the dispatchers of an earlier apply: choices and self-tests stay as they were
+            dispatches[row] = existing[0]._fusepatch.ops
+        else:
+            dispatches[row] = {
+                name: make_dispatch(name, env=env, prefer=prefer, label=row.layer, ops=ops, exclude=exclude)
+                for name in row.ops
+            }
+        choices = tuple(d.choice(device, dtype) for d in dispatches[row].values())
+        layers.append(LayerReport(row.layer, len(modules), row.forward is not None, choices, row.planned, row.note))
+
+    if strict:
+        pending = _build_report(model, layers)
+        if pending.fallbacks():
+            raise FusePatchError(
+                "fusepatch.apply(strict=True): nothing patched; fallbacks:\n" + "\n".join(pending.log_lines())
+            )
+
+    newly = already = 0
+    for row, modules in found.items():
+        if row.forward is None:
+            continue
+        for module in modules:
+            if hasattr(module, "_fusepatch"):
+                already += 1
+                continue
+            instance_forward = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)
+            module._fusepatch = PatchState(row, dispatches[row], module.forward, instance_forward)
+            module.forward = types.MethodType(row.forward, module)
+            newly += 1
+
+    message = ""
+    if newly == 0 and already:
+        message = f"already patched ({already} modules); nothing changed"
+    report = _build_report(model, layers, message=message, newly=newly, already=already)
+    for row_dispatches in dispatches.values():
+        for dispatch in row_dispatches.values():
+            dispatch.announce = True
+    if newly:
+        for line in report.log_lines():
+            logger.warning(line)
+    logger.info("fusepatch: %s", message or f"patched {newly} modules, {len(report.fused_ops)} ops fused")
+    return report
+
+
+def revert(model: torch.nn.Module) -> int:
+    """Restore every forward ``apply`` replaced, exactly as it was. Returns how many modules were restored."""
+    restored = 0
+    for module in model.modules():
+        state = module.__dict__.get("_fusepatch")
+        if state is None:
+            continue
+        if state.instance_forward is _NO_INSTANCE_FORWARD:
+            del module.forward
+        else:
+            module.forward = state.instance_forward
+        del module._fusepatch
+        restored += 1
+    logger.info("fusepatch: reverted %d modules", restored)
+    return restored
+
+
+def report(model: torch.nn.Module) -> PatchReport:
+    """The current report for a model: patched layers, and each op's choice for the model's present device
+    and dtype (a model moved to the GPU after ``apply`` shows its GPU choices)."""
+    device, dtype = _device_and_dtype(model)
+    groups: dict[Row, list[torch.nn.Module]] = defaultdict(list)
+    for module in model.modules():
+        state = module.__dict__.get("_fusepatch")
+        if state is not None:
+            groups[state.row].append(module)
+    layers = [
+        LayerReport(
+            row.layer,
+            len(modules),
+            True,
+            tuple(d.choice(device, dtype) for d in modules[0]._fusepatch.ops.values()),
+            row.planned,
+            row.note,
+        )
+        for row, modules in groups.items()
+    ]
+    total = sum(len(m) for m in groups.values())
+    return _build_report(model, layers, message="" if total else "not patched", already=total)

@@ -1,0 +1,128 @@
+"""PatchReport: what runs fused, what fell back and why, as a table, a dict and log lines."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from fusepatch.resolve import Choice
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """One layer class of the model: how many instances, and the choice for each op."""
+
+    layer: str
+    count: int
+    patched: bool
+    choices: tuple[Choice, ...]
+    planned: tuple[str, ...] = ()
+    note: str = ""
+
+    def fallbacks(self) -> list[Choice]:
+        return [c for c in self.choices if not c.fused]
+
+    def to_dict(self) -> dict:
+        return {
+            "layer": self.layer,
+            "count": self.count,
+            "patched": self.patched,
+            "ops": [c.to_dict() for c in self.choices],
+            "planned": list(self.planned),
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True)
+class PatchReport:
+    """The outcome of ``fusepatch.apply`` (or ``fusepatch.report``) for one model.
+
+    ``str(report)`` is a short aligned table; ``report.to_dict()`` is JSON-serialisable;
+    ``report.log_lines()`` gives one line per fallback.
+    """
+
+    model: str
+    model_types: tuple[str, ...]
+    device: str
+    dtype: str
+    layers: tuple[LayerReport, ...] = ()
+    message: str = ""  # why nothing was patched (unknown model, disabled), or that nothing changed
+    newly_patched: int = 0
+    already_patched: int = 0
+    environment: dict = field(default_factory=dict)
+
+    @property
+    def patched(self) -> int:
+        return self.newly_patched + self.already_patched
+
+    @property
+    def fused_ops(self) -> list[tuple[str, Choice]]:
+        return [(layer.layer, c) for layer in self.layers for c in layer.choices if c.fused]
+
+    def fallbacks(self) -> list[tuple[LayerReport, Choice]]:
+        return [(layer, c) for layer in self.layers for c in layer.fallbacks()]
+
+    def log_lines(self) -> list[str]:
+        """``fusepatch: Qwen3_5GatedDeltaNet x3: gated_delta_rule -> eager (fla: ...; fix: ...)``"""
+        lines = []
+        for layer, choice in self.fallbacks():
+            fixes = "; ".join(choice.fixes())
+            fix = f"; fix: {fixes}" if fixes else ""
+            lines.append(f"fusepatch: {layer.layer} x{layer.count}: {choice.op} -> eager ({choice.reason_text()}{fix})")
+        return lines
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "model_types": list(self.model_types),
+            "device": self.device,
+            "dtype": self.dtype,
+            "message": self.message,
+            "patched_modules": self.patched,
+            "newly_patched": self.newly_patched,
+            "already_patched": self.already_patched,
+            "layers": [layer.to_dict() for layer in self.layers],
+            "fallbacks": self.log_lines(),
+            "environment": self.environment,
+        }
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        head = f"fusepatch: {self.model} ({', '.join(self.model_types) or '?'}) on {self.device}/{self.dtype}"
+        lines = [head]
+        if self.message:
+            lines.append(f"  {self.message}")
+        rows = []
+        for layer in self.layers:
+            label = f"{layer.layer} x{layer.count}"
+            for choice in layer.choices:
+                kernel = f"{choice.chosen} ({choice.source})" if choice.fused else "eager"
+                why = ""
+                if not choice.fused and choice.rejected:
+                    first = choice.primary_rejection()
+                    why = f"{first.candidate}: {first.reason}"
+                rows.append((label, choice.op, kernel, why))
+                label = ""
+            for op in layer.planned:
+                rows.append((label, op, "eager", "planned: no fused forward in this release"))
+                label = ""
+        if rows:
+            widths = [max(len(r[i]) for r in rows + [("layer", "op", "kernel", "")]) for i in range(3)]
+            lines.append(
+                "  " + "  ".join(h.ljust(w) for h, w in zip(("layer", "op", "kernel"), widths)) + "  why not fused"
+            )
+            for r in rows:
+                lines.append(
+                    "  " + "  ".join(v.ljust(w) for v, w in zip(r[:3], widths)) + ("  " + r[3] if r[3] else "")
+                )
+        fused = len(self.fused_ops)
+        falls = len(self.fallbacks())
+        lines.append(f"  {self.patched} modules patched, {fused} ops fused, {falls} fell back to eager")
+        fixes: list[str] = []
+        for _, choice in self.fallbacks():
+            fixes += [f for f in choice.fixes() if f not in fixes]
+        for fix in fixes[:4]:
+            lines.append(f"  fix: {fix}")
+        return "\n".join(lines)

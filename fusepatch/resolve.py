@@ -1,0 +1,252 @@
+"""Choose, for one op, the first candidate that passes every check; remember why the others did not."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from fusepatch import selftest
+from fusepatch.env import Environment
+from fusepatch.ops import OPS
+from fusepatch.ops.base import SOURCES, Candidate, Op
+from fusepatch.requirements import OK, CudaDevice, DistributionVersion, Importable, Inputs, MinCapability, Verdict
+
+logger = logging.getLogger("fusepatch")
+
+DEFAULT_PREFER: tuple[str, ...] = ("hub", "pip", "source")
+
+
+@dataclass(frozen=True)
+class Rejection:
+    candidate: str
+    source: str
+    reason: str
+    fix: str = ""
+
+    def to_dict(self) -> dict:
+        return {"candidate": self.candidate, "source": self.source, "reason": self.reason, "fix": self.fix}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What runs an op for one (device, dtype): the chosen candidate and every rejection before it."""
+
+    op: str
+    chosen: str
+    source: str
+    provides: str = ""
+    rejected: tuple[Rejection, ...] = ()
+    device: str = ""
+    dtype: str = ""
+
+    @property
+    def fused(self) -> bool:
+        return self.source != "eager"
+
+    def primary_rejection(self) -> Rejection:
+        """The rejection worth showing first: a wired-up candidate's, before the planned ones'."""
+        for rejection in self.rejected:
+            if "not wired up" not in rejection.reason:
+                return rejection
+        return self.rejected[0]
+
+    def reason_text(self) -> str:
+        """``fla: <reason>; causal-conv1d: <reason>`` for log lines."""
+        return "; ".join(f"{r.candidate}: {r.reason}" for r in self.rejected)
+
+    def fixes(self) -> list[str]:
+        seen: list[str] = []
+        for r in self.rejected:
+            if r.fix and r.fix not in seen:
+                seen.append(r.fix)
+        return seen
+
+    def to_dict(self) -> dict:
+        return {
+            "op": self.op,
+            "chosen": self.chosen,
+            "source": self.source,
+            "fused": self.fused,
+            "provides": self.provides,
+            "device": self.device,
+            "dtype": self.dtype,
+            "rejected": [r.to_dict() for r in self.rejected],
+        }
+
+
+def preferred_sources(prefer: Iterable[str] | None = None) -> tuple[str, ...]:
+    """Source priority: the argument, else ``FUSEPATCH_PREFER`` (comma list), else hub, pip, source."""
+    if prefer is None:
+        text = os.environ.get("FUSEPATCH_PREFER", "")
+        prefer = [p.strip() for p in text.split(",") if p.strip()] or DEFAULT_PREFER
+    prefer = tuple(prefer)
+    unknown = [p for p in prefer if p not in SOURCES or p == "eager"]
+    if unknown:
+        raise ValueError(f"unknown kernel source(s) {unknown}; choose from 'hub', 'pip', 'source'")
+    return prefer
+
+
+def ordered(op: Op, prefer: tuple[str, ...]) -> list[Candidate]:
+    """The op's candidates by source priority (stable within a source); sources not preferred are dropped."""
+    rank = {source: i for i, source in enumerate(prefer)}
+    return sorted((c for c in op.candidates if c.source in rank), key=lambda c: rank[c.source])
+
+
+def static_verdict(candidate: Candidate, env: Environment) -> tuple[Verdict, Environment]:
+    """Check every requirement and report all that fail (one reason each), so a CPU machine still learns
+    which packages are missing. Import probes run only when a GPU is there and the package is installed:
+    an import that cannot succeed (or would initialise CUDA on a machine without it) is not attempted."""
+    failures: list[Verdict] = []
+    failed_kinds: set[str] = set()
+    for requirement in candidate.requirements:
+        if isinstance(requirement, Importable) and (
+            "cuda" in failed_kinds or f"dist:{requirement.distribution}" in failed_kinds
+        ):
+            continue
+        if isinstance(requirement, MinCapability) and "cuda" in failed_kinds:
+            continue
+        env = env.with_imports(getattr(requirement, "probes", ()))
+        verdict = requirement.check(env)
+        if verdict.ok:
+            continue
+        failures.append(verdict)
+        if isinstance(requirement, CudaDevice):
+            failed_kinds.add("cuda")
+        if isinstance(requirement, DistributionVersion):
+            failed_kinds.add(f"dist:{requirement.distribution}")
+    if not failures:
+        return OK, env
+    reason = "; ".join(v.reason for v in failures)
+    fix = " && ".join(dict.fromkeys(v.fix for v in failures if v.fix))
+    return Verdict(False, reason, fix), env
+
+
+def evaluate(
+    op: Op, candidate: Candidate, static: Verdict, device: str, dtype: str, packed: bool = False
+) -> tuple[Verdict, Callable[..., Any] | None]:
+    """After the static checks: the call's device/dtype, varlen support, loading, then the self-test."""
+    verdict = static
+    if verdict.ok:
+        verdict = candidate.inputs.check(Inputs(device, dtype))
+    if verdict.ok and packed and not candidate.varlen:
+        verdict = Verdict(False, "cannot honour packed-document boundaries (no varlen support)", "")
+    fn = None
+    if verdict.ok:
+        try:
+            fn = candidate.load()
+        except Exception as exc:  # noqa: BLE001 - a broken install must not break training
+            verdict = Verdict(False, f"loading failed: {type(exc).__name__}: {exc}", candidate_fix(candidate))
+    if verdict.ok:
+        verdict = selftest.run(op, candidate, fn, device, dtype)
+    return verdict, fn
+
+
+def candidate_fix(candidate: Candidate) -> str:
+    for requirement in candidate.requirements:
+        fix = getattr(requirement, "fix", "")
+        if fix and isinstance(requirement, Importable):
+            return fix
+    return ""
+
+
+class Dispatch:
+    """Per-op dispatcher shared by every patched instance of one layer class.
+
+    The choice is made per (device type, dtype, packed) of the call, so a model that moves between CPU and
+    GPU after ``apply`` keeps working; each new fallback is logged once.
+    """
+
+    def __init__(
+        self,
+        op: Op,
+        *,
+        env: Environment,
+        prefer: tuple[str, ...],
+        label: str,
+        disabled_reason: str | None = None,
+    ) -> None:
+        self.op = op
+        self.label = label
+        self.disabled_reason = disabled_reason
+        self._env = env
+        self._static: list[tuple[Candidate, Verdict]] = []
+        if disabled_reason is None:
+            for candidate in ordered(op, prefer):
+                verdict, self._env = static_verdict(candidate, self._env)
+                self._static.append((candidate, verdict))
+        self._choices: dict[tuple[str, str, bool], tuple[Choice, Callable[..., Any]]] = {}
+        self._lock = threading.Lock()
+        self.announce = False  # set by apply once its report is logged: later new choices log themselves
+
+    def choice(self, device: str, dtype: str, packed: bool = False) -> Choice:
+        return self._resolve(device, dtype, packed)[0]
+
+    def implementation(self, device: str, dtype: str, packed: bool = False) -> Callable[..., Any]:
+        key = (device, dtype, packed)
+        found = self._choices.get(key)
+        return found[1] if found is not None else self._resolve(device, dtype, packed)[1]
+
+    def __call__(self, *args, **kwargs):
+        first = next(a for a in args if hasattr(a, "device"))
+        packed = kwargs.get("cu_seqlens") is not None
+        return self.implementation(first.device.type, str(first.dtype).removeprefix("torch."), packed)(*args, **kwargs)
+
+    def _resolve(self, device: str, dtype: str, packed: bool) -> tuple[Choice, Callable[..., Any]]:
+        key = (device, dtype, packed)
+        with self._lock:
+            if key in self._choices:
+                return self._choices[key]
+            rejected: list[Rejection] = []
+            if self.disabled_reason is not None:
+                rejected.append(Rejection("*", "-", self.disabled_reason, ""))
+            chosen: tuple[Candidate, Callable[..., Any]] | None = None
+            for candidate, verdict in self._static:
+                verdict, fn = evaluate(self.op, candidate, verdict, device, dtype, packed)
+                if verdict.ok:
+                    chosen = (candidate, fn)
+                    break
+                rejected.append(Rejection(candidate.name, candidate.source, verdict.reason, verdict.fix))
+            if chosen is None:
+                eager = self.op.eager
+                chosen = (eager, self.op.reference)
+            candidate, fn = chosen
+            choice = Choice(
+                self.op.name, candidate.name, candidate.source, candidate.provides, tuple(rejected), device, dtype
+            )
+            self._choices[key] = (choice, fn)
+        if self.announce:
+            where = f"{device}/{dtype}{' packed' if packed else ''}"
+            if choice.fused:
+                logger.info("fusepatch: %s: %s on %s -> %s", self.label, self.op.name, where, choice.chosen)
+            else:
+                logger.warning(
+                    "fusepatch: %s: %s on %s -> eager (%s)", self.label, self.op.name, where, choice.reason_text()
+                )
+        return choice, fn
+
+    def seen(self) -> list[Choice]:
+        """Every choice made so far (one per device/dtype/packed combination called)."""
+        return [c for c, _ in self._choices.values()]
+
+
+def make_dispatch(
+    name: str,
+    *,
+    env: Environment,
+    prefer: tuple[str, ...],
+    label: str,
+    ops: Iterable[str] | None = None,
+    exclude: Iterable[str] = (),
+) -> Dispatch:
+    disabled = None
+    if ops is not None and name not in set(ops):
+        disabled = f"not selected (apply(ops={sorted(set(ops))!r}))"
+    elif name in set(exclude):
+        disabled = "excluded by apply(exclude=...)"
+    elif env.env_vars.get("FUSEPATCH_DISABLE", os.environ.get("FUSEPATCH_DISABLE", "")).lower() in ("1", "true", "yes"):
+        disabled = "FUSEPATCH_DISABLE is set"
+    return Dispatch(OPS[name], env=env, prefer=prefer, label=label, disabled_reason=disabled)

@@ -1,0 +1,115 @@
+"""Run a candidate once on tiny fresh random inputs and compare it, forward and backward, with the reference.
+
+An import that works but crashes, returns NaN/Inf or disagrees is rejected with that reason, before the
+training run ever calls it. Results are cached per process, keyed by op, candidate, device type and dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from fusepatch.ops._common import relative_error
+from fusepatch.ops.base import Candidate, Op
+from fusepatch.requirements import OK, Verdict, reject
+
+logger = logging.getLogger("fusepatch")
+
+_RESULTS: dict[tuple[str, str, str, str], Verdict] = {}
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    values = list(args) + list(kwargs.values())
+    return [t for t in values if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _upcast(value, dtype: torch.dtype):
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().to(dtype).requires_grad_(value.requires_grad)
+    return value
+
+
+def _detached(value):
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    return value
+
+
+def _forward_backward(fn: Callable, args: tuple, kwargs: dict, cotangent: torch.Tensor | None):
+    out = fn(*args, **kwargs)
+    first = out[0] if isinstance(out, tuple) else out
+    leaves = _leaves(args, kwargs)
+    if cotangent is None:
+        cotangent = torch.randn_like(first, dtype=torch.float32)
+    grads = torch.autograd.grad(first, leaves, cotangent.to(first.dtype), allow_unused=True) if leaves else ()
+    return first.detach(), grads, cotangent
+
+
+def compare(
+    op: Op, fn: Callable, device: str, dtype: str, *, seed: int | None = None
+) -> tuple[Verdict, dict[str, float]]:
+    """Relative errors of ``fn`` against ``op.reference`` run on fp32 copies of the same fresh inputs."""
+    assert op.selftest is not None
+    generator = torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    args, kwargs = op.selftest.make_inputs(device, _dtype(dtype), generator)
+    ref_dtype = torch.float64 if dtype == "float32" and device == "cpu" else torch.float32
+    ref_args = tuple(_upcast(a, ref_dtype) for a in args)
+    ref_kwargs = {k: _upcast(v, ref_dtype) for k, v in kwargs.items()}
+    ref_out, ref_grads, cotangent = _forward_backward(op.reference, ref_args, ref_kwargs, None)
+    args = tuple(_detached(a) for a in args)
+    kwargs = {k: _detached(v) for k, v in kwargs.items()}
+    out, grads, _ = _forward_backward(fn, args, kwargs, cotangent)
+    if out.shape != ref_out.shape:
+        return reject(f"self-test: output shape {tuple(out.shape)} != reference {tuple(ref_out.shape)}"), {}
+    errors = {"output": relative_error(out, ref_out)}
+    for index, (g, rg) in enumerate(zip(grads, ref_grads)):
+        if rg is None:
+            continue
+        errors[f"grad[{index}]"] = float("inf") if g is None else relative_error(g, rg)
+    tolerance = op.selftest.tolerance.get(dtype, 5e-2)
+    worst = max(errors, key=errors.get)
+    if errors[worst] == float("inf"):
+        return reject(
+            f"self-test on {device}/{dtype}: {worst} has NaN/Inf or is missing",
+            "report it upstream; fusepatch uses the next candidate",
+        ), errors
+    if errors[worst] > tolerance:
+        return reject(
+            f"self-test on {device}/{dtype}: {worst} differs from the reference by {errors[worst]:.2e} (> {tolerance:.0e})",
+            "report it upstream with `python -m fusepatch doctor --json`; fusepatch uses the next candidate",
+        ), errors
+    return OK, errors
+
+
+def run(op: Op, candidate: Candidate, fn: Callable, device: str, dtype: str) -> Verdict:
+    """Self-test ``candidate`` (cached per process). Exceptions become a rejection with the real error."""
+    key = (op.name, candidate.name, device, dtype)
+    if key in _RESULTS:
+        return _RESULTS[key]
+    if op.selftest is None or candidate.source == "eager":
+        _RESULTS[key] = OK
+        return OK
+    start = time.perf_counter()
+    try:
+        verdict, errors = compare(op, fn, device, dtype)
+    except Exception as exc:  # noqa: BLE001 - any failure of a kernel is a reason to refuse it
+        first = (str(exc).strip().splitlines() or [""])[0]
+        verdict, errors = reject(f"self-test on {device}/{dtype} raised {type(exc).__name__}: {first}"), {}
+    elapsed = time.perf_counter() - start
+    logger.debug(
+        "self-test %s/%s on %s/%s: %s %s (%.1fs)", op.name, candidate.name, device, dtype, verdict, errors, elapsed
+    )
+    _RESULTS[key] = verdict
+    return verdict
+
+
+def clear_cache() -> None:
+    _RESULTS.clear()
