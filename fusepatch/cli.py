@@ -26,12 +26,15 @@ def _doctor(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     from fusepatch.ops import OPS
     from fusepatch.registry import all_rows
+    from fusepatch.resolve import ordered, preferred_sources
+
+    prefer = preferred_sources(None)
 
     rows = [r for r in all_rows() if not args.model_type or set(r.model_types) & set(args.model_type)]
     if args.json:
         payload = {
             "rows": [r.to_dict() for r in rows],
-            "ops": {n: [f"{c.name} ({c.source})" for c in op.candidates] + ["eager"] for n, op in OPS.items()},
+            "ops": {n: [f"{c.name} ({c.source})" for c in ordered(op, prefer)] + ["eager"] for n, op in OPS.items()},
             "known_issues": [i.to_dict() for i in KNOWN_ISSUES],
         }
         print(json.dumps(payload, indent=2))
@@ -39,7 +42,7 @@ def _list(args: argparse.Namespace) -> int:
     for row in rows:
         ops = []
         for name in row.ops:
-            ops.append(f"{name} [{' > '.join(c.name for c in OPS[name].candidates)} > eager]")
+            ops.append(f"{name} [{' > '.join(c.name for c in ordered(OPS[name], prefer))} > eager]")
         ops += [f"{name} [planned]" for name in row.planned]
         patched = "patched" if row.forward is not None else "not patched"
         print(f"{'/'.join(row.model_types):28s} {row.layer:36s} {patched:12s} {'; '.join(ops)}")

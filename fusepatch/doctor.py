@@ -28,7 +28,7 @@ def examine_op(op: Op, env: Environment, device: str, dtype: str, prefer: tuple[
                 "source": candidate.source,
                 "provides": candidate.provides,
                 "ok": verdict.ok,
-                "planned": "not wired up" in verdict.reason,
+                "planned": verdict.planned,
                 "reason": verdict.reason,
                 "fix": verdict.fix,
             }

@@ -23,6 +23,7 @@ class Verdict:
     ok: bool
     reason: str = ""
     fix: str = ""
+    planned: bool = False  # refused only because this release does not wire the candidate up yet
 
     def __bool__(self) -> bool:
         return self.ok
@@ -194,7 +195,7 @@ class NotImplementedYet:
     planned: str
 
     def check(self, env: Environment) -> Verdict:
-        return reject(f"not wired up in this fusepatch release ({self.planned})", "use another candidate for now")
+        return Verdict(False, f"not wired up in this fusepatch release ({self.planned})", "", planned=True)
 
     def describe(self) -> str:
         return "wired up in fusepatch"

@@ -26,9 +26,16 @@ class Rejection:
     source: str
     reason: str
     fix: str = ""
+    planned: bool = False
 
     def to_dict(self) -> dict:
-        return {"candidate": self.candidate, "source": self.source, "reason": self.reason, "fix": self.fix}
+        return {
+            "candidate": self.candidate,
+            "source": self.source,
+            "reason": self.reason,
+            "fix": self.fix,
+            "planned": self.planned,
+        }
 
 
 @dataclass(frozen=True)
@@ -49,18 +56,19 @@ class Choice:
 
     def primary_rejection(self) -> Rejection:
         """The rejection worth showing first: a wired-up candidate's, before the planned ones'."""
-        for rejection in self.rejected:
-            if "not wired up" not in rejection.reason:
-                return rejection
-        return self.rejected[0]
+        wired = [r for r in self.rejected if not r.planned]
+        return (wired or list(self.rejected))[0]
 
     def reason_text(self) -> str:
-        """``fla: <reason>; causal-conv1d: <reason>`` for log lines."""
-        return "; ".join(f"{r.candidate}: {r.reason}" for r in self.rejected)
+        """``fla: <reason>; causal-conv1d: <reason>`` for log lines (planned candidates left out)."""
+        wired = [r for r in self.rejected if not r.planned] or list(self.rejected)
+        return "; ".join(f"{r.candidate}: {r.reason}" for r in wired)
 
     def fixes(self) -> list[str]:
         seen: list[str] = []
         for r in self.rejected:
+            if r.planned:
+                continue
             if r.fix and r.fix not in seen:
                 seen.append(r.fix)
         return seen
@@ -122,7 +130,7 @@ def static_verdict(candidate: Candidate, env: Environment) -> tuple[Verdict, Env
         return OK, env
     reason = "; ".join(v.reason for v in failures)
     fix = " && ".join(dict.fromkeys(v.fix for v in failures if v.fix))
-    return Verdict(False, reason, fix), env
+    return Verdict(False, reason, fix, planned=any(v.planned for v in failures)), env
 
 
 def evaluate(
@@ -209,7 +217,9 @@ class Dispatch:
                 if verdict.ok:
                     chosen = (candidate, fn)
                     break
-                rejected.append(Rejection(candidate.name, candidate.source, verdict.reason, verdict.fix))
+                rejected.append(
+                    Rejection(candidate.name, candidate.source, verdict.reason, verdict.fix, verdict.planned)
+                )
             if chosen is None:
                 eager = self.op.eager
                 chosen = (eager, self.op.reference)

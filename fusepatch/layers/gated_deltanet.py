@@ -8,7 +8,39 @@ never copied for grouped value heads (the kernels take them natively), and packe
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger("fusepatch")
+_NOTED: set[str] = set()
+
+
+def _has_state(cache, layer_idx: int) -> bool:
+    """Whether the cache already holds this layer's conv/recurrent state (decode or a continued prefill)."""
+    try:
+        return bool(cache.has_previous_state(layer_idx))
+    except (AttributeError, TypeError, IndexError, KeyError):
+        return True  # an unknown cache type: let transformers' own forward handle it
+
+
+def _use_original(self, cache) -> bool:
+    if self.activation not in ("silu", "swish"):
+        return True
+    if cache is None:
+        return False
+    if _has_state(cache, self.layer_idx) or not torch.is_grad_enabled():
+        return True  # generation: transformers' cached path keeps the conv and recurrent states exact
+    # A training forward with use_cache=True: the cache is a throwaway the Trainer never reads.
+    name = type(self).__name__
+    if name not in _NOTED:
+        _NOTED.add(name)
+        logger.info(
+            "fusepatch: %s: training forward with a cache: running fused and leaving this layer's cache empty "
+            "(pass use_cache=False to skip building it)",
+            name,
+        )
+    return False
 
 
 def _projections(self, hidden_states: torch.Tensor):
@@ -34,7 +66,7 @@ def gated_deltanet_forward(
 ):
     state = self._fusepatch
     cache = cache if cache is not None else cache_params
-    if cache is not None or self.activation not in ("silu", "swish"):
+    if _use_original(self, cache):
         # Generation keeps transformers' own cached path (conv/recurrent state updates). The cache goes in
         # positionally: it is `cache_params` up to transformers 5.2x and `cache` after.
         return state.original(hidden_states, cache, attention_mask=attention_mask, **kwargs)

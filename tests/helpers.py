@@ -1,0 +1,62 @@
+"""Shared test helpers: hand-built environments and gradient collection."""
+
+from __future__ import annotations
+
+import torch
+
+from fusepatch.env import GPU, Environment
+
+H200 = GPU("NVIDIA H200", (9, 0))
+A100 = GPU("NVIDIA A100-SXM4-80GB", (8, 0))
+T4 = GPU("Tesla T4", (7, 5))
+
+
+def gpu_env(gpu: GPU = H200, **overrides) -> Environment:
+    """The H200 test machine's stack by default: torch 2.11 / CUDA 13, Triton 3.6, fla 0.6, causal-conv1d 1.7."""
+    distributions = {
+        "torch": "2.11.0",
+        "triton": "3.6.0",
+        "transformers": "5.17.0",
+        "fla-core": "0.6.0",
+        "flash-linear-attention": "0.6.0",
+        "causal-conv1d": "1.7.0",
+    }
+    distributions.update(overrides.pop("distributions", {}))
+    imports = {
+        "fla.ops.gated_delta_rule": None,
+        "causal_conv1d": None,
+        "tilelang": "ModuleNotFoundError: No module named 'tilelang'",
+    }
+    imports.update(overrides.pop("imports", {}))
+    base = dict(
+        torch="2.11.0",
+        torch_cuda="13.0",
+        cuda_available=True,
+        gpus=(gpu,),
+        distributions=distributions,
+        imports=imports,
+    )
+    base.update(overrides)
+    return Environment(**base)
+
+
+def cpu_env(**overrides) -> Environment:
+    base = dict(
+        torch="2.13.0",
+        torch_cuda=None,
+        cuda_available=False,
+        distributions={"torch": "2.13.0", "transformers": "5.17.0"},
+    )
+    base.update(overrides)
+    return Environment(**base)
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def loss_and_grads(model, **batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out.loss.detach(), out.logits.detach(), grads(model)

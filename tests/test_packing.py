@@ -1,0 +1,105 @@
+"""Packed rows (padding-free SFT): a patched model gives each document exactly what it gets alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusepatch
+from fusepatch.layers.packing import PackedSequenceError, cu_seqlens_from_position_ids
+from fusepatch.tiny import tiny_model
+
+LENGTHS = [23, 1, 40, 17]
+
+
+def _packed_batch(vocab):
+    docs = [torch.randint(0, vocab, (n,)) for n in LENGTHS]
+    ids = torch.cat(docs)[None]
+    position_ids = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    return docs, ids, position_ids
+
+
+def test_cu_seqlens_from_position_ids():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    assert cu_seqlens_from_position_ids(pos).tolist() == [0, 3, 5, 9]
+    assert cu_seqlens_from_position_ids(torch.arange(6)[None].expand(2, 6)) is None  # ordinary batch
+    two_rows = torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]])
+    assert cu_seqlens_from_position_ids(two_rows).tolist() == [0, 2, 4, 8]
+    assert cu_seqlens_from_position_ids(None) is None
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
+@pytest.mark.parametrize("marker", ["position_ids", "cu_seq_lens"])
+def test_packed_row_equals_documents_alone(model_type, marker):
+    model = tiny_model(model_type)
+    fusepatch.apply(model)
+    docs, ids, position_ids = _packed_batch(model.config.vocab_size)
+    kwargs = {"position_ids": position_ids, "use_cache": False}
+    if marker == "cu_seq_lens":
+        cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(LENGTHS), max_length_k=max(LENGTHS))
+    packed = model(input_ids=ids, **kwargs).logits[0]
+    start = 0
+    for doc in docs:
+        alone = model(input_ids=doc[None]).logits[0]
+        torch.testing.assert_close(packed[start : start + len(doc)], alone, rtol=1e-4, atol=1e-5)
+        start += len(doc)
+
+
+def test_packed_gradients_equal_documents_alone():
+    model = tiny_model("qwen3_5_text")
+    fusepatch.apply(model)
+    docs, ids, position_ids = _packed_batch(model.config.vocab_size)
+    labels = ids.clone()
+    starts = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0)[:-1].tolist()])
+    labels[0, starts] = -100  # no document predicts across a boundary
+    logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="sum")
+    loss.backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    total = 0
+    for doc in docs:
+        logits = model(input_ids=doc[None]).logits
+        total = total + torch.nn.functional.cross_entropy(logits[0, :-1], doc[1:], reduction="sum")
+    total.backward()
+    torch.testing.assert_close(loss, total, rtol=1e-5, atol=1e-4)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_unpatched_transformers_leaks_across_documents():
+    """Why the patch matters: transformers' reference path ignores the boundaries in linear attention."""
+    model = tiny_model("qwen3_5_text")
+    docs, ids, position_ids = _packed_batch(model.config.vocab_size)
+    packed = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits[0]
+    alone = model(input_ids=docs[2][None]).logits[0]
+    start = LENGTHS[0] + LENGTHS[1]
+    assert not torch.allclose(packed[start : start + LENGTHS[2]], alone, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention_mask", [False, True])
+def test_packed_batch_whose_attention_would_leak_is_refused(attention_mask):
+    """With a cache (use_cache=True) or an explicit 2D mask transformers builds a plain causal mask for full
+    attention: fusepatch refuses rather than let documents see each other."""
+    model = tiny_model("qwen3_5_text")
+    fusepatch.apply(model)
+    _, ids, position_ids = _packed_batch(model.config.vocab_size)
+    kwargs = {"attention_mask": torch.ones_like(ids), "use_cache": False} if attention_mask else {}
+    with pytest.raises(PackedSequenceError, match="use_cache=False and no attention_mask"):
+        model(input_ids=ids, position_ids=position_ids, **kwargs)
+
+
+def test_training_forward_with_a_cache_runs_the_patched_path():
+    model = tiny_model("qwen3_5_text")
+    ids = torch.randint(0, model.config.vocab_size, (2, 33))
+    expected = model(input_ids=ids, use_cache=False).logits
+    fusepatch.apply(model)
+    calls = []
+    dispatch = model.model.layers[0].linear_attn._fusepatch.ops["gated_delta_rule"]
+    original = dispatch.implementation
+    dispatch.implementation = lambda *a: (calls.append(a), original(*a))[1]
+    out = model(input_ids=ids, use_cache=True)
+    assert calls, "the fused forward must run in training even when transformers builds a cache"
+    torch.testing.assert_close(out.logits, expected, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,207 @@
+"""apply / revert / report on tiny models of every family (CPU: every op falls back to eager)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from helpers import loss_and_grads
+
+import fusepatch
+from fusepatch.tiny import FAMILIES, tiny_model
+
+FAMILY_NAMES = sorted(FAMILIES)
+
+
+def _batch(model, batch=2, length=37):
+    ids = torch.randint(0, model.config.vocab_size, (batch, length))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _forwards(model):
+    return {name: m.__dict__.get("forward") for name, m in model.named_modules()}
+
+
+@pytest.mark.parametrize("model_type", FAMILY_NAMES)
+def test_apply_revert_keeps_outputs_gradients_and_structure(model_type):
+    model = tiny_model(model_type)
+    batch = _batch(model)
+    state_before = {k: v.clone() for k, v in model.state_dict().items()}
+    tree_before = [(n, type(m)) for n, m in model.named_modules()]
+    params_before = [n for n, _ in model.named_parameters()]
+    forwards_before = _forwards(model)
+    loss0, logits0, grads0 = loss_and_grads(model, **batch)
+
+    report = fusepatch.apply(model)
+    assert report.newly_patched > 0
+    assert [(n, type(m)) for n, m in model.named_modules()] == tree_before
+    assert [n for n, _ in model.named_parameters()] == params_before
+    assert model.state_dict().keys() == state_before.keys()
+    loss1, logits1, grads1 = loss_and_grads(model, **batch)
+    # The eager references repeat transformers' arithmetic; the chunked delta rule is fusepatch's own
+    # formulation, so hybrid families agree to fp32 rounding rather than bit for bit.
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits1, logits0, rtol=1e-4, atol=1e-5)
+    assert grads1.keys() == grads0.keys()
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-3, atol=1e-5, msg=name)
+    if model_type not in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
+        assert torch.equal(logits1, logits0)
+
+    assert fusepatch.revert(model) == report.newly_patched
+    assert _forwards(model) == forwards_before
+    loss2, logits2, grads2 = loss_and_grads(model, **batch)
+    assert torch.equal(loss2, loss0) and torch.equal(logits2, logits0)
+    assert all(torch.equal(grads2[n], grads0[n]) for n in grads0)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state_before[key])
+
+
+def test_apply_is_idempotent_and_says_so(caplog):
+    model = tiny_model("qwen3_5_text")
+    first = fusepatch.apply(model)
+    forwards = _forwards(model)
+    caplog.clear()
+    second = fusepatch.apply(model)
+    assert second.newly_patched == 0 and second.already_patched == first.newly_patched
+    assert "already patched" in second.message and "nothing changed" in second.message
+    assert _forwards(model) == forwards
+    assert fusepatch.revert(model) == first.newly_patched
+    assert fusepatch.revert(model) == 0
+
+
+def test_save_pretrained_is_unchanged_by_apply(tmp_path):
+    model = tiny_model("qwen3_5_text")
+    model.save_pretrained(tmp_path / "before")
+    fusepatch.apply(model)
+    model.save_pretrained(tmp_path / "after")
+    a = (tmp_path / "before" / "model.safetensors").read_bytes()
+    b = (tmp_path / "after" / "model.safetensors").read_bytes()
+    assert a == b
+
+
+def test_unknown_model_is_left_untouched(caplog):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
+    forwards = _forwards(model)
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        report = fusepatch.apply(model)
+    assert "no fusepatch rows for model_type 'llama'" in report.message
+    assert report.patched == 0 and _forwards(model) == forwards
+    assert any("no fusepatch rows for model_type 'llama'" in r.getMessage() for r in caplog.records)
+    with pytest.raises(fusepatch.FusePatchError, match="llama"):
+        fusepatch.apply(model, strict=True)
+
+
+def test_strict_raises_listing_every_fallback_and_patches_nothing():
+    model = tiny_model("qwen3_5_text")
+    forwards = _forwards(model)
+    with pytest.raises(fusepatch.FusePatchError) as excinfo:
+        fusepatch.apply(model, strict=True)
+    text = str(excinfo.value)
+    for op in ("gated_delta_rule", "causal_conv1d", "gated_rms_norm", "swiglu", "rms_norm_zero_centered"):
+        assert f": {op} -> eager (" in text
+    assert _forwards(model) == forwards
+
+
+def test_fallbacks_are_logged_one_line_each(caplog):
+    model = tiny_model("qwen3_5_text")
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        report = fusepatch.apply(model)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert lines == report.log_lines()
+    gdn = [line for line in lines if "gated_delta_rule" in line]
+    assert gdn and gdn[0].startswith("fusepatch: Qwen3_5GatedDeltaNet x3: gated_delta_rule -> eager (")
+    assert "fix: " in gdn[0]
+
+
+def test_report_table_and_json():
+    model = tiny_model("qwen3_5_moe_text")
+    report = fusepatch.apply(model)
+    text = str(report)
+    assert "Qwen3_5MoeGatedDeltaNet x3" in text and "gated_delta_rule" in text and "moe_experts" in text
+    data = json.loads(report.to_json())
+    assert data["model"] == "Qwen3_5MoeForCausalLM" and data["device"] == "cpu"
+    layers = {layer["layer"]: layer for layer in data["layers"]}
+    ops = {op["op"]: op for op in layers["Qwen3_5MoeGatedDeltaNet"]["ops"]}
+    assert set(ops) == {"causal_conv1d", "gated_delta_rule", "gated_rms_norm"}
+    assert ops["gated_delta_rule"]["chosen"] == "eager"
+    assert {r["candidate"] for r in ops["gated_delta_rule"]["rejected"]} >= {"fla", "fla-gate-outside"}
+    assert "moe_experts" in layers["Qwen3_5MoeExperts"]["planned"]
+    assert fusepatch.report(model).patched == report.newly_patched
+
+
+def test_ops_and_exclude(caplog):
+    model = tiny_model("qwen3")
+    report = fusepatch.apply(model, exclude=["swiglu"])
+    mlp = next(layer for layer in report.layers if layer.layer == "Qwen3MLP")
+    assert "excluded" in mlp.choices[0].rejected[0].reason
+    with pytest.raises(ValueError, match="unknown op 'rmsnorm'"):
+        fusepatch.apply(tiny_model("qwen3"), ops=["rmsnorm"])
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        fusepatch.apply("Qwen/Qwen3.5-27B")
+
+
+def test_fusepatch_disable(monkeypatch):
+    monkeypatch.setenv("FUSEPATCH_DISABLE", "1")
+    model = tiny_model("qwen3_5_text")
+    forwards = _forwards(model)
+    report = fusepatch.apply(model)
+    assert "FUSEPATCH_DISABLE" in report.message and _forwards(model) == forwards
+
+
+def test_conditional_generation_wrapper_text_stack_is_found():
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from fusepatch.tiny import FAMILIES
+
+    text = {k: v for k, v in FAMILIES["qwen3_5_text"].items() if k != "tie_word_embeddings"}
+    config = AutoConfig.for_model(
+        "qwen3_5",
+        text_config=text,
+        vision_config=dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=4,
+            spatial_merge_size=1,
+            temporal_patch_size=1,
+        ),
+    )
+    model = AutoModelForImageTextToText.from_config(config)
+    report = fusepatch.apply(model)
+    assert "qwen3_5" in report.model_types
+    assert any(layer.layer == "Qwen3_5GatedDeltaNet" and layer.count == 3 for layer in report.layers)
+    ids = torch.randint(0, 512, (1, 20))
+    model(input_ids=ids)
+
+
+def test_register_user_row():
+    from fusepatch.registry import _USER_ROWS, Row, register
+
+    def forward(self, x):
+        return self._fusepatch.original(x) * 1.0
+
+    register(Row(("qwen3",), "transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm", ("rms_norm",), forward))
+    try:
+        model = tiny_model("qwen3")
+        fusepatch.apply(model)
+        assert model.model.norm.forward.__func__ is forward
+        with pytest.raises(ValueError, match="unknown op"):
+            register(Row(("x",), "m", "L", ("nope",), forward))
+    finally:
+        _USER_ROWS.clear()

@@ -1,0 +1,172 @@
+"""Candidate selection: static verdicts for the GDN candidates, and the self-test as a fault barrier."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+from helpers import H200, cpu_env, gpu_env
+
+from fusepatch import selftest
+from fusepatch.ops import OPS
+from fusepatch.ops.base import Candidate
+from fusepatch.requirements import InputRule
+from fusepatch.resolve import Dispatch, make_dispatch, preferred_sources, static_verdict
+
+
+def _candidate(op: str, name: str):
+    return next(c for c in OPS[op].candidates if c.name == name)
+
+
+def test_fla_rejected_without_cuda_and_names_missing_packages():
+    verdict, _ = static_verdict(_candidate("gated_delta_rule", "fla"), cpu_env())
+    assert not verdict.ok
+    assert "CPU-only build" in verdict.reason and "fla-core is not installed" in verdict.reason
+    assert 'pip install "flash-linear-attention[cuda]"' in verdict.fix
+
+
+def test_fla_rejected_when_missing_on_a_gpu_machine():
+    env = gpu_env(distributions={"fla-core": None})
+    env = dataclasses.replace(env, distributions={k: v for k, v in env.distributions.items() if v})
+    verdict, _ = static_verdict(_candidate("gated_delta_rule", "fla"), env)
+    assert not verdict.ok and verdict.reason == "fla-core is not installed"
+
+
+def test_fla_broken_import_reports_the_error():
+    env = gpu_env(
+        imports={"fla.ops.gated_delta_rule": "ImportError: triton: 0 active drivers ([]). There should only be one."}
+    )
+    verdict, _ = static_verdict(_candidate("gated_delta_rule", "fla"), env)
+    assert (
+        not verdict.ok and "0 active drivers" in verdict.reason and "fla-core 0.6.0 is installed but" in verdict.reason
+    )
+
+
+def test_fla_on_hopper_triton_36_needs_tilelang():
+    verdict, _ = static_verdict(_candidate("gated_delta_rule", "fla"), gpu_env(H200))
+    assert not verdict.ok and "issues/640" in verdict.reason and "pip install tilelang" in verdict.fix
+    ok, _ = static_verdict(_candidate("gated_delta_rule", "fla"), gpu_env(H200, imports={"tilelang": None}))
+    assert ok.ok
+
+
+def test_fla_forward_only_ops_are_not_blocked_by_the_backward_bug():
+    env = gpu_env(H200, imports={"fla.modules.norm.fused_norm_gate": None})
+    verdict, _ = static_verdict(_candidate("gated_rms_norm", "fla"), env)
+    assert verdict.ok
+
+
+def test_causal_conv1d_abi_error():
+    env = gpu_env(imports={"causal_conv1d": "ImportError: undefined symbol: _ZN3c105ErrorC2E"})
+    verdict, _ = static_verdict(_candidate("causal_conv1d", "causal-conv1d"), env)
+    assert not verdict.ok and "undefined symbol" in verdict.reason
+
+
+def test_prefer_validation_and_env(monkeypatch):
+    assert preferred_sources(("pip",)) == ("pip",)
+    monkeypatch.setenv("FUSEPATCH_PREFER", "pip,hub")
+    assert preferred_sources(None) == ("pip", "hub")
+    with pytest.raises(ValueError, match="unknown kernel source"):
+        preferred_sources(("conda",))
+
+
+# --- fault injection: candidates that load but misbehave never reach the model -----------------------------
+
+
+def _op_with(monkeypatch, *candidates: Candidate):
+    op = dataclasses.replace(OPS["swiglu"], candidates=candidates)
+    return op
+
+
+CPU_INPUTS = InputRule(devices=("cpu",), dtypes=("float32",))
+
+
+def _fake(name, fn, varlen=True):
+    return Candidate(name=name, source="pip", requirements=(), load=lambda: fn, inputs=CPU_INPUTS, varlen=varlen)
+
+
+def _dispatch(op):
+    selftest.clear_cache()
+    return Dispatch(op, env=cpu_env(), prefer=("pip",), label="TestLayer")
+
+
+def test_selftest_rejects_a_kernel_that_raises(monkeypatch):
+    def broken(gate, up):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    op = _op_with(monkeypatch, _fake("crashes", broken), _fake("good", lambda g, u: torch.nn.functional.silu(g) * u))
+    choice = _dispatch(op).choice("cpu", "float32")
+    assert choice.chosen == "good"
+    assert "raised RuntimeError: CUDA error: an illegal memory access" in choice.rejected[0].reason
+
+
+def test_selftest_rejects_wrong_values_and_nan(monkeypatch):
+    op = _op_with(
+        monkeypatch,
+        _fake("wrong", lambda g, u: torch.sigmoid(g) * u),
+        _fake("nan", lambda g, u: torch.nn.functional.silu(g) * u * float("nan")),
+    )
+    choice = _dispatch(op).choice("cpu", "float32")
+    assert choice.chosen == "eager"
+    reasons = {r.candidate: r.reason for r in choice.rejected}
+    assert "differs from the reference" in reasons["wrong"]
+    assert "NaN/Inf" in reasons["nan"]
+
+
+def test_selftest_checks_gradients_too(monkeypatch):
+    class WrongBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, g, u):
+            ctx.save_for_backward(g, u)
+            return torch.nn.functional.silu(g) * u
+
+        @staticmethod
+        def backward(ctx, grad):
+            g, u = ctx.saved_tensors
+            s = torch.sigmoid(g)
+            dsilu = s * (1 + g * (1 - s))
+            return grad * u * dsilu, grad * torch.nn.functional.silu(g) * 2  # right d/dg, wrong d/du
+
+    op = _op_with(monkeypatch, _fake("bad-bwd", WrongBackward.apply))
+    choice = _dispatch(op).choice("cpu", "float32")
+    assert choice.chosen == "eager" and "grad[1]" in choice.rejected[0].reason
+
+
+def test_varlen_incapable_candidate_is_skipped_for_packed_calls(monkeypatch):
+    op = _op_with(monkeypatch, _fake("no-varlen", lambda g, u: torch.nn.functional.silu(g) * u, varlen=False))
+    dispatch = _dispatch(op)
+    assert dispatch.choice("cpu", "float32", packed=False).chosen == "no-varlen"
+    packed = dispatch.choice("cpu", "float32", packed=True)
+    assert packed.chosen == "eager" and "packed-document boundaries" in packed.rejected[0].reason
+
+
+def test_loading_failure_is_a_rejection(monkeypatch):
+    def load():
+        raise ImportError("cannot import name 'swiglu'")
+
+    op = _op_with(monkeypatch, Candidate("broken-load", "pip", (), load, inputs=CPU_INPUTS))
+    choice = _dispatch(op).choice("cpu", "float32")
+    assert choice.chosen == "eager" and "loading failed: ImportError" in choice.rejected[0].reason
+
+
+def test_new_fallbacks_after_apply_are_logged(monkeypatch, caplog):
+    dispatch = make_dispatch("swiglu", env=cpu_env(), prefer=("pip",), label="Qwen3MLP")
+    dispatch.announce = True
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        dispatch.choice("cpu", "bfloat16")
+    assert any("Qwen3MLP: swiglu on cpu/bfloat16 -> eager" in r.getMessage() for r in caplog.records)
+
+
+def test_disable_and_exclude(monkeypatch):
+    assert (
+        "excluded"
+        in make_dispatch("swiglu", env=cpu_env(), prefer=("pip",), label="x", exclude=["swiglu"])
+        .choice("cpu", "float32")
+        .rejected[0]
+        .reason
+    )
+    picked = make_dispatch("swiglu", env=cpu_env(), prefer=("pip",), label="x", ops=["rms_norm"]).choice(
+        "cpu", "float32"
+    )
+    assert picked.chosen == "eager" and "not selected" in picked.rejected[0].reason
