@@ -155,8 +155,9 @@ def _selftest_inputs(device, dtype, generator):
     v = rand((1, length, hv, dv), device, dtype, generator)
     a = rand((1, length, hv), device, dtype, generator)
     b = rand((1, length, hv), device, dtype, generator)
-    A_log = (torch.rand(hv, generator=generator) * 2 - 1).to(device).requires_grad_(True)
-    dt_bias = rand((hv,), device, torch.float32, generator, scale=0.5)
+    # A_log and dt_bias are parameters: in the model's dtype, as a bf16 model holds them.
+    A_log = (torch.rand(hv, generator=generator) * 2 - 1).to(device=device, dtype=dtype).requires_grad_(True)
+    dt_bias = rand((hv,), device, dtype, generator, scale=0.5)
     cu = torch.tensor([0, 64, 101, length], dtype=torch.int32, device=device)
     return (q, k, v, a, b, A_log, dt_bias), {"cu_seqlens": cu}
 

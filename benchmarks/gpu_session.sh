@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Everything the H200 run needs, in phases (the device tool's calls are short; tilelang must travel alone):
+#   bash benchmarks/gpu_session.sh tilelang            # call 1, carry .whl-tl1: install tilelang
+#   bash benchmarks/gpu_session.sh tests               # call 2, carry .whl-tl2 .whl: deps, fla, GPU tests
+#   bash benchmarks/gpu_session.sh bench 27b [layers]  # call 3+: the benchmark table for one shape
+# Wheels: bash ../shared/gpu/wheels.sh, plus the causal-conv1d wheel copied into .whl.
+set -uo pipefail
+phase=${1:?phase}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/site-fla /tmp/site-tl
+pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$1" "${@:2}"; }
+export FLA_FLASH_QLA=0 PYTHONUNBUFFERED=1
+case "$phase" in
+  tilelang)
+    pipi /tmp/site-tl .whl-tl1/*.whl && ls /tmp/site-tl | head ;;
+  tests)
+    [ -d /tmp/site-tl/tilelang ] || { echo "tilelang missing: run the tilelang phase first"; exit 3; }
+    pipi /tmp/site-tl .whl-tl2/*.whl
+    pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl .whl/kernels-*.whl
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+    export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl"
+    python3 -m fusepatch doctor --model-type qwen3_5 > "$OUT/doctor.txt" 2>&1; tail -25 "$OUT/doctor.txt"
+    FUSEPATCH_GPU_REQUIRE=1 timeout 420 python3 -m pytest tests/gpu -v -x --timeout 400 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -60
+    # the stack where fla's guard bites: no tilelang importable
+    PYTHONPATH="$PWD:/tmp/site-fla" python3 -m fusepatch doctor --model-type qwen3_5 > "$OUT/doctor-no-tilelang.txt" 2>&1
+    grep -A3 "gated_delta_rule:" "$OUT/doctor-no-tilelang.txt"
+    python3 -m fusepatch demo --steps 4 2>&1 | tail -8 ;;
+  bench)
+    shape=${2:-27b}; layers=${3:-}
+    python3 benchmarks/run_all.py --shape "$shape" ${layers:+--layers $layers} --site-fla /tmp/site-fla --site-tl /tmp/site-tl \
+      --workdir "/tmp/bench-$shape" --out "$OUT/bench-$shape.json" --timeout ${BENCH_TIMEOUT:-240} \
+      --configs "${CONFIGS:-eager,hf-fast,fusepatch,hf-fast-no-tilelang,fusepatch-no-tilelang}" 2>&1 | tee "$OUT/bench-$shape.md"
+    tar czf "$OUT/bench-$shape-logs.tgz" -C /tmp "bench-$shape" ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+esac

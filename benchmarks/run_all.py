@@ -1,0 +1,121 @@
+"""Run the benchmark configurations side by side, each in its own process, and print a markdown table.
+
+    python benchmarks/run_all.py --shape 27b --site-fla /tmp/site-fla --site-tl /tmp/site-tl --out results.json
+
+``--site-fla`` holds fla + causal-conv1d (+ kernels, liger); ``--site-tl`` holds tilelang and its
+dependencies. Each configuration sees only the folders it is meant to: ``eager`` sees neither, the
+``-no-tilelang`` rows see fla but not tilelang (the stack where fla's Hopper guard bites).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+CONFIGS = {
+    # label: (train_step config, needs fla, needs tilelang)
+    "eager": ("eager", False, False),
+    "hf-fast": ("hf-fast", True, True),
+    "fusepatch": ("fusepatch", True, True),
+    "hf-fast-no-tilelang": ("hf-fast", True, False),
+    "fusepatch-no-tilelang": ("fusepatch", True, False),
+}
+
+
+def run_one(label: str, args) -> dict:
+    config, fla, tilelang = CONFIGS[label]
+    paths = [ROOT] + ([args.site_fla] if fla else []) + ([args.site_tl] if tilelang else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), FLA_FLASH_QLA="0")
+    out = os.path.join(args.workdir, f"{args.shape}-{label}.json")
+    cmd = [
+        sys.executable,
+        os.path.join(HERE, "train_step.py"),
+        "--config",
+        config,
+        "--label",
+        label,
+        "--shape",
+        args.shape,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--json-out",
+        out,
+    ]
+    if args.layers:
+        cmd += ["--layers", str(args.layers)]
+    if args.checkpointing:
+        cmd.append("--checkpointing")
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if os.path.exists(out):
+        with open(out) as fh:
+            result = json.load(fh)
+    else:
+        result = {"config": label, "error": f"exit {proc.returncode}: {proc.stderr[-800:]}"}
+    result["wall_s"] = round(time.perf_counter() - start, 1)
+    with open(os.path.join(args.workdir, f"{args.shape}-{label}.log"), "w") as fh:
+        fh.write(proc.stdout[-20000:] + "\n--- stderr ---\n" + proc.stderr[-20000:])
+    return result
+
+
+def table(results: list[dict], baseline: str = "hf-fast") -> str:
+    base = next((r for r in results if r.get("config") == baseline and "error" not in r), None)
+    lines = [
+        "| config | tokens/s | vs hf-fast | median step ms | peak GiB | aten ops/step | GPU kernels/step | GPU busy | MFU | note |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['config']} | - | - | - | - | - | - | - | - | fails: {r['error'][:160]} |")
+            continue
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        note = "; ".join(r.get("fallbacks", [])[:2])[:160]
+        lines.append(
+            f"| {r['config']} | {r['tokens_per_s']:,.0f} | {ratio} | {r['median_step_ms']} | {r['peak_mem_gib']} | "
+            f"{r['aten_ops_per_step']:,} | {r['gpu_kernels_per_step']:,} | {r['gpu_busy_fraction']:.2f} | {r['mfu']:.2f} | {note} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="27b")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--configs", default="eager,hf-fast,fusepatch,hf-fast-no-tilelang,fusepatch-no-tilelang")
+    parser.add_argument("--site-fla", default="")
+    parser.add_argument("--site-tl", default="")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--timeout", type=int, default=300)
+    parser.add_argument("--workdir", default=".")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    results = []
+    for label in args.configs.split(","):
+        try:
+            results.append(run_one(label, args))
+        except subprocess.TimeoutExpired:
+            results.append({"config": label, "error": f"timed out after {args.timeout}s"})
+        r = results[-1]
+        print(f"{label}: {r.get('tokens_per_s', r.get('error'))}", flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(results, fh, indent=2)
+    print(f"\nshape {args.shape}, command: {' '.join(sys.argv)}")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""One training step (fwd + bwd + AdamW) of a Qwen3.5 model at real layer shapes, timed and profiled.
+
+Run one configuration per process (the driver, ``run_all.py``, does that):
+
+    python benchmarks/train_step.py --config fusepatch --shape 27b --json-out result.json
+
+Configurations: ``eager`` (transformers' reference paths; the caller makes fla/causal-conv1d unimportable),
+``hf-fast`` (transformers with fla + causal-conv1d importable, no fusepatch), ``fusepatch`` (the same plus
+``fusepatch.apply``). Reports the median step time of ``--steps`` timed steps after ``--warmup`` steps,
+tokens/s, peak memory, and from one profiled step: aten ops dispatched, GPU kernels, GPU busy fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shapes import SHAPES, build_config, flops_per_token  # noqa: E402
+
+PEAK_TFLOPS = 790.0  # bf16 dense, measured on this workplace's H200s (device KINDS.md)
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    found = {}
+    for name in (
+        "torch",
+        "triton",
+        "transformers",
+        "fla-core",
+        "causal-conv1d",
+        "tilelang",
+        "liger-kernel",
+        "fusepatch",
+    ):
+        try:
+            found[name] = md.version(name)
+        except md.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def _busy_fraction(events, window: float) -> tuple[int, float, list[tuple[str, float]]]:
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, -1.0
+    for s, e in spans:
+        if s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    totals: dict[str, float] = {}
+    for e in kernels:
+        totals[e.name] = totals.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
+    top = sorted(totals.items(), key=lambda kv: -kv[1])[:8]
+    return len(kernels), (busy / window if window > 0 else 0.0), [(n[:80], t / 1000.0) for n, t in top]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True, choices=["eager", "hf-fast", "fusepatch"])
+    parser.add_argument("--label", default=None)
+    parser.add_argument("--shape", default="27b", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args()
+
+    spec = SHAPES[args.shape]
+    seq, batch = args.seq or spec["seq"], args.batch or spec["batch"]
+    result = {
+        "config": args.label or args.config,
+        "shape": args.shape,
+        "seq": seq,
+        "batch": batch,
+        "versions": _versions(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    try:
+        result.update(run(args, seq, batch))
+    except Exception as exc:  # noqa: BLE001 - a failing configuration is a result, not a crash of the run
+        result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        result["traceback"] = traceback.format_exc()[-2000:]
+    text = json.dumps(result, indent=2)
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            fh.write(text)
+    print(text)
+    return 0
+
+
+def run(args, seq: int, batch: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16
+    config = build_config(args.shape, args.layers)
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.train()
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    info: dict = {"layers": config.num_hidden_layers, "params": sum(p.numel() for p in model.parameters())}
+    if args.config == "fusepatch":
+        import fusepatch
+
+        report = fusepatch.apply(model)
+        info["report"] = report.to_dict()["layers"]
+        info["fallbacks"] = report.log_lines()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step():
+        ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    first = time.perf_counter()
+    for _ in range(args.warmup):
+        loss = step()
+    sync()
+    info["warmup_s"] = time.perf_counter() - first
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for _ in range(args.steps):
+        sync()
+        start = time.perf_counter()
+        loss = step()
+        sync()
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    median = statistics.median(times)
+    tokens = batch * seq
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        window = (time.perf_counter() - start) * 1e6
+    events = prof.events()
+    aten = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::"))
+    kernels, busy, top = _busy_fraction(events, window)
+    flops = flops_per_token(config, seq) * tokens
+    info.update(
+        step_ms=[round(t * 1000, 2) for t in times],
+        median_step_ms=round(median * 1000, 2),
+        tokens_per_s=round(tokens / median, 1),
+        peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+        aten_ops_per_step=aten,
+        gpu_kernels_per_step=kernels,
+        gpu_busy_fraction=round(busy, 3),
+        mfu=round(flops / median / (PEAK_TFLOPS * 1e12), 3),
+        tflop_per_step=round(flops / 1e12, 2),
+        losses=[round(x, 4) for x in losses],
+        top_kernels_ms=top,
+    )
+    return info
+
+
+if __name__ == "__main__":
+    sys.exit(main())
