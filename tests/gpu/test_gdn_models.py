@@ -1,13 +1,22 @@
 """Whole models on a real GPU: a patched mini model of each hybrid family against its fp32 eager reference.
 
-A bf16 model differs from its fp32 self by rounding alone, by a few percent in some gradients. So a fused
-bf16 path is judged against the fp32 reference, beside the bf16 eager path: it passes when its error is no
-larger than FACTOR times the eager path's error (plus a small floor for quantities eager gets almost exact).
+Two checks per family and per gated-delta-rule candidate:
+- fp32: the fused model run in fp32 against the fp32 eager reference: loss, logits and every gradient within
+  FP32_TOL (Triton's tf32 dots, amplified through the layers). This proves the wiring and the kernels.
+- bf16: a bf16 model differs from its fp32 self by rounding alone, by a few percent in some gradients. The
+  fused bf16 path passes when its error against the fp32 reference is at most FACTOR times the bf16 eager
+  path's error plus FLOOR. The eager delta rule runs its recurrence in fp32 even for bf16 inputs, so for the
+  two decay parameters (A_log, dt_bias), whose gradients are sums over every token of the decay gradient,
+  with heavy cancellation, the bf16 kernel's rounding is amplified: they are held to DECAY_TOL instead, and
+  the fp32 check above is what proves them right.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
+import os
 
 import pytest
 import torch
@@ -21,6 +30,8 @@ from fusepatch.tiny import tiny_model
 pytestmark = pytest.mark.gpu
 FACTOR = 3.0
 FLOOR = 5e-3
+FP32_TOL = 1e-2
+DECAY_TOL = 0.25
 HYBRID = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
 SHAPE = dict(
     hidden_size=256,
@@ -41,43 +52,70 @@ def _eager(model):
     return model
 
 
-def _models(model_type):
-    base = tiny_model(model_type, **SHAPE)
-    reference = _eager(copy.deepcopy(base).cuda())  # fp32, fusepatch's eager references (not fla)
-    eager = _eager(copy.deepcopy(base).cuda().to(torch.bfloat16))
-    fused = copy.deepcopy(base).cuda().to(torch.bfloat16)
-    report = fusepatch.apply(fused)
-    return reference, eager, fused, report
-
-
 def _outputs(model, ids, **kwargs):
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=ids, use_cache=False, **kwargs)
     out.loss.backward()
     grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
-    return out.loss.float(), out.logits.float(), grads
+    return {"loss": out.loss.float(), "logits": out.logits.float(), **grads}
+
+
+@pytest.fixture(params=["fla", "fla-gate-outside"])
+def delta_rule_first(request, monkeypatch):
+    """Put one gated-delta-rule candidate first, so each is tested inside the model."""
+    op = OPS["gated_delta_rule"]
+    first = [c for c in op.candidates if c.name == request.param]
+    rest = [c for c in op.candidates if c.name != request.param]
+    monkeypatch.setitem(OPS, "gated_delta_rule", dataclasses.replace(op, candidates=tuple(first + rest)))
+    return request.param
+
+
+def _record(name: str, data: dict) -> None:
+    folder = os.environ.get("FUSEPATCH_GPU_REPORT_DIR")
+    if folder:
+        path = os.path.join(folder, "model-errors.json")
+        existing = json.load(open(path)) if os.path.exists(path) else {}
+        existing[name] = data
+        json.dump(existing, open(path, "w"), indent=1)
 
 
 @pytest.mark.parametrize("model_type", HYBRID)
-def test_mini_model_logits_loss_and_every_gradient(model_type):
-    reference, eager, fused, report = _models(model_type)
-    gdn = next(layer for layer in report.layers if layer.layer.endswith("GatedDeltaNet"))
-    chosen = {c.op: c for c in gdn.choices}
-    for op in GDN_OPS:
-        require(type("V", (), {"ok": chosen[op].fused, "reason": chosen[op].reason_text()})(), f"{model_type} {op}")
-    ids = torch.randint(0, reference.config.vocab_size, (2, 301), device="cuda")
-    ref_loss, ref_logits, ref_grads = _outputs(reference, ids)
-    e_loss, e_logits, e_grads = _outputs(eager, ids)
-    f_loss, f_logits, f_grads = _outputs(fused, ids)
-    assert f_grads.keys() == ref_grads.keys()
+def test_mini_model_logits_loss_and_every_gradient(model_type, delta_rule_first):
+    base = tiny_model(model_type, **SHAPE)
+    ids = torch.randint(0, base.config.vocab_size, (2, 301), device="cuda")
+    reference = _outputs(_eager(copy.deepcopy(base).cuda()), ids)
+    eager = _outputs(_eager(copy.deepcopy(base).cuda().to(torch.bfloat16)), ids)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = copy.deepcopy(base).cuda().to(dtype)
+        report = fusepatch.apply(model)
+        gdn = next(layer for layer in report.layers if layer.layer.endswith("GatedDeltaNet"))
+        chosen = {c.op: c for c in gdn.choices}
+        assert chosen["gated_delta_rule"].chosen == delta_rule_first or dtype == torch.float32, chosen
+        results[dtype] = (_outputs(model, ids), {op: chosen[op].chosen for op in GDN_OPS})
+    fused32, kernels32 = results[torch.float32]
+    fused16, kernels16 = results[torch.bfloat16]
+    require(type("V", (), {"ok": kernels16["gated_delta_rule"] != "eager", "reason": "fla not chosen"})(), model_type)
+    errors = {
+        name: {
+            "fp32": relative_error(fused32[name], ref),
+            "bf16": relative_error(fused16[name], ref),
+            "eager_bf16": relative_error(eager[name], ref),
+        }
+        for name, ref in reference.items()
+    }
+    _record(
+        f"{model_type}/{delta_rule_first}", {"kernels_fp32": kernels32, "kernels_bf16": kernels16, "errors": errors}
+    )
     failures = {}
-    checks = {"loss": (f_loss, e_loss, ref_loss), "logits": (f_logits, e_logits, ref_logits)}
-    checks.update({n: (f_grads[n], e_grads[n], ref_grads[n]) for n in ref_grads})
-    for name, (f, e, r) in checks.items():
-        fused_err, eager_err = relative_error(f, r), relative_error(e, r)
-        if not fused_err <= FACTOR * eager_err + FLOOR:
-            failures[name] = (round(fused_err, 5), round(eager_err, 5))
-    assert not failures, f"fused vs eager error against fp32 (name: (fused, eager)): {failures}"
+    for name, e in errors.items():
+        if not e["fp32"] <= FP32_TOL:
+            failures[f"{name} fp32"] = e
+        decay = name.endswith(("A_log", "dt_bias"))
+        bound = DECAY_TOL if decay else FACTOR * e["eager_bf16"] + FLOOR
+        if not e["bf16"] <= bound:
+            failures[f"{name} bf16"] = e
+    assert not failures, f"kernels fp32 {kernels32} bf16 {kernels16}; errors against fp32 eager: {failures}"
 
 
 @pytest.mark.parametrize("model_type", HYBRID)
