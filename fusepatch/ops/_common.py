@@ -14,7 +14,7 @@ from fusepatch.requirements import (
 )
 
 FLA_FIX = 'pip install "flash-linear-attention[cuda]"'
-CAUSAL_CONV1D_FIX = "pip install causal-conv1d --no-build-isolation   (or: python -m fusepatch build causal-conv1d)"
+CAUSAL_CONV1D_FIX = "pip install causal-conv1d --no-build-isolation   (builds against the installed torch; needs nvcc matching its CUDA)"
 HUB_FIX = 'pip install "fusepatch[hub]"'
 
 
