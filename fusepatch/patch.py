@@ -166,7 +166,9 @@ def apply(
             dispatches[row] = existing[0]._fusepatch.ops
         else:
             dispatches[row] = {
-                name: make_dispatch(name, env=env, prefer=prefer, label=row.layer, ops=ops, exclude=exclude)
+                name: make_dispatch(
+                    name, env=env, prefer=prefer, label=row.layer, ops=ops, exclude=exclude, module=modules[0]
+                )
                 for name in row.ops
             }
         choices = tuple(d.choice(device, dtype) for d in dispatches[row].values())

@@ -134,7 +134,13 @@ def static_verdict(candidate: Candidate, env: Environment) -> tuple[Verdict, Env
 
 
 def evaluate(
-    op: Op, candidate: Candidate, static: Verdict, device: str, dtype: str, packed: bool = False
+    op: Op,
+    candidate: Candidate,
+    static: Verdict,
+    device: str,
+    dtype: str,
+    packed: bool = False,
+    dims: dict[str, int] | None = None,
 ) -> tuple[Verdict, Callable[..., Any] | None]:
     """After the static checks: the call's device/dtype, varlen support, loading, then the self-test."""
     verdict = static
@@ -149,7 +155,7 @@ def evaluate(
         except Exception as exc:  # noqa: BLE001 - a broken install must not break training
             verdict = Verdict(False, f"loading failed: {type(exc).__name__}: {exc}", candidate_fix(candidate))
     if verdict.ok:
-        verdict = selftest.run(op, candidate, fn, device, dtype)
+        verdict = selftest.run(op, candidate, fn, device, dtype, packed=packed, dims=dims)
     return verdict, fn
 
 
@@ -176,8 +182,10 @@ class Dispatch:
         prefer: tuple[str, ...],
         label: str,
         disabled_reason: str | None = None,
+        dims: dict[str, int] | None = None,
     ) -> None:
         self.op = op
+        self.dims = dims  # the layer's feature sizes, so self-tests compile what training will run
         self.label = label
         self.disabled_reason = disabled_reason
         self._env = env
@@ -213,7 +221,7 @@ class Dispatch:
                 rejected.append(Rejection("*", "-", self.disabled_reason, ""))
             chosen: tuple[Candidate, Callable[..., Any]] | None = None
             for candidate, verdict in self._static:
-                verdict, fn = evaluate(self.op, candidate, verdict, device, dtype, packed)
+                verdict, fn = evaluate(self.op, candidate, verdict, device, dtype, packed, self.dims)
                 if verdict.ok:
                     chosen = (candidate, fn)
                     break
@@ -251,7 +259,9 @@ def make_dispatch(
     label: str,
     ops: Iterable[str] | None = None,
     exclude: Iterable[str] = (),
+    module: Any = None,
 ) -> Dispatch:
+    """The dispatcher of op ``name`` for one layer class (``module``: an instance, for the self-test's sizes)."""
     disabled = None
     if ops is not None and name not in set(ops):
         disabled = f"not selected (apply(ops={sorted(set(ops))!r}))"
@@ -259,4 +269,11 @@ def make_dispatch(
         disabled = "excluded by apply(exclude=...)"
     elif env.env_vars.get("FUSEPATCH_DISABLE", os.environ.get("FUSEPATCH_DISABLE", "")).lower() in ("1", "true", "yes"):
         disabled = "FUSEPATCH_DISABLE is set"
-    return Dispatch(OPS[name], env=env, prefer=prefer, label=label, disabled_reason=disabled)
+    op = OPS[name]
+    dims = None
+    if module is not None and op.selftest is not None and op.selftest.dims_from is not None:
+        try:
+            dims = op.selftest.dims_from(module)
+        except AttributeError:
+            dims = None
+    return Dispatch(op, env=env, prefer=prefer, label=label, disabled_reason=disabled, dims=dims)

@@ -19,7 +19,7 @@ from fusepatch.requirements import OK, Verdict, reject
 
 logger = logging.getLogger("fusepatch")
 
-_RESULTS: dict[tuple[str, str, str, str], Verdict] = {}
+_RESULTS: dict[tuple, Verdict] = {}
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -54,12 +54,19 @@ def _forward_backward(fn: Callable, args: tuple, kwargs: dict, cotangent: torch.
 
 
 def compare(
-    op: Op, fn: Callable, device: str, dtype: str, *, seed: int | None = None
+    op: Op,
+    fn: Callable,
+    device: str,
+    dtype: str,
+    *,
+    packed: bool = True,
+    dims: dict[str, int] | None = None,
+    seed: int | None = None,
 ) -> tuple[Verdict, dict[str, float]]:
     """Relative errors of ``fn`` against ``op.reference`` run on fp32 copies of the same fresh inputs."""
     assert op.selftest is not None
     generator = torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
-    args, kwargs = op.selftest.make_inputs(device, _dtype(dtype), generator)
+    args, kwargs = op.selftest.make_inputs(device, _dtype(dtype), generator, packed, dims)
     ref_dtype = torch.float64 if dtype == "float32" and device == "cpu" else torch.float32
     ref_args = tuple(_upcast(a, ref_dtype) for a in args)
     ref_kwargs = {k: _upcast(v, ref_dtype) for k, v in kwargs.items()}
@@ -89,9 +96,20 @@ def compare(
     return OK, errors
 
 
-def run(op: Op, candidate: Candidate, fn: Callable, device: str, dtype: str) -> Verdict:
-    """Self-test ``candidate`` (cached per process). Exceptions become a rejection with the real error."""
-    key = (op.name, candidate.name, device, dtype)
+def run(
+    op: Op,
+    candidate: Candidate,
+    fn: Callable,
+    device: str,
+    dtype: str,
+    *,
+    packed: bool = True,
+    dims: dict[str, int] | None = None,
+) -> Verdict:
+    """Self-test ``candidate`` (cached per process). Exceptions become a rejection with the real error.
+
+    ``packed`` and ``dims`` make the inputs look like the calls it guards (see ``SelfTest``)."""
+    key = (op.name, candidate.name, device, dtype, packed, tuple(sorted((dims or {}).items())))
     if key in _RESULTS:
         return _RESULTS[key]
     if op.selftest is None or candidate.source == "eager":
@@ -99,7 +117,7 @@ def run(op: Op, candidate: Candidate, fn: Callable, device: str, dtype: str) -> 
         return OK
     start = time.perf_counter()
     try:
-        verdict, errors = compare(op, fn, device, dtype)
+        verdict, errors = compare(op, fn, device, dtype, packed=packed, dims=dims)
     except Exception as exc:  # noqa: BLE001 - any failure of a kernel is a reason to refuse it
         first = (str(exc).strip().splitlines() or [""])[0]
         verdict, errors = reject(f"self-test on {device}/{dtype} raised {type(exc).__name__}: {first}"), {}

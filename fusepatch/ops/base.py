@@ -37,13 +37,16 @@ class Candidate:
 class SelfTest:
     """How to check a candidate against the reference on tiny fresh random inputs.
 
-    ``make_inputs(device, dtype, generator)`` returns ``(args, kwargs)``; float tensors that require grad
-    get gradients compared too. ``tolerance`` maps dtype name -> max relative error (norm of the difference
-    over norm of the reference), for outputs and every gradient.
+    ``make_inputs(device, dtype, generator, packed, dims)`` returns ``(args, kwargs)``; float tensors that
+    require grad get gradients compared too. ``packed`` asks for a packed (varlen) call and ``dims`` for the
+    layer's own feature sizes (from ``dims_from(module)``): the self-test then compiles and autotunes the very
+    kernel variants training will use, instead of a second set. ``tolerance`` maps dtype name -> max relative
+    error (norm of the difference over norm of the reference), for outputs and every gradient.
     """
 
     make_inputs: Callable[..., tuple[tuple, dict]]
     tolerance: dict[str, float]
+    dims_from: Callable[[Any], dict[str, int]] | None = None
 
 
 @dataclass(frozen=True)

@@ -87,12 +87,17 @@ def _load_fla_conv():
     return causal_conv1d_fla
 
 
-def _selftest_inputs(device, dtype, generator):
-    batch, length, dim, width = 1, 77, 96, 4
+def _selftest_inputs(device, dtype, generator, packed=True, dims=None):
+    dims = dims or {}
+    batch, length, dim, width = 1, 77, dims.get("dim", 96), dims.get("width", 4)
     x = rand((batch, length, dim), device, dtype, generator)
     weight = rand((dim, width), device, dtype, generator, scale=0.5)
-    cu = torch.tensor([0, 30, 31, 77], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 30, 31, 77], dtype=torch.int32, device=device) if packed else None
     return (x, weight, None), {"activation": "silu", "cu_seqlens": cu}
+
+
+def _dims(module) -> dict[str, int]:
+    return {"dim": module.conv_dim, "width": module.conv_kernel_size}
 
 
 CAUSAL_CONV1D = Op(
@@ -130,5 +135,5 @@ CAUSAL_CONV1D = Op(
             provides="causal_conv1d_fn",
         ),
     ),
-    selftest=SelfTest(_selftest_inputs, {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}),
+    selftest=SelfTest(_selftest_inputs, {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}, _dims),
 )

@@ -147,9 +147,11 @@ def _load_fla(gate_in_kernel: bool):
     return gated_delta_rule_fla
 
 
-def _selftest_inputs(device, dtype, generator):
-    # Odd length, a packed row of three documents, grouped value heads (2 k heads -> 4 v heads).
-    length, hk, hv, dk, dv = 150, 2, 4, 64, 64
+def _selftest_inputs(device, dtype, generator, packed=True, dims=None):
+    # Odd length, grouped value heads; packed: a row of three documents. Head sizes: the layer's when known.
+    dims = dims or {}
+    length = 150
+    hk, hv, dk, dv = (dims.get(k, d) for k, d in (("hk", 2), ("hv", 4), ("dk", 64), ("dv", 64)))
     q = rand((1, length, hk, dk), device, dtype, generator)
     k = rand((1, length, hk, dk), device, dtype, generator)
     v = rand((1, length, hv, dv), device, dtype, generator)
@@ -158,8 +160,12 @@ def _selftest_inputs(device, dtype, generator):
     # A_log and dt_bias are parameters: in the model's dtype, as a bf16 model holds them.
     A_log = (torch.rand(hv, generator=generator) * 2 - 1).to(device=device, dtype=dtype).requires_grad_(True)
     dt_bias = rand((hv,), device, dtype, generator, scale=0.5)
-    cu = torch.tensor([0, 64, 101, length], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 64, 101, length], dtype=torch.int32, device=device) if packed else None
     return (q, k, v, a, b, A_log, dt_bias), {"cu_seqlens": cu}
+
+
+def _dims(module) -> dict[str, int]:
+    return {"hk": module.num_k_heads, "hv": module.num_v_heads, "dk": module.head_k_dim, "dv": module.head_v_dim}
 
 
 FLA_INPUTS = InputRule(kernel="fla's chunked gated delta rule", dtypes=("bfloat16", "float16", "float32"))
@@ -195,5 +201,5 @@ GATED_DELTA_RULE = Op(
             provides="chunk_gated_delta_rule",
         ),
     ),
-    selftest=SelfTest(_selftest_inputs, {"bfloat16": 5e-2, "float16": 2e-2, "float32": 5e-3}),
+    selftest=SelfTest(_selftest_inputs, {"bfloat16": 5e-2, "float16": 2e-2, "float32": 5e-3}, _dims),
 )

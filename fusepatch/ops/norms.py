@@ -60,17 +60,27 @@ def _load_fla_gated():
     return gated_rms_norm_fla
 
 
-def _norm_inputs(device, dtype, generator):
-    x = rand((3, 37, 200), device, dtype, generator)
-    weight = rand((200,), device, dtype, generator, scale=0.1)
+def _norm_inputs(device, dtype, generator, packed=False, dims=None):
+    dim = (dims or {}).get("dim", 200)
+    x = rand((3, 37, dim), device, dtype, generator)
+    weight = rand((dim,), device, dtype, generator, scale=0.1)
     return (x, weight, 1e-6), {}
 
 
-def _gated_inputs(device, dtype, generator):
-    x = rand((211, 128), device, dtype, generator)
-    gate = rand((211, 128), device, dtype, generator)
-    weight = (1 + rand((128,), device, torch.float32, generator, scale=0.1, grad=False)).to(dtype).requires_grad_(True)
+def _gated_inputs(device, dtype, generator, packed=False, dims=None):
+    dim = (dims or {}).get("dim", 128)
+    x = rand((211, dim), device, dtype, generator)
+    gate = rand((211, dim), device, dtype, generator)
+    weight = (1 + rand((dim,), device, torch.float32, generator, scale=0.1, grad=False)).to(dtype).requires_grad_(True)
     return (x, gate, weight, 1e-6), {}
+
+
+def _norm_dims(module) -> dict[str, int]:
+    return {"dim": module.weight.shape[0]}
+
+
+def _gated_dims(module) -> dict[str, int]:
+    return {"dim": module.head_v_dim}  # the Gated DeltaNet layer: its output norm is per value head
 
 
 NORM_TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}
@@ -97,7 +107,7 @@ RMS_NORM = Op(
             load=lambda: None,
         ),
     ),
-    selftest=SelfTest(_norm_inputs, NORM_TOLERANCE),
+    selftest=SelfTest(_norm_inputs, NORM_TOLERANCE, _norm_dims),
 )
 
 RMS_NORM_ZERO_CENTERED = Op(
@@ -115,7 +125,7 @@ RMS_NORM_ZERO_CENTERED = Op(
             distribution="fla-core",
         ),
     ),
-    selftest=SelfTest(_norm_inputs, NORM_TOLERANCE),
+    selftest=SelfTest(_norm_inputs, NORM_TOLERANCE, _norm_dims),
 )
 
 GATED_RMS_NORM = Op(
@@ -140,5 +150,5 @@ GATED_RMS_NORM = Op(
             provides="FusedRMSNormGated",
         ),
     ),
-    selftest=SelfTest(_gated_inputs, NORM_TOLERANCE),
+    selftest=SelfTest(_gated_inputs, NORM_TOLERANCE, _gated_dims),
 )

@@ -19,8 +19,13 @@ def _load_fla():
     return swiglu
 
 
-def _inputs(device, dtype, generator):
-    return (rand((5, 33, 300), device, dtype, generator), rand((5, 33, 300), device, dtype, generator)), {}
+def _inputs(device, dtype, generator, packed=False, dims=None):
+    dim = (dims or {}).get("dim", 300)
+    return (rand((5, 33, dim), device, dtype, generator), rand((5, 33, dim), device, dtype, generator)), {}
+
+
+def _dims(module) -> dict[str, int]:
+    return {"dim": module.intermediate_size} if hasattr(module, "intermediate_size") else {}
 
 
 SWIGLU = Op(
@@ -45,5 +50,5 @@ SWIGLU = Op(
             provides="silu_and_mul",
         ),
     ),
-    selftest=SelfTest(_inputs, {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-5}),
+    selftest=SelfTest(_inputs, {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-5}, _dims),
 )
