@@ -16,10 +16,22 @@ from fusepatch.report import PatchReport
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # The callback imports transformers' Trainer machinery: load it only when asked for.
+    if name in ("FusePatchCallback", "attach"):
+        from fusepatch import callback
+
+        return getattr(callback, name)
+    raise AttributeError(f"module 'fusepatch' has no attribute {name!r}")
+
+
 logging.getLogger("fusepatch").addHandler(logging.NullHandler())
 
 __all__ = [
     "Environment",
+    "FusePatchCallback",
+    "attach",
     "FusePatchError",
     "PatchReport",
     "Row",

@@ -1,0 +1,192 @@
+"""Supervised fine-tuning of a Qwen3.5 model on ultrachat-format data, with fusepatch.
+
+Runs offline by default: a tiny Qwen3.5 built from a config, a byte-level BPE tokenizer trained on the shipped
+conversations (examples/data/ultrachat_sample.jsonl, the HuggingFaceH4/ultrachat_200k format: a ``messages``
+list per row), padding-free packing, activation checkpointing, and FusePatchCallback's report and profile.
+
+    python examples/sft_ultrachat.py --max-steps 20
+    python examples/sft_ultrachat.py --model Qwen/Qwen3.5-27B --dataset HuggingFaceH4/ultrachat_200k --split train_sft
+
+Loss is on assistant tokens only. Packing uses DataCollatorWithFlattening (position_ids restart at 0 per
+conversation); fusepatch keeps every conversation separate in the linear-attention layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_DATA = os.path.join(HERE, "data", "ultrachat_sample.jsonl")
+CHATML = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{%- else %}{{ message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def load_conversations(dataset: str, split: str):
+    """A ``datasets.Dataset`` with a ``messages`` column: a local json/jsonl file, or a Hub dataset id."""
+    from datasets import load_dataset
+
+    if os.path.exists(dataset):
+        return load_dataset("json", data_files=dataset, split="train")
+    return load_dataset(dataset, split=split)
+
+
+def build_tokenizer(conversations, vocab_size: int = 1024):
+    """A byte-level BPE trained on the conversations themselves, with ChatML special tokens: works offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    texts = (m["content"] for row in conversations for m in row["messages"])
+    tok.train_from_iterator(texts, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=special[1:]
+    )
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def _assistant_mask_by_prefixes(tokenizer, messages) -> list[int]:
+    """For chat templates without {% generation %} markers: find each assistant turn's tokens by rendering
+    the conversation up to the turn with and without it."""
+
+    def length(msgs, **kwargs) -> int:
+        return len(tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    mask = [0] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = length(messages[:i], add_generation_prompt=True)
+        end = length(messages[: i + 1])
+        # the turn ends at its end-of-turn token; what the template adds after it is not the assistant's
+        ends = [j for j in range(start, min(end, len(ids))) if ids[j] == tokenizer.eos_token_id]
+        end = ends[-1] + 1 if ends else end
+        for j in range(start, min(end, len(mask))):
+            mask[j] = 1
+    return mask
+
+
+def tokenize(tokenizer, messages, max_length: int) -> dict:
+    """input_ids and labels (-100 everywhere but assistant tokens), truncated to ``max_length``."""
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids = list(out["input_ids"])
+    mask = list(out.get("assistant_masks") or [])
+    if not any(mask):
+        mask = _assistant_mask_by_prefixes(tokenizer, messages)
+    labels = [t if m else -100 for t, m in zip(ids, mask)]
+    return {"input_ids": ids[:max_length], "labels": labels[:max_length]}
+
+
+def build_model(args, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    if args.model:
+        return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    from fusepatch.tiny import tiny_config
+
+    config = tiny_config(
+        "qwen3_5_text", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, use_cache=False
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="Hub id or path; default: a tiny Qwen3.5 from a config")
+    parser.add_argument("--tokenizer", default=None, help="default: --model's, else one trained on the data")
+    parser.add_argument("--dataset", default=DEFAULT_DATA, help="json/jsonl path or Hub dataset id")
+    parser.add_argument("--split", default="train_sft")
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=4, help="conversations per micro-batch (packed into one row)")
+    parser.add_argument("--max-steps", type=int, default=10)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--output-dir", default="sft-output")
+    parser.add_argument("--no-packing", action="store_true")
+    parser.add_argument("--no-checkpointing", action="store_true")
+    parser.add_argument("--no-fusepatch", action="store_true")
+    parser.add_argument("--profile-step", type=int, default=5)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("transformers").setLevel(logging.WARNING)
+
+    from transformers import (
+        AutoTokenizer,
+        DataCollatorForSeq2Seq,
+        DataCollatorWithFlattening,
+        Trainer,
+        TrainingArguments,
+    )
+
+    import fusepatch
+
+    conversations = load_conversations(args.dataset, args.split)
+    if args.tokenizer or args.model:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    else:
+        tokenizer = build_tokenizer(conversations)
+    train = conversations.map(
+        lambda row: tokenize(tokenizer, row["messages"], args.max_length), remove_columns=conversations.column_names
+    )
+    supervised = sum(sum(1 for t in row["labels"] if t != -100) for row in train)
+    total = sum(len(row["input_ids"]) for row in train)
+    print(f"{len(train)} conversations, {total} tokens, {supervised} assistant tokens carry the loss")
+
+    model = build_model(args, tokenizer)
+    model.config.use_cache = False  # training: no cache (and packed batches need none)
+    if args.no_packing:
+        collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    else:
+        collator = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+    training_args = TrainingArguments(
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        logging_steps=1,
+        gradient_checkpointing=not args.no_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        bf16=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(),
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
+    trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=collator)
+    callback = fusepatch.attach(
+        trainer, fusepatch.FusePatchCallback(apply_patches=not args.no_fusepatch, profile_step=args.profile_step)
+    )
+    trainer.train()
+    metrics = {k: v for entry in trainer.state.log_history for k, v in entry.items() if k.startswith("fusepatch/")}
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    print("losses: " + " ".join(f"{x:.3f}" for x in losses))
+    print("fusepatch metrics: " + json.dumps(metrics))
+    if callback.last_profile is not None:
+        print(callback.last_profile.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

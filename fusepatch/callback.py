@@ -1,0 +1,168 @@
+"""A transformers ``TrainerCallback``: apply the patches, log the report, and profile one step.
+
+The profiled step is logged through the Trainer's own logging (``state.log_history``, console, and the
+reporters that run after this callback; ``fusepatch.attach(trainer)`` puts it first so that TensorBoard and
+W&B see the metrics too).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+from transformers import TrainerCallback
+
+from fusepatch import profile as profiling
+from fusepatch.patch import apply, report
+from fusepatch.registry import all_rows
+
+logger = logging.getLogger("fusepatch")
+
+
+def _patched(model: torch.nn.Module) -> bool:
+    return any("_fusepatch" in m.__dict__ for m in model.modules())
+
+
+class FusePatchCallback(TrainerCallback):
+    """Apply fusepatch when training begins and show what a torch trace of one step shows.
+
+    Args:
+        apply_patches: call ``fusepatch.apply`` on the model if it is not patched yet.
+        apply_kwargs: keyword arguments for ``fusepatch.apply`` (``ops``, ``exclude``, ``prefer``, ``strict``).
+        profile: profile one optimizer step with ``torch.profiler``.
+        profile_step: which optimizer step (1-based) to profile; the default leaves warm-up and autotuning behind.
+        trace_dir: also write the Chrome trace of that step there.
+        peak_tflops: the GPU's peak for MFU; default from the GPU name (datasheet dense bf16), none on CPU.
+
+    Example::
+
+        >>> trainer = Trainer(model, args, train_dataset=ds, callbacks=[FusePatchCallback()])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        apply_patches: bool = True,
+        apply_kwargs: dict | None = None,
+        profile: bool = True,
+        profile_step: int = 5,
+        trace_dir: str | None = None,
+        peak_tflops: float | None = None,
+    ) -> None:
+        if profile_step < 1:
+            raise ValueError(f"profile_step counts optimizer steps from 1, got {profile_step}")
+        self.apply_patches = apply_patches
+        self.apply_kwargs = dict(apply_kwargs or {})
+        self.profile = profile
+        self.profile_step = profile_step
+        self.trace_dir = trace_dir
+        self.peak_tflops = peak_tflops
+        self.report = None
+        self.last_profile: profiling.StepProfile | None = None
+        self._pending: dict[str, float] = {}
+        self._tokens = 0
+        self._seq_len = 0
+        self._hook = None
+        self._profiler = None
+        self._labels = None
+        self._start = 0.0
+
+    # -- training begins: patch, report, start counting tokens ---------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            return
+        if self.apply_patches and not _patched(model):
+            self.report = apply(model, **self.apply_kwargs)
+        else:
+            self.report = report(model)
+        logger.info("%s", self.report)
+        self._pending.update(
+            {"fusepatch/fused_ops": len(self.report.fused_ops), "fusepatch/fallbacks": len(self.report.fallbacks())}
+        )
+        self._hook = model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
+        self._model = model
+
+    def _count_tokens(self, module, args, kwargs):
+        if not module.training:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+            shape = None if ids is None else ids.shape[:2]
+        else:
+            shape = ids.shape
+        if shape is None:
+            return
+        mask = kwargs.get("attention_mask")
+        self._tokens += (
+            int(mask.sum()) if isinstance(mask, torch.Tensor) and mask.ndim == 2 else int(shape[0] * shape[-1])
+        )
+        self._seq_len = int(shape[-1])
+
+    # -- one profiled step -------------------------------------------------------------------------------
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.profile or state.global_step + 1 != self.profile_step or self._hook is None:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        classes = {row.layer for row in all_rows()}
+        self._labels = profiling.label_layers(self._model, classes)
+        self._labels.__enter__()
+        self._profiler = torch.profiler.profile(activities=activities)
+        self._profiler.__enter__()
+        self._tokens = 0
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._profiler is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self._start
+        self._profiler.__exit__(None, None, None)
+        self._labels.__exit__(None, None, None)
+        prof, self._profiler, self._labels = self._profiler, None, None
+        peak = self.peak_tflops
+        if peak is None and torch.cuda.is_available():
+            peak = profiling.peak_tflops_for(torch.cuda.get_device_name())
+        flops = profiling.flops_per_token(self._model, self._seq_len) if self._seq_len else None
+        result = profiling.summarize(
+            prof.events(), step=state.global_step, wall_s=wall, tokens=self._tokens, flops=flops, peak_tflops=peak
+        )
+        self.last_profile = result
+        self._pending.update(result.metrics())
+        (logger.warning if result.cpu_bound else logger.info)("%s", result.summary())
+        if self.trace_dir:
+            os.makedirs(self.trace_dir, exist_ok=True)
+            path = os.path.join(self.trace_dir, f"fusepatch-step{state.global_step}.json")
+            prof.export_chrome_trace(path)
+            logger.info("fusepatch: trace of step %d written to %s", state.global_step, path)
+        control.should_log = True  # the Trainer logs right after this step; on_log adds the metrics
+
+    # -- logging -------------------------------------------------------------------------------------------
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self._pending:
+            return
+        if logs is not None:
+            logs.update(self._pending)
+        if state.log_history:
+            state.log_history[-1].update(self._pending)
+        self._pending.clear()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+def attach(trainer, callback: FusePatchCallback | None = None) -> FusePatchCallback:
+    """Add ``callback`` (a new FusePatchCallback by default) as the Trainer's first callback, so that every
+    reporter (TensorBoard, W&B, ...) receives the metrics it adds to the logs."""
+    callback = callback or FusePatchCallback()
+    trainer.callback_handler.callbacks.insert(0, callback)
+    return callback

@@ -1,0 +1,214 @@
+"""What a torch trace shows about one training step: CPU-side ops against GPU kernels, GPU busy time, MFU.
+
+"98% GPU utilization" only says a kernel was resident; the trace says whether the CPU kept the GPU fed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+# Dense bf16 peak FLOP/s by GPU name (vendor datasheets); MFU is left out for GPUs not listed here
+# unless ``peak_tflops`` is given.
+PEAK_TFLOPS: dict[str, float] = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "A10G": 70.0,
+    "L4": 121.0,
+}
+
+
+def peak_tflops_for(name: str) -> float | None:
+    for key, value in sorted(PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])):
+        if key in name:
+            return value
+    return None
+
+
+@dataclass
+class StepProfile:
+    """One profiled optimizer step."""
+
+    step: int
+    step_time_s: float
+    cpu_ops: int  # aten ops dispatched from Python (nested ones included)
+    gpu_kernels: int
+    gpu_busy_fraction: float | None  # union of kernel intervals over the step's wall time; None without CUDA
+    tokens: int
+    peak_memory_gib: float | None
+    mfu: float | None
+    top_kernels: list[tuple[str, float]] = field(default_factory=list)  # (name, ms)
+    ops_by_layer: list[tuple[str, int]] = field(default_factory=list)  # forward aten ops per layer class
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    @property
+    def cpu_bound(self) -> bool:
+        return self.gpu_busy_fraction is not None and self.gpu_busy_fraction < 0.8
+
+    def metrics(self, prefix: str = "fusepatch/") -> dict[str, float]:
+        out = {
+            "cpu_ops_per_step": self.cpu_ops,
+            "gpu_kernels_per_step": self.gpu_kernels,
+            "step_time_s": round(self.step_time_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+        }
+        if self.gpu_busy_fraction is not None:
+            out["gpu_busy_fraction"] = round(self.gpu_busy_fraction, 3)
+        if self.mfu is not None:
+            out["mfu"] = round(self.mfu, 4)
+        if self.peak_memory_gib is not None:
+            out["peak_memory_gib"] = round(self.peak_memory_gib, 2)
+        return {prefix + k: v for k, v in out.items()}
+
+    def summary(self) -> str:
+        """Plain words for the log: what the step did, and whether the CPU held the GPU back."""
+        busy = "n/a (no CUDA)" if self.gpu_busy_fraction is None else f"{self.gpu_busy_fraction:.0%}"
+        mfu = "" if self.mfu is None else f", MFU {self.mfu:.1%}"
+        text = (
+            f"fusepatch profile of step {self.step}: {self.step_time_s * 1000:.0f} ms, {self.tokens_per_s:,.0f} tokens/s{mfu}; "
+            f"{self.cpu_ops:,} aten ops dispatched, {self.gpu_kernels:,} GPU kernels, GPU busy {busy}"
+        )
+        if self.cpu_bound:
+            layers = ", ".join(f"{name} ({count:,} ops)" for name, count in self.ops_by_layer[:3]) or "see the trace"
+            text += (
+                f". CPU-bound: the GPU sat idle {1 - self.gpu_busy_fraction:.0%} of the step waiting for the CPU to "
+                f"enqueue work. Most forward ops: {layers}. Check the report for layers that fell back to eager."
+            )
+        return text
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def matmul_parameters(model: torch.nn.Module) -> float:
+    """Parameters that take part in a matmul per token: every Linear weight, and MoE expert weights scaled by
+    the fraction of experts a token visits (top-k / experts)."""
+    total = 0.0
+    config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    top_k = getattr(text, "num_experts_per_tok", None)
+    experts = getattr(text, "num_experts", None)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            total += module.weight.numel()
+        elif type(module).__name__.endswith("Experts") and top_k and experts:
+            own = sum(p.numel() for p in module.parameters(recurse=False))
+            total += own * top_k / experts
+    return total
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x matmul parameters + causal full attention 6 * seq * Hq * Dh per layer +
+    the gated delta rule 3 x [4 Dk Dv + 2 * 64 (Dk + Dv)] per value head per linear-attention layer."""
+    flops = 6.0 * matmul_parameters(model)
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("GatedDeltaNet"):
+            dk, dv = module.head_k_dim, module.head_v_dim
+            flops += module.num_v_heads * 3 * (4 * dk * dv + 2 * 64 * (dk + dv))
+        elif name.endswith("Attention") and hasattr(module, "q_proj") and hasattr(module, "head_dim"):
+            heads = getattr(module.config, "num_attention_heads", 0)
+            flops += 6.0 * seq_len * heads * module.head_dim
+    return flops
+
+
+def _busy(kernels) -> float:
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    return busy
+
+
+def _layer_of(event) -> str | None:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("fusepatch::"):
+            return parent.name.removeprefix("fusepatch::")
+        parent = parent.cpu_parent
+    return None
+
+
+def summarize(
+    events, *, step: int, wall_s: float, tokens: int, flops: float | None, peak_tflops: float | None
+) -> StepProfile:
+    """Turn a profiler's events for one step into a StepProfile."""
+    cuda_type = torch.autograd.DeviceType.CUDA
+    aten = [e for e in events if e.device_type != cuda_type and e.name.startswith("aten::")]
+    kernels = [e for e in events if e.device_type == cuda_type]
+    busy = _busy(kernels) / (wall_s * 1e6) if kernels and wall_s > 0 else None
+    by_kernel: Counter[str] = Counter()
+    for e in kernels:
+        by_kernel[e.name[:90]] += (e.time_range.end - e.time_range.start) / 1000.0
+    by_layer: Counter[str] = Counter()
+    for e in aten:
+        layer = _layer_of(e)
+        if layer is not None:
+            by_layer[layer] += 1
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() and kernels else None
+    mfu = None
+    if flops is not None and peak_tflops and wall_s > 0:
+        mfu = flops * tokens / wall_s / (peak_tflops * 1e12)
+    return StepProfile(
+        step=step,
+        step_time_s=wall_s,
+        cpu_ops=len(aten),
+        gpu_kernels=len(kernels),
+        gpu_busy_fraction=None if not kernels else min(busy or 0.0, 1.0),
+        tokens=tokens,
+        peak_memory_gib=peak_mem,
+        mfu=mfu,
+        top_kernels=[(name, round(ms, 3)) for name, ms in by_kernel.most_common(5)],
+        ops_by_layer=by_layer.most_common(5),
+    )
+
+
+@contextlib.contextmanager
+def label_layers(model: torch.nn.Module, class_names: set[str]):
+    """Wrap the forward of every module whose class is in ``class_names`` in a ``fusepatch::<Class>`` profiler
+    range, so forward ops can be attributed to layers."""
+    handles = []
+
+    def in_backward() -> bool:
+        # Activation-checkpoint recomputation runs forwards inside backward and may stop them early: label
+        # only the real forward pass, so every range that opens also closes.
+        current = getattr(torch._C, "_current_graph_task_id", None)
+        return current is not None and current() != -1
+
+    def pre(module, args):
+        if in_backward():
+            return
+        module._fusepatch_range = torch.autograd.profiler.record_function(f"fusepatch::{type(module).__name__}")
+        module._fusepatch_range.__enter__()
+
+    def post(module, args, output):
+        scope = module.__dict__.pop("_fusepatch_range", None)
+        if scope is not None:
+            scope.__exit__(None, None, None)
+
+    for module in model.modules():
+        if type(module).__name__ in class_names:
+            handles.append(module.register_forward_pre_hook(pre))
+            handles.append(module.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,121 @@
+"""FusePatchCallback inside a real transformers Trainer on a tiny model (CPU)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from fusepatch import FusePatchCallback, attach
+from fusepatch.profile import flops_per_token, matmul_parameters, peak_tflops_for
+from fusepatch.tiny import tiny_model
+
+pytest.importorskip("accelerate")
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    def __init__(self, n=16, length=48, vocab=512):
+        self.rows = [torch.randint(0, vocab, (length,)) for _ in range(n)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _trainer(tmp_path, callbacks, max_steps=4):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        learning_rate=1e-3,
+    )
+    return Trainer(model=tiny_model("qwen3_5_text"), args=args, train_dataset=RandomTokens(), callbacks=callbacks)
+
+
+def test_callback_applies_logs_the_report_and_profiles_a_step(tmp_path, caplog):
+    callback = FusePatchCallback(profile_step=2, trace_dir=str(tmp_path / "traces"))
+    trainer = _trainer(tmp_path, [callback])
+    with caplog.at_level(logging.INFO, logger="fusepatch"):
+        trainer.train()
+    assert callback.report is not None and callback.report.patched > 0
+    messages = "\n".join(r.getMessage() for r in caplog.records)
+    assert "Qwen3_5GatedDeltaNet x3" in messages  # the report table
+    assert "gated_delta_rule -> eager" in messages  # its fallback lines, with reasons
+    assert "fusepatch profile of step 2" in messages
+    merged = {}
+    for entry in trainer.state.log_history:
+        merged.update(entry)
+    assert merged["fusepatch/cpu_ops_per_step"] > 100
+    assert merged["fusepatch/gpu_kernels_per_step"] == 0  # CPU run
+    assert merged["fusepatch/tokens_per_s"] > 0
+    assert 0 < merged["fusepatch/step_time_s"] < 60
+    assert merged["fusepatch/fallbacks"] >= 1 and "fusepatch/fused_ops" in merged
+    assert "fusepatch/gpu_busy_fraction" not in merged  # no CUDA: not claimed
+    profile = callback.last_profile
+    assert profile.tokens == 2 * 48 and profile.step == 2
+    assert dict(profile.ops_by_layer).get("Qwen3_5GatedDeltaNet", 0) > 0
+    assert list((tmp_path / "traces").glob("fusepatch-step2.json"))
+    # patched forwards stay after training (the callback does not revert)
+    assert "_fusepatch" in trainer.model.model.layers[0].linear_attn.__dict__
+
+
+def test_profiling_off(tmp_path):
+    trainer = _trainer(tmp_path, [FusePatchCallback(profile=False)], max_steps=2)
+    trainer.train()
+    keys = {k for entry in trainer.state.log_history for k in entry}
+    assert "fusepatch/fused_ops" in keys and "fusepatch/cpu_ops_per_step" not in keys
+
+
+def test_attach_puts_the_callback_first(tmp_path):
+    trainer = _trainer(tmp_path, None, max_steps=1)
+    callback = attach(trainer, FusePatchCallback(profile_step=1))
+    assert trainer.callback_handler.callbacks[0] is callback
+    trainer.train()
+    assert callback.last_profile is not None
+
+
+def test_profile_step_must_count_from_one():
+    with pytest.raises(ValueError, match="from 1"):
+        FusePatchCallback(profile_step=0)
+
+
+def test_cpu_bound_summary_names_layers():
+    from fusepatch.profile import StepProfile
+
+    profile = StepProfile(
+        step=5,
+        step_time_s=0.5,
+        cpu_ops=38000,
+        gpu_kernels=20000,
+        gpu_busy_fraction=0.4,
+        tokens=4096,
+        peak_memory_gib=60.0,
+        mfu=0.2,
+        ops_by_layer=[("Qwen3_5GatedDeltaNet", 30000)],
+    )
+    text = profile.summary()
+    assert "CPU-bound" in text and "idle 60%" in text and "Qwen3_5GatedDeltaNet (30,000 ops)" in text
+    assert profile.metrics()["fusepatch/gpu_busy_fraction"] == 0.4
+
+
+def test_flop_count_and_peaks():
+    model = tiny_model("qwen3_5_text")
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert matmul_parameters(model) == linear
+    assert flops_per_token(model, 128) > 6 * linear
+    moe = tiny_model("qwen3_moe")
+    experts = sum(p.numel() for n, p in moe.named_parameters() if ".experts." in n)
+    dense = sum(m.weight.numel() for m in moe.modules() if isinstance(m, torch.nn.Linear))
+    assert matmul_parameters(moe) == pytest.approx(dense + experts * 2 / 4)
+    assert peak_tflops_for("NVIDIA H200") == 989.0 and peak_tflops_for("NVIDIA GH200 480GB") == 989.0
+    assert peak_tflops_for("Some CPU") is None
