@@ -112,6 +112,20 @@ def build_model(args, tokenizer):
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
+def fsdp_arguments(model, checkpointing: bool) -> dict:
+    """TrainingArguments for FSDP2: shard every decoder layer; FSDP does the activation checkpointing."""
+    layer = type(model.model.layers[0]).__name__
+    return {
+        "fsdp": "full_shard auto_wrap",
+        "fsdp_config": {
+            "fsdp_version": 2,
+            "transformer_layer_cls_to_wrap": [layer],
+            "reshard_after_forward": True,
+            "activation_checkpointing": checkpointing,
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="Hub id or path; default: a tiny Qwen3.5 from a config")
@@ -127,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--no-fusepatch", action="store_true")
     parser.add_argument("--profile-step", type=int, default=5)
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard per decoder layer) under torchrun")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("transformers").setLevel(logging.WARNING)
@@ -165,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         per_device_train_batch_size=args.batch_size,
         learning_rate=args.learning_rate,
         logging_steps=1,
-        gradient_checkpointing=not args.no_checkpointing,
+        gradient_checkpointing=not args.no_checkpointing and not args.fsdp,
         gradient_checkpointing_kwargs={"use_reentrant": False},
         bf16=torch.cuda.is_available(),
         use_cpu=not torch.cuda.is_available(),
@@ -173,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         save_strategy="no",
         disable_tqdm=True,
         remove_unused_columns=False,
+        **(fsdp_arguments(model, not args.no_checkpointing) if args.fsdp else {}),
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=collator)
     callback = fusepatch.attach(
@@ -181,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer.train()
     metrics = {k: v for entry in trainer.state.log_history for k, v in entry.items() if k.startswith("fusepatch/")}
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    sharded = any(type(m).__name__.startswith("FSDP") for m in trainer.model.modules())
+    print(f"world size {training_args.world_size}, FSDP2-sharded layers: {sharded}")
     print("losses: " + " ".join(f"{x:.3f}" for x in losses))
     print("fusepatch metrics: " + json.dumps(metrics))
     if callback.last_profile is not None:
