@@ -19,8 +19,12 @@ case "$phase" in
     pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl .whl/kernels-*.whl
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
     export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl"
-    FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR="$OUT" timeout ${TEST_TIMEOUT:-450} python3 -m pytest tests/gpu -q -rfE \
-      --timeout 300 -p no:cacheprovider ${TESTS:-} 2>&1 | tee "$OUT/gpu-tests.log" | grep -v "TileLang\|Warning\|warn" | tail -40
+    # -v and a JUnit file per test file: partial results survive a cut-off call. TESTS picks files or -k filters.
+    for file in ${TESTS:-tests/gpu/test_gdn_ops.py tests/gpu/test_gdn_models.py}; do
+      name=$(basename "$file" .py)
+      FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR="$OUT" timeout ${TEST_TIMEOUT:-450} python3 -m pytest "$file" -v -rfE \
+        --timeout 400 -p no:cacheprovider --junitxml "$OUT/$name.xml" 2>&1 | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E " | tail -40
+    done
     python3 -m fusepatch doctor --model-type qwen3_5 > "$OUT/doctor.txt" 2>&1
     # the stack where fla's guard bites: no tilelang importable
     PYTHONPATH="$PWD:/tmp/site-fla" python3 -m fusepatch doctor --model-type qwen3_5 > "$OUT/doctor-no-tilelang.txt" 2>&1
@@ -29,7 +33,7 @@ case "$phase" in
     shape=${2:-27b}; layers=${3:-}
     pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
     timeout ${RUN_TIMEOUT:-3000} python3 benchmarks/run_all.py --shape "$shape" ${layers:+--layers $layers} --site-fla /tmp/site-fla --site-tl /tmp/site-tl \
-      --workdir "/tmp/bench-$shape" --out "$OUT/bench-$shape.json" --timeout ${BENCH_TIMEOUT:-240} \
+      --workdir "/tmp/bench-$shape" --out "$OUT/bench-$shape.json" --timeout ${BENCH_TIMEOUT:-400} \
       --configs "${CONFIGS:-eager,hf-fast,fusepatch,hf-fast-no-tilelang,fusepatch-no-tilelang}" 2>&1 | tee "$OUT/bench-$shape.md"
     tar czf "$OUT/bench-$shape-logs.tgz" -C /tmp "bench-$shape" ;;
   *) echo "unknown phase $phase"; exit 2 ;;

@@ -60,7 +60,15 @@ def _outputs(model, ids, **kwargs):
     return {"loss": out.loss.float(), "logits": out.logits.float(), **grads}
 
 
-@pytest.fixture(params=["fla", "fla-gate-outside"])
+CANDIDATE_CASES = [
+    ("qwen3_5_text", "fla"),
+    ("qwen3_5_text", "fla-gate-outside"),
+    ("qwen3_5_moe_text", "fla"),
+    ("qwen3_next", "fla"),
+]
+
+
+@pytest.fixture
 def delta_rule_first(request, monkeypatch):
     """Put one gated-delta-rule candidate first, so each is tested inside the model."""
     op = OPS["gated_delta_rule"]
@@ -79,7 +87,7 @@ def _record(name: str, data: dict) -> None:
         json.dump(existing, open(path, "w"), indent=1)
 
 
-@pytest.mark.parametrize("model_type", HYBRID)
+@pytest.mark.parametrize("model_type, delta_rule_first", CANDIDATE_CASES, indirect=["delta_rule_first"])
 def test_mini_model_logits_loss_and_every_gradient(model_type, delta_rule_first):
     base = tiny_model(model_type, **SHAPE)
     ids = torch.randint(0, base.config.vocab_size, (2, 301), device="cuda")

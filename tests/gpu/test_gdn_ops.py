@@ -60,18 +60,29 @@ def _gdn_inputs(length, hk, hv, dk, dv):
     return [q, k, v, a, b, A_log, dt_bias]
 
 
-GDN_SHAPES = [  # T (not a multiple of 64 except one), Hk, Hv (GVA 1/2/3), Dk, Dv, packed boundaries
-    (100, 2, 2, 64, 64, None),
-    (256, 2, 4, 128, 128, None),
-    (301, 2, 6, 128, 128, [0, 17, 150, 301]),
-    (700, 4, 8, 128, 128, [0, 64, 65, 400, 700]),
+# Every distinct (heads, head size, dtype, varlen) combination makes Triton compile and autotune fla's kernels
+# and TileLang compile its backward kernel anew (a minute or more each on a cold machine), so the shapes share
+# head sizes with the mini models (Hk 2, Hv 4, D 64) and vary what matters: lengths that are not multiples of
+# 64, packing, and the grouped-value ratio (1 and 3 once each).
+GDN_SHAPES = [  # T, Hk, Hv, Dk, Dv, packed boundaries, dtypes
+    (100, 2, 4, 64, 64, None, (torch.bfloat16,)),
+    (301, 2, 4, 64, 64, [0, 17, 150, 301], (torch.bfloat16, torch.float32)),
+    (700, 2, 4, 64, 64, [0, 64, 65, 400, 700], (torch.bfloat16,)),
+    (257, 2, 2, 64, 64, [0, 100, 257], (torch.bfloat16,)),
+    (257, 2, 6, 64, 64, [0, 100, 257], (torch.bfloat16,)),
+]
+GDN_CASES = [
+    pytest.param(
+        shape[:6], dtype, id=f"T{shape[0]}-gva{shape[2] // shape[1]}{'-packed' if shape[5] else ''}-{str(dtype)[6:]}"
+    )
+    for shape in GDN_SHAPES
+    for dtype in shape[6]
 ]
 
 
 @pytest.mark.parametrize("name", ["fla", "fla-gate-outside"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("shape", GDN_SHAPES, ids=lambda s: f"T{s[0]}-gva{s[2] // s[1]}{'-packed' if s[5] else ''}")
-def test_gated_delta_rule(name, dtype, shape):
+@pytest.mark.parametrize("shape, dtype", GDN_CASES)
+def test_gated_delta_rule(name, shape, dtype):
     fn = _kernel("gated_delta_rule", name, dtype)
     length, hk, hv, dk, dv, bounds = shape
     inputs = _gdn_inputs(length, hk, hv, dk, dv)
@@ -100,7 +111,7 @@ def test_causal_conv1d(name, dtype, packed):
         if not verdict.ok:
             assert "bf16-only" in verdict.reason, verdict.reason
             return
-    length, dim = 333, 640
+    length, dim = 333, 2 * 2 * 64 + 4 * 64  # the mini models' conv width: q, k (2 heads of 64) and v (4 of 64)
     x = torch.randn(1, length, dim, device="cuda")
     w = torch.randn(dim, 4, device="cuda") * 0.5
     kwargs = {"activation": "silu"}
@@ -119,8 +130,8 @@ def test_causal_conv1d(name, dtype, packed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gated_rms_norm(dtype):
     fn = _kernel("gated_rms_norm", "fla", dtype)
-    x, z = torch.randn(3001, 128, device="cuda"), torch.randn(3001, 128, device="cuda")
-    w = 1 + 0.1 * torch.randn(128, device="cuda")
+    x, z = torch.randn(3001, 64, device="cuda"), torch.randn(3001, 64, device="cuda")
+    w = 1 + 0.1 * torch.randn(64, device="cuda")
 
     def call(x_, z_, w_):
         return fn(x_.to(dtype), z_.to(dtype), w_.to(dtype), 1e-6)
@@ -128,7 +139,7 @@ def test_gated_rms_norm(dtype):
     def reference(x_, z_, w_):
         return OPS["gated_rms_norm"].reference(x_, z_, w_, 1e-6)
 
-    _check(call, reference, [x, z, w], {}, dtype, (3001, 128))
+    _check(call, reference, [x, z, w], {}, dtype, (3001, 64))
 
 
 def test_selftests_pass_for_every_installed_gdn_candidate():
