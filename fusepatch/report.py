@@ -98,7 +98,7 @@ class PatchReport:
         for layer in self.layers:
             label = f"{layer.layer} x{layer.count}"
             for choice in layer.choices:
-                kernel = f"{choice.chosen} ({choice.source})" if choice.fused else "eager"
+                kernel = f"{choice.chosen} ({choice.origin or choice.source})" if choice.fused else "eager"
                 why = ""
                 if not choice.fused and choice.rejected:
                     first = choice.primary_rejection()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -49,6 +51,7 @@ class Choice:
     rejected: tuple[Rejection, ...] = ()
     device: str = ""
     dtype: str = ""
+    origin: str = ""  # which installed copy was loaded: "fla-core 0.6.0 at /path/to/fla"
 
     @property
     def fused(self) -> bool:
@@ -83,6 +86,7 @@ class Choice:
             "device": self.device,
             "dtype": self.dtype,
             "rejected": [r.to_dict() for r in self.rejected],
+            "origin": self.origin,
         }
 
 
@@ -159,6 +163,26 @@ def evaluate(
     return verdict, fn
 
 
+def origin(candidate: Candidate) -> str:
+    """Version and location of the copy a candidate loaded: a shadowed copy (an old install earlier on the path,
+    a source checkout) is a known trap, so the report names the file actually imported."""
+    if candidate.distribution is None:
+        return ""
+    try:
+        version = importlib.metadata.version(candidate.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
+    where = ""
+    for requirement in candidate.requirements:
+        if isinstance(requirement, Importable):
+            module = sys.modules.get(requirement.module)
+            path = getattr(module, "__file__", None)
+            if path:
+                where = f" at {os.path.dirname(path)}"
+            break
+    return f"{candidate.distribution} {version}{where}"
+
+
 def candidate_fix(candidate: Candidate) -> str:
     for requirement in candidate.requirements:
         fix = getattr(requirement, "fix", "")
@@ -233,7 +257,14 @@ class Dispatch:
                 chosen = (eager, self.op.reference)
             candidate, fn = chosen
             choice = Choice(
-                self.op.name, candidate.name, candidate.source, candidate.provides, tuple(rejected), device, dtype
+                self.op.name,
+                candidate.name,
+                candidate.source,
+                candidate.provides,
+                tuple(rejected),
+                device,
+                dtype,
+                origin(candidate),
             )
             self._choices[key] = (choice, fn)
         if self.announce:

@@ -170,3 +170,23 @@ def test_disable_and_exclude(monkeypatch):
         "cpu", "float32"
     )
     assert picked.chosen == "eager" and "not selected" in picked.rejected[0].reason
+
+
+def test_choice_names_the_copy_that_was_loaded():
+    import packaging
+
+    from fusepatch.requirements import Importable
+
+    candidate = Candidate(
+        name="from-packaging",
+        source="pip",
+        requirements=(Importable("packaging", "packaging"),),
+        load=lambda: lambda g, u: torch.nn.functional.silu(g) * u,
+        inputs=CPU_INPUTS,
+        distribution="packaging",
+    )
+    op = dataclasses.replace(OPS["swiglu"], candidates=(candidate,))
+    selftest.clear_cache()
+    choice = Dispatch(op, env=cpu_env(), prefer=("pip",), label="x").choice("cpu", "float32")
+    assert choice.chosen == "from-packaging"
+    assert choice.origin.startswith("packaging ") and packaging.__path__[0] in choice.origin
