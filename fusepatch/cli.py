@@ -71,6 +71,31 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fusepatch.build import BuildError, plan_build, run_build
+    from fusepatch.env import capture
+
+    try:
+        plan = plan_build(
+            args.package,
+            capture(),
+            sdist=args.sdist,
+            arch=args.arch,
+            jobs=args.jobs,
+            cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        )
+        if args.dry_run:
+            print(plan.describe())
+            return 0
+        run_build(plan, install=not args.no_install)
+    except BuildError as exc:
+        print(f"fusepatch build: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusepatch", description="Fused kernels for Qwen fine-tuning.")
     parser.add_argument("-v", "--verbose", action="store_true", help="show fusepatch's log")
@@ -94,6 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seq-len", type=int, default=128)
     demo.add_argument("--device", default=None)
     demo.set_defaults(func=_demo)
+
+    build = sub.add_parser("build", help="build a kernel package for this GPU only, cache and install it")
+    build.add_argument("package", help="e.g. causal-conv1d")
+    build.add_argument("--sdist", help="the package's .tar.gz (default: the cache's sdist folder)")
+    build.add_argument("--arch", help="GPU architecture, e.g. 9.0 (default: the visible GPU's)")
+    build.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (MAX_JOBS)")
+    build.add_argument(
+        "--cache-dir", default=None, help="wheel cache (default: $FUSEPATCH_CACHE or ~/.cache/fusepatch)"
+    )
+    build.add_argument("--dry-run", action="store_true", help="print the plan and stop")
+    build.add_argument("--no-install", action="store_true", help="build and cache the wheel only")
+    build.set_defaults(func=_build)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")

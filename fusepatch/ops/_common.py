@@ -14,7 +14,7 @@ from fusepatch.requirements import (
 )
 
 FLA_FIX = 'pip install "flash-linear-attention[cuda]"'
-CAUSAL_CONV1D_FIX = "pip install causal-conv1d --no-build-isolation   (builds against the installed torch; needs nvcc matching its CUDA)"
+CAUSAL_CONV1D_FIX = "python -m fusepatch build causal-conv1d   (builds for this GPU only; or: pip install causal-conv1d --no-build-isolation)"
 HUB_FIX = 'pip install "fusepatch[hub]"'
 
 
