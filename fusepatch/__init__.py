@@ -11,7 +11,7 @@ import logging
 
 from fusepatch.env import Environment, capture
 from fusepatch.patch import FusePatchError, apply, report, revert
-from fusepatch.registry import Row, register
+from fusepatch.registry import Row, add_candidate, register
 from fusepatch.report import PatchReport
 
 __version__ = "0.1.0"
@@ -36,6 +36,7 @@ __all__ = [
     "PatchReport",
     "Row",
     "__version__",
+    "add_candidate",
     "apply",
     "capture",
     "register",

@@ -115,6 +115,15 @@ class Environment:
         imports.update({m: probe_import(m) for m in missing})
         return replace(self, imports=imports)
 
+    def with_distributions(self, names: Iterable[str]) -> Environment:
+        """This snapshot plus the installed versions of ``names`` it does not list yet (a user's own kernel
+        package, say): read from package metadata, nothing imported."""
+        missing = [n for n in names if n not in self.distributions]
+        found = _distribution_versions(missing)
+        if not found:
+            return self
+        return replace(self, distributions={**self.distributions, **found})
+
     def fingerprint(self) -> str:
         """A short key for caches that depend on this stack (self-test results, built wheels)."""
         parts = [self.python, self.torch or "-", self.torch_cuda or "cpu", self.triton or "-"]

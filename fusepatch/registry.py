@@ -85,3 +85,24 @@ def rows_for(model_types: set[str]) -> list[Row]:
 
 def known_model_types() -> list[str]:
     return sorted({t for row in all_rows() for t in row.model_types})
+
+
+def add_candidate(op: str, candidate, *, first: bool = True) -> None:
+    """Add a kernel candidate to an op (first in its source's priority by default). Applies to models patched
+    afterwards.
+
+    Example::
+
+        >>> fusepatch.add_candidate("swiglu", hub_candidate(HubKernel("my-org/swiglu", "swiglu")))  # doctest: +SKIP
+    """
+    import dataclasses
+
+    from fusepatch.ops import OPS
+
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; known ops: {sorted(OPS)}")
+    current = OPS[op]
+    if any(c.name == candidate.name for c in current.candidates):
+        raise ValueError(f"op {op!r} already has a candidate named {candidate.name!r}")
+    candidates = (candidate, *current.candidates) if first else (*current.candidates, candidate)
+    OPS[op] = dataclasses.replace(current, candidates=candidates)

@@ -122,6 +122,8 @@ def static_verdict(candidate: Candidate, env: Environment) -> tuple[Verdict, Env
         if isinstance(requirement, MinCapability) and "cuda" in failed_kinds:
             continue
         env = env.with_imports(getattr(requirement, "probes", ()))
+        if isinstance(requirement, DistributionVersion):
+            env = env.with_distributions([requirement.distribution])
         verdict = requirement.check(env)
         if verdict.ok:
             continue

@@ -1,0 +1,174 @@
+"""The Kernel Hub source end to end, offline, with local kernel directories the tests build themselves
+(pure-Python noarch ``torch-cpu`` variants), including kernels that raise, return wrong values, or have no
+build variant for this machine; plus the lock file and the publisher trust rule."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import torch
+
+import fusepatch
+from fusepatch import selftest
+from fusepatch.hub import HubKernel, TrustedPublisher, hub_candidate, locked_commit, variant_trace
+from fusepatch.ops import OPS
+from fusepatch.requirements import InputRule
+from fusepatch.tiny import tiny_model
+
+kernels = pytest.importorskip("kernels")
+CPU = InputRule(devices=("cpu",), dtypes=("float32",), kernel="test kernel")
+GOOD = "import torch\ndef swiglu(gate, up):\n    return torch.nn.functional.silu(gate) * up\n"
+WRONG = "import torch\ndef swiglu(gate, up):\n    return torch.sigmoid(gate) * up\n"
+RAISES = "def swiglu(gate, up):\n    raise RuntimeError('CUDA error: no kernel image is available for execution on the device')\n"
+
+
+def make_kernel(root, body: str, variant: str = "torch-cpu", backend: str = "cpu"):
+    name = f"fp-test-{uuid.uuid4().hex[:8]}"  # kernels caches modules by id: one per kernel
+    folder = root / name / "build" / variant
+    folder.mkdir(parents=True)
+    metadata = {
+        "name": name,
+        "id": name,
+        "version": 1,
+        "license": "Apache-2.0",
+        "backend": {"type": backend},
+        "python-depends": [],
+    }
+    (folder / "metadata.json").write_text(json.dumps(metadata))
+    (folder / "__init__.py").write_text(body)
+    return root / name
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("LOCAL_KERNELS", raising=False)
+    monkeypatch.delenv("FUSEPATCH_KERNELS_LOCK", raising=False)
+    monkeypatch.delenv("FUSEPATCH_TRUST_KERNELS", raising=False)
+    monkeypatch.setitem(OPS, "swiglu", OPS["swiglu"])  # restored after each test
+    selftest.clear_cache()
+
+
+def _use(monkeypatch, **repos):
+    monkeypatch.setenv("LOCAL_KERNELS", ":".join(f"{repo}={path}" for repo, path in repos.items()))
+
+
+def _mlp_choice(model):
+    report = fusepatch.apply(model, prefer=("hub", "pip"))
+    return next(layer for layer in report.layers if layer.layer == "Qwen3MLP").choices[0]
+
+
+def test_local_hub_kernel_is_loaded_self_tested_and_reported(tmp_path, monkeypatch):
+    _use(monkeypatch, **{"acme/swiglu": make_kernel(tmp_path, GOOD)})
+    fusepatch.add_candidate("swiglu", hub_candidate(HubKernel("acme/swiglu", "swiglu"), inputs=CPU))
+    model = tiny_model("qwen3")
+    ids = torch.randint(0, 512, (2, 20))
+    expected = model(input_ids=ids).logits
+    choice = _mlp_choice(model)
+    assert choice.chosen == "hub:acme/swiglu" and choice.source == "hub"
+    assert "local " in choice.provides
+    torch.testing.assert_close(model(input_ids=ids).logits, expected)
+
+
+@pytest.mark.parametrize(
+    "body, reason",
+    [(RAISES, "raised RuntimeError: CUDA error: no kernel image"), (WRONG, "differs from the reference")],
+)
+def test_faulty_hub_kernels_are_rejected_and_the_next_candidate_used(tmp_path, monkeypatch, body, reason):
+    _use(monkeypatch, **{"acme/bad": make_kernel(tmp_path, body), "acme/good": make_kernel(tmp_path, GOOD)})
+    fusepatch.add_candidate("swiglu", hub_candidate(HubKernel("acme/good", "swiglu"), inputs=CPU))
+    fusepatch.add_candidate("swiglu", hub_candidate(HubKernel("acme/bad", "swiglu"), inputs=CPU))
+    choice = _mlp_choice(tiny_model("qwen3"))
+    assert choice.chosen == "hub:acme/good"
+    bad = next(r for r in choice.rejected if r.candidate == "hub:acme/bad")
+    assert reason in bad.reason
+
+
+def test_variant_mismatch_is_rejected_with_the_variant_trace(tmp_path, monkeypatch):
+    path = make_kernel(tmp_path, GOOD, variant="torch29-cxx11-cu126-x86_64-linux", backend="cuda")
+    _use(monkeypatch, **{"acme/cuda-only": path})
+    trace = variant_trace(path)
+    assert len(trace) == 1 and trace[0].startswith("torch29-cxx11-cu126-x86_64-linux: ")
+    fusepatch.add_candidate("swiglu", hub_candidate(HubKernel("acme/cuda-only", "swiglu"), inputs=CPU))
+    choice = _mlp_choice(tiny_model("qwen3"))
+    assert choice.chosen == "eager"
+    rejection = next(r for r in choice.rejected if r.candidate == "hub:acme/cuda-only")
+    assert "no build variant of acme/cuda-only fits this machine" in rejection.reason
+    assert "torch29-cxx11-cu126-x86_64-linux:" in rejection.reason
+
+
+def test_untrusted_publisher_needs_an_opt_in(monkeypatch):
+    verdict = TrustedPublisher("acme/swiglu").check(None)
+    assert not verdict.ok and "FUSEPATCH_TRUST_KERNELS=acme/swiglu" in verdict.fix
+    assert TrustedPublisher("kernels-community/activation").check(None).ok
+    monkeypatch.setenv("FUSEPATCH_TRUST_KERNELS", "acme/swiglu,other/x")
+    assert TrustedPublisher("acme/swiglu").check(None).ok
+
+
+def test_untrusted_hub_kernel_is_not_loaded(monkeypatch):
+    fusepatch.add_candidate("swiglu", hub_candidate(HubKernel("acme/swiglu", "swiglu"), inputs=CPU))
+    choice = _mlp_choice(tiny_model("qwen3"))
+    rejection = next(r for r in choice.rejected if r.candidate == "hub:acme/swiglu")
+    assert "not a trusted kernel publisher" in rejection.reason and "FUSEPATCH_TRUST_KERNELS" in rejection.fix
+
+
+def test_lock_file_pins_the_commit_and_loads_only_from_the_cache(tmp_path, monkeypatch):
+    from kernels._rust import KernelDependency, KernelLock, KernelLocks, KernelVersion
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    lockfile = tmp_path / "kernels.lock"
+    locks = KernelLocks(
+        {KernelDependency("kernels-community/activation", KernelVersion.Version(1)): KernelLock(commit)}
+    )
+    lockfile.write_text(locks.to_json())
+    assert locked_commit("kernels-community/activation", lockfile) == commit
+    assert locked_commit("kernels-community/other", lockfile) is None
+    monkeypatch.setenv("FUSEPATCH_KERNELS_LOCK", str(lockfile))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
+    kernel = HubKernel("kernels-community/activation", "silu_and_mul")
+    assert kernel.where() == f"locked {commit} ({lockfile})"
+    fusepatch.add_candidate("swiglu", hub_candidate(kernel, name="hub:locked", inputs=CPU))
+    choice = _mlp_choice(tiny_model("qwen3"))
+    rejection = next(r for r in choice.rejected if r.candidate == "hub:locked")
+    assert rejection.reason.startswith("loading failed:")  # not in the local cache, and never downloaded
+
+
+def test_add_candidate_validates():
+    with pytest.raises(ValueError, match="unknown op"):
+        fusepatch.add_candidate("nope", hub_candidate(HubKernel("a/b", "f")))
+    fusepatch.add_candidate("swiglu", hub_candidate(HubKernel("a/b", "f")))
+    with pytest.raises(ValueError, match="already has a candidate"):
+        fusepatch.add_candidate("swiglu", hub_candidate(HubKernel("a/b", "f")))
+
+
+def test_installed_package_with_an_abi_error_reports_the_import_error(tmp_path, monkeypatch):
+    """A pip-style package that is installed (its dist-info is there) but whose import fails."""
+    from fusepatch.ops.base import Candidate
+    from fusepatch.requirements import DistributionVersion, Importable
+
+    package = tmp_path / "fp_broken_kernels"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "raise ImportError('fp_broken_kernels/_C.so: undefined symbol: _ZN3c104cuda9SetDeviceEa')\n"
+    )
+    info = tmp_path / "fp_broken_kernels-2.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fp-broken-kernels\nVersion: 2.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    candidate = Candidate(
+        name="fp-broken",
+        source="pip",
+        requirements=(
+            DistributionVersion("fp-broken-kernels", ">=1"),
+            Importable("fp_broken_kernels", "fp-broken-kernels"),
+        ),
+        load=lambda: None,
+        inputs=CPU,
+    )
+    fusepatch.add_candidate("swiglu", candidate)
+    choice = _mlp_choice(tiny_model("qwen3"))
+    rejection = next(r for r in choice.rejected if r.candidate == "fp-broken")
+    assert "fp-broken-kernels 2.0 is installed but import fp_broken_kernels fails" in rejection.reason
+    assert "undefined symbol" in rejection.reason and "--force-reinstall" in rejection.fix
