@@ -96,6 +96,44 @@ def _build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warmup(args: argparse.Namespace) -> int:
+    import torch
+
+    from fusepatch.warmup import cache_locations, dockerfile_hint, warmup
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else None)
+    if device is None:
+        print(
+            "fusepatch warmup: no CUDA device; the fused kernels compile on the GPU they run on. Run this where the "
+            "GPU is (a GPU build step of the container image), with the caches below kept in the image.",
+            file=sys.stderr,
+        )
+        for what, variable, path in cache_locations():
+            print(f"  {variable}={path}   # {what}", file=sys.stderr)
+        return 1
+    results = warmup(
+        args.source,
+        dtype=args.dtype,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        packed=args.packed,
+        device=device,
+    )
+    print(
+        f"warm-up of {args.source} ({args.dtype}, seq {args.seq_len}, micro-batch {args.micro_batch}{', packed' if args.packed else ''})"
+    )
+    for r in results:
+        status = "compiled" if r.compiled else "from cache"
+        print(
+            f"  {r.layer:28s} {r.op:24s} {r.kernel:18s} first {r.first_s:8.2f} s, then {r.second_s:.3f} s  ({status})"
+        )
+    print("compile caches (keep these in the image):")
+    for what, variable, path in cache_locations():
+        print(f"  {variable}={path}   # {what}")
+    print("Dockerfile:\n" + dockerfile_hint(args.source, args.seq_len, args.micro_batch))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusepatch", description="Fused kernels for Qwen fine-tuning.")
     parser.add_argument("-v", "--verbose", action="store_true", help="show fusepatch's log")
@@ -131,6 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--dry-run", action="store_true", help="print the plan and stop")
     build.add_argument("--no-install", action="store_true", help="build and cache the wheel only")
     build.set_defaults(func=_build)
+
+    warm = sub.add_parser("warmup", help="compile the fused kernels for a model's shapes ahead of training")
+    warm.add_argument("source", help="a model_type (qwen3_5_text) or a local config path")
+    warm.add_argument("--dtype", default="bfloat16")
+    warm.add_argument("--seq-len", type=int, default=4096)
+    warm.add_argument("--micro-batch", type=int, default=1)
+    warm.add_argument("--packed", action="store_true", help="also the packed (varlen) kernel variants")
+    warm.add_argument("--device", default=None)
+    warm.set_defaults(func=_warmup)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")

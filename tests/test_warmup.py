@@ -1,0 +1,38 @@
+"""The warm-up command: one layer of each kind at real sizes; on a CPU machine it refuses and says where to run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from fusepatch.tiny import tiny_config
+from fusepatch.warmup import OpTiming, cache_locations, warmup, warmup_config
+
+
+def test_warmup_config_keeps_one_layer_of_each_kind(tmp_path):
+    config = warmup_config("qwen3_5_text")
+    assert config.num_hidden_layers == 2 and config.layer_types == ["linear_attention", "full_attention"]
+    from transformers import AutoConfig
+
+    assert config.hidden_size == AutoConfig.for_model("qwen3_5_text").hidden_size  # real sizes, fewer layers
+    tiny_config("qwen3", hidden_size=96).save_pretrained(tmp_path)
+    dense = warmup_config(str(tmp_path))
+    assert dense.num_hidden_layers == 1 and dense.hidden_size == 96
+
+
+def test_warmup_times_every_patched_op(tmp_path):
+    tiny_config("qwen3_5_text").save_pretrained(tmp_path)
+    results = warmup(str(tmp_path), dtype="float32", seq_len=70, device="cpu", packed=True)
+    ops = {(r.layer, r.op) for r in results}
+    assert ("Qwen3_5GatedDeltaNet", "gated_delta_rule") in ops and ("Qwen3_5GatedDeltaNet", "causal_conv1d") in ops
+    assert all(r.kernel == "eager" and r.first_s > 0 and r.second_s > 0 for r in results)
+    assert OpTiming("L", "op", "fla", first_s=40.0, second_s=0.01).compiled
+    assert not OpTiming("L", "op", "fla", first_s=0.02, second_s=0.01).compiled
+
+
+def test_warmup_cli_without_gpu_says_where_to_run():
+    result = subprocess.run(
+        [sys.executable, "-m", "fusepatch", "warmup", "qwen3_5_text"], capture_output=True, text=True
+    )
+    assert result.returncode == 1 and "no CUDA device" in result.stderr and "TRITON_CACHE_DIR=" in result.stderr
+    assert {row[1] for row in cache_locations()} == {"TRITON_CACHE_DIR", "TILELANG_CACHE_DIR"}
