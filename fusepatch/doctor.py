@@ -8,7 +8,42 @@ from fusepatch.known_issues import KNOWN_ISSUES
 from fusepatch.ops import OPS
 from fusepatch.ops.base import Op
 from fusepatch.registry import all_rows
+from fusepatch.requirements import version_in
 from fusepatch.resolve import evaluate, ordered, preferred_sources, static_verdict
+
+# The versions fusepatch's GPU tests and benchmarks ran with (benchmarks/RESULTS.md): what doctor pins.
+TESTED_VERSIONS = {
+    "flash-linear-attention": "0.6.0",
+    "causal-conv1d": "1.7.0",
+    "tilelang": "0.1.15",
+    "kernels": "0.17.2",
+}
+
+
+def recommendations(env: Environment) -> list[str]:
+    """What to install at container build time for this machine, pinned to the versions fusepatch was run with."""
+    if not env.cuda_available or not env.gpus:
+        return ["no CUDA GPU here: fusepatch runs eager on this machine; install the kernels on the GPU machines"]
+    out = []
+    fla = env.version("fla-core")
+    if fla is None or env.import_error("fla.ops.gated_delta_rule"):
+        out.append(f'pip install "flash-linear-attention[cuda]=={TESTED_VERSIONS["flash-linear-attention"]}"')
+    if env.version("causal-conv1d") is None or env.import_error("causal_conv1d"):
+        out.append(
+            f"python -m fusepatch build causal-conv1d --sdist causal_conv1d-{TESTED_VERSIONS['causal-conv1d']}.tar.gz"
+            "   # for this GPU only"
+        )
+    probed = env.with_imports(["tilelang"]) if env.version("tilelang") else env
+    if any(issue.unless_importable == "tilelang" and issue.matches(probed) for issue in KNOWN_ISSUES) or (
+        fla is None and env.capability and env.capability[0] == 9 and env.triton and version_in(env.triton, "<3.7.1")
+    ):
+        out.append(f"pip install tilelang=={TESTED_VERSIONS['tilelang']}   # fla's Hopper backward on Triton < 3.7.1")
+    if env.triton is None:
+        out.append("pip install triton   # fla's kernels are Triton kernels (torch's CUDA wheels bring it)")
+    out.append(
+        "python -m fusepatch warmup <model_type or config> --seq-len <L> --micro-batch <B>   # fill the compile caches"
+    )
+    return out
 
 
 def _target(env: Environment) -> tuple[str, str]:
@@ -92,6 +127,7 @@ def diagnose(*, model_types: list[str] | None = None, prefer: tuple[str, ...] | 
         "families": families,
         "fallbacks": fallbacks,
         "fixes": fixes,
+        "recommended": recommendations(probed),
     }
 
 
@@ -140,4 +176,6 @@ def render(report: dict) -> str:
     lines += [f"  {f}" for f in report["fallbacks"]] or ["  nothing"]
     if report["fixes"]:
         lines += ["", "Fix"] + [f"  {f}" for f in report["fixes"]]
+    lines += ["", "Recommended at container build time (pinned to the versions fusepatch was run with)"]
+    lines += [f"  {r}" for r in report["recommended"]]
     return "\n".join(lines)

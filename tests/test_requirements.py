@@ -140,3 +140,19 @@ def test_environment_is_a_value():
     assert env.to_dict()["gpus"][0]["arch"] == "sm_90"
     with pytest.raises(FrozenInstanceError):
         env.torch = "x"
+
+
+def test_doctor_recommendations_for_the_h200_stack():
+    from fusepatch.doctor import recommendations
+
+    bare = gpu_env(H200, distributions={"fla-core": None})
+    bare = replace(
+        bare, distributions={k: v for k, v in bare.distributions.items() if k not in ("fla-core", "causal-conv1d")}
+    )
+    text = "\n".join(recommendations(bare))
+    assert "flash-linear-attention[cuda]==0.6.0" in text and "fusepatch build causal-conv1d" in text
+    assert "tilelang==0.1.15" in text and "fusepatch warmup" in text
+    with_tilelang = gpu_env(H200, distributions={"tilelang": "0.1.15"}, imports={"tilelang": None})
+    assert not any("tilelang" in r for r in recommendations(with_tilelang))
+    assert not any("tilelang" in r for r in recommendations(gpu_env(A100)))
+    assert "runs eager" in recommendations(cpu_env())[0]
