@@ -20,7 +20,7 @@ case "$phase" in
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
     export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl"
     # -v and a JUnit file per test file: partial results survive a cut-off call. TESTS picks files or -k filters.
-    for file in ${TESTS:-tests/gpu/test_gdn_ops.py tests/gpu/test_gdn_models.py}; do
+    for file in ${TESTS:-tests/gpu/test_gdn_ops.py tests/gpu/test_other_ops.py tests/gpu/test_gdn_models.py}; do
       name=$(basename "$file" .py)
       FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR="$OUT" timeout ${TEST_TIMEOUT:-450} python3 -m pytest "$file" -v -rfE \
         --timeout 400 -p no:cacheprovider --junitxml "$OUT/$name.xml" 2>&1 | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E " | tail -40

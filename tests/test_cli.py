@@ -23,7 +23,17 @@ def _run(*args: str, check_rc: int | None = 0):
 
 def test_doctor_json_lists_every_op_of_every_family_with_a_verdict():
     data = json.loads(_run("doctor", "--json").stdout)
-    assert {"fusepatch", "environment", "known_issues", "ops", "families", "fallbacks", "fixes", "target", "recommended"} <= set(data)
+    assert {
+        "fusepatch",
+        "environment",
+        "known_issues",
+        "ops",
+        "families",
+        "fallbacks",
+        "fixes",
+        "target",
+        "recommended",
+    } <= set(data)
     assert set(data["ops"]) == set(OPS)
     for name, op in data["ops"].items():
         assert op["chosen"] == "eager"  # CPU machine

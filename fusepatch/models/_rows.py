@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fusepatch.layers.causal_lm import causal_lm_forward
 from fusepatch.layers.gated_deltanet import gated_deltanet_forward
 from fusepatch.layers.packing import decoder_layer_forward
 from fusepatch.layers.simple import rms_norm_forward, rms_norm_zero_centered_forward, swiglu_mlp_forward
@@ -12,6 +13,7 @@ GDN_OPS = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm")
 __all__ = [
     "GDN_OPS",
     "Row",
+    "causal_lm_forward",
     "decoder_layer_forward",
     "gated_deltanet_forward",
     "rms_norm_forward",

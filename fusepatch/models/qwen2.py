@@ -1,6 +1,11 @@
 """Qwen2 and Qwen2-MoE: full attention, plain RMSNorm (x * w)."""
 
-from fusepatch.models._rows import Row, rms_norm_forward, swiglu_mlp_forward
+from fusepatch.models._rows import (
+    Row,
+    causal_lm_forward,
+    rms_norm_forward,
+    swiglu_mlp_forward,
+)
 
 DENSE = ("qwen2",)
 DENSE_MODULE = "transformers.models.qwen2.modeling_qwen2"
@@ -12,11 +17,11 @@ ROWS = [
     Row(DENSE, DENSE_MODULE, "Qwen2MLP", ("swiglu",), swiglu_mlp_forward),
     Row(DENSE, DENSE_MODULE, "Qwen2DecoderLayer", (), None, planned=("add_rms_norm",)),
     Row(DENSE, DENSE_MODULE, "Qwen2Attention", (), None, planned=("rotary",)),
-    Row(DENSE, DENSE_MODULE, "Qwen2ForCausalLM", (), None, planned=("linear_cross_entropy",)),
+    Row(DENSE, DENSE_MODULE, "Qwen2ForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeRMSNorm", ("rms_norm",), rms_norm_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeMLP", ("swiglu",), swiglu_mlp_forward, note="experts and shared expert"),
     Row(MOE, MOE_MODULE, "Qwen2MoeExperts", (), None, planned=("moe_experts",)),
     Row(MOE, MOE_MODULE, "Qwen2MoeDecoderLayer", (), None, planned=("add_rms_norm",)),
     Row(MOE, MOE_MODULE, "Qwen2MoeAttention", (), None, planned=("rotary",)),
-    Row(MOE, MOE_MODULE, "Qwen2MoeForCausalLM", (), None, planned=("linear_cross_entropy",)),
+    Row(MOE, MOE_MODULE, "Qwen2MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
 ]

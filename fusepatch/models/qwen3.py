@@ -1,6 +1,11 @@
 """Qwen3 and Qwen3-MoE: full attention, plain RMSNorm (x * w)."""
 
-from fusepatch.models._rows import Row, rms_norm_forward, swiglu_mlp_forward
+from fusepatch.models._rows import (
+    Row,
+    causal_lm_forward,
+    rms_norm_forward,
+    swiglu_mlp_forward,
+)
 
 DENSE = ("qwen3",)
 DENSE_MODULE = "transformers.models.qwen3.modeling_qwen3"
@@ -12,11 +17,11 @@ ROWS = [
     Row(DENSE, DENSE_MODULE, "Qwen3MLP", ("swiglu",), swiglu_mlp_forward),
     Row(DENSE, DENSE_MODULE, "Qwen3DecoderLayer", (), None, planned=("add_rms_norm",)),
     Row(DENSE, DENSE_MODULE, "Qwen3Attention", (), None, planned=("rotary",)),
-    Row(DENSE, DENSE_MODULE, "Qwen3ForCausalLM", (), None, planned=("linear_cross_entropy",)),
+    Row(DENSE, DENSE_MODULE, "Qwen3ForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeRMSNorm", ("rms_norm",), rms_norm_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeMLP", ("swiglu",), swiglu_mlp_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeExperts", (), None, planned=("moe_experts",)),
     Row(MOE, MOE_MODULE, "Qwen3MoeDecoderLayer", (), None, planned=("add_rms_norm",)),
     Row(MOE, MOE_MODULE, "Qwen3MoeAttention", (), None, planned=("rotary",)),
-    Row(MOE, MOE_MODULE, "Qwen3MoeForCausalLM", (), None, planned=("linear_cross_entropy",)),
+    Row(MOE, MOE_MODULE, "Qwen3MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
 ]

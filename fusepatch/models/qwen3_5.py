@@ -3,6 +3,7 @@
 from fusepatch.models._rows import (
     GDN_OPS,
     Row,
+    causal_lm_forward,
     decoder_layer_forward,
     gated_deltanet_forward,
     rms_norm_zero_centered_forward,
@@ -29,7 +30,7 @@ ROWS = [
     Row(DENSE, DENSE_MODULE, "Qwen3_5RMSNorm", ("rms_norm_zero_centered",), rms_norm_zero_centered_forward),
     Row(DENSE, DENSE_MODULE, "Qwen3_5MLP", ("swiglu",), swiglu_mlp_forward),
     Row(DENSE, DENSE_MODULE, "Qwen3_5Attention", (), None, planned=("rotary",), note="gated full attention"),
-    Row(DENSE, DENSE_MODULE, "Qwen3_5ForCausalLM", (), None, planned=("linear_cross_entropy",)),
+    Row(DENSE, DENSE_MODULE, "Qwen3_5ForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(DENSE, DENSE_MODULE, "Qwen3_5ForConditionalGeneration", (), None, planned=("linear_cross_entropy",)),
     Row(MOE, MOE_MODULE, "Qwen3_5MoeGatedDeltaNet", GDN_OPS, gated_deltanet_forward, note="linear attention"),
     Row(
@@ -45,6 +46,6 @@ ROWS = [
     Row(MOE, MOE_MODULE, "Qwen3_5MoeMLP", ("swiglu",), swiglu_mlp_forward, note="shared expert"),
     Row(MOE, MOE_MODULE, "Qwen3_5MoeExperts", (), None, planned=("moe_experts",)),
     Row(MOE, MOE_MODULE, "Qwen3_5MoeAttention", (), None, planned=("rotary",), note="gated full attention"),
-    Row(MOE, MOE_MODULE, "Qwen3_5MoeForCausalLM", (), None, planned=("linear_cross_entropy",)),
+    Row(MOE, MOE_MODULE, "Qwen3_5MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(MOE, MOE_MODULE, "Qwen3_5MoeForConditionalGeneration", (), None, planned=("linear_cross_entropy",)),
 ]

@@ -3,6 +3,7 @@
 from fusepatch.models._rows import (
     GDN_OPS,
     Row,
+    causal_lm_forward,
     decoder_layer_forward,
     gated_deltanet_forward,
     rms_norm_zero_centered_forward,
@@ -27,5 +28,5 @@ ROWS = [
     Row(TYPES, MODULE, "Qwen3NextMLP", ("swiglu",), swiglu_mlp_forward, note="dense and shared-expert MLP"),
     Row(TYPES, MODULE, "Qwen3NextExperts", (), None, planned=("moe_experts",)),
     Row(TYPES, MODULE, "Qwen3NextAttention", (), None, planned=("rotary",), note="gated full attention"),
-    Row(TYPES, MODULE, "Qwen3NextForCausalLM", (), None, planned=("linear_cross_entropy",)),
+    Row(TYPES, MODULE, "Qwen3NextForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
 ]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from fusepatch.ops._common import fla_requirements, hub_requirements, planned
 from fusepatch.ops.base import Candidate, Op
-from fusepatch.requirements import DistributionVersion, NotImplementedYet
+from fusepatch.requirements import NotImplementedYet
 
 
 def add_rms_norm_reference(x, residual, weight, eps):
@@ -32,14 +32,6 @@ def rotary_reference(q, k, cos, sin):
         return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
 
     return rotate(q), rotate(k)
-
-
-def linear_cross_entropy_reference(hidden, weight, labels, ignore_index=-100, reduction="mean"):
-    """lm_head matmul + cross-entropy, materialising the logits (what the fused kernel avoids)."""
-    logits = (hidden @ weight.t()).float()
-    return F.cross_entropy(
-        logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=ignore_index, reduction=reduction
-    )
 
 
 def moe_experts_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
@@ -98,28 +90,6 @@ ROTARY = Op(
             "hub",
             "Kernel Hub rotary: planned",
             hub_requirements("kernels-community/rotary"),
-        ),
-    ),
-)
-
-LINEAR_CROSS_ENTROPY = Op(
-    name="linear_cross_entropy",
-    summary="lm_head + cross-entropy without materialising the tokens x vocab logits",
-    reference=linear_cross_entropy_reference,
-    candidates=(
-        _planned(
-            "fla",
-            "pip",
-            "fused linear cross-entropy: planned",
-            fla_requirements("fla.modules.fused_linear_cross_entropy"),
-            "fla.modules.FusedLinearCrossEntropyLoss",
-        ),
-        _planned(
-            "liger",
-            "pip",
-            "Liger fused linear cross-entropy: planned",
-            (DistributionVersion("liger-kernel", ">=0.6", "pip install liger-kernel"),),
-            "liger_kernel.ops.fused_linear_cross_entropy",
         ),
     ),
 )

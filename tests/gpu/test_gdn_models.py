@@ -54,7 +54,7 @@ def _eager(model):
 
 def _outputs(model, ids, **kwargs):
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids, use_cache=False, **kwargs)
+    out = model(input_ids=ids, labels=ids, use_cache=False, return_logits=True, **kwargs)  # fused loss: ask for logits
     out.loss.backward()
     grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
     return {"loss": out.loss.float(), "logits": out.logits.float(), **grads}

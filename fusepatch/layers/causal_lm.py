@@ -1,0 +1,78 @@
+"""CausalLM forward with the loss as a fused linear cross-entropy: with ``labels`` the full ``tokens x vocab``
+logits are never materialised (4 GB in fp32 per 4096 tokens at Qwen3.5's 248k vocabulary, plus their
+gradient). Logits are then not returned unless the call asks with ``return_logits=True``. Without labels, with
+``logits_to_keep`` or when the op falls back to eager, transformers' own forward runs unchanged.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+
+def causal_lm_forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    inputs_embeds=None,
+    labels=None,
+    use_cache=None,
+    logits_to_keep=0,
+    **kwargs,
+):
+    state = self._fusepatch
+    return_logits = kwargs.pop("return_logits", False)
+    dispatch = state.ops["linear_cross_entropy"]
+    reference = input_ids if input_ids is not None else inputs_embeds
+    fused = (
+        labels is not None
+        and isinstance(logits_to_keep, int)
+        and logits_to_keep == 0
+        and getattr(self.lm_head, "bias", None) is None
+        and reference is not None
+        and dispatch.choice(reference.device.type, str(self.lm_head.weight.dtype).removeprefix("torch.")).fused
+    )
+    if not fused:
+        return state.original(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
+    shift_labels = kwargs.pop("shift_labels", None)
+    num_items_in_batch = kwargs.get("num_items_in_batch")
+    outputs = self.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        **kwargs,
+    )
+    hidden = outputs.last_hidden_state
+    if shift_labels is None:  # predict token t+1 at position t; the last position predicts nothing
+        shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    shift_labels = shift_labels.to(hidden.device)
+    loss = dispatch(
+        hidden.reshape(-1, hidden.shape[-1]),
+        self.lm_head.weight,
+        shift_labels.reshape(-1),
+        ignore_index=-100,
+        num_items_in_batch=num_items_in_batch,
+    )
+    logits = self.lm_head(hidden) if return_logits else None
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=logits,
+        past_key_values=outputs.past_key_values,
+        hidden_states=getattr(outputs, "hidden_states", None),
+        attentions=getattr(outputs, "attentions", None),
+    )

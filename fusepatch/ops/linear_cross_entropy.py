@@ -1,0 +1,140 @@
+"""linear_cross_entropy: lm_head matmul + cross-entropy without materialising the ``tokens x vocab`` logits.
+
+Op signature::
+
+    loss = linear_cross_entropy(hidden [N, H], weight [V, H], labels [N], ignore_index=-100, num_items_in_batch=None)
+
+The loss is the sum over the tokens whose label is not ``ignore_index``, divided by ``num_items_in_batch``
+when given (the Trainer's gradient-accumulation normaliser) and by their count otherwise: transformers'
+``ForCausalLMLoss`` after its label shift.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fusepatch.ops._common import fla_requirements, rand
+from fusepatch.ops.base import Candidate, Op, SelfTest
+from fusepatch.requirements import InputRule, TorchVersion
+
+CHUNK_ELEMENTS = 2**27  # logits per chunk: 128 M fp32 values (512 MiB) whatever the vocabulary
+
+
+def _denominator(labels: torch.Tensor, ignore_index: int, num_items_in_batch) -> torch.Tensor:
+    if num_items_in_batch is not None:
+        return torch.as_tensor(num_items_in_batch, device=labels.device, dtype=torch.float32)
+    return (labels != ignore_index).sum().clamp_min(1).float()
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Logits in fp32 at least (transformers upcasts bf16 logits; fp64 stays fp64)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def linear_cross_entropy_reference(hidden, weight, labels, ignore_index: int = -100, num_items_in_batch=None):
+    """Eager: the full logits in the model dtype, upcast, cross-entropy summed, divided as transformers does."""
+    logits = _upcast(hidden @ weight.t())
+    loss = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+    return loss / _denominator(labels, ignore_index, num_items_in_batch)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Loss and both gradients chunk by chunk in the forward pass (the logits of one chunk live at a time);
+    the backward pass only scales the stored gradients by the incoming one."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, denominator, chunk):
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if needs_grad else None
+        accumulate = torch.promote_types(weight.dtype, torch.float32)
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=accumulate) if needs_grad else None
+        total = torch.zeros((), device=hidden.device, dtype=torch.promote_types(hidden.dtype, torch.float32))
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start : start + chunk]
+            y = labels[start : start + chunk]
+            logits = _upcast(h @ weight.t())
+            lse = torch.logsumexp(logits, dim=-1)
+            valid = y != ignore_index
+            target = logits.gather(1, y.clamp_min(0)[:, None]).squeeze(1)
+            total += torch.where(valid, lse - target, 0.0).sum()
+            if needs_grad:
+                probs = torch.exp(logits - lse[:, None])
+                probs[torch.arange(len(y), device=y.device), y.clamp_min(0)] -= 1.0
+                probs *= (valid.to(probs.dtype) / denominator)[:, None]
+                g = probs.to(hidden.dtype)
+                grad_hidden[start : start + chunk] = g @ weight
+                grad_weight += (g.t() @ h).to(accumulate)
+        if needs_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return total / denominator
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (
+            grad_hidden * grad_output.to(grad_hidden.dtype),
+            grad_weight * grad_output.to(grad_weight.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def linear_cross_entropy_chunked(hidden, weight, labels, ignore_index: int = -100, num_items_in_batch=None):
+    chunk = max(1, min(hidden.shape[0], CHUNK_ELEMENTS // weight.shape[0]))
+    denominator = _denominator(labels, ignore_index, num_items_in_batch)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, denominator, chunk)
+
+
+def _load_fla():
+    from fla.modules.fused_linear_cross_entropy import fused_linear_cross_entropy_loss
+
+    def linear_cross_entropy_fla(hidden, weight, labels, ignore_index: int = -100, num_items_in_batch=None):
+        total = fused_linear_cross_entropy_loss(hidden, labels, weight, ignore_index=ignore_index, reduction="sum")
+        return total / _denominator(labels, ignore_index, num_items_in_batch)
+
+    return linear_cross_entropy_fla
+
+
+def _inputs(device, dtype, generator, packed=False, dims=None):
+    dims = dims or {}
+    tokens, hidden_size, vocab = 257, dims.get("hidden", 128), 1000
+    hidden = rand((tokens, hidden_size), device, dtype, generator)
+    weight = rand((vocab, hidden_size), device, dtype, generator, scale=hidden_size**-0.5)
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+    labels[::7] = -100
+    return (hidden, weight, labels.to(device)), {}
+
+
+def _dims(module) -> dict[str, int]:
+    return {"hidden": module.config.get_text_config().hidden_size}
+
+
+LINEAR_CROSS_ENTROPY = Op(
+    name="linear_cross_entropy",
+    summary="lm_head + cross-entropy without materialising the tokens x vocab logits",
+    reference=linear_cross_entropy_reference,
+    candidates=(
+        Candidate(
+            name="fla",
+            source="pip",
+            requirements=fla_requirements("fla.modules.fused_linear_cross_entropy"),
+            load=_load_fla,
+            inputs=InputRule(kernel="fla's fused linear cross-entropy"),
+            provides="fla.modules.fused_linear_cross_entropy.fused_linear_cross_entropy_loss",
+            distribution="fla-core",
+        ),
+        Candidate(
+            name="torch-chunked",
+            source="pip",
+            requirements=(TorchVersion(">=2.7"),),
+            load=lambda: linear_cross_entropy_chunked,
+            inputs=InputRule(devices=("cuda",), kernel="fusepatch's chunked linear cross-entropy"),
+            provides="fusepatch.ops.linear_cross_entropy.linear_cross_entropy_chunked (logits one chunk at a time)",
+            distribution="torch",
+        ),
+    ),
+    selftest=SelfTest(_inputs, {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}, _dims),
+)

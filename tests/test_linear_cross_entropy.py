@@ -1,0 +1,102 @@
+"""The fused linear cross-entropy: the chunked implementation against the eager reference, and the CausalLM
+forward that uses it (on CPU by letting the GPU-only candidate accept CPU tensors for the test)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import grads
+
+import fusepatch
+from fusepatch import selftest
+from fusepatch.ops import OPS
+from fusepatch.ops import linear_cross_entropy as lce
+from fusepatch.requirements import InputRule
+from fusepatch.tiny import tiny_model
+
+
+def _data(tokens=301, hidden=48, vocab=777, dtype=torch.float64):
+    h = torch.randn(tokens, hidden, dtype=dtype, requires_grad=True)
+    w = (torch.randn(vocab, hidden, dtype=dtype) * hidden**-0.5).requires_grad_(True)
+    y = torch.randint(0, vocab, (tokens,))
+    y[::5] = -100
+    return h, w, y
+
+
+@pytest.mark.parametrize("num_items", [None, 123])
+def test_chunked_matches_the_reference_with_many_chunks(monkeypatch, num_items):
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 777 * 64)  # 64 tokens a chunk: 5 chunks, the last one short
+    h, w, y = _data()
+    ref = lce.linear_cross_entropy_reference(h, w, y, num_items_in_batch=num_items)
+    g_ref = torch.autograd.grad(ref * 0.7, (h, w))
+    out = lce.linear_cross_entropy_chunked(h, w, y, num_items_in_batch=num_items)
+    g_out = torch.autograd.grad(out * 0.7, (h, w))  # a scaled loss (gradient accumulation) scales the gradients
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for a, b in zip(g_out, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_chunked_without_gradients_and_all_ignored():
+    h, w, y = _data()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            lce.linear_cross_entropy_chunked(h, w, y), lce.linear_cross_entropy_reference(h, w, y)
+        )
+    y_ignored = torch.full_like(y, -100)
+    out = lce.linear_cross_entropy_chunked(h, w, y_ignored)
+    assert out.item() == 0.0
+    gh, gw = torch.autograd.grad(out, (h, w))
+    assert gh.abs().sum() == 0 and gw.abs().sum() == 0
+
+
+@pytest.fixture
+def chunked_on_cpu(monkeypatch):
+    op = OPS["linear_cross_entropy"]
+    chunked = next(c for c in op.candidates if c.name == "torch-chunked")
+    cpu = dataclasses.replace(chunked, inputs=InputRule(devices=("cpu", "cuda"), kernel="chunked CE"))
+    monkeypatch.setitem(OPS, "linear_cross_entropy", dataclasses.replace(op, candidates=(cpu,)))
+    selftest.clear_cache()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_causal_lm_forward_uses_the_fused_loss(chunked_on_cpu, model_type):
+    reference = tiny_model(model_type)
+    model = tiny_model(model_type)
+    ids = torch.randint(0, 512, (2, 33))
+    labels = ids.clone()
+    labels[:, :5] = -100
+    expected = reference(input_ids=ids, labels=labels)
+    expected.loss.backward()
+    report = fusepatch.apply(model)
+    head = next(layer for layer in report.layers if layer.layer.endswith("ForCausalLM"))
+    assert head.choices[0].chosen == "torch-chunked"
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    assert out.logits is None  # never materialised
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
+    g_ref, g = grads(reference), grads(model)
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-3, atol=1e-6, msg=name)
+    with_logits = model(input_ids=ids, labels=labels, return_logits=True)
+    torch.testing.assert_close(with_logits.logits, expected.logits, rtol=1e-4, atol=1e-5)
+    # the Trainer's gradient-accumulation normaliser
+    items = torch.tensor(100)
+    torch.testing.assert_close(
+        model(input_ids=ids, labels=labels, num_items_in_batch=items).loss,
+        reference(input_ids=ids, labels=labels, num_items_in_batch=items).loss,
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    # no labels: transformers' forward, logits as usual
+    assert model(input_ids=ids).logits.shape == (2, 33, 512)
+
+
+def test_causal_lm_forward_falls_back_on_cpu_without_the_override():
+    model = tiny_model("qwen3")
+    report = fusepatch.apply(model)
+    head = next(layer for layer in report.layers if layer.layer == "Qwen3ForCausalLM")
+    assert head.choices[0].chosen == "eager" and "tensors are on cpu" in head.choices[0].reason_text()
+    ids = torch.randint(0, 512, (1, 9))
+    assert model(input_ids=ids, labels=ids).logits is not None  # the original forward ran
