@@ -26,6 +26,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import SHAPES, build_config, flops_per_token  # noqa: E402
 
+from fusepatch.profile import summarize  # noqa: E402
+
 PEAK_TFLOPS = 790.0  # bf16 dense, measured on this workplace's H200s (device KINDS.md)
 
 
@@ -48,24 +50,6 @@ def _versions() -> dict:
         except md.PackageNotFoundError:
             found[name] = None
     return found
-
-
-def _busy_fraction(events, window: float) -> tuple[int, float, list[tuple[str, float]]]:
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    busy, end = 0.0, -1.0
-    for s, e in spans:
-        if s > end:
-            busy += e - s
-            end = e
-        elif e > end:
-            busy += e - end
-            end = e
-    totals: dict[str, float] = {}
-    for e in kernels:
-        totals[e.name] = totals.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
-    top = sorted(totals.items(), key=lambda kv: -kv[1])[:8]
-    return len(kernels), (busy / window if window > 0 else 0.0), [(n[:80], t / 1000.0) for n, t in top]
 
 
 def main() -> int:
@@ -163,23 +147,22 @@ def run(args, seq: int, batch: int) -> dict:
         start = time.perf_counter()
         step()
         sync()
-        window = (time.perf_counter() - start) * 1e6
-    events = prof.events()
-    aten = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::"))
-    kernels, busy, top = _busy_fraction(events, window)
+        window = time.perf_counter() - start
+    # The same trace arithmetic as FusePatchCallback (fusepatch.profile), over the profiled step's wall time.
+    profiled = summarize(prof.events(), step=0, wall_s=window, tokens=tokens, flops=None, peak_tflops=None)
     flops = flops_per_token(config, seq) * tokens
     info.update(
         step_ms=[round(t * 1000, 2) for t in times],
         median_step_ms=round(median * 1000, 2),
         tokens_per_s=round(tokens / median, 1),
         peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
-        aten_ops_per_step=aten,
-        gpu_kernels_per_step=kernels,
-        gpu_busy_fraction=round(busy, 3),
+        aten_ops_per_step=profiled.cpu_ops,
+        gpu_kernels_per_step=profiled.gpu_kernels,
+        gpu_busy_fraction=round(profiled.gpu_busy_fraction or 0.0, 3),
         mfu=round(flops / median / (PEAK_TFLOPS * 1e12), 3),
         tflop_per_step=round(flops / 1e12, 2),
         losses=[round(x, 4) for x in losses],
-        top_kernels_ms=top,
+        top_kernels_ms=profiled.top_kernels,
     )
     return info
 

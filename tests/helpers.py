@@ -60,3 +60,12 @@ def loss_and_grads(model, **batch):
     out = model(**batch)
     out.loss.backward()
     return out.loss.detach(), out.logits.detach(), grads(model)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on, for a torchrun rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "sft_ultrachat.py")
@@ -60,11 +61,7 @@ def test_example_under_torchrun_with_fsdp2(tmp_path):
     """Two CPU processes (gloo). On CPU accelerate runs the Trainer's FSDP request as plain data parallel (it
     reports MULTI_CPU), so this checks the distributed launch, the patching and the logging; FSDP2 sharding itself
     is checked by tests/test_fsdp2.py with fully_shard, and the example prints whether its layers are sharded."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(
         os.environ,
         HF_HUB_OFFLINE="1",

@@ -5,20 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from helpers import free_port
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "fsdp2_worker.py")
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize(
@@ -35,7 +29,7 @@ def test_fsdp2_world_size_2_matches_unsharded_unpatched(tmp_path, extra):
         "--nproc-per-node",
         "2",
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
         WORKER,
         "--out",
         str(out),
