@@ -121,7 +121,8 @@ def static_verdict(candidate: Candidate, env: Environment) -> tuple[Verdict, Env
             continue
         if isinstance(requirement, MinCapability) and "cuda" in failed_kinds:
             continue
-        env = env.with_imports(getattr(requirement, "probes", ()))
+        if "cuda" not in failed_kinds:  # no import of GPU packages on a machine without a GPU
+            env = env.with_imports(getattr(requirement, "probes", ()))
         if isinstance(requirement, DistributionVersion):
             env = env.with_distributions([requirement.distribution])
         verdict = requirement.check(env)
