@@ -103,3 +103,25 @@ def test_training_forward_with_a_cache_runs_the_patched_path():
     out = model(input_ids=ids, use_cache=True)
     assert calls, "the fused forward must run in training even when transformers builds a cache"
     torch.testing.assert_close(out.logits, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
+def test_packed_batch_under_activation_checkpointing(model_type):
+    """The recompute in the backward pass must see the same document boundaries as the forward pass (transformers
+    >= 5.2x checkpoints the layer's original forward, below fusepatch's wrapper)."""
+    plain = tiny_model(model_type)
+    checkpointed = tiny_model(model_type)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for model in (plain, checkpointed):
+        fusepatch.apply(model)
+        model.train()
+    _, ids, position_ids = _packed_batch(plain.config.vocab_size)
+    results = []
+    for model in (plain, checkpointed):
+        loss = model(input_ids=ids, labels=ids, position_ids=position_ids, use_cache=False).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7, msg=name)

@@ -75,8 +75,6 @@ def gated_deltanet_forward(
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
 
     cu_seqlens = kwargs.get("cu_seq_lens_q")
-    if cu_seqlens is None:
-        cu_seqlens = getattr(self, "_fusepatch_cu_seqlens", None)
     batch, length, _ = hidden_states.shape
     mixed_qkv, z, b, a = _projections(self, hidden_states)
 

@@ -77,8 +77,7 @@ def decoder_layer_forward(self, *args, **kwargs):
             )
     if linear is None or not derived:
         return state.original(*args, **kwargs)
-    linear._fusepatch_cu_seqlens = cu
-    try:
-        return state.original(*args, **kwargs)
-    finally:
-        linear._fusepatch_cu_seqlens = None
+    # The boundaries travel as transformers' own varlen argument, so that an activation-checkpoint recompute
+    # (transformers >= 5.2x checkpoints the layer's original forward, below this wrapper) sees them too.
+    # Flash attention reads them only with cu_seq_lens_k and the max lengths; sdpa and eager ignore them.
+    return state.original(*args, cu_seq_lens_q=cu, **kwargs)
