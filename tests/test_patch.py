@@ -205,3 +205,12 @@ def test_register_user_row():
             register(Row(("x",), "m", "L", ("nope",), forward))
     finally:
         _USER_ROWS.clear()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next", "qwen3"])
+def test_cached_generation_is_unchanged(model_type):
+    model = tiny_model(model_type).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 12))
+    expected = model.generate(ids, max_new_tokens=6, do_sample=False)
+    fusepatch.apply(model)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), expected)
