@@ -5,7 +5,12 @@ from __future__ import annotations
 from fusepatch.layers.causal_lm import causal_lm_forward
 from fusepatch.layers.gated_deltanet import gated_deltanet_forward
 from fusepatch.layers.packing import decoder_layer_forward
-from fusepatch.layers.simple import rms_norm_forward, rms_norm_zero_centered_forward, swiglu_mlp_forward
+from fusepatch.layers.simple import (
+    experts_forward,
+    rms_norm_forward,
+    rms_norm_zero_centered_forward,
+    swiglu_mlp_forward,
+)
 from fusepatch.registry import Row
 
 GDN_OPS = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm")
@@ -15,6 +20,7 @@ __all__ = [
     "Row",
     "causal_lm_forward",
     "decoder_layer_forward",
+    "experts_forward",
     "gated_deltanet_forward",
     "rms_norm_forward",
     "rms_norm_zero_centered_forward",

@@ -3,6 +3,7 @@
 from fusepatch.models._rows import (
     Row,
     causal_lm_forward,
+    experts_forward,
     rms_norm_forward,
     swiglu_mlp_forward,
 )
@@ -20,7 +21,7 @@ ROWS = [
     Row(DENSE, DENSE_MODULE, "Qwen2ForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeRMSNorm", ("rms_norm",), rms_norm_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeMLP", ("swiglu",), swiglu_mlp_forward, note="experts and shared expert"),
-    Row(MOE, MOE_MODULE, "Qwen2MoeExperts", (), None, planned=("moe_experts",)),
+    Row(MOE, MOE_MODULE, "Qwen2MoeExperts", ("moe_experts",), experts_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeDecoderLayer", (), None, planned=("add_rms_norm",)),
     Row(MOE, MOE_MODULE, "Qwen2MoeAttention", (), None, planned=("rotary",)),
     Row(MOE, MOE_MODULE, "Qwen2MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),

@@ -3,6 +3,7 @@
 from fusepatch.models._rows import (
     Row,
     causal_lm_forward,
+    experts_forward,
     rms_norm_forward,
     swiglu_mlp_forward,
 )
@@ -20,7 +21,7 @@ ROWS = [
     Row(DENSE, DENSE_MODULE, "Qwen3ForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeRMSNorm", ("rms_norm",), rms_norm_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeMLP", ("swiglu",), swiglu_mlp_forward),
-    Row(MOE, MOE_MODULE, "Qwen3MoeExperts", (), None, planned=("moe_experts",)),
+    Row(MOE, MOE_MODULE, "Qwen3MoeExperts", ("moe_experts",), experts_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeDecoderLayer", (), None, planned=("add_rms_norm",)),
     Row(MOE, MOE_MODULE, "Qwen3MoeAttention", (), None, planned=("rotary",)),
     Row(MOE, MOE_MODULE, "Qwen3MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),

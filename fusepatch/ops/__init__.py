@@ -6,8 +6,9 @@ from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.ops.causal_conv1d import CAUSAL_CONV1D
 from fusepatch.ops.gated_delta_rule import GATED_DELTA_RULE
 from fusepatch.ops.linear_cross_entropy import LINEAR_CROSS_ENTROPY
+from fusepatch.ops.moe_experts import MOE_EXPERTS
 from fusepatch.ops.norms import GATED_RMS_NORM, RMS_NORM, RMS_NORM_ZERO_CENTERED
-from fusepatch.ops.planned import ADD_RMS_NORM, MOE_EXPERTS, ROTARY
+from fusepatch.ops.planned import ADD_RMS_NORM, ROTARY
 from fusepatch.ops.swiglu import SWIGLU
 
 OPS: dict[str, Op] = {

@@ -7,7 +7,6 @@ upstream candidates, so ``doctor`` can say today what is installed and what is s
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from fusepatch.ops._common import fla_requirements, hub_requirements, planned
 from fusepatch.ops.base import Candidate, Op
@@ -32,19 +31,6 @@ def rotary_reference(q, k, cos, sin):
         return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
 
     return rotate(q), rotate(k)
-
-
-def moe_experts_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
-    """Experts as a loop over experts: the shape of transformers' eager path."""
-    out = torch.zeros_like(hidden)
-    for expert in range(gate_up_proj.shape[0]):
-        token, slot = torch.where(top_k_index == expert)
-        if token.numel() == 0:
-            continue
-        gate, up = F.linear(hidden[token], gate_up_proj[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down_proj[expert]) * top_k_weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
-    return out
 
 
 def _never():
@@ -90,21 +76,6 @@ ROTARY = Op(
             "hub",
             "Kernel Hub rotary: planned",
             hub_requirements("kernels-community/rotary"),
-        ),
-    ),
-)
-
-MOE_EXPERTS = Op(
-    name="moe_experts",
-    summary="MoE experts as one grouped GEMM instead of a Python loop over experts",
-    reference=moe_experts_reference,
-    candidates=(
-        _planned("torch-grouped-mm", "pip", "grouped GEMM experts: planned", (), "torch._grouped_mm"),
-        _planned(
-            "hub:kernels-community/megablocks",
-            "hub",
-            "Kernel Hub MoE: planned",
-            hub_requirements("kernels-community/megablocks"),
         ),
     ),
 )

@@ -82,3 +82,25 @@ def test_linear_cross_entropy(name, dtype):
         f"d{i}": relative_error(g, r) for i, (g, r) in enumerate(zip(grads, ref_grads))
     }
     assert all(e <= TOL[dtype] for e in errors.values()), errors
+
+
+@DTYPES
+def test_moe_experts_grouped(dtype):
+    fn = _kernel("moe_experts", "torch-grouped-mm", dtype)
+    tokens, experts, hidden, inter, top_k = 1031, 16, 1024, 512, 4
+    h = torch.randn(tokens, hidden, device="cuda")
+    index = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).cuda()
+    weights = torch.rand(tokens, top_k, device="cuda").softmax(-1)
+    gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda") * hidden**-0.5
+    down = torch.randn(experts, hidden, inter, device="cuda") * inter**-0.5
+    leaves = [t.clone().requires_grad_(True) for t in (h, weights, gate_up, down)]
+    ref_leaves = [t.double().requires_grad_(True) for t in (h, weights, gate_up, down)]
+    out = fn(leaves[0].to(dtype), index, *[t.to(dtype) for t in leaves[1:]])
+    ref = OPS["moe_experts"].reference(ref_leaves[0], index, *ref_leaves[1:])
+    cot = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, leaves, cot.to(out.dtype))
+    ref_grads = torch.autograd.grad(ref, ref_leaves, cot)
+    errors = {"out": relative_error(out, ref)} | {
+        f"d{i}": relative_error(g, r) for i, (g, r) in enumerate(zip(grads, ref_grads))
+    }
+    assert all(e <= TOL[dtype] for e in errors.values()), errors

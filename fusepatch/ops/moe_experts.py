@@ -1,0 +1,97 @@
+"""moe_experts: the experts of a MoE block as two grouped GEMMs instead of a Python loop over experts.
+
+Op signature::
+
+    out = moe_experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K], gate_up_proj [E, 2I, H], down_proj [E, H, I])
+
+Each token goes through its K experts, ``down(silu(gate) * up)``, weighted by its routing weight; the router's
+math is untouched (it runs before). Layout: transformers' concatenated ``[gate; up]`` rows, not transposed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fusepatch.ops._common import hub_requirements, rand
+from fusepatch.ops.base import Candidate, Op, SelfTest
+from fusepatch.requirements import InputRule, TorchVersion
+
+
+def moe_experts_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    """A loop over experts: the shape of transformers' eager path."""
+    out = torch.zeros_like(hidden)
+    for expert in range(gate_up_proj.shape[0]):
+        token, slot = torch.where(top_k_index == expert)
+        if token.numel() == 0:
+            continue
+        gate, up = F.linear(hidden[token], gate_up_proj[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down_proj[expert]) * top_k_weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def _grouped_mm():
+    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        raise RuntimeError(f"torch {torch.__version__} has no grouped_mm; torch >= 2.8 has it")
+    return fn
+
+
+def moe_experts_grouped(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    """Tokens sorted by expert, then one grouped GEMM for all gate/up projections and one for all down ones."""
+    grouped_mm = _grouped_mm()
+    experts = gate_up_proj.shape[0]
+    flat = top_k_index.reshape(-1)
+    keep = flat < experts  # an index equal to the expert count marks a dropped slot
+    order = torch.argsort(torch.where(keep, flat, experts), stable=True)[: int(keep.sum())]
+    token = order // top_k_index.shape[1]
+    offsets = torch.bincount(flat[order], minlength=experts).cumsum(0).to(torch.int32)
+    gate, up = grouped_mm(hidden[token], gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    out = grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offsets)
+    out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
+    return torch.zeros_like(hidden).index_add_(0, token, out.to(hidden.dtype))
+
+
+def _inputs(device, dtype, generator, packed=False, dims=None):
+    dims = dims or {}
+    experts, hidden_size, inter = dims.get("experts", 8), dims.get("hidden", 64), dims.get("inter", 32)
+    tokens, top_k = 37, min(2, experts)
+    hidden = rand((tokens, hidden_size), device, dtype, generator)
+    index = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]).to(device)
+    weights = (
+        torch.rand(tokens, top_k, generator=generator).softmax(-1).to(device=device, dtype=dtype).requires_grad_(True)
+    )
+    gate_up = rand((experts, 2 * inter, hidden_size), device, dtype, generator, scale=hidden_size**-0.5)
+    down = rand((experts, hidden_size, inter), device, dtype, generator, scale=inter**-0.5)
+    return (hidden, index, weights, gate_up, down), {}
+
+
+def _dims(module) -> dict[str, int]:
+    experts, two_inter, hidden = module.gate_up_proj.shape
+    return {"experts": experts, "hidden": hidden, "inter": two_inter // 2}
+
+
+MOE_EXPERTS = Op(
+    name="moe_experts",
+    summary="MoE experts as two grouped GEMMs instead of a Python loop over experts",
+    reference=moe_experts_reference,
+    candidates=(
+        Candidate(
+            name="torch-grouped-mm",
+            source="pip",
+            requirements=(TorchVersion(">=2.8"),),
+            load=lambda: moe_experts_grouped,
+            inputs=InputRule(devices=("cuda",), dtypes=("bfloat16", "float32"), kernel="torch's grouped_mm"),
+            provides="fusepatch.ops.moe_experts.moe_experts_grouped (torch grouped_mm)",
+            distribution="torch",
+        ),
+        Candidate(
+            name="hub:kernels-community/megablocks",
+            source="hub",
+            requirements=hub_requirements("kernels-community/megablocks"),
+            load=lambda: None,
+        ),
+    ),
+    selftest=SelfTest(_inputs, {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}, _dims),
+)

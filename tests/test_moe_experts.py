@@ -1,0 +1,84 @@
+"""MoE experts as grouped GEMMs: against the loop-over-experts reference, and inside every MoE family."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import loss_and_grads
+
+import fusepatch
+from fusepatch import selftest
+from fusepatch.ops import OPS
+from fusepatch.ops.moe_experts import moe_experts_grouped, moe_experts_reference
+from fusepatch.requirements import InputRule
+from fusepatch.tiny import tiny_model
+
+
+def _inputs(tokens=53, experts=6, hidden=24, inter=16, top_k=2):
+    h = torch.randn(tokens, hidden, requires_grad=True)
+    index = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    index[3] = torch.tensor([experts, 1])  # a dropped slot (index == expert count) is skipped, as transformers does
+    weights = torch.rand(tokens, top_k).softmax(-1).requires_grad_(True)
+    gate_up = torch.randn(experts, 2 * inter, hidden, requires_grad=True)
+    down = torch.randn(experts, hidden, inter, requires_grad=True)
+    return h, index, weights, gate_up, down
+
+
+def test_grouped_experts_match_the_loop():
+    h, index, weights, gate_up, down = _inputs()
+    leaves = (h, weights, gate_up, down)
+    ref = moe_experts_reference(h, index, weights, gate_up, down)
+    out = moe_experts_grouped(h, index, weights, gate_up, down)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    cot = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, leaves, cot), torch.autograd.grad(ref, leaves, cot)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_an_expert_without_tokens():
+    h, index, weights, gate_up, down = _inputs(experts=6)
+    index[index == 4] = 5  # expert 4 gets nothing
+    torch.testing.assert_close(
+        moe_experts_grouped(h, index, weights, gate_up, down),
+        moe_experts_reference(h, index, weights, gate_up, down),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+@pytest.fixture
+def grouped_on_cpu(monkeypatch):
+    op = OPS["moe_experts"]
+    grouped = next(c for c in op.candidates if c.name == "torch-grouped-mm")
+    cpu = dataclasses.replace(grouped, inputs=InputRule(devices=("cpu", "cuda"), dtypes=("float32", "bfloat16")))
+    monkeypatch.setitem(OPS, "moe_experts", dataclasses.replace(op, candidates=(cpu,)))
+    selftest.clear_cache()
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "qwen3_next"])
+def test_moe_families_use_grouped_experts(grouped_on_cpu, model_type):
+    reference = tiny_model(model_type)
+    model = tiny_model(model_type)
+    ids = torch.randint(0, 512, (2, 29))
+    loss0, logits0, grads0 = loss_and_grads(reference, input_ids=ids, labels=ids)
+    report = fusepatch.apply(model, exclude=["linear_cross_entropy"])
+    experts = next(layer for layer in report.layers if layer.layer.endswith("Experts"))
+    assert experts.choices[0].chosen == "torch-grouped-mm"
+    calls = []
+    dispatch = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))._fusepatch.ops["moe_experts"]
+    original = dispatch.implementation
+    dispatch.implementation = lambda *a: (calls.append(a), original(*a))[1]
+    loss1, logits1, grads1 = loss_and_grads(model, input_ids=ids, labels=ids)
+    assert calls
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-3, atol=1e-6, msg=name)
+
+
+def test_experts_stay_with_transformers_on_cpu():
+    model = tiny_model("qwen3_moe")
+    report = fusepatch.apply(model)
+    experts = next(layer for layer in report.layers if layer.layer == "Qwen3MoeExperts")
+    assert experts.choices[0].chosen == "eager" and "tensors are on cpu" in experts.choices[0].reason_text()
