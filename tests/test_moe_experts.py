@@ -52,7 +52,10 @@ def test_an_expert_without_tokens():
 def grouped_on_cpu(monkeypatch):
     op = OPS["moe_experts"]
     grouped = next(c for c in op.candidates if c.name == "torch-grouped-mm")
-    cpu = dataclasses.replace(grouped, inputs=InputRule(devices=("cpu", "cuda"), dtypes=("float32", "bfloat16")))
+    # the GPU-only candidate, allowed on CPU for the test (torch's grouped_mm has a CPU kernel)
+    cpu = dataclasses.replace(
+        grouped, requirements=(), inputs=InputRule(devices=("cpu", "cuda"), dtypes=("float32", "bfloat16"))
+    )
     monkeypatch.setitem(OPS, "moe_experts", dataclasses.replace(op, candidates=(cpu,)))
     selftest.clear_cache()
 
@@ -81,4 +84,4 @@ def test_experts_stay_with_transformers_on_cpu():
     model = tiny_model("qwen3_moe")
     report = fusepatch.apply(model)
     experts = next(layer for layer in report.layers if layer.layer == "Qwen3MoeExperts")
-    assert experts.choices[0].chosen == "eager" and "tensors are on cpu" in experts.choices[0].reason_text()
+    assert experts.choices[0].chosen == "eager" and "CPU-only build" in experts.choices[0].reason_text()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from fusepatch.ops._common import hub_requirements, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
-from fusepatch.requirements import InputRule, TorchVersion
+from fusepatch.requirements import CudaDevice, InputRule, MinCapability, TorchVersion
 
 
 def moe_experts_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
@@ -80,7 +80,8 @@ MOE_EXPERTS = Op(
         Candidate(
             name="torch-grouped-mm",
             source="pip",
-            requirements=(TorchVersion(">=2.8"),),
+            # torch's grouped_mm: sm_80+ from torch 2.9/2.10 (Hopper only before), bf16 on the GPU
+            requirements=(CudaDevice(), MinCapability((8, 0), "torch's grouped_mm"), TorchVersion(">=2.9")),
             load=lambda: moe_experts_grouped,
             inputs=InputRule(devices=("cuda",), dtypes=("bfloat16", "float32"), kernel="torch's grouped_mm"),
             provides="fusepatch.ops.moe_experts.moe_experts_grouped (torch grouped_mm)",
