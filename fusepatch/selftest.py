@@ -1,7 +1,8 @@
 """Run a candidate once on tiny fresh random inputs and compare it, forward and backward, with the reference.
 
 An import that works but crashes, returns NaN/Inf or disagrees is rejected with that reason, before the
-training run ever calls it. Results are cached per process, keyed by op, candidate, device type and dtype.
+training run ever calls it. Results are cached per process, keyed by op, candidate, device type, dtype,
+packing and the layer sizes the inputs were drawn at.
 """
 
 from __future__ import annotations
