@@ -68,6 +68,7 @@ class FusePatchCallback(TrainerCallback):
         self._profiler = None
         self._labels = None
         self._start = 0.0
+        self._step_times: dict[int, float] = {}  # wall time of optimizer steps 1 and 2 (compile vs steady)
 
     # -- training begins: patch, report, start counting tokens ---------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -102,7 +103,14 @@ class FusePatchCallback(TrainerCallback):
         self._seq_len = int(shape[-1])
 
     # -- one profiled step -------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
     def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 in (1, 2) and self._hook is not None:
+            self._sync()
+            self._step_times[state.global_step + 1] = -time.perf_counter()
         if not self.profile or state.global_step + 1 != self.profile_step or self._hook is None:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -119,6 +127,11 @@ class FusePatchCallback(TrainerCallback):
         self._start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in self._step_times and self._step_times[state.global_step] < 0:
+            self._sync()
+            self._step_times[state.global_step] += time.perf_counter()
+            if state.global_step == 2:
+                self._report_first_step()
         if self._profiler is None:
             return
         if torch.cuda.is_available():
@@ -143,6 +156,18 @@ class FusePatchCallback(TrainerCallback):
             prof.export_chrome_trace(path)
             logger.info("fusepatch: trace of step %d written to %s", state.global_step, path)
         control.should_log = True  # the Trainer logs right after this step; on_log adds the metrics
+
+    def _report_first_step(self) -> None:
+        first, second = self._step_times.get(1, 0.0), self._step_times.get(2, 0.0)
+        self._pending["fusepatch/first_step_s"] = round(first, 3)
+        if second > 0 and first > 5 * second and first > 10.0:
+            logger.warning(
+                "fusepatch: the first step took %.0f s, %.0fx the second: compiling and autotuning kernels for these "
+                "shapes. Run `python -m fusepatch warmup` at image build time and keep TRITON_CACHE_DIR and "
+                "TILELANG_CACHE_DIR in the image to start warm.",
+                first,
+                first / second,
+            )
 
     # -- logging -------------------------------------------------------------------------------------------
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -60,6 +60,7 @@ def test_callback_applies_logs_the_report_and_profiles_a_step(tmp_path, caplog):
     assert merged["fusepatch/tokens_per_s"] > 0
     assert 0 < merged["fusepatch/step_time_s"] < 60
     assert merged["fusepatch/fallbacks"] >= 1 and "fusepatch/fused_ops" in merged
+    assert 0 < merged["fusepatch/first_step_s"] < 60
     assert "fusepatch/gpu_busy_fraction" not in merged  # no CUDA: not claimed
     profile = callback.last_profile
     assert profile.tokens == 2 * 48 and profile.step == 2
@@ -119,3 +120,12 @@ def test_flop_count_and_peaks():
     assert matmul_parameters(moe) == pytest.approx(dense + experts * 2 / 4)
     assert peak_tflops_for("NVIDIA H200") == 989.0 and peak_tflops_for("NVIDIA GH200 480GB") == 989.0
     assert peak_tflops_for("Some CPU") is None
+
+
+def test_a_slow_first_step_is_explained(caplog):
+    callback = FusePatchCallback(profile=False)
+    callback._step_times = {1: 95.0, 2: 0.25}
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        callback._report_first_step()
+    assert "first step took 95 s, 380x the second" in caplog.text and "fusepatch warmup" in caplog.text
+    assert callback._pending["fusepatch/first_step_s"] == 95.0
