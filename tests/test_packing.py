@@ -125,3 +125,22 @@ def test_packed_batch_under_activation_checkpointing(model_type):
     torch.testing.assert_close(loss_b, loss_a)
     for name in grads_a:
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_matches_transformers(side):
+    """With an attention_mask, padded positions are zeroed before the linear-attention layers, as in
+    transformers, and the real tokens' outputs do not change."""
+    reference = tiny_model("qwen3_5_text")
+    model = tiny_model("qwen3_5_text")
+    fusepatch.apply(model)
+    ids = torch.randint(0, 512, (2, 30))
+    mask = torch.ones_like(ids)
+    if side == "left":
+        mask[0, :7] = 0
+    else:
+        mask[0, -7:] = 0
+    expected = reference(input_ids=ids, attention_mask=mask).logits
+    got = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], rtol=1e-4, atol=1e-5)

@@ -174,3 +174,21 @@ def test_generation_with_cache_matches_the_unpatched_model():
     expected = model.generate(ids, max_new_tokens=8, do_sample=False)
     fusepatch.apply(model)
     assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), expected)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_fused_matches_eager(side):
+    base = tiny_model("qwen3_5_text", **SHAPE)
+    eager = _eager(copy.deepcopy(base).cuda().to(torch.bfloat16))
+    fused = copy.deepcopy(base).cuda().to(torch.bfloat16)
+    fusepatch.apply(fused)
+    ids = torch.randint(0, base.config.vocab_size, (2, 200), device="cuda")
+    mask = torch.ones_like(ids)
+    if side == "left":
+        mask[0, :37] = 0
+    else:
+        mask[0, -37:] = 0
+    real = mask.bool()
+    a = eager(input_ids=ids, attention_mask=mask, use_cache=False).logits[real].float()
+    b = fused(input_ids=ids, attention_mask=mask, use_cache=False).logits[real].float()
+    assert relative_error(b, a) < 2e-2
