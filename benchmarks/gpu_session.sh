@@ -31,7 +31,7 @@ case "$phase" in
     grep -A3 "gated_delta_rule:" "$OUT/doctor-no-tilelang.txt" ;;
   bench)
     shape=${2:-27b}; layers=${3:-}
-    pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
+    pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl .whl/liger_kernel-*.whl 2>/dev/null
     timeout ${RUN_TIMEOUT:-3000} python3 benchmarks/run_all.py --shape "$shape" ${layers:+--layers $layers} --site-fla /tmp/site-fla --site-tl /tmp/site-tl \
       --workdir "/tmp/bench-$shape" --out "$OUT/bench-$shape.json" --timeout ${BENCH_TIMEOUT:-400} \
       --configs "${CONFIGS:-eager,hf-fast,fusepatch,hf-fast-no-tilelang,fusepatch-no-tilelang}" 2>&1 | tee "$OUT/bench-$shape.md"

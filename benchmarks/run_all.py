@@ -23,6 +23,7 @@ CONFIGS = {
     # label: (train_step config, needs fla, needs tilelang)
     "eager": ("eager", False, False),
     "hf-fast": ("hf-fast", True, True),
+    "liger": ("liger", True, True),
     "fusepatch": ("fusepatch", True, True),
     "hf-fast-no-tilelang": ("hf-fast", True, False),
     "fusepatch-no-tilelang": ("fusepatch", True, False),

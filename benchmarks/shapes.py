@@ -40,6 +40,23 @@ SHAPES: dict[str, dict] = {
         seq=2048,
         batch=4,
     ),
+    # Qwen3-32B layer shapes (plain RMSNorm, full attention): hidden 5120, intermediate 25600, 64 q / 8 kv heads
+    # of 128, vocab 151936.
+    "32b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        layers=8,
+        seq=4096,
+        batch=1,
+    ),
+    # Qwen3.5-MoE-shaped: transformers' own qwen3_5_moe_text defaults (the sizes it documents for the family),
+    # at reduced depth.
+    "moe": dict(model_type="qwen3_5_moe_text", layers=8, seq=4096, batch=1),
     # For checking the harness itself on a laptop CPU.
     "tiny": dict(
         model_type="qwen3_5_text",
@@ -70,33 +87,15 @@ def build_config(shape: str, layers: int | None = None):
     spec.pop("layers", None)
     spec.pop("seq")
     spec.pop("batch")
-    layer_types = [("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(depth)]
+    extra = {}
+    if model_type.startswith("qwen3_5"):  # hybrid: 3 linear-attention layers to 1 full-attention layer
+        extra["layer_types"] = [("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(depth)]
     return AutoConfig.for_model(
         model_type,
         num_hidden_layers=depth,
-        layer_types=layer_types,
         tie_word_embeddings=False,
         max_position_embeddings=32768,
         use_cache=False,
+        **extra,
         **spec,
     )
-
-
-def flops_per_token(config, seq: int) -> float:
-    """Training FLOPs per token: 6 x matmul parameters (projections, MLP, lm_head; the embedding lookup is
-    no matmul) + full attention 6 * seq * Hq * Dh (causal half of 4 * seq * Hq * Dh fwd, times 3 for fwd+bwd)
-    + the gated delta rule per value head: 3 x [4 * Dk * Dv (state read and update) + 2 * 64 * (Dk + Dv)
-    (within-chunk attention at chunk 64)]."""
-    h, inter, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    hq, hkv, dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
-    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    n_full = sum(t == "full_attention" for t in config.layer_types)
-    n_lin = len(config.layer_types) - n_full
-    mlp = 3 * h * inter
-    full = h * (2 * hq * dh) + h * (2 * hkv * dh) + hq * dh * h
-    lin = h * (2 * hk * dk + hv * dv) + h * hv * dv + 2 * h * hv + hv * dv * h
-    params = n_full * (full + mlp) + n_lin * (lin + mlp) + h * v
-    attention = n_full * 6 * seq * hq * dh
-    delta = n_lin * hv * 3 * (4 * dk * dv + 2 * 64 * (dk + dv))
-    return 6 * params + attention + delta

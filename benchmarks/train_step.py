@@ -24,9 +24,9 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from shapes import SHAPES, build_config, flops_per_token  # noqa: E402
+from shapes import SHAPES, build_config  # noqa: E402
 
-from fusepatch.profile import summarize  # noqa: E402
+from fusepatch.profile import flops_per_token, summarize  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # bf16 dense, measured on this workplace's H200s (device KINDS.md)
 
@@ -54,7 +54,7 @@ def _versions() -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True, choices=["eager", "hf-fast", "fusepatch"])
+    parser.add_argument("--config", required=True, choices=["eager", "hf-fast", "liger", "fusepatch"])
     parser.add_argument("--label", default=None)
     parser.add_argument("--shape", default="27b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=None)
@@ -104,6 +104,15 @@ def run(args, seq: int, batch: int) -> dict:
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     info: dict = {"layers": config.num_hidden_layers, "params": sum(p.numel() for p in model.parameters())}
+    if args.config == "liger":  # the peer: hf-fast plus Liger's norms, SwiGLU and fused loss (its rope raises for 3.5)
+        import liger_kernel.transformers as liger
+
+        patch = {
+            "qwen3_5_text": liger.apply_liger_kernel_to_qwen3_5,
+            "qwen3_5_moe_text": liger.apply_liger_kernel_to_qwen3_5_moe,
+            "qwen3": liger.apply_liger_kernel_to_qwen3,
+        }[config.model_type]
+        patch(rope=False, model=model)
     if args.config == "fusepatch":
         import fusepatch
 
@@ -150,7 +159,7 @@ def run(args, seq: int, batch: int) -> dict:
         window = time.perf_counter() - start
     # The same trace arithmetic as FusePatchCallback (fusepatch.profile), over the profiled step's wall time.
     profiled = summarize(prof.events(), step=0, wall_s=window, tokens=tokens, flops=None, peak_tflops=None)
-    flops = flops_per_token(config, seq) * tokens
+    flops = flops_per_token(model, seq) * tokens
     info.update(
         step_ms=[round(t * 1000, 2) for t in times],
         median_step_ms=round(median * 1000, 2),
