@@ -214,3 +214,18 @@ def test_cached_generation_is_unchanged(model_type):
     expected = model.generate(ids, max_new_tokens=6, do_sample=False)
     fusepatch.apply(model)
     assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), expected)
+
+
+@pytest.mark.slow
+def test_torch_compile_of_a_patched_model():
+    """The patched forwards may break the graph (the packed-boundary check is data-dependent); compiling must
+    neither crash nor change the result."""
+    model = tiny_model("qwen3_5_text")
+    ids = torch.randint(0, 512, (2, 40))
+    expected = model(input_ids=ids, labels=ids).loss
+    fusepatch.apply(model)
+    compiled = torch.compile(model)
+    out = compiled(input_ids=ids, labels=ids)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=1e-6)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
