@@ -29,17 +29,19 @@ def _kernel(op, name, dtype):
     return candidate.load()
 
 
-def _compare(fn, reference, inputs, dtype, extra=()):
-    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-    ref_leaves = [t.detach().double().requires_grad_(True) for t in inputs]
-    out = fn(*[t.to(dtype) for t in leaves], *extra)
-    ref = reference(*ref_leaves, *extra)
+def _compare(fn, reference, args, dtype, extra=(), **kwargs):
+    """fn on ``args`` cast to ``dtype`` against ``reference`` on fp64 copies: output and every float input's
+    gradient (integer arguments, such as labels or expert indices, pass through)."""
+    floats = [i for i, a in enumerate(args) if a.is_floating_point()]
+    leaves = {i: args[i].detach().clone().requires_grad_(True) for i in floats}
+    ref_leaves = {i: args[i].detach().double().requires_grad_(True) for i in floats}
+    out = fn(*[leaves[i].to(dtype) if i in leaves else a for i, a in enumerate(args)], *extra, **kwargs)
+    ref = reference(*[ref_leaves.get(i, a) for i, a in enumerate(args)], *extra, **kwargs)
     cot = torch.randn_like(ref)
-    grads = torch.autograd.grad(out, leaves, cot.to(out.dtype))
-    ref_grads = torch.autograd.grad(ref, ref_leaves, cot)
-    errors = {"out": relative_error(out, ref)} | {
-        f"d{i}": relative_error(g, r) for i, (g, r) in enumerate(zip(grads, ref_grads))
-    }
+    grads = torch.autograd.grad(out, list(leaves.values()), cot.to(out.dtype))
+    ref_grads = torch.autograd.grad(ref, list(ref_leaves.values()), cot)
+    errors = {"out": relative_error(out, ref)}
+    errors |= {f"d{i}": relative_error(g, r) for i, g, r in zip(floats, grads, ref_grads)}
     assert all(e <= TOL[dtype] for e in errors.values()), errors
 
 
@@ -72,16 +74,8 @@ def test_linear_cross_entropy(name, dtype):
     w = torch.randn(vocab, hidden, device="cuda") * hidden**-0.5
     y = torch.randint(0, vocab, (tokens,), device="cuda")
     y[::9] = -100
-    leaves = [h.clone().requires_grad_(True), w.clone().requires_grad_(True)]
-    ref_leaves = [h.double().requires_grad_(True), w.double().requires_grad_(True)]
-    out = fn(leaves[0].to(dtype), leaves[1].to(dtype), y, num_items_in_batch=torch.tensor(1500, device="cuda"))
-    ref = OPS["linear_cross_entropy"].reference(*ref_leaves, y, num_items_in_batch=torch.tensor(1500, device="cuda"))
-    grads = torch.autograd.grad(out, leaves)
-    ref_grads = torch.autograd.grad(ref, ref_leaves)
-    errors = {"loss": relative_error(out, ref)} | {
-        f"d{i}": relative_error(g, r) for i, (g, r) in enumerate(zip(grads, ref_grads))
-    }
-    assert all(e <= TOL[dtype] for e in errors.values()), errors
+    items = torch.tensor(1500, device="cuda")
+    _compare(fn, OPS["linear_cross_entropy"].reference, [h, w, y], dtype, num_items_in_batch=items)
 
 
 @DTYPES
@@ -93,14 +87,4 @@ def test_moe_experts_grouped(dtype):
     weights = torch.rand(tokens, top_k, device="cuda").softmax(-1)
     gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda") * hidden**-0.5
     down = torch.randn(experts, hidden, inter, device="cuda") * inter**-0.5
-    leaves = [t.clone().requires_grad_(True) for t in (h, weights, gate_up, down)]
-    ref_leaves = [t.double().requires_grad_(True) for t in (h, weights, gate_up, down)]
-    out = fn(leaves[0].to(dtype), index, *[t.to(dtype) for t in leaves[1:]])
-    ref = OPS["moe_experts"].reference(ref_leaves[0], index, *ref_leaves[1:])
-    cot = torch.randn_like(ref)
-    grads = torch.autograd.grad(out, leaves, cot.to(out.dtype))
-    ref_grads = torch.autograd.grad(ref, ref_leaves, cot)
-    errors = {"out": relative_error(out, ref)} | {
-        f"d{i}": relative_error(g, r) for i, (g, r) in enumerate(zip(grads, ref_grads))
-    }
-    assert all(e <= TOL[dtype] for e in errors.values()), errors
+    _compare(fn, OPS["moe_experts"].reference, [h, index, weights, gate_up, down], dtype)
