@@ -33,6 +33,7 @@ def run(
 ) -> dict:
     """Train the same tiny model twice from the same weights, unpatched then patched; return the numbers."""
     import fusepatch
+    from fusepatch.resolve import dtype_name
     from fusepatch.tiny import tiny_model
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -50,7 +51,7 @@ def run(
     return {
         "model_type": model_type,
         "device": device,
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_name(dtype),
         "report": report,
         "eager_losses": eager_losses,
         "patched_losses": patched_losses,

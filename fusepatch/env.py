@@ -64,7 +64,6 @@ class Environment:
         imports: import name -> ``None`` when ``import`` worked, else the error text. Only modules that
             were probed appear; a module absent here counts as "not probed".
         offline: whether Hugging Face offline mode is set.
-        env_vars: the few environment variables rules read (``FUSEPATCH_*``, offline flags).
     """
 
     python: str = "3.12.0"
@@ -76,12 +75,10 @@ class Environment:
     distributions: Mapping[str, str] = field(default_factory=dict)
     imports: Mapping[str, str | None] = field(default_factory=dict)
     offline: bool = False
-    env_vars: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "distributions", _frozen(self.distributions))
         object.__setattr__(self, "imports", _frozen(self.imports))
-        object.__setattr__(self, "env_vars", _frozen(self.env_vars))
 
     @property
     def triton(self) -> str | None:
@@ -209,7 +206,6 @@ def capture(*, refresh: bool = False, probe: Iterable[str] = ()) -> Environment:
             cuda_available = bool(torch.cuda.is_available())
         except ImportError:
             torch_version, torch_cuda, cuda_available = None, None, False
-        env_vars = {k: v for k, v in os.environ.items() if k.startswith("FUSEPATCH_") or k in OFFLINE_VARIABLES}
         offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in OFFLINE_VARIABLES)
         _CAPTURED = Environment(
             python=platform.python_version(),
@@ -220,7 +216,6 @@ def capture(*, refresh: bool = False, probe: Iterable[str] = ()) -> Environment:
             gpus=_gpus(),
             distributions=_distribution_versions(TRACKED_DISTRIBUTIONS),
             offline=offline,
-            env_vars=env_vars,
         )
     if probe:
         _CAPTURED = _CAPTURED.with_imports(probe)

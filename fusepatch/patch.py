@@ -20,7 +20,7 @@ from fusepatch.env import capture
 from fusepatch.ops import OPS
 from fusepatch.registry import Row, known_model_types, rows_for
 from fusepatch.report import LayerReport, PatchReport
-from fusepatch.resolve import Dispatch, make_dispatch, preferred_sources
+from fusepatch.resolve import Dispatch, dtype_name, make_dispatch, preferred_sources
 
 logger = logging.getLogger("fusepatch")
 
@@ -54,7 +54,7 @@ def _model_types(model: torch.nn.Module) -> tuple[str, ...]:
 def _device_and_dtype(model: torch.nn.Module) -> tuple[str, str]:
     for parameter in model.parameters():
         if parameter.is_floating_point():
-            return parameter.device.type, str(parameter.dtype).removeprefix("torch.")
+            return parameter.device.type, dtype_name(parameter.dtype)
     return "cpu", "float32"
 
 

@@ -90,6 +90,11 @@ class Choice:
         }
 
 
+def dtype_name(dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the form choices are keyed and reported by."""
+    return str(dtype).removeprefix("torch.")
+
+
 def preferred_sources(prefer: Iterable[str] | None = None) -> tuple[str, ...]:
     """Source priority: the argument, else ``FUSEPATCH_PREFER`` (comma list), else hub, pip, source."""
     if prefer is None:
@@ -236,7 +241,7 @@ class Dispatch:
     def __call__(self, *args, **kwargs):
         first = next(a for a in args if hasattr(a, "device"))
         packed = kwargs.get("cu_seqlens") is not None
-        return self.implementation(first.device.type, str(first.dtype).removeprefix("torch."), packed)(*args, **kwargs)
+        return self.implementation(first.device.type, dtype_name(first.dtype), packed)(*args, **kwargs)
 
     def _resolve(self, device: str, dtype: str, packed: bool) -> tuple[Choice, Callable[..., Any]]:
         key = (device, dtype, packed)
@@ -301,8 +306,6 @@ def make_dispatch(
         disabled = f"not selected (apply(ops={sorted(set(ops))!r}))"
     elif name in set(exclude):
         disabled = "excluded by apply(exclude=...)"
-    elif env.env_vars.get("FUSEPATCH_DISABLE", os.environ.get("FUSEPATCH_DISABLE", "")).lower() in ("1", "true", "yes"):
-        disabled = "FUSEPATCH_DISABLE is set"
     op = OPS[name]
     dims = None
     if module is not None and op.selftest is not None and op.selftest.dims_from is not None:

@@ -72,7 +72,7 @@ def warmup(
     from transformers import AutoModelForCausalLM
 
     import fusepatch
-    from fusepatch.resolve import Dispatch
+    from fusepatch.resolve import Dispatch, dtype_name
 
     config = warmup_config(source)
     torch.manual_seed(0)
@@ -92,7 +92,9 @@ def warmup(
         timings.setdefault((self.label, self.op.name), []).append(time.perf_counter() - start)
         first = next(a for a in args if hasattr(a, "device"))
         packed_call = kwargs.get("cu_seqlens") is not None
-        kernels[(self.label, self.op.name)] = self.choice(first.device.type, str(first.dtype)[6:], packed_call).chosen
+        kernels[(self.label, self.op.name)] = self.choice(
+            first.device.type, dtype_name(first.dtype), packed_call
+        ).chosen
         return out
 
     ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from fusepatch.resolve import dtype_name
+
 
 def causal_lm_forward(
     self,
@@ -25,6 +27,14 @@ def causal_lm_forward(
     state = self._fusepatch
     return_logits = kwargs.pop("return_logits", False)
     dispatch = state.ops["linear_cross_entropy"]
+    inputs = dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+    )
     reference = input_ids if input_ids is not None else inputs_embeds
     fused = (
         labels is not None
@@ -32,31 +42,13 @@ def causal_lm_forward(
         and logits_to_keep == 0
         and getattr(self.lm_head, "bias", None) is None
         and reference is not None
-        and dispatch.choice(reference.device.type, str(self.lm_head.weight.dtype).removeprefix("torch.")).fused
+        and dispatch.choice(reference.device.type, dtype_name(self.lm_head.weight.dtype)).fused
     )
     if not fused:
-        return state.original(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            labels=labels,
-            use_cache=use_cache,
-            logits_to_keep=logits_to_keep,
-            **kwargs,
-        )
+        return state.original(**inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     shift_labels = kwargs.pop("shift_labels", None)
     num_items_in_batch = kwargs.get("num_items_in_batch")
-    outputs = self.model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        inputs_embeds=inputs_embeds,
-        use_cache=use_cache,
-        **kwargs,
-    )
+    outputs = self.model(**inputs, **kwargs)
     hidden = outputs.last_hidden_state
     if shift_labels is None:  # predict token t+1 at position t; the last position predicts nothing
         shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from fusepatch.resolve import dtype_name
+
 
 def _eps(self) -> float:
     return self.eps if hasattr(self, "eps") else self.variance_epsilon
@@ -36,6 +38,6 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         and not getattr(self, "has_bias", False)
         and getattr(getattr(self, "config", None), "hidden_act", "silu") in ("silu", "swish")
     )
-    if standard and dispatch.choice(hidden_states.device.type, str(hidden_states.dtype).removeprefix("torch.")).fused:
+    if standard and dispatch.choice(hidden_states.device.type, dtype_name(hidden_states.dtype)).fused:
         return dispatch(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
     return state.original(hidden_states, top_k_index, top_k_weights)
