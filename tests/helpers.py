@@ -69,3 +69,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun(script: str, *args: str, processes: int = 2, **env: str):
+    """Run ``script`` under torchrun on CPU (gloo) with ``processes`` ranks; returns the CompletedProcess."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(processes),
+        "--master-port",
+        str(free_port()),
+        script,
+        *args,
+    ]
+    full_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", **env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=full_env)

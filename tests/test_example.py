@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import free_port
+from helpers import torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "sft_ultrachat.py")
@@ -61,23 +61,7 @@ def test_example_under_torchrun_with_fsdp2(tmp_path):
     """Two CPU processes (gloo). On CPU accelerate runs the Trainer's FSDP request as plain data parallel (it
     reports MULTI_CPU), so this checks the distributed launch, the patching and the logging; FSDP2 sharding itself
     is checked by tests/test_fsdp2.py with fully_shard, and the example prints whether its layers are sharded."""
-    port = free_port()
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        CUDA_VISIBLE_DEVICES="",
-        OMP_NUM_THREADS="1",
-        HF_DATASETS_CACHE=str(tmp_path / "cache"),
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(port),
+    result = torchrun(
         EXAMPLE,
         "--fsdp",
         "--max-steps",
@@ -86,8 +70,10 @@ def test_example_under_torchrun_with_fsdp2(tmp_path):
         "1",
         "--output-dir",
         str(tmp_path / "out"),
-    ]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_DATASETS_CACHE=str(tmp_path / "cache"),
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("world size 2, FSDP2-sharded layers:") == 2
     assert "Qwen3_5GatedDeltaNet x3" in result.stderr or "Qwen3_5GatedDeltaNet x3" in result.stdout

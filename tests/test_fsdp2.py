@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from helpers import free_port
+from helpers import torchrun
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "fsdp2_worker.py")
 pytestmark = pytest.mark.slow
@@ -22,21 +20,7 @@ pytestmark = pytest.mark.slow
 )
 def test_fsdp2_world_size_2_matches_unsharded_unpatched(tmp_path, extra):
     out = tmp_path / "result.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-        WORKER,
-        "--out",
-        str(out),
-        *extra,
-    ]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    result = torchrun(WORKER, "--out", str(out), *extra)
     assert result.returncode == 0, result.stderr[-4000:]
     data = json.loads(out.read_text())
     assert data["world"] == 2 and data["patched_modules"] == 23 and data["gdn_forward_patched"]
