@@ -91,7 +91,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="27b")
     parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--configs", default="eager,hf-fast,fusepatch,hf-fast-no-tilelang,fusepatch-no-tilelang")
+    parser.add_argument("--configs", default="hf-fast,fusepatch,liger,eager,fusepatch-no-tilelang,hf-fast-no-tilelang")
     parser.add_argument("--site-fla", default="")
     parser.add_argument("--site-tl", default="")
     parser.add_argument("--steps", type=int, default=8)
@@ -109,10 +109,10 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             results.append({"config": label, "error": f"timed out after {args.timeout}s"})
         r = results[-1]
-        print(f"{label}: {r.get('tokens_per_s', r.get('error'))}", flush=True)
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(results, fh, indent=2)
+        print(f"{label}: {r.get('tokens_per_s', r.get('error'))} (wall {r.get('wall_s')} s)", flush=True)
+        if args.out:  # after every configuration: a run cut off by its time limit keeps what it measured
+            with open(args.out, "w") as fh:
+                json.dump(results, fh, indent=2)
     print(f"\nshape {args.shape}, command: {' '.join(sys.argv)}")
     print(table(results))
     return 0
