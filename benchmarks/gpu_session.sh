@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_session.sh tests               # call 2, carry .whl-tl2 .whl: deps, fla, all GPU tests
 #   bash benchmarks/gpu_session.sh built               # the built causal-conv1d wheel: install it, test it, doctor
 #   bash benchmarks/gpu_session.sh bench 27b [layers]  # call 3+: the benchmark table for one shape
+#   bash benchmarks/gpu_session.sh loss 27b            # the loss alone (benchmarks/loss_bench.py)
 # Wheels: bash ../shared/gpu/wheels.sh, plus the causal-conv1d wheel copied into .whl; the sdist into .src.
 # Calls must follow each other within ~30 s so the machine (and /tmp, where everything is installed) stays.
 set -uo pipefail
@@ -38,7 +39,7 @@ case "$phase" in
     # pytest-xdist: the tests are dominated by Triton/TileLang compiling (CPU), so workers compile in parallel.
     # -v and a JUnit file: partial results survive a cut-off call. TESTS picks files or -k filters.
     FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR=/tmp/errors timeout ${TEST_TIMEOUT:-420} python3 -m pytest \
-      ${TESTS:-tests/gpu} -n ${WORKERS:-8} -v -rfE --timeout 450 -p no:cacheprovider --junitxml "$OUT/gpu-tests.xml" \
+      ${TESTS:-tests/gpu} ${K:+-k "$K"} -n ${WORKERS:-8} -v -rfE --timeout ${PER_TEST:-300} -p no:cacheprovider --junitxml "$OUT/gpu-tests.xml" \
       > "$OUT/gpu-tests.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu-tests.log" | sed 's/^\[gw[0-9]*\] //' | sort | uniq | tail -70
     python3 - <<'EOF'
@@ -48,10 +49,10 @@ for path in glob.glob("/tmp/errors/model-errors-*.json"):
     merged.update(json.load(open(path)))
 json.dump(merged, open(os.path.join(os.environ.get("OUT", "/tmp/out"), "model-errors.json"), "w"), indent=1)
 EOF
-    python3 -m fusepatch doctor --model-type qwen3_5 > "$OUT/doctor.txt" 2>&1
+    timeout ${DOCTOR_TIMEOUT:-120} python3 -m fusepatch -v doctor --model-type qwen3_5 > "$OUT/doctor.txt" 2>&1
     # the stack where fla's guard bites: no tilelang importable
-    PYTHONPATH="$PWD:/tmp/site-fla" python3 -m fusepatch doctor --model-type qwen3_5 > "$OUT/doctor-no-tilelang.txt" 2>&1
-    grep -A3 "gated_delta_rule:" "$OUT/doctor-no-tilelang.txt"
+    [ "${NO_TL_DOCTOR:-1}" = 1 ] && PYTHONPATH="$PWD:/tmp/site-fla" timeout ${DOCTOR_TIMEOUT:-120} python3 -m fusepatch -v doctor --model-type qwen3_5 > "$OUT/doctor-no-tilelang.txt" 2>&1
+    grep -A3 "gated_delta_rule:" "$OUT/doctor-no-tilelang.txt" 2>/dev/null; tail -4 "$OUT/doctor.txt"
     tail -3 /tmp/build/build.log 2>/dev/null
     if grep -q "^exit 0" /tmp/build/build.log 2>/dev/null; then bash "$0" built; fi ;;
   built)
@@ -73,5 +74,11 @@ EOF
       --workdir "/tmp/bench-$shape" --out "$OUT/bench-$shape.json" --timeout ${BENCH_TIMEOUT:-400} \
       --configs "${CONFIGS:-hf-fast,fusepatch,liger,eager,fusepatch-no-tilelang,hf-fast-no-tilelang}" 2>&1 | tee "$OUT/bench-$shape.md"
     tar czf "$OUT/bench-$shape-logs.tgz" -C /tmp "bench-$shape" ;;
+  loss)
+    # the loss alone at a shape's real sizes: eager logits vs the fused candidates vs Liger
+    need_tilelang
+    pipi /tmp/site-fla .whl/fla_core-*.whl .whl/liger_kernel-*.whl 2>/dev/null
+    PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${LOSS_TIMEOUT:-150} python3 benchmarks/loss_bench.py --shape "${2:-27b}" \
+      --json-out "$OUT/loss-${2:-27b}.json" 2>&1 | tee "$OUT/loss-${2:-27b}.md" ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

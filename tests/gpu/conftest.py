@@ -148,6 +148,7 @@ def record(name: str, data: dict) -> None:
 
     folder = os.environ.get("FUSEPATCH_GPU_REPORT_DIR")
     if folder:
+        os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"model-errors-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.json")
         existing = json.load(open(path)) if os.path.exists(path) else {}
         existing[name] = data

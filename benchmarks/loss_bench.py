@@ -1,0 +1,130 @@
+"""The causal-LM loss alone (lm_head matmul + cross-entropy, forward + backward) at a model's real sizes.
+
+    python benchmarks/loss_bench.py --shape 27b --json-out loss.json
+
+Each implementation gets the same bf16 hidden states, lm_head weight and labels; one call = loss forward +
+backward to the hidden states and the weight. Median of ``--steps`` calls after ``--warmup``, peak memory above
+the inputs, and the error of the loss and both gradients against the eager (full logits) path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shapes import build_config  # noqa: E402
+
+from fusepatch.ops._common import relative_error  # noqa: E402
+from fusepatch.ops.linear_cross_entropy import LINEAR_CROSS_ENTROPY, linear_cross_entropy_chunked  # noqa: E402
+
+
+def eager(hidden, weight, labels):
+    """transformers' path: full logits in the model dtype, upcast to fp32, mean cross-entropy."""
+    return F.cross_entropy((hidden @ weight.t()).float(), labels, ignore_index=-100)
+
+
+def implementations() -> dict:
+    found = {"eager (full logits)": eager, "fusepatch torch-chunked": linear_cross_entropy_chunked}
+    try:
+        from fla.modules.fused_linear_cross_entropy import fused_linear_cross_entropy_loss
+
+        found["fla, fp32 weight-grad accumulation (fla's default)"] = lambda h, w, y: fused_linear_cross_entropy_loss(
+            h, y, w, reduction="mean"
+        )
+        fla = next(c for c in LINEAR_CROSS_ENTROPY.candidates if c.name == "fla").load()
+        found["fusepatch fla (GEMMs in bf16)"] = fla
+    except ImportError as exc:
+        print(f"fla not importable: {exc}", file=sys.stderr)
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        def liger(h, w, y):
+            out = liger_fused_linear_cross_entropy(h, w, y)
+            return out[0] if isinstance(out, tuple) else out
+
+        found["liger"] = liger
+    except ImportError as exc:
+        print(f"liger not importable: {exc}", file=sys.stderr)
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="27b")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args()
+    config = build_config(args.shape, 1).get_text_config()
+    hidden_size, vocab = config.hidden_size, config.vocab_size
+    torch.manual_seed(0)
+    hidden = torch.randn(args.tokens, hidden_size, device="cuda", dtype=torch.bfloat16)
+    weight = (torch.randn(vocab, hidden_size, device="cuda") * hidden_size**-0.5).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (args.tokens,), device="cuda")
+    labels[::11] = -100
+
+    def call(fn):
+        h, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+        loss = fn(h, w, labels)
+        loss.backward()
+        return loss.detach().float(), h.grad.float(), w.grad.float()
+
+    reference = call(eager)
+    rows = []
+    for name, fn in implementations().items():
+        try:
+            for _ in range(args.warmup):
+                out = call(fn)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            times = []
+            for _ in range(args.steps):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                call(fn)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            errors = [relative_error(a, b) for a, b in zip(out, reference)]
+            rows.append(
+                {
+                    "impl": name,
+                    "median_ms": round(statistics.median(times) * 1000, 2),
+                    "extra_peak_gib": round((torch.cuda.max_memory_allocated() - base) / 2**30, 2),
+                    "err_loss": errors[0],
+                    "err_dhidden": errors[1],
+                    "err_dweight": errors[2],
+                }
+            )
+        except Exception as exc:  # noqa: BLE001 - one failing implementation is a row, not a crash
+            rows.append({"impl": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    print(
+        f"shape {args.shape}: tokens {args.tokens}, hidden {hidden_size}, vocab {vocab}, bf16; {torch.cuda.get_device_name(0)}"
+    )
+    print("| implementation | median ms (fwd+bwd) | extra peak GiB | loss err | d hidden err | d weight err |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['impl']} | fails: {r['error'][:120]} | | | | |")
+        else:
+            print(
+                f"| {r['impl']} | {r['median_ms']} | {r['extra_peak_gib']} | {r['err_loss']:.1e} | "
+                f"{r['err_dhidden']:.1e} | {r['err_dweight']:.1e} |"
+            )
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump(rows, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
