@@ -15,6 +15,7 @@ from fusepatch.requirements import (
 
 FLA_FIX = 'pip install "flash-linear-attention[cuda]"'
 CAUSAL_CONV1D_FIX = "python -m fusepatch build causal-conv1d   (builds for this GPU only; or: pip install causal-conv1d --no-build-isolation)"
+TRITON_FIX = "pip install triton   (a CUDA build of torch on Linux brings it)"
 HUB_FIX = 'pip install "fusepatch[hub]"'
 
 

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from fusepatch.ops._common import fla_requirements, hub_requirements, rand
+from fusepatch.ops._common import TRITON_FIX, fla_requirements, hub_requirements, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
-from fusepatch.requirements import InputRule
+from fusepatch.requirements import CudaDevice, DistributionVersion, Importable, InputRule
 
 
 def swiglu_reference(gate, up):
     return F.silu(gate) * up
+
+
+def _load_triton():
+    from fusepatch.kernels.swiglu import swiglu
+
+    return swiglu
 
 
 def _load_fla():
@@ -33,6 +39,19 @@ SWIGLU = Op(
     summary="SwiGLU activation silu(gate) * up, fwd+bwd fused",
     reference=swiglu_reference,
     candidates=(
+        Candidate(
+            name="triton",
+            source="pip",
+            requirements=(
+                CudaDevice(),
+                DistributionVersion("triton", ">=3.0", TRITON_FIX),
+                Importable("triton", "triton", TRITON_FIX),
+            ),
+            load=_load_triton,
+            inputs=InputRule(kernel="fusepatch's Triton SwiGLU"),
+            provides="fusepatch.kernels.swiglu.swiglu (fixed launch configuration: no autotuning)",
+            distribution="triton",
+        ),
         Candidate(
             name="fla",
             source="pip",

@@ -31,8 +31,9 @@ def test_rms_norms(op, dtype):
 
 
 @DTYPES
-def test_swiglu(dtype):
-    fn = kernel("swiglu", "fla", dtype)
+@pytest.mark.parametrize("name", ["triton", "fla"])
+def test_swiglu(name, dtype):
+    fn = kernel("swiglu", name, dtype)
     _compare(
         fn,
         OPS["swiglu"].reference,
