@@ -119,7 +119,7 @@ def apply(
         ops: only these ops may use fused kernels (default: all).
         exclude: ops that stay eager.
         prefer: kernel source priority, e.g. ``("pip", "hub", "source")``; default ``FUSEPATCH_PREFER`` or
-            ``("hub", "pip", "source")``.
+            ``("pip", "hub", "source")``.
         strict: raise :class:`FusePatchError` listing every fallback instead of patching anything.
 
     Returns:

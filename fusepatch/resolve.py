@@ -19,7 +19,9 @@ from fusepatch.requirements import OK, CudaDevice, DistributionVersion, Importab
 
 logger = logging.getLogger("fusepatch")
 
-DEFAULT_PREFER: tuple[str, ...] = ("hub", "pip", "source")
+# Installed packages first: a Hub candidate downloads code at apply time, so it is reached only when no
+# installed kernel passes its checks (or when the user puts "hub" first).
+DEFAULT_PREFER: tuple[str, ...] = ("pip", "hub", "source")
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ def dtype_name(dtype) -> str:
 
 
 def preferred_sources(prefer: Iterable[str] | None = None) -> tuple[str, ...]:
-    """Source priority: the argument, else ``FUSEPATCH_PREFER`` (comma list), else hub, pip, source."""
+    """Source priority: the argument, else ``FUSEPATCH_PREFER`` (comma list), else pip, hub, source."""
     if prefer is None:
         text = os.environ.get("FUSEPATCH_PREFER", "")
         prefer = [p.strip() for p in text.split(",") if p.strip()] or DEFAULT_PREFER

@@ -172,3 +172,43 @@ def test_installed_package_with_an_abi_error_reports_the_import_error(tmp_path, 
     rejection = next(r for r in choice.rejected if r.candidate == "fp-broken")
     assert "fp-broken-kernels 2.0 is installed but import fp_broken_kernels fails" in rejection.reason
     assert "undefined symbol" in rejection.reason and "--force-reinstall" in rejection.fix
+
+
+# A stand-in for the Kernel Hub build of Dao-AILab's causal-conv1d: the same entry point and arguments
+# (x [B, D, T], weight [D, W], bias, seq_idx [B, T], activation), written in torch.
+CAUSAL_CONV1D_HUB = """
+import torch
+import torch.nn.functional as F
+
+def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                     final_states_out=None, activation=None):
+    dim, width = weight.shape
+    out = torch.zeros_like(x)
+    for shift in range(width):
+        shifted = F.pad(x, (shift, 0))[..., : x.shape[-1]]
+        if seq_idx is not None:
+            same = F.pad(seq_idx, (shift, 0), value=-1)[..., : x.shape[-1]] == seq_idx
+            shifted = shifted * same[:, None, :].to(x.dtype)
+        out = out + shifted * weight[:, width - 1 - shift, None]
+    if bias is not None:
+        out = out + bias[:, None]
+    return F.silu(out) if activation in ("silu", "swish") else out
+"""
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_builtin_hub_causal_conv1d_candidate_adapts_the_hub_entry_point(tmp_path, monkeypatch, packed):
+    """The registry's kernels-community/causal-conv1d candidate, loaded from a local directory (offline), maps
+    the op's channels-last call and packed boundaries (cu_seqlens -> seq_idx) onto the Hub kernel's API."""
+    op = OPS["causal_conv1d"]
+    candidate = next(c for c in op.candidates if c.name == "hub:kernels-community/causal-conv1d")
+    assert candidate.source == "hub" and "version 1" in candidate.provides
+    _use(monkeypatch, **{"kernels-community/causal-conv1d": make_kernel(tmp_path, CAUSAL_CONV1D_HUB)})
+    fn = candidate.load()
+    x, weight = torch.randn(1, 50, 12, dtype=torch.float64), torch.randn(12, 4, dtype=torch.float64)
+    cu = torch.tensor([0, 17, 18, 50], dtype=torch.int32) if packed else None
+    expected = op.reference(x, weight, None, activation="silu", cu_seqlens=cu)
+    torch.testing.assert_close(fn(x, weight, None, activation="silu", cu_seqlens=cu), expected)
+    # on this CPU machine the checks refuse it before any load, with the reason
+    verdict, _ = fusepatch.resolve.static_verdict(candidate, fusepatch.env.capture(refresh=True))
+    assert not verdict.ok and "CPU-only" in verdict.reason

@@ -35,11 +35,12 @@ def fla_backward_requirements(module: str) -> tuple:
     return fla_requirements(module) + (NoKnownIssue("fla-core"),)
 
 
-def hub_requirements(repo: str) -> tuple:
+def hub_requirements(repo: str, why: str) -> tuple:
+    """A Hub kernel not wired up yet, and why (shown by doctor as ``planned``)."""
     return (
         CudaDevice(),
         DistributionVersion("kernels", ">=0.10", HUB_FIX),
-        NotImplementedYet(f"Kernel Hub repo {repo}: planned with the kernel-sources work"),
+        NotImplementedYet(f"Kernel Hub repo {repo}: {why}"),
     )
 
 

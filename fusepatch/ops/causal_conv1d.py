@@ -9,12 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusepatch.ops._common import (
-    CAUSAL_CONV1D_FIX,
-    fla_requirements,
-    hub_requirements,
-    rand,
-)
+from fusepatch.hub import HubKernel, hub_candidate
+from fusepatch.ops._common import CAUSAL_CONV1D_FIX, fla_requirements, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import CudaDevice, DistributionVersion, Importable, InputRule
 
@@ -59,8 +55,8 @@ def causal_conv1d_reference(
     return out.to(x.dtype)
 
 
-def _load_causal_conv1d():
-    from causal_conv1d import causal_conv1d_fn
+def _causal_conv1d_adapter(causal_conv1d_fn):
+    """The op's signature over Dao-AILab's ``causal_conv1d_fn`` (pip package and Kernel Hub build alike)."""
 
     def causal_conv1d_cuda(x, weight, bias=None, activation="silu", cu_seqlens=None):
         seq_idx = None
@@ -75,6 +71,12 @@ def _load_causal_conv1d():
         return out.transpose(1, 2)
 
     return causal_conv1d_cuda
+
+
+def _load_causal_conv1d():
+    from causal_conv1d import causal_conv1d_fn
+
+    return _causal_conv1d_adapter(causal_conv1d_fn)
 
 
 def _load_fla_conv():
@@ -127,12 +129,12 @@ CAUSAL_CONV1D = Op(
             provides="fla.modules.causal_conv1d.ops.causal_conv1d (backend='triton')",
             distribution="fla-core",
         ),
-        Candidate(
-            name="hub:kernels-community/mamba-ssm",
-            source="hub",
-            requirements=hub_requirements("kernels-community/mamba-ssm"),
-            load=lambda: None,
-            provides="causal_conv1d_fn",
+        # The Kernel Hub build of the same kernels (no compiler needed): pinned by version, a lock file or
+        # LOCAL_KERNELS (see fusepatch/hub.py).
+        hub_candidate(
+            HubKernel("kernels-community/causal-conv1d", "causal_conv1d_fn", version=1, adapter=_causal_conv1d_adapter),
+            requirements=(CudaDevice(),),
+            inputs=InputRule(kernel="the Kernel Hub causal-conv1d", dtypes=("bfloat16", "float16", "float32")),
         ),
     ),
     selftest=SelfTest(_selftest_inputs, {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}, _dims),

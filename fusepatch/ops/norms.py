@@ -103,7 +103,9 @@ RMS_NORM = Op(
         Candidate(
             name="hub:kernels-community/rmsnorm",
             source="hub",
-            requirements=hub_requirements("kernels-community/rmsnorm"),
+            requirements=hub_requirements(
+                "kernels-community/rmsnorm", "its rms_norm is forward-only (no backward for training)"
+            ),
             load=lambda: None,
         ),
     ),
@@ -145,7 +147,9 @@ GATED_RMS_NORM = Op(
         Candidate(
             name="hub:kernels-community/fla",
             source="hub",
-            requirements=hub_requirements("kernels-community/fla"),
+            requirements=hub_requirements(
+                "kernels-community/fla", "its gated RMSNorm's API not yet checked against fla 0.6"
+            ),
             load=lambda: None,
             provides="FusedRMSNormGated",
         ),

@@ -75,7 +75,7 @@ ROTARY = Op(
             "hub:kernels-community/rotary",
             "hub",
             "Kernel Hub rotary: planned",
-            hub_requirements("kernels-community/rotary"),
+            hub_requirements("kernels-community/rotary", "rotary is not fused in this release"),
         ),
     ),
 )

@@ -64,7 +64,9 @@ SWIGLU = Op(
         Candidate(
             name="hub:kernels-community/activation",
             source="hub",
-            requirements=hub_requirements("kernels-community/activation"),
+            requirements=hub_requirements(
+                "kernels-community/activation", "its silu_and_mul is forward-only (no backward for training)"
+            ),
             load=lambda: None,
             provides="silu_and_mul",
         ),
