@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh built               # the built causal-conv1d wheel: install it, test it, doctor
 #   bash benchmarks/gpu_session.sh bench 27b [layers]  # call 3+: the benchmark table for one shape
 #   bash benchmarks/gpu_session.sh loss 27b            # the loss alone (benchmarks/loss_bench.py)
+#   bash benchmarks/gpu_session.sh sft                 # carry .whl .whl-ex: the SFT example, FSDP2 world size 1
 # Wheels: bash ../shared/gpu/wheels.sh, plus the causal-conv1d wheel copied into .whl; the sdist into .src.
 # Calls must follow each other within ~30 s so the machine (and /tmp, where everything is installed) stays.
 set -uo pipefail
@@ -87,5 +88,20 @@ EOF
     pipi /tmp/site-fla .whl/fla_core-*.whl .whl/liger_kernel-*.whl 2>/dev/null
     PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${LOSS_TIMEOUT:-150} python3 benchmarks/loss_bench.py --shape "${2:-27b}" \
       --json-out "$OUT/loss-${2:-27b}.json" 2>&1 | tee "$OUT/loss-${2:-27b}.md" ;;
+  sft)
+    # The SFT example at the 27B layer shapes (LAYERS deep), packed ultrachat-format data, FSDP2 world size 1
+    # (fully_shard + its activation checkpointing) under torchrun; hf-fast (no fusepatch) then fusepatch.
+    # Carry .whl and .whl-ex (datasets, dill, multiprocess: not on the H200 image).
+    need_tilelang
+    pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
+    pipi /tmp/site-ex .whl-ex/*.whl
+    export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl:/tmp/site-ex" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    for config in hf-fast fusepatch; do
+      flag=$([ "$config" = hf-fast ] && echo --no-fusepatch)
+      timeout ${SFT_TIMEOUT:-270} python3 -m torch.distributed.run --nproc-per-node 1 examples/sft_ultrachat.py --fsdp $flag \
+        --config examples/configs/qwen3_5_27b_text.json --layers ${LAYERS:-4} --max-length 4096 --batch-size 24 \
+        --max-steps ${STEPS:-12} --profile-step ${PROFILE_STEP:-8} --output-dir /tmp/sft-$config > "$OUT/sft-$config.log" 2>&1
+      echo "== $config (exit $?)"; grep -E "conversations|world size|losses|fusepatch metrics|profile of step|CPU-bound|top kernels" "$OUT/sft-$config.log" | cut -c1-400
+    done ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -103,6 +103,19 @@ def build_model(args, tokenizer):
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     if args.model:
         return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    if args.config:  # real layer shapes, random weights (a config file: no Hub)
+        from transformers import AutoConfig
+
+        with open(args.config) as fh:
+            values = {k: v for k, v in json.load(fh).items() if not k.startswith("_")}
+        if args.layers:
+            values["num_hidden_layers"] = args.layers
+            if "layer_types" in values:
+                values["layer_types"] = values["layer_types"][: args.layers]
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+        config.pad_token_id = tokenizer.pad_token_id
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
     from fusepatch.tiny import tiny_config
 
     config = tiny_config(
@@ -129,6 +142,12 @@ def fsdp_arguments(model, checkpointing: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="Hub id or path; default: a tiny Qwen3.5 from a config")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="a config.json to build the model from (random weights), e.g. examples/configs/qwen3_5_27b_text.json",
+    )
+    parser.add_argument("--layers", type=int, default=None, help="with --config: keep only the first N layers")
     parser.add_argument("--tokenizer", default=None, help="default: --model's, else one trained on the data")
     parser.add_argument("--dataset", default=DEFAULT_DATA, help="json/jsonl path or Hub dataset id")
     parser.add_argument("--split", default="train_sft")
