@@ -77,3 +77,22 @@ def test_example_under_torchrun_with_fsdp2(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("world size 2, FSDP2-sharded layers:") == 2
     assert "Qwen3_5GatedDeltaNet x3" in result.stderr or "Qwen3_5GatedDeltaNet x3" in result.stdout
+
+
+def test_shipped_27b_config_builds_the_real_layer_shapes_truncated(tmp_path):
+    """``--config`` with the shipped Qwen3.5-27B text config and ``--layers``: the real sizes, fewer layers (built
+    on the meta device here: 27B-sized weights are not allocated)."""
+    import torch
+
+    sft = _module()
+    args = sft.argparse.Namespace(
+        model=None, config=os.path.join(ROOT, "examples", "configs", "qwen3_5_27b_text.json"), layers=4
+    )
+    tokenizer = type("Tok", (), {"pad_token_id": 0})()
+    with torch.device("meta"):
+        model = sft.build_model(args, tokenizer)
+    config = model.config
+    assert (config.hidden_size, config.intermediate_size, config.vocab_size) == (5120, 17408, 248320)
+    assert (config.linear_num_key_heads, config.linear_num_value_heads, config.head_dim) == (16, 48, 256)
+    assert config.num_hidden_layers == 4 and config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert type(model.model.layers[0].linear_attn).__name__ == "Qwen3_5GatedDeltaNet"
