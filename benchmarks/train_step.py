@@ -116,7 +116,9 @@ def run(args, seq: int, batch: int) -> dict:
     if args.config == "fusepatch":
         import fusepatch
 
+        start = time.perf_counter()
         report = fusepatch.apply(model)
+        info["apply_s"] = round(time.perf_counter() - start, 1)  # loads + self-tests: first-use compiles
         info["report"] = report.to_dict()["layers"]
         info["fallbacks"] = report.log_lines()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")

@@ -99,6 +99,8 @@ class PatchReport:
             label = f"{layer.layer} x{layer.count}"
             for choice in layer.choices:
                 kernel = f"{choice.chosen} ({choice.origin or choice.source})" if choice.fused else "eager"
+                if choice.fused and choice.compiled:
+                    kernel += f" [compiled {choice.ready_s:.0f} s]"
                 why = ""
                 if not choice.fused and choice.rejected:
                     first = choice.primary_rejection()
@@ -125,4 +127,10 @@ class PatchReport:
             fixes += [f for f in choice.fixes() if f not in fixes]
         for fix in fixes[:4]:
             lines.append(f"  fix: {fix}")
+        compiled = sum(c.ready_s for _, c in self.fused_ops if c.compiled)
+        if compiled:
+            lines.append(
+                f"  {compiled:.0f} s went into compiling/autotuning kernels on first use; `python -m fusepatch warmup` "
+                "fills those caches ahead (e.g. when a container image is built)"
+            )
         return "\n".join(lines)

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ logger = logging.getLogger("fusepatch")
 # Installed packages first: a Hub candidate downloads code at apply time, so it is reached only when no
 # installed kernel passes its checks (or when the user puts "hub" first).
 DEFAULT_PREFER: tuple[str, ...] = ("pip", "hub", "source")
+COMPILED_S = 5.0  # a kernel that needs this long to load and self-test was compiled/autotuned, not cached
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,14 @@ class Choice:
     device: str = ""
     dtype: str = ""
     origin: str = ""  # which installed copy was loaded: "fla-core 0.6.0 at /path/to/fla"
+    # Seconds spent getting the chosen kernel ready here (load + self-test). Its first call compiles and
+    # autotunes (Triton, TileLang) unless the on-disk caches already hold it: a large value means "compiled".
+    ready_s: float = 0.0
+
+    @property
+    def compiled(self) -> bool:
+        """Whether getting ready took compile time (rather than coming from the on-disk caches)."""
+        return self.ready_s >= COMPILED_S
 
     @property
     def fused(self) -> bool:
@@ -89,6 +99,7 @@ class Choice:
             "dtype": self.dtype,
             "rejected": [r.to_dict() for r in self.rejected],
             "origin": self.origin,
+            "ready_s": round(self.ready_s, 2),
         }
 
 
@@ -254,10 +265,12 @@ class Dispatch:
             if self.disabled_reason is not None:
                 rejected.append(Rejection("*", "-", self.disabled_reason, ""))
             chosen: tuple[Candidate, Callable[..., Any]] | None = None
+            ready = 0.0
             for candidate, verdict in self._static:
+                start = time.perf_counter()
                 verdict, fn = evaluate(self.op, candidate, verdict, device, dtype, packed, self.dims)
                 if verdict.ok:
-                    chosen = (candidate, fn)
+                    chosen, ready = (candidate, fn), time.perf_counter() - start
                     break
                 rejected.append(
                     Rejection(candidate.name, candidate.source, verdict.reason, verdict.fix, verdict.planned)
@@ -275,6 +288,7 @@ class Dispatch:
                 device,
                 dtype,
                 origin(candidate),
+                ready,
             )
             self._choices[key] = (choice, fn)
         if self.announce:

@@ -190,3 +190,31 @@ def test_choice_names_the_copy_that_was_loaded():
     choice = Dispatch(op, env=cpu_env(), prefer=("pip",), label="x").choice("cpu", "float32")
     assert choice.chosen == "from-packaging"
     assert choice.origin.startswith("packaging ") and packaging.__path__[0] in choice.origin
+
+
+def test_first_use_compile_time_is_measured_and_reported(monkeypatch):
+    """A kernel whose first call is slow (Triton compiling and autotuning) shows it: the choice's ready_s, the
+    report's "[compiled N s]" and a pointer to `fusepatch warmup`; a fast (cached) one shows nothing."""
+    import time
+
+    from fusepatch import resolve
+    from fusepatch.report import LayerReport, PatchReport
+
+    calls = []
+
+    def slow_first_call(gate, up):
+        if not calls:
+            time.sleep(0.3)  # stands in for compilation
+        calls.append(1)
+        return torch.nn.functional.silu(gate) * up
+
+    monkeypatch.setattr(resolve, "COMPILED_S", 0.2)
+    slow = _dispatch(_op_with(monkeypatch, _fake("jit", slow_first_call))).choice("cpu", "float32")
+    fast = _dispatch(_op_with(monkeypatch, _fake("cached", lambda g, u: torch.nn.functional.silu(g) * u)))
+    fast = fast.choice("cpu", "float32")
+    assert slow.ready_s >= 0.3 and slow.compiled and slow.to_dict()["ready_s"] >= 0.3
+    assert not fast.compiled
+    text = str(PatchReport("M", ("qwen3",), "cpu", "float32", (LayerReport("Qwen3MLP", 2, True, (slow,)),)))
+    assert "jit (pip) [compiled 0 s]" in text and "fusepatch warmup" in text
+    text = str(PatchReport("M", ("qwen3",), "cpu", "float32", (LayerReport("Qwen3MLP", 2, True, (fast,)),)))
+    assert "compiled" not in text and "warmup" not in text
