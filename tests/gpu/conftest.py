@@ -149,6 +149,8 @@ def record(name: str, data: dict) -> None:
     import json
 
     folder = os.environ.get("FUSEPATCH_GPU_REPORT_DIR")
+    if os.environ.get("TRITON_F32_DEFAULT"):  # fp32 dots in full precision instead of tf32: a separate record
+        name += f" [TRITON_F32_DEFAULT={os.environ['TRITON_F32_DEFAULT']}]"
     if folder:
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"model-errors-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.json")
