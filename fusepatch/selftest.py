@@ -2,7 +2,8 @@
 
 An import that works but crashes, returns NaN/Inf or disagrees is rejected with that reason, before the
 training run ever calls it. Results are cached per process, keyed by op, candidate, device type, dtype,
-packing and the layer sizes the inputs were drawn at.
+packing and the layer sizes the inputs were drawn at; the inputs' seed is fixed per key, so a machine decides
+the same way on every run.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -83,15 +85,16 @@ def compare(
             continue
         errors[f"grad[{index}]"] = float("inf") if g is None else relative_error(g, rg)
     tolerance = op.selftest.tolerance.get(dtype, 5e-2)
-    worst = max(errors, key=errors.get)
+    bounds = {name: op.selftest.looser.get(dtype, {}).get(name, tolerance) for name in errors}
+    worst = max(errors, key=lambda name: errors[name] / bounds[name])
     if errors[worst] == float("inf"):
         return reject(
             f"self-test on {device}/{dtype}: {worst} has NaN/Inf or is missing",
             "report it upstream; fusepatch uses the next candidate",
         ), errors
-    if errors[worst] > tolerance:
+    if errors[worst] > bounds[worst]:
         return reject(
-            f"self-test on {device}/{dtype}: {worst} differs from the reference by {errors[worst]:.2e} (> {tolerance:.0e})",
+            f"self-test on {device}/{dtype}: {worst} differs from the reference by {errors[worst]:.2e} (> {bounds[worst]:.0e})",
             "report it upstream with `python -m fusepatch doctor --json`; fusepatch uses the next candidate",
         ), errors
     return OK, errors
@@ -117,8 +120,11 @@ def run(
         _RESULTS[key] = OK
         return OK
     start = time.perf_counter()
+    # Inputs drawn from a seed fixed per key: the same machine makes the same decision on every run (a kernel
+    # at the edge of its bound must not be accepted in one run and refused in the next).
+    seed = zlib.crc32(repr(key).encode())
     try:
-        verdict, errors = compare(op, fn, device, dtype, packed=packed, dims=dims)
+        verdict, errors = compare(op, fn, device, dtype, packed=packed, dims=dims, seed=seed)
     except Exception as exc:  # noqa: BLE001 - any failure of a kernel is a reason to refuse it
         first = (str(exc).strip().splitlines() or [""])[0]
         verdict, errors = reject(f"self-test on {device}/{dtype} raised {type(exc).__name__}: {first}"), {}

@@ -218,3 +218,45 @@ def test_first_use_compile_time_is_measured_and_reported(monkeypatch):
     assert "jit (pip) [compiled 0 s]" in text and "fusepatch warmup" in text
     text = str(PatchReport("M", ("qwen3",), "cpu", "float32", (LayerReport("Qwen3MLP", 2, True, (fast,)),)))
     assert "compiled" not in text and "warmup" not in text
+
+
+class _ScaledGateGrad(torch.autograd.Function):
+    """silu(gate) * up whose gate gradient is 10% too large."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return torch.nn.functional.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        with torch.enable_grad():
+            g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
+            dg, du = torch.autograd.grad(torch.nn.functional.silu(g) * u, (g, u), grad)
+        return dg * 1.1, du
+
+
+def test_selftest_bounds_per_quantity_and_a_fixed_seed(monkeypatch):
+    """A quantity named in ``looser`` is held to its own bound (the others keep the op's), and the self-test
+    draws the same inputs every time for the same key: one machine, one decision."""
+    candidate = _fake("gate-grad-off", _ScaledGateGrad.apply)
+    strict = _op_with(monkeypatch, candidate)
+    verdict = selftest.run(strict, candidate, _ScaledGateGrad.apply, "cpu", "float32")
+    assert not verdict.ok and "grad[0]" in verdict.reason
+    loose = dataclasses.replace(
+        strict, selftest=dataclasses.replace(strict.selftest, looser={"float32": {"grad[0]": 0.2}})
+    )
+    selftest.clear_cache()
+    assert selftest.run(loose, candidate, _ScaledGateGrad.apply, "cpu", "float32").ok
+
+    seen = []
+
+    def recording(gate, up):
+        seen.append(gate.detach().clone())
+        return torch.nn.functional.silu(gate) * up
+
+    for _ in range(2):
+        selftest.clear_cache()
+        assert selftest.run(strict, _fake("rec", recording), recording, "cpu", "float32").ok
+    assert torch.equal(seen[0], seen[1])

@@ -47,6 +47,9 @@ class SelfTest:
     make_inputs: Callable[..., tuple[tuple, dict]]
     tolerance: dict[str, float]
     dims_from: Callable[[Any], dict[str, int]] | None = None
+    # Per dtype, quantities held to their own bound, e.g. {"bfloat16": {"grad[5]": 0.25}}: gradients that
+    # sum over every token with cancellation amplify rounding (see the op's module for the measurement).
+    looser: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

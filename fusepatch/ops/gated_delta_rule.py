@@ -204,5 +204,13 @@ GATED_DELTA_RULE = Op(
             provides="chunk_gated_delta_rule",
         ),
     ),
-    selftest=SelfTest(_selftest_inputs, {"bfloat16": 5e-2, "float16": 2e-2, "float32": 5e-3}, _dims),
+    # grad[5], grad[6]: A_log and dt_bias, whose gradients sum the decay gradient over every token with heavy
+    # cancellation; in bf16 kernels that amplifies rounding (measured on the H200 in a mini model: 5-16% where
+    # the fp32-recurrence eager path has 0.2-2%), so at half precision they get the GPU tests' bound.
+    selftest=SelfTest(
+        _selftest_inputs,
+        {"bfloat16": 5e-2, "float16": 2e-2, "float32": 5e-3},
+        _dims,
+        looser={half: {"grad[5]": 0.25, "grad[6]": 0.25} for half in ("bfloat16", "float16")},
+    ),
 )
