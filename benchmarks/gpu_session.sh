@@ -17,6 +17,7 @@ pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-
 # One compile cache for every call and process of the session: later calls reuse what earlier ones compiled.
 export FLA_FLASH_QLA=0 PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/cache/triton TILELANG_CACHE_DIR=/tmp/cache/tilelang
 export FUSEPATCH_CACHE=/tmp/cache/fusepatch
+export HF_HUB_OFFLINE=1  # no network there: Hub candidates look in the local cache only, at once
 need_tilelang() { [ -d /tmp/site-tl/tilelang ] || { echo "tilelang missing: run the tilelang phase first"; exit 3; }; }
 case "$phase" in
   tilelang)
