@@ -104,6 +104,10 @@ EOF
     need_tilelang
     pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
     pipi /tmp/site-ex .whl-ex/*.whl
+    # datasets needs pyarrow >= 24; if the image's is older, carry .whl-pa (55 MB: with .whl-ex alone, after
+    # a call that installed .whl into /tmp/site-fla)
+    ls .whl-pa/*.whl >/dev/null 2>&1 && pipi /tmp/site-ex .whl-pa/*.whl
+    python3 -c "import sys; sys.path[:0] = ['/tmp/site-ex']; import datasets, pyarrow; print('datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)"
     export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl:/tmp/site-ex" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     for config in hf-fast fusepatch; do
       flag=$([ "$config" = hf-fast ] && echo --no-fusepatch)
