@@ -71,6 +71,7 @@ class _SwiGLU(torch.autograd.Function):
         return grad_gate, grad_up
 
 
+@torch.compiler.disable  # a graph break under torch.compile, like fla's ops: dynamo never traces the launch
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` with a fused backward; any shape, gate and up alike."""
     return _SwiGLU.apply(gate, up)
