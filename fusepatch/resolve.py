@@ -294,7 +294,8 @@ class Dispatch:
         if self.announce:
             where = f"{device}/{dtype}{' packed' if packed else ''}"
             if choice.fused:
-                logger.info("fusepatch: %s: %s on %s -> %s", self.label, self.op.name, where, choice.chosen)
+                compiled = f" (compiled on first use: {choice.ready_s:.0f} s)" if choice.compiled else ""
+                logger.info("fusepatch: %s: %s on %s -> %s%s", self.label, self.op.name, where, choice.chosen, compiled)
             else:
                 logger.warning(
                     "fusepatch: %s: %s on %s -> eager (%s)", self.label, self.op.name, where, choice.reason_text()
