@@ -125,7 +125,8 @@ def _warmup(args: argparse.Namespace) -> int:
     for r in results:
         status = "compiled" if r.compiled else "from cache"
         print(
-            f"  {r.layer:28s} {r.op:24s} {r.kernel:18s} first {r.first_s:8.2f} s, then {r.second_s:.3f} s  ({status})"
+            f"  {r.layer:28s} {r.op:24s} {r.kernel:18s} self-test {r.ready_s:7.2f} s, first call {r.first_s:7.2f} s, "
+            f"then {r.second_s:.3f} s  ({status})"
         )
     print("compile caches (keep these in the image):")
     for what, variable, path in cache_locations():

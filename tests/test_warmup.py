@@ -28,6 +28,9 @@ def test_warmup_times_every_patched_op(tmp_path):
     assert all(r.kernel == "eager" and r.first_s > 0 and r.second_s > 0 for r in results)
     assert OpTiming("L", "op", "fla", first_s=40.0, second_s=0.01).compiled
     assert not OpTiming("L", "op", "fla", first_s=0.02, second_s=0.01).compiled
+    # compiled during apply's self-test at these sizes: the first training call then comes from cache
+    assert OpTiming("L", "op", "fla", first_s=0.02, second_s=0.01, ready_s=30.0).compiled
+    assert all(r.ready_s >= 0 for r in results)
 
 
 def test_warmup_cli_without_gpu_says_where_to_run():
