@@ -125,4 +125,4 @@ def test_activation_checkpointing_gives_the_same_gradients_on_gpu():
     assert relative_error(loss_b, loss_a) < 1e-3
     assert grads_a.keys() == grads_b.keys()
     worst = max(relative_error(grads_b[n], grads_a[n]) for n in grads_a)
-    assert worst < 2e-2, worst  # bf16: the recompute reruns the same kernels on the same inputs
+    assert worst < 5e-3, worst  # the recompute reruns the same kernels on the same inputs (atomics aside)
