@@ -26,8 +26,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import SHAPES, build_config  # noqa: E402
 
-from fusepatch.profile import flops_per_token, summarize  # noqa: E402
+from fusepatch.profile import flops_per_token, label_layers, summarize  # noqa: E402
 
+LAYER_SUFFIXES = ("Attention", "GatedDeltaNet", "MLP", "RMSNorm", "Experts", "SparseMoeBlock")
 PEAK_TFLOPS = 790.0  # bf16 dense, measured on this workplace's H200s (device KINDS.md)
 
 
@@ -153,14 +154,17 @@ def run(args, seq: int, batch: int) -> dict:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    # Forward aten ops attributed to layer classes (the same ranges as FusePatchCallback): run at two sequence
+    # lengths, this shows which layers' op counts grow with the length (a Python loop over chunks) and which not.
+    layer_classes = {type(m).__name__ for m in model.modules() if type(m).__name__.endswith(LAYER_SUFFIXES)}
+    with label_layers(model, layer_classes), torch.profiler.profile(activities=activities) as prof:
         sync()
         start = time.perf_counter()
         step()
         sync()
         window = time.perf_counter() - start
     # The same trace arithmetic as FusePatchCallback (fusepatch.profile), over the profiled step's wall time.
-    profiled = summarize(prof.events(), step=0, wall_s=window, tokens=tokens, flops=None, peak_tflops=None)
+    profiled = summarize(prof.events(), step=0, wall_s=window, tokens=tokens, flops=None, peak_tflops=None, top=15)
     flops = flops_per_token(model, seq) * tokens
     info.update(
         step_ms=[round(t * 1000, 2) for t in times],
@@ -174,6 +178,7 @@ def run(args, seq: int, batch: int) -> dict:
         tflop_per_step=round(flops / 1e12, 2),
         losses=[round(x, 4) for x in losses],
         top_kernels_ms=profiled.top_kernels,
+        forward_ops_by_layer=profiled.ops_by_layer,
     )
     return info
 

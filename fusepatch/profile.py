@@ -147,7 +147,14 @@ def _layer_of(event) -> str | None:
 
 
 def summarize(
-    events, *, step: int, wall_s: float, tokens: int, flops: float | None, peak_tflops: float | None
+    events,
+    *,
+    step: int,
+    wall_s: float,
+    tokens: int,
+    flops: float | None,
+    peak_tflops: float | None,
+    top: int = 5,
 ) -> StepProfile:
     """Turn a profiler's events for one step into a StepProfile."""
     cuda_type = torch.autograd.DeviceType.CUDA
@@ -175,8 +182,8 @@ def summarize(
         tokens=tokens,
         peak_memory_gib=peak_mem,
         mfu=mfu,
-        top_kernels=[(name, round(ms, 3)) for name, ms in by_kernel.most_common(5)],
-        ops_by_layer=by_layer.most_common(5),
+        top_kernels=[(name, round(ms, 3)) for name, ms in by_kernel.most_common(top)],
+        ops_by_layer=by_layer.most_common(top),
     )
 
 
