@@ -17,21 +17,17 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import build_config  # noqa: E402
 
 from fusepatch.ops._common import relative_error  # noqa: E402
 from fusepatch.ops.linear_cross_entropy import LINEAR_CROSS_ENTROPY, linear_cross_entropy_chunked  # noqa: E402
-
-
-def eager(hidden, weight, labels):
-    """transformers' path: full logits in the model dtype, upcast to fp32, mean cross-entropy."""
-    return F.cross_entropy((hidden @ weight.t()).float(), labels, ignore_index=-100)
+from fusepatch.ops.linear_cross_entropy import linear_cross_entropy_reference as eager  # noqa: E402
 
 
 def implementations() -> dict:
+    # eager: transformers' path (full logits in the model dtype, upcast, mean over the labelled tokens)
     found = {"eager (full logits)": eager, "fusepatch torch-chunked": linear_cross_entropy_chunked}
     try:
         from fla.modules.fused_linear_cross_entropy import fused_linear_cross_entropy_loss

@@ -28,7 +28,6 @@ from shapes import SHAPES, build_config  # noqa: E402
 
 from fusepatch.profile import flops_per_token, label_layers, summarize  # noqa: E402
 
-LAYER_SUFFIXES = ("Attention", "GatedDeltaNet", "MLP", "RMSNorm", "Experts", "SparseMoeBlock")
 PEAK_TFLOPS = 790.0  # bf16 dense, measured on this workplace's H200s (device KINDS.md)
 
 
@@ -154,10 +153,9 @@ def run(args, seq: int, batch: int) -> dict:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    # Forward aten ops attributed to layer classes (the same ranges as FusePatchCallback): run at two sequence
-    # lengths, this shows which layers' op counts grow with the length (a Python loop over chunks) and which not.
-    layer_classes = {type(m).__name__ for m in model.modules() if type(m).__name__.endswith(LAYER_SUFFIXES)}
-    with label_layers(model, layer_classes), torch.profiler.profile(activities=activities) as prof:
+    # Forward aten ops attributed to the registry's layer classes (the same ranges as FusePatchCallback): run at
+    # two sequence lengths, this shows which layers' op counts grow with the length and which do not.
+    with label_layers(model), torch.profiler.profile(activities=activities) as prof:
         sync()
         start = time.perf_counter()
         step()

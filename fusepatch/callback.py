@@ -16,7 +16,6 @@ from transformers import TrainerCallback
 
 from fusepatch import profile as profiling
 from fusepatch.patch import apply, report
-from fusepatch.registry import all_rows
 
 logger = logging.getLogger("fusepatch")
 
@@ -118,8 +117,7 @@ class FusePatchCallback(TrainerCallback):
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        classes = {row.layer for row in all_rows()}
-        self._labels = profiling.label_layers(self._model, classes)
+        self._labels = profiling.label_layers(self._model)
         self._labels.__enter__()
         self._profiler = torch.profiler.profile(activities=activities)
         self._profiler.__enter__()

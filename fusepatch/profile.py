@@ -188,9 +188,13 @@ def summarize(
 
 
 @contextlib.contextmanager
-def label_layers(model: torch.nn.Module, class_names: set[str]):
-    """Wrap the forward of every module whose class is in ``class_names`` in a ``fusepatch::<Class>`` profiler
-    range, so forward ops can be attributed to layers."""
+def label_layers(model: torch.nn.Module, class_names: set[str] | None = None):
+    """Wrap the forward of every module whose class is in ``class_names`` (default: every layer class of the
+    registry) in a ``fusepatch::<Class>`` profiler range, so forward ops can be attributed to layers."""
+    if class_names is None:
+        from fusepatch.registry import all_rows
+
+        class_names = {row.layer for row in all_rows()}
     handles = []
 
     def in_backward() -> bool:

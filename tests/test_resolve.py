@@ -86,6 +86,28 @@ def _fake(name, fn, varlen=True):
     return Candidate(name=name, source="pip", requirements=(), load=lambda: fn, inputs=CPU_INPUTS, varlen=varlen)
 
 
+class _SkewedSwiGLU(torch.autograd.Function):
+    """silu(gate) * up with the right forward and each input's gradient scaled (a faulty backward)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, gate_scale, up_scale):
+        ctx.save_for_backward(gate, up)
+        ctx.scales = (gate_scale, up_scale)
+        return torch.nn.functional.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        d_gate = grad * up * sig * (1 + gate * (1 - sig))
+        d_up = grad * torch.nn.functional.silu(gate)
+        return d_gate * ctx.scales[0], d_up * ctx.scales[1], None, None
+
+
+def _skewed_swiglu(gate_scale: float = 1.0, up_scale: float = 1.0):
+    return lambda gate, up: _SkewedSwiGLU.apply(gate, up, gate_scale, up_scale)
+
+
 def _dispatch(op):
     selftest.clear_cache()
     return Dispatch(op, env=cpu_env(), prefer=("pip",), label="TestLayer")
@@ -115,20 +137,7 @@ def test_selftest_rejects_wrong_values_and_nan(monkeypatch):
 
 
 def test_selftest_checks_gradients_too(monkeypatch):
-    class WrongBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, g, u):
-            ctx.save_for_backward(g, u)
-            return torch.nn.functional.silu(g) * u
-
-        @staticmethod
-        def backward(ctx, grad):
-            g, u = ctx.saved_tensors
-            s = torch.sigmoid(g)
-            dsilu = s * (1 + g * (1 - s))
-            return grad * u * dsilu, grad * torch.nn.functional.silu(g) * 2  # right d/dg, wrong d/du
-
-    op = _op_with(monkeypatch, _fake("bad-bwd", WrongBackward.apply))
+    op = _op_with(monkeypatch, _fake("bad-bwd", _skewed_swiglu(up_scale=2.0)))  # right d/dgate, wrong d/dup
     choice = _dispatch(op).choice("cpu", "float32")
     assert choice.chosen == "eager" and "grad[1]" in choice.rejected[0].reason
 
@@ -220,35 +229,19 @@ def test_first_use_compile_time_is_measured_and_reported(monkeypatch):
     assert "compiled" not in text and "warmup" not in text
 
 
-class _ScaledGateGrad(torch.autograd.Function):
-    """silu(gate) * up whose gate gradient is 10% too large."""
-
-    @staticmethod
-    def forward(ctx, gate, up):
-        ctx.save_for_backward(gate, up)
-        return torch.nn.functional.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, grad):
-        gate, up = ctx.saved_tensors
-        with torch.enable_grad():
-            g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
-            dg, du = torch.autograd.grad(torch.nn.functional.silu(g) * u, (g, u), grad)
-        return dg * 1.1, du
-
-
 def test_selftest_bounds_per_quantity_and_a_fixed_seed(monkeypatch):
     """A quantity named in ``looser`` is held to its own bound (the others keep the op's), and the self-test
     draws the same inputs every time for the same key: one machine, one decision."""
-    candidate = _fake("gate-grad-off", _ScaledGateGrad.apply)
+    skewed = _skewed_swiglu(gate_scale=1.1)  # the gate gradient 10% too large
+    candidate = _fake("gate-grad-off", skewed)
     strict = _op_with(monkeypatch, candidate)
-    verdict = selftest.run(strict, candidate, _ScaledGateGrad.apply, "cpu", "float32")
+    verdict = selftest.run(strict, candidate, skewed, "cpu", "float32")
     assert not verdict.ok and "grad[0]" in verdict.reason
     loose = dataclasses.replace(
         strict, selftest=dataclasses.replace(strict.selftest, looser={"float32": {"grad[0]": 0.2}})
     )
     selftest.clear_cache()
-    assert selftest.run(loose, candidate, _ScaledGateGrad.apply, "cpu", "float32").ok
+    assert selftest.run(loose, candidate, skewed, "cpu", "float32").ok
 
     seen = []
 

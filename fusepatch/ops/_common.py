@@ -19,6 +19,11 @@ TRITON_FIX = "pip install triton   (a CUDA build of torch on Linux brings it)"
 HUB_FIX = 'pip install "fusepatch[hub]"'
 
 
+def package_requirements(distribution: str, spec: str, module: str, fix: str) -> tuple:
+    """A CUDA kernel from one installed package: a GPU, the distribution in ``spec``, and ``module`` importing."""
+    return (CudaDevice(), DistributionVersion(distribution, spec, fix), Importable(module, distribution, fix))
+
+
 def fla_requirements(module: str) -> tuple:
     """What every fla (Triton) kernel needs: fla-core >= 0.5 (native GVA, in-kernel gate), a GPU, Triton."""
     return (

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from fusepatch.hub import HubKernel, hub_candidate
-from fusepatch.ops._common import CAUSAL_CONV1D_FIX, fla_requirements, rand
+from fusepatch.ops._common import CAUSAL_CONV1D_FIX, fla_requirements, package_requirements, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
-from fusepatch.requirements import CudaDevice, DistributionVersion, Importable, InputRule
+from fusepatch.requirements import CudaDevice, InputRule
 
 
 def document_starts(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -110,11 +110,7 @@ CAUSAL_CONV1D = Op(
         Candidate(
             name="causal-conv1d",
             source="pip",
-            requirements=(
-                CudaDevice(),
-                DistributionVersion("causal-conv1d", ">=1.4", CAUSAL_CONV1D_FIX),
-                Importable("causal_conv1d", "causal-conv1d", CAUSAL_CONV1D_FIX),
-            ),
+            requirements=package_requirements("causal-conv1d", ">=1.4", "causal_conv1d", CAUSAL_CONV1D_FIX),
             load=_load_causal_conv1d,
             inputs=InputRule(kernel="causal-conv1d", dtypes=("bfloat16", "float16", "float32")),
             provides="causal_conv1d.causal_conv1d_fn (seq_idx for packed rows)",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from fusepatch.ops._common import TRITON_FIX, fla_requirements, hub_requirements, rand
+from fusepatch.ops._common import TRITON_FIX, fla_requirements, hub_requirements, package_requirements, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
-from fusepatch.requirements import CudaDevice, DistributionVersion, Importable, InputRule
+from fusepatch.requirements import InputRule
 
 
 def swiglu_reference(gate, up):
@@ -42,11 +42,7 @@ SWIGLU = Op(
         Candidate(
             name="triton",
             source="pip",
-            requirements=(
-                CudaDevice(),
-                DistributionVersion("triton", ">=3.0", TRITON_FIX),
-                Importable("triton", "triton", TRITON_FIX),
-            ),
+            requirements=package_requirements("triton", ">=3.0", "triton", TRITON_FIX),
             load=_load_triton,
             inputs=InputRule(kernel="fusepatch's Triton SwiGLU"),
             provides="fusepatch.kernels.swiglu.swiglu (fixed launch configuration: no autotuning)",
