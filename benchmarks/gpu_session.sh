@@ -7,6 +7,11 @@
 #   bash benchmarks/gpu_session.sh bench 27b [layers]  # call 3+: the benchmark table for one shape
 #   bash benchmarks/gpu_session.sh loss 27b            # the loss alone (benchmarks/loss_bench.py)
 #   bash benchmarks/gpu_session.sh sft                 # carry .whl .whl-ex: the SFT example, FSDP2 world size 1
+#   bash benchmarks/gpu_session.sh start [STEPS...]    # carry .whl-tl2 .whl .whl-ex: run STEPS (default: bench-27b
+#                                                      #   tests bench-2b sft) one after another in the background
+#   bash benchmarks/gpu_session.sh poll SECONDS        # wait (at most SECONDS) and bring back what is done so far
+# start/poll: one sequence longer than a call's limit, with no idle gap between its steps; each poll must
+# follow the last call within ~30 s or the machine (and the sequence) is gone.
 # Wheels: bash ../shared/gpu/wheels.sh, plus the causal-conv1d wheel copied into .whl; the sdist into .src.
 # Calls must follow each other within ~30 s so the machine (and /tmp, where everything is installed) stays.
 set -uo pipefail
@@ -22,6 +27,7 @@ need_tilelang() { [ -d /tmp/site-tl/tilelang ] || { echo "tilelang missing: run 
 case "$phase" in
   tilelang)
     pipi /tmp/site-tl .whl-tl1/*.whl && ls /tmp/site-tl | head -3
+    python3 -c "import pyarrow; print('pyarrow', pyarrow.__version__, '(datasets 5.2 needs >= 24: else carry .whl-pa)')"
     if ls .src/causal_conv1d-*.tar.gz >/dev/null 2>&1; then
       # The source build runs beside the next calls (CPU only, niced); its own copy of fusepatch, since the
       # working tree is replaced by each call.
@@ -116,5 +122,25 @@ EOF
         --max-steps ${STEPS:-12} --profile-step ${PROFILE_STEP:-8} --output-dir /tmp/sft-$config > "$OUT/sft-$config.log" 2>&1
       echo "== $config (exit $?)"; grep -E "conversations|world size|losses|fusepatch metrics|profile of step|CPU-bound|top kernels" "$OUT/sft-$config.log" | cut -c1-400
     done ;;
+  start)
+    need_tilelang
+    pipi /tmp/site-tl .whl-tl2/*.whl; pipi /tmp/site-fla .whl/*.whl; ls .whl-ex/*.whl >/dev/null 2>&1 && pipi /tmp/site-ex .whl-ex/*.whl
+    python3 -c "import pyarrow; print('pyarrow', pyarrow.__version__)"
+    rm -rf /tmp/seq && mkdir -p /tmp/seq && cp -r . /tmp/seq/tree  # the working tree is replaced by each call
+    steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
+    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|IEEE|LAYERS|STEPS)=" > /tmp/seq/env || true
+    (cd /tmp/seq/tree && setsid nohup bash -c "set -a; . /tmp/seq/env; set +a; for step in $steps; do \
+      s=\$(date +%s); echo \"== \$step started \$(date +%T)\" >> /tmp/seq/progress; \
+      OUT=/tmp/seq/out bash benchmarks/gpu_session.sh \${step%%-*} \$(echo \$step | sed -n 's/^[a-z]*-//p') \
+        > /tmp/seq/\$step.log 2>&1; \
+      echo \"== \$step exit \$? after \$((\$(date +%s) - s)) s\" >> /tmp/seq/progress; done; \
+      echo done >> /tmp/seq/progress" > /dev/null 2>&1 < /dev/null &)
+    echo "started: $steps" ;;
+  poll)
+    deadline=$(($(date +%s) + ${2:-560}))
+    while [ "$(date +%s)" -lt "$deadline" ] && ! grep -q "^done" /tmp/seq/progress 2>/dev/null; do sleep 5; done
+    cat /tmp/seq/progress 2>/dev/null
+    for f in /tmp/seq/*.log; do echo "--- $(basename "$f") (last lines)"; tail -${TAIL:-25} "$f" | cut -c1-300; done
+    tar czf "$OUT/seq-$(date +%H%M%S).tgz" -C /tmp/seq --exclude tree . 2>/dev/null; ls -la "$OUT" ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
