@@ -216,7 +216,8 @@ class InputRule:
     devices: tuple[str, ...] = ("cuda",)
     dtypes: tuple[str, ...] = ("bfloat16", "float16", "float32")
     kernel: str = "the kernel"
-    notes: dict[str, str] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)  # dtype -> the fix, when refused
+    why: dict[str, str] = field(default_factory=dict)  # dtype -> why it is refused (a measured reason)
 
     def check(self, inputs: Inputs) -> Verdict:
         if inputs.device_type not in self.devices:
@@ -227,8 +228,9 @@ class InputRule:
             )
         if inputs.dtype not in self.dtypes:
             allowed = "/".join(self.dtypes)
+            why = f": {self.why[inputs.dtype]}" if inputs.dtype in self.why else ""
             return reject(
-                f"{inputs.dtype} inputs; {self.kernel} takes {allowed}",
+                f"{inputs.dtype} inputs; {self.kernel} takes {allowed}{why}",
                 self.notes.get(
                     inputs.dtype, f"load the model in {self.dtypes[0]} (torch_dtype=torch.{self.dtypes[0]})"
                 ),

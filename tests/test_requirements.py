@@ -156,3 +156,20 @@ def test_doctor_recommendations_for_the_h200_stack():
     assert not any("tilelang" in r for r in recommendations(with_tilelang))
     assert not any("tilelang" in r for r in recommendations(gpu_env(A100)))
     assert "runs eager" in recommendations(cpu_env())[0]
+
+
+@pytest.mark.parametrize("name", ["fla", "fla-gate-outside"])
+def test_fla_delta_rule_refuses_fp32_with_the_measured_reason(name):
+    """fp32 through fla's delta rule was measured 4-30% off in the decay gradients on the H200 (tests/gpu checks
+    it still is); the checker refuses it before loading anything and names the dtype that works."""
+    from fusepatch.ops import OPS
+    from fusepatch.requirements import OK
+    from fusepatch.resolve import evaluate
+
+    op = OPS["gated_delta_rule"]
+    candidate = next(c for c in op.candidates if c.name == name)
+    verdict, fn = evaluate(op, candidate, OK, "cuda", "float32")
+    assert not verdict.ok and fn is None
+    assert "float32 inputs" in verdict.reason and "4-30%" in verdict.reason and "eager" in verdict.reason
+    assert "bf16" in verdict.fix and "MixedPrecisionPolicy" in verdict.fix
+    assert candidate.inputs.check(Inputs("cuda", "bfloat16")).ok

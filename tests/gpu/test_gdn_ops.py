@@ -3,7 +3,8 @@
 Tolerances (relative error ||x - ref|| / ||ref|| of the output and of every input gradient):
 bf16 inputs 2e-2 (bf16 carries 8 mantissa bits: a single rounding is 4e-3, chunked kernels accumulate a few);
 fp32 inputs 5e-3 (Triton runs fp32 dots as tf32, ~1e-3 per product). The decay parameters' gradients at bf16:
-DECAY_TOL (see test_gated_delta_rule).
+DECAY_TOL (see test_gated_delta_rule). fla's delta rule at fp32 misses these bounds on the H200 and the checker
+refuses it (see _fp32_is_refused_and_still_off).
 """
 
 from __future__ import annotations
@@ -56,17 +57,36 @@ GDN_CASES = [
 @pytest.mark.parametrize("name", ["fla", "fla-gate-outside"])
 @pytest.mark.parametrize("shape, dtype", GDN_CASES)
 def test_gated_delta_rule(name, shape, dtype):
-    fn = kernel("gated_delta_rule", name, dtype)
     length, hk, hv, dk, dv, bounds = shape
     inputs = _gdn_inputs(length, hk, hv, dk, dv)
     kwargs = {"cu_seqlens": torch.tensor(bounds, device="cuda", dtype=torch.int32)} if bounds else {}
+    if dtype == torch.float32:
+        _fp32_is_refused_and_still_off(name, inputs, kwargs)
+        return
+    fn = kernel("gated_delta_rule", name, dtype)
 
     # bf16: the A_log and dt_bias gradients (d5, d6) sum the decay gradient over every token with heavy
     # cancellation, which amplifies bf16 rounding (measured on the H200: 5-16% in the mini model where the
-    # fp32-recurrence eager path has 0.2-2%); they are held to DECAY_TOL there and to TOL at fp32.
+    # fp32-recurrence eager path has 0.2-2%); they are held to DECAY_TOL there.
     looser = {"d5": DECAY_TOL, "d6": DECAY_TOL} if dtype == torch.bfloat16 else None
     # every input, A_log and dt_bias too, in the dtype under test: a bf16 model holds its parameters in bf16
     compare(fn, OPS["gated_delta_rule"].reference, inputs, dtype, TOL[dtype], looser=looser, **kwargs)
+
+
+def _fp32_is_refused_and_still_off(name, inputs, kwargs):
+    """The checker refuses fla's delta rule at fp32 (session 3 on the H200: gate gradient 4-6%, A_log/dt_bias
+    19-30% off the fp32 reference). Both halves are checked here: the refusal, and that the kernel still misses
+    TOL at fp32, so the rule is lifted (this test fails) once a fla release computes fp32 to fp32 precision."""
+    from fusepatch.requirements import Inputs
+
+    candidate = next(c for c in OPS["gated_delta_rule"].candidates if c.name == name)
+    refusal = candidate.inputs.check(Inputs("cuda", "float32"))
+    assert not refusal.ok and "4-30%" in refusal.reason, refusal
+    verdict, _ = static_verdict(candidate, capture(refresh=True))
+    require(verdict, f"gated_delta_rule/{name}")
+    fn = candidate.load()
+    with pytest.raises(AssertionError, match="errors over"):
+        compare(fn, OPS["gated_delta_rule"].reference, inputs, torch.float32, TOL[torch.float32], **kwargs)
 
 
 @pytest.mark.parametrize("name", ["causal-conv1d", "fla-conv"])
@@ -110,7 +130,13 @@ def test_selftests_pass_for_every_installed_gdn_candidate():
             verdict, _ = static_verdict(candidate, env)
             if not verdict.ok:
                 continue
-            result = selftest.run(OPS[op], candidate, candidate.load(), "cuda", "bfloat16")
+            try:
+                fn = candidate.load()
+            except Exception as exc:  # noqa: BLE001
+                # a Kernel Hub kernel not in the local cache (no network here) is not installed; a pip one is
+                assert candidate.source == "hub", f"{op}/{candidate.name} failed to load: {exc}"
+                continue
+            result = selftest.run(OPS[op], candidate, fn, "cuda", "bfloat16")
             assert result.ok, f"{op}/{candidate.name}: {result.reason}"
             accepted.append(f"{op}/{candidate.name}")
     require(type("V", (), {"ok": bool(accepted), "reason": "no GDN candidate installed"})(), "self-tests")
