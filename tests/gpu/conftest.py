@@ -60,7 +60,8 @@ def compare(fn, reference, args, dtype, tol: float, extra=(), looser=None, **kwa
 # the layers): proves the wiring and the kernels. bf16: a bf16 model differs from its fp32 self by rounding
 # alone, by a few percent in some gradients; the fused bf16 model passes when its error against the fp32
 # reference is at most FACTOR x the bf16 eager model's error + FLOOR. The decay parameters of the Gated
-# DeltaNet layers (A_log, dt_bias) are held to DECAY_TOL at bf16 (see test_gdn_models.py); fp32 proves them.
+# DeltaNet layers (A_log, dt_bias) get at least DECAY_TOL at bf16 (see test_gdn_models.py). fla's delta rule
+# refuses fp32, so the fp32 model runs it on the eager path: fp32 proves the wiring and the other kernels.
 FACTOR = 3.0
 FLOOR = 5e-3
 FP32_TOL = 1e-2
@@ -136,8 +137,9 @@ def model_failures(errors: dict) -> dict:
     for name, e in errors.items():
         if not e["fp32"] <= FP32_TOL:
             failures[f"{name} fp32"] = e
-        decay = name.endswith(("A_log", "dt_bias"))
-        bound = DECAY_TOL if decay else FACTOR * e["eager_bf16"] + FLOOR
+        bound = FACTOR * e["eager_bf16"] + FLOOR
+        if name.endswith(("A_log", "dt_bias")):
+            bound = max(bound, DECAY_TOL)
         if not e["bf16"] <= bound:
             failures[f"{name} bf16"] = e
     return failures

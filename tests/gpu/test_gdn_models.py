@@ -2,11 +2,14 @@
 reference (bounds in conftest.py), packed rows, a training curve, generation and padding.
 
 Per family and per gated-delta-rule candidate: the fused model in fp32 must match the fp32 eager reference
-(proves the kernels and wiring); in bf16 it must be no further from that reference than FACTOR x the bf16 eager
-model. The eager delta rule runs its recurrence in fp32 even for bf16 inputs, so for the two decay parameters
-(A_log, dt_bias), whose gradients are sums over every token of the decay gradient, with heavy cancellation, the
-bf16 kernel's rounding is amplified (measured on the H200: 5-16% where the eager path has 0.2-2%): they are held
-to DECAY_TOL at bf16, and the fp32 check is what proves them right.
+(the wiring and every kernel that takes fp32; fla's delta rule refuses fp32 and runs eager there); in bf16 it
+must be no further from that reference than FACTOR x the bf16 eager model. The eager delta rule runs its
+recurrence in fp32 even for bf16 inputs, so for the two decay parameters (A_log, dt_bias), whose gradients are
+sums over every token of the decay gradient, with heavy cancellation, the bf16 kernel's rounding is amplified
+(measured on the H200: 5-16% where the eager path has 0.2-2%): their bound at bf16 is at least DECAY_TOL. Where
+a layer's decay gradient cancels to nearly zero, every bf16 path is far off in relative terms (measured: the
+bf16 eager model 629% off in one qwen3_5_moe layer, fla 1694%) and the FACTOR rule is the one that applies.
+The op tests (test_gdn_ops.py) hold dA_log and ddt_bias against an fp64 reference at bf16.
 """
 
 from __future__ import annotations
