@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fusepatch.env import Environment
+from fusepatch.env import OFFLINE_VARIABLES, Environment
 from fusepatch.ops.base import Candidate
 from fusepatch.requirements import OK, DistributionVersion, Importable, InputRule, Verdict, reject
 
@@ -48,6 +48,18 @@ def locked_commit(repo_id: str, lockfile: Path) -> str | None:
         if dependency.repo_id == repo_id:
             return lock.commit
     return None
+
+
+def offline() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in OFFLINE_VARIABLES)
+
+
+class KernelNotCached(RuntimeError):
+    """A Hub kernel that offline mode cannot fetch; ``fix`` says how to get it there."""
+
+    def __init__(self, message: str, fix: str):
+        super().__init__(message)
+        self.fix = fix
 
 
 def trusted(repo_id: str) -> bool:
@@ -124,7 +136,23 @@ class HubKernel:
                 raise RuntimeError(f"{self.repo_id} is not pinned in {lockfile}; lock it with `kernels lock`")
             return kernels.load_kernel(self.repo_id, lockfile=lockfile)
         trust = True if trusted(self.repo_id) else False
-        return kernels.get_kernel(self.repo_id, version=self.version, revision=self.revision, trust_remote_code=trust)
+        try:
+            return kernels.get_kernel(
+                self.repo_id, version=self.version, revision=self.revision, trust_remote_code=trust
+            )
+        except Exception as exc:
+            if not offline():
+                raise
+            pin = f"revision={self.revision!r}" if self.revision else f"version={self.version}"
+            raise KernelNotCached(
+                f"{self.repo_id} ({pin}) is not in the local Hugging Face cache and offline mode is set "
+                f"({type(exc).__name__})",
+                fix=(
+                    f'download it once where there is network: python -c "import kernels; '
+                    f"kernels.get_kernel('{self.repo_id}', {pin})\" (then copy ~/.cache/huggingface), "
+                    f"or LOCAL_KERNELS={self.repo_id}=/path/to/kernel"
+                ),
+            ) from exc
 
     def load(self) -> Callable[..., Any]:
         module = self.load_module()

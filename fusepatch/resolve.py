@@ -178,7 +178,8 @@ def evaluate(
         try:
             fn = candidate.load()
         except Exception as exc:  # noqa: BLE001 - a broken install must not break training
-            verdict = Verdict(False, f"loading failed: {type(exc).__name__}: {exc}", candidate_fix(candidate))
+            fix = getattr(exc, "fix", "") or candidate_fix(candidate)
+            verdict = Verdict(False, f"loading failed: {type(exc).__name__}: {exc}", fix)
     if verdict.ok:
         verdict = selftest.run(op, candidate, fn, device, dtype, packed=packed, dims=dims)
     return verdict, fn

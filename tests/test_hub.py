@@ -212,3 +212,17 @@ def test_builtin_hub_causal_conv1d_candidate_adapts_the_hub_entry_point(tmp_path
     # on this CPU machine the checks refuse it before any load, with the reason
     verdict, _ = fusepatch.resolve.static_verdict(candidate, fusepatch.env.capture(refresh=True))
     assert not verdict.ok and "CPU-only" in verdict.reason
+
+
+def test_offline_and_not_cached_names_the_download_as_the_fix(tmp_path, monkeypatch):
+    """The H200 run (no network): a trusted Hub kernel absent from the local cache is refused with how to get
+    it there, and the next candidate is used."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hf-home" / "hub"))
+    repo = "kernels-community/fp-test-not-cached"
+    fusepatch.add_candidate("swiglu", hub_candidate(HubKernel(repo, "swiglu"), inputs=CPU))
+    choice = _mlp_choice(tiny_model("qwen3"))
+    rejection = next(r for r in choice.rejected if r.candidate == f"hub:{repo}")
+    assert "not in the local Hugging Face cache and offline mode is set" in rejection.reason
+    assert f"kernels.get_kernel('{repo}', version=1)" in rejection.fix and "LOCAL_KERNELS=" in rejection.fix
+    assert choice.chosen != f"hub:{repo}"
