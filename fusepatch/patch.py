@@ -52,10 +52,27 @@ def _model_types(model: torch.nn.Module) -> tuple[str, ...]:
 
 
 def _device_and_dtype(model: torch.nn.Module) -> tuple[str, str]:
+    """Where and in which dtype the layers compute: the parameters', unless FSDP2 casts them for compute."""
     for parameter in model.parameters():
         if parameter.is_floating_point():
-            return parameter.device.type, dtype_name(parameter.dtype)
+            compute = _fsdp_compute_dtype(model) or parameter.dtype
+            return parameter.device.type, dtype_name(compute)
     return "cpu", "float32"
+
+
+def _fsdp_compute_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """FSDP2's MixedPrecisionPolicy.param_dtype, if the model is sharded with one. The Trainer keeps sharded
+    parameters in fp32 and computes in bf16: self-testing fp32 there compiles kernels training never calls
+    (minutes at 27B shapes) and reports choices for a dtype that never runs."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return None
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
+            return getattr(policy, "param_dtype", None)
+    return None
 
 
 def _disabled() -> bool:

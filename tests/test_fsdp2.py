@@ -27,3 +27,40 @@ def test_fsdp2_world_size_2_matches_unsharded_unpatched(tmp_path, extra):
     assert data["loss_diff"] < 1e-5
     # fp32; the eager chunked delta rule is fusepatch's own formulation of transformers' reference
     assert data["worst_grad_rel_err"] < 2e-3, data
+
+
+MIXED_PRECISION_WORKER = """
+import json, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+import fusepatch
+from fusepatch.tiny import tiny_model
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (1,))
+model = tiny_model("qwen3_5_text", seed=0)
+policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+for layer in model.model.layers:
+    fully_shard(layer, mesh=mesh, mp_policy=policy)
+fully_shard(model, mesh=mesh, mp_policy=policy)
+report = fusepatch.apply(model)
+ids = torch.randint(0, 512, (2, 24))
+loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+loss.backward()
+json.dump({"report_dtype": report.dtype, "param_dtype": str(next(model.parameters()).dtype),
+           "loss": float(loss)}, open(sys.argv[1], "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_mixed_precision_is_checked_in_its_compute_dtype(tmp_path):
+    """The Trainer's FSDP2 keeps sharded parameters in fp32 and computes in bf16 (MixedPrecisionPolicy): apply
+    must choose and self-test kernels for bf16 (on the H200, fp32 self-tests at 27B shapes cost minutes)."""
+    script, out = tmp_path / "worker.py", tmp_path / "result.json"
+    script.write_text(MIXED_PRECISION_WORKER)
+    result = torchrun(str(script), str(out), processes=1)
+    assert result.returncode == 0, result.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert data["param_dtype"] == "torch.float32" and data["report_dtype"] == "bfloat16", data
+    assert 0 < data["loss"] < 20
