@@ -31,10 +31,12 @@ def causal_lm_forward(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=past_key_values,
+        past_key_values=past_key_values,  # transformers >= 5.2x: `cache` (arrives in kwargs)
         inputs_embeds=inputs_embeds,
         use_cache=use_cache,
     )
+    # only what the caller gave: newer transformers warn on an explicit past_key_values, even None
+    inputs = {name: value for name, value in inputs.items() if value is not None}
     reference = input_ids if input_ids is not None else inputs_embeds
     fused = (
         labels is not None
