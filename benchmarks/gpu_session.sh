@@ -117,7 +117,7 @@ EOF
     export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl:/tmp/site-ex" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     for config in hf-fast fusepatch; do
       flag=$([ "$config" = hf-fast ] && echo --no-fusepatch)
-      timeout ${SFT_TIMEOUT:-270} python3 -m torch.distributed.run --nproc-per-node 1 examples/sft_ultrachat.py --fsdp $flag \
+      timeout ${SFT_TIMEOUT:-420} python3 -m torch.distributed.run --nproc-per-node 1 examples/sft_ultrachat.py --fsdp $flag \
         --config examples/configs/qwen3_5_27b_text.json --layers ${LAYERS:-4} --max-length 4096 --batch-size 24 \
         --max-steps ${STEPS:-12} --profile-step ${PROFILE_STEP:-8} --output-dir /tmp/sft-$config > "$OUT/sft-$config.log" 2>&1
       echo "== $config (exit $?)"; grep -E "conversations|world size|losses|fusepatch metrics|profile of step|CPU-bound|top kernels" "$OUT/sft-$config.log" | cut -c1-400
