@@ -159,7 +159,10 @@ def summarize(
     """Turn a profiler's events for one step into a StepProfile."""
     cuda_type = torch.autograd.DeviceType.CUDA
     aten = [e for e in events if e.device_type != cuda_type and e.name.startswith("aten::")]
-    kernels = [e for e in events if e.device_type == cuda_type]
+    # GPU-side events are kernels, copies and memsets, plus the GPU projection of record_function ranges (the
+    # layer labels, the optimizer's step): those are annotations, not work, and would inflate both the kernel
+    # count and the busy fraction (a range spans the gaps between its kernels).
+    kernels = [e for e in events if e.device_type == cuda_type and not getattr(e, "is_user_annotation", False)]
     busy = _busy(kernels) / (wall_s * 1e6) if kernels and wall_s > 0 else None
     by_kernel: Counter[str] = Counter()
     for e in kernels:

@@ -129,3 +129,34 @@ def test_a_slow_first_step_is_explained(caplog):
         callback._report_first_step()
     assert "first step took 95 s, 380x the second" in caplog.text and "fusepatch warmup" in caplog.text
     assert callback._pending["fusepatch/first_step_s"] == 95.0
+
+
+def test_gpu_annotations_are_not_kernels_and_not_busy_time():
+    """On the GPU timeline record_function ranges (layer labels, Optimizer.step) appear beside the kernels; they
+    span the idle gaps between their kernels, so counting them would report a busy GPU that is not."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from fusepatch.profile import summarize
+
+    def event(name, start, end, device=DeviceType.CUDA, annotation=False):
+        return SimpleNamespace(
+            name=name,
+            device_type=device,
+            time_range=SimpleNamespace(start=start, end=end),
+            is_user_annotation=annotation,
+            cpu_parent=None,
+        )
+
+    events = [
+        event("aten::mm", 0, 5, device=DeviceType.CPU),
+        event("gemm_kernel", 0, 100),
+        event("gemm_kernel", 900, 1000),
+        event("fusepatch::Qwen3MLP", 0, 1000, annotation=True),
+        event("Optimizer.step#AdamW.step", 0, 1000, annotation=True),
+    ]
+    profile = summarize(events, step=3, wall_s=1e-3, tokens=10, flops=None, peak_tflops=None)
+    assert profile.gpu_kernels == 2 and profile.cpu_ops == 1
+    assert profile.gpu_busy_fraction == 0.2  # 200 us of kernels in a 1 ms step, not the annotations' 1 ms
+    assert [name for name, _ in profile.top_kernels] == ["gemm_kernel"]
