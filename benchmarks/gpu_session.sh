@@ -72,7 +72,7 @@ for path in glob.glob("/tmp/errors/model-errors-*.json"):
     merged.update(json.load(open(path)))
 json.dump(merged, open(os.path.join(os.environ.get("OUT", "/tmp/out"), "model-errors.json"), "w"), indent=1)
 EOF
-    timeout ${DOCTOR_TIMEOUT:-60} python3 -m fusepatch -v doctor --model-type qwen3_5 > "$OUT/doctor.txt" 2>&1
+    timeout ${DOCTOR_TIMEOUT:-120} python3 -m fusepatch -v doctor --model-type qwen3_5 > "$OUT/doctor.txt" 2>&1
     # the stack where fla's guard bites: no tilelang importable
     [ "${NO_TL_DOCTOR:-0}" = 1 ] && PYTHONPATH="$PWD:/tmp/site-fla" timeout ${DOCTOR_TIMEOUT:-60} python3 -m fusepatch -v doctor --model-type qwen3_5 > "$OUT/doctor-no-tilelang.txt" 2>&1
     grep -A3 "gated_delta_rule:" "$OUT/doctor-no-tilelang.txt" 2>/dev/null; tail -4 "$OUT/doctor.txt"

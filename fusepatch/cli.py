@@ -15,7 +15,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
     prefer = tuple(args.prefer.split(",")) if args.prefer else None
     try:
-        report = diagnose(model_types=args.model_type or None, prefer=prefer)
+        report = diagnose(model_types=args.model_type or None, prefer=prefer, static_only=args.static)
     except ValueError as exc:
         print(f"fusepatch doctor: {exc}", file=sys.stderr)
         return 2
@@ -145,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--strict", action="store_true", help="exit 1 when any op would fall back to eager")
     doctor.add_argument("--model-type", action="append", help="only the rows of this model_type (repeatable)")
     doctor.add_argument("--prefer", help="kernel source priority, e.g. pip,hub,source")
+    doctor.add_argument(
+        "--static",
+        action="store_true",
+        help="version, device and dtype checks only: no kernel is loaded or self-tested (seconds, not minutes)",
+    )
     doctor.set_defaults(func=_doctor)
 
     listing = sub.add_parser("list", help="the registry: layer class -> ops -> candidates")

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 from fusepatch import __version__
 from fusepatch.env import Environment, capture
 from fusepatch.known_issues import KNOWN_ISSUES
 from fusepatch.ops import OPS
 from fusepatch.ops.base import Op
 from fusepatch.registry import all_rows
-from fusepatch.requirements import version_in
+from fusepatch.requirements import Inputs, version_in
 from fusepatch.resolve import evaluate, ordered, preferred_sources, static_verdict
+
+logger = logging.getLogger("fusepatch")
 
 # The versions fusepatch's GPU tests and benchmarks ran with (benchmarks/RESULTS.md): what doctor pins.
 TESTED_VERSIONS = {
@@ -50,13 +55,24 @@ def _target(env: Environment) -> tuple[str, str]:
     return ("cuda", "bfloat16") if env.cuda_available and env.gpus else ("cpu", "float32")
 
 
-def examine_op(op: Op, env: Environment, device: str, dtype: str, prefer: tuple[str, ...]) -> dict:
-    """Every candidate's verdict for ``device``/``dtype`` (self-tests run where the checks pass)."""
+def examine_op(
+    op: Op, env: Environment, device: str, dtype: str, prefer: tuple[str, ...], static_only: bool = False
+) -> dict:
+    """Every candidate's verdict for ``device``/``dtype``: self-tests run where the checks pass (a first run
+    compiles and autotunes, minutes on a fresh GPU machine, so each is logged as it finishes), or, with
+    ``static_only``, the version/device/dtype checks alone, without loading anything."""
     candidates = []
     chosen = None
     for candidate in ordered(op, prefer):
+        started = time.perf_counter()
         static, env = static_verdict(candidate, env)
-        verdict, _ = evaluate(op, candidate, static, device, dtype)
+        if static_only:
+            verdict = candidate.inputs.check(Inputs(device, dtype)) if static.ok else static
+        else:
+            verdict, _ = evaluate(op, candidate, static, device, dtype)
+        seconds = time.perf_counter() - started
+        status = "ok" if verdict.ok else ("planned" if verdict.planned else "rejected")
+        logger.info("doctor: %s/%s %s (%.1f s)", op.name, candidate.name, status, seconds)
         candidates.append(
             {
                 "name": candidate.name,
@@ -66,6 +82,8 @@ def examine_op(op: Op, env: Environment, device: str, dtype: str, prefer: tuple[
                 "planned": verdict.planned,
                 "reason": verdict.reason,
                 "fix": verdict.fix,
+                "checked": "static" if static_only else ("self-test" if static.ok else "static"),
+                "seconds": round(seconds, 2),
             }
         )
         if verdict.ok and chosen is None:
@@ -79,12 +97,16 @@ def examine_op(op: Op, env: Environment, device: str, dtype: str, prefer: tuple[
             "planned": False,
             "reason": "",
             "fix": "",
+            "checked": "reference",
+            "seconds": 0.0,
         }
     )
     return {"summary": op.summary, "chosen": chosen or "eager", "candidates": candidates}
 
 
-def diagnose(*, model_types: list[str] | None = None, prefer: tuple[str, ...] | None = None) -> dict:
+def diagnose(
+    *, model_types: list[str] | None = None, prefer: tuple[str, ...] | None = None, static_only: bool = False
+) -> dict:
     """The doctor report as a JSON-serialisable dict."""
     env = capture()
     prefer = preferred_sources(prefer)
@@ -94,7 +116,7 @@ def diagnose(*, model_types: list[str] | None = None, prefer: tuple[str, ...] | 
         known = sorted({t for r in all_rows() for t in r.model_types})
         raise ValueError(f"no fusepatch rows for model_type {model_types}; known: {', '.join(known)}")
     op_names = [name for name in OPS if any(name in (*r.ops, *r.planned) for r in rows)]
-    ops = {name: examine_op(OPS[name], env, device, dtype, prefer) for name in op_names}
+    ops = {name: examine_op(OPS[name], env, device, dtype, prefer, static_only) for name in op_names}
     families: dict[str, dict] = {}
     fallbacks: list[str] = []
     fixes: list[str] = []
@@ -121,6 +143,7 @@ def diagnose(*, model_types: list[str] | None = None, prefer: tuple[str, ...] | 
     return {
         "fusepatch": __version__,
         "target": {"device": device, "dtype": dtype},
+        "self_tests": not static_only,
         "environment": probed.to_dict(),
         "known_issues": [dict(issue.to_dict(), affects_this_machine=issue in matching) for issue in KNOWN_ISSUES],
         "ops": ops,
@@ -142,7 +165,8 @@ def render(report: dict) -> str:
         f"  GPU: {gpus}",
         f"  triton {env['triton'] or '-'}  transformers {env['transformers'] or '-'}",
         "  packages: " + (", ".join(f"{k} {v}" for k, v in sorted(env["distributions"].items())) or "-"),
-        f"  checked for: {report['target']['device']}/{report['target']['dtype']}",
+        f"  checked for: {report['target']['device']}/{report['target']['dtype']}"
+        + ("" if report.get("self_tests", True) else " (--static: checks only; no kernel loaded or self-tested)"),
         "",
         "Known-bad stacks",
     ]
@@ -164,7 +188,8 @@ def render(report: dict) -> str:
                 if c["ok"]
                 else f": {c['reason']}" + (f"  [fix: {c['fix']}]" if c["fix"] and not c["planned"] else "")
             )
-            lines.append(f"    {status:8s} {c['name']} ({c['source']}){detail}")
+            took = f" [self-test {c['seconds']:.0f} s]" if c.get("checked") == "self-test" and c["seconds"] >= 5 else ""
+            lines.append(f"    {status:8s} {c['name']} ({c['source']}){took}{detail}")
     lines += ["", "Families"]
     for model_type, layers in report["families"].items():
         parts = []

@@ -77,3 +77,42 @@ def test_demo_trains_eager_and_patched_on_cpu():
     patched = [float(x) for x in out.split("patched losses:")[1].split("steps/s")[0].split()[:3]]
     assert all(abs(a - b) < 1e-3 for a, b in zip(eager, patched))
     assert "steps/s" in out
+
+
+def test_doctor_logs_each_candidate_and_static_loads_nothing(caplog):
+    """doctor self-tests every candidate (minutes of compiling on a fresh GPU machine): each verdict is logged as
+    it finishes with its time; --static checks versions/device/dtype only and loads no kernel."""
+    import dataclasses
+    import logging
+
+    import torch
+    from helpers import cpu_env
+
+    from fusepatch import selftest
+    from fusepatch.doctor import examine_op
+    from fusepatch.ops.base import Candidate
+    from fusepatch.requirements import InputRule
+
+    loads = []
+
+    def load():
+        loads.append(1)
+        return lambda gate, up: torch.nn.functional.silu(gate) * up
+
+    cpu = InputRule(devices=("cpu",), dtypes=("float32",))
+    op = dataclasses.replace(OPS["swiglu"], candidates=(Candidate("good", "pip", (), load, inputs=cpu),))
+    selftest.clear_cache()
+    with caplog.at_level(logging.INFO, logger="fusepatch"):
+        full = examine_op(op, cpu_env(), "cpu", "float32", ("pip",))
+    assert full["chosen"] == "good" and loads == [1]
+    assert full["candidates"][0]["checked"] == "self-test" and full["candidates"][0]["seconds"] >= 0
+    assert any("doctor: swiglu/good ok" in r.getMessage() for r in caplog.records)
+    static = examine_op(op, cpu_env(), "cpu", "float32", ("pip",), static_only=True)
+    assert static["chosen"] == "good" and static["candidates"][0]["checked"] == "static" and loads == [1]
+    refused = examine_op(op, cpu_env(), "cpu", "bfloat16", ("pip",), static_only=True)
+    assert refused["chosen"] == "eager" and "bfloat16 inputs" in refused["candidates"][0]["reason"]
+
+
+def test_doctor_static_says_so():
+    text = _run("doctor", "--static", "--model-type", "qwen3").stdout
+    assert "--static: checks only" in text
