@@ -124,7 +124,10 @@ def run(
     # at the edge of its bound must not be accepted in one run and refused in the next).
     seed = zlib.crc32(repr(key).encode())
     try:
-        verdict, errors = compare(op, fn, device, dtype, packed=packed, dims=dims, seed=seed)
+        # The first packed batch may arrive under no_grad or inference_mode (evaluation, generation): the
+        # self-test checks gradients all the same, on tensors of its own.
+        with torch.inference_mode(False), torch.enable_grad():
+            verdict, errors = compare(op, fn, device, dtype, packed=packed, dims=dims, seed=seed)
     except Exception as exc:  # noqa: BLE001 - any failure of a kernel is a reason to refuse it
         first = (str(exc).strip().splitlines() or [""])[0]
         verdict, errors = reject(f"self-test on {device}/{dtype} raised {type(exc).__name__}: {first}"), {}
