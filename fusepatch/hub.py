@@ -198,5 +198,6 @@ def hub_candidate(
         ),
         load=kernel.load,
         inputs=inputs or InputRule(),
-        provides=f"{kernel.repo_id}:{kernel.function} ({kernel.where()})",
+        provides=f"{kernel.repo_id}:{kernel.function}",
+        where=kernel.where,  # at choice time: LOCAL_KERNELS or a lock file set after import count
     )

@@ -188,6 +188,8 @@ def evaluate(
 def origin(candidate: Candidate) -> str:
     """Version and location of the copy a candidate loaded: a shadowed copy (an old install earlier on the path,
     a source checkout) is a known trap, so the report names the file actually imported."""
+    if candidate.where is not None:
+        return candidate.where()
     if candidate.distribution is None:
         return ""
     try:

@@ -68,7 +68,7 @@ def test_local_hub_kernel_is_loaded_self_tested_and_reported(tmp_path, monkeypat
     expected = model(input_ids=ids).logits
     choice = _mlp_choice(model)
     assert choice.chosen == "hub:acme/swiglu" and choice.source == "hub"
-    assert "local " in choice.provides
+    assert choice.provides == "acme/swiglu:swiglu" and choice.origin.startswith("local ")
     torch.testing.assert_close(model(input_ids=ids).logits, expected)
 
 
@@ -202,8 +202,9 @@ def test_builtin_hub_causal_conv1d_candidate_adapts_the_hub_entry_point(tmp_path
     the op's channels-last call and packed boundaries (cu_seqlens -> seq_idx) onto the Hub kernel's API."""
     op = OPS["causal_conv1d"]
     candidate = next(c for c in op.candidates if c.name == "hub:kernels-community/causal-conv1d")
-    assert candidate.source == "hub" and "version 1" in candidate.provides
+    assert candidate.source == "hub" and candidate.where() == "hub version 1"
     _use(monkeypatch, **{"kernels-community/causal-conv1d": make_kernel(tmp_path, CAUSAL_CONV1D_HUB)})
+    assert candidate.where().startswith("local ")  # asked when chosen: LOCAL_KERNELS set after import counts
     fn = candidate.load()
     x, weight = torch.randn(1, 50, 12, dtype=torch.float64), torch.randn(12, 4, dtype=torch.float64)
     cu = torch.tensor([0, 17, 18, 50], dtype=torch.int32) if packed else None

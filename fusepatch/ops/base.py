@@ -27,6 +27,7 @@ class Candidate:
     provides: str = ""  # the upstream function, for the report ("fla.ops.gated_delta_rule.chunk_gated_delta_rule")
     distribution: str | None = None  # the distribution loaded, for "which copy was loaded"
     varlen: bool = True  # honours cu_seqlens (packed documents); a candidate that cannot is skipped for them
+    where: Callable[[], str] | None = None  # where it loads from, asked at choice time (Hub: local dir, lock, pin)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
