@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_session.sh bench 27b [layers]  # call 3+: the benchmark table for one shape
 #   bash benchmarks/gpu_session.sh loss 27b            # the loss alone (benchmarks/loss_bench.py)
 #   bash benchmarks/gpu_session.sh sft                 # carry .whl .whl-ex: the SFT example, FSDP2 world size 1
+#                                                      #   (NPROC=all STEPS=30 LAYERS=N: every GPU, issue 7)
 #   bash benchmarks/gpu_session.sh start [STEPS...]    # carry .whl-tl2 .whl .whl-ex: run STEPS (default: bench-27b
 #                                                      #   tests bench-2b sft) one after another in the background
 #   bash benchmarks/gpu_session.sh poll SECONDS        # wait (at most SECONDS) and bring back what is done so far
@@ -115,13 +116,17 @@ EOF
     ls .whl-pa/*.whl >/dev/null 2>&1 && pipi /tmp/site-ex .whl-pa/*.whl
     python3 -c "import sys; sys.path[:0] = ['/tmp/site-ex']; import datasets, pyarrow; print('datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)"
     export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl:/tmp/site-ex" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    # NPROC: processes (= GPUs) for torchrun, "all" for every GPU of the machine (issue 7's multi-GPU run:
+    # NPROC=all STEPS=30 LAYERS=<deepest that fits>); the table goes to $OUT/sft-table.md.
+    nproc=${NPROC:-1}; [ "$nproc" = all ] && nproc=$(nvidia-smi -L | wc -l)
     for config in hf-fast fusepatch; do
       flag=$([ "$config" = hf-fast ] && echo --no-fusepatch)
-      timeout ${SFT_TIMEOUT:-420} python3 -m torch.distributed.run --nproc-per-node 1 examples/sft_ultrachat.py --fsdp $flag \
+      timeout ${SFT_TIMEOUT:-420} python3 -m torch.distributed.run --nproc-per-node "$nproc" examples/sft_ultrachat.py --fsdp $flag \
         --config examples/configs/qwen3_5_27b_text.json --layers ${LAYERS:-4} --max-length 4096 --batch-size 24 \
         --max-steps ${STEPS:-12} --profile-step ${PROFILE_STEP:-8} --output-dir /tmp/sft-$config > "$OUT/sft-$config.log" 2>&1
-      echo "== $config (exit $?)"; grep -E "conversations|world size|losses|fusepatch metrics|profile of step|CPU-bound|top kernels" "$OUT/sft-$config.log" | cut -c1-400
-    done ;;
+      echo "== $config (exit $?)"; grep -E "conversations|world size|losses|fusepatch metrics|steady state|profile of step|CPU-bound|top kernels" "$OUT/sft-$config.log" | cut -c1-400
+    done
+    python3 benchmarks/sft_table.py --gpus "$nproc" "$OUT/sft-hf-fast.log" "$OUT/sft-fusepatch.log" | tee "$OUT/sft-table.md" ;;
   start)
     need_tilelang
     pipi /tmp/site-tl .whl-tl2/*.whl; pipi /tmp/site-fla .whl/*.whl; ls .whl-ex/*.whl >/dev/null 2>&1 && pipi /tmp/site-ex .whl-ex/*.whl

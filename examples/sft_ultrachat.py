@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"world size {training_args.world_size}, FSDP2-sharded layers: {sharded}")
     print("losses: " + " ".join(f"{x:.3f}" for x in losses))
     print("fusepatch metrics: " + json.dumps(metrics))
+    print("steady state (this rank): " + json.dumps(callback.steady_state()))
     if callback.last_profile is not None:
         print(callback.last_profile.summary())
     return 0

@@ -34,6 +34,8 @@ class FusePatchCallback(TrainerCallback):
         profile_step: which optimizer step (1-based) to profile; the default leaves warm-up and autotuning behind.
         trace_dir: also write the Chrome trace of that step there.
         peak_tflops: the GPU's peak for MFU; default from the GPU name (datasheet dense bf16), none on CPU.
+        time_steps: time every optimizer step (one device sync at each end) for ``steady_state()``: the median
+            over the steps after the first two (compiling) and the profiled one (profiler overhead).
 
     Example::
 
@@ -49,6 +51,7 @@ class FusePatchCallback(TrainerCallback):
         profile_step: int = 5,
         trace_dir: str | None = None,
         peak_tflops: float | None = None,
+        time_steps: bool = True,
     ) -> None:
         if profile_step < 1:
             raise ValueError(f"profile_step counts optimizer steps from 1, got {profile_step}")
@@ -67,7 +70,10 @@ class FusePatchCallback(TrainerCallback):
         self._profiler = None
         self._labels = None
         self._start = 0.0
-        self._step_times: dict[int, float] = {}  # wall time of optimizer steps 1 and 2 (compile vs steady)
+        self.time_steps = time_steps
+        self.step_times: dict[int, tuple[float, int]] = {}  # optimizer step -> (wall s, tokens on this rank)
+        self._step_start = 0.0
+        self._step_tokens = 0
 
     # -- training begins: patch, report, start counting tokens ---------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -96,9 +102,9 @@ class FusePatchCallback(TrainerCallback):
         if shape is None:
             return
         mask = kwargs.get("attention_mask")
-        self._tokens += (
-            int(mask.sum()) if isinstance(mask, torch.Tensor) and mask.ndim == 2 else int(shape[0] * shape[-1])
-        )
+        count = int(mask.sum()) if isinstance(mask, torch.Tensor) and mask.ndim == 2 else int(shape[0] * shape[-1])
+        self._tokens += count
+        self._step_tokens += count
         self._seq_len = int(shape[-1])
 
     # -- one profiled step -------------------------------------------------------------------------------
@@ -107,9 +113,10 @@ class FusePatchCallback(TrainerCallback):
             torch.cuda.synchronize()
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step + 1 in (1, 2) and self._hook is not None:
+        if self._hook is not None and (self.time_steps or state.global_step + 1 <= 2):
             self._sync()
-            self._step_times[state.global_step + 1] = -time.perf_counter()
+            self._step_start = time.perf_counter()
+            self._step_tokens = 0
         if not self.profile or state.global_step + 1 != self.profile_step or self._hook is None:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -125,9 +132,9 @@ class FusePatchCallback(TrainerCallback):
         self._start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step in self._step_times and self._step_times[state.global_step] < 0:
+        if self._hook is not None and (self.time_steps or state.global_step <= 2):
             self._sync()
-            self._step_times[state.global_step] += time.perf_counter()
+            self.step_times[state.global_step] = (time.perf_counter() - self._step_start, self._step_tokens)
             if state.global_step == 2:
                 self._report_first_step()
         if self._profiler is None:
@@ -155,8 +162,24 @@ class FusePatchCallback(TrainerCallback):
             logger.info("fusepatch: trace of step %d written to %s", state.global_step, path)
         control.should_log = True  # the Trainer logs right after this step; on_log adds the metrics
 
+    def steady_state(self) -> dict[str, float]:
+        """Median step time and tokens/s on this rank over the timed steps after the first two and other than
+        the profiled one; empty before there are any."""
+        steady = [
+            t for step, t in self.step_times.items() if step > 2 and not (self.profile and step == self.profile_step)
+        ]
+        if not steady:
+            return {}
+        seconds = sorted(wall for wall, _ in steady)
+        rates = sorted(tokens / wall for wall, tokens in steady if wall > 0)
+        return {
+            "steps": len(steady),
+            "median_step_s": round(seconds[len(seconds) // 2], 4),
+            "median_tokens_per_s": round(rates[len(rates) // 2], 1) if rates else 0.0,
+        }
+
     def _report_first_step(self) -> None:
-        first, second = self._step_times.get(1, 0.0), self._step_times.get(2, 0.0)
+        first, second = self.step_times.get(1, (0.0, 0))[0], self.step_times.get(2, (0.0, 0))[0]
         self._pending["fusepatch/first_step_s"] = round(first, 3)
         if second > 0 and first > 5 * second and first > 10.0:
             logger.warning(
@@ -178,6 +201,14 @@ class FusePatchCallback(TrainerCallback):
         self._pending.clear()
 
     def on_train_end(self, args, state, control, **kwargs):
+        steady = self.steady_state()
+        if steady:
+            logger.info(
+                "fusepatch: %d steady steps, median %.1f ms, %.0f tokens/s on this rank",
+                steady["steps"],
+                steady["median_step_s"] * 1000,
+                steady["median_tokens_per_s"],
+            )
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

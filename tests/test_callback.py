@@ -66,6 +66,9 @@ def test_callback_applies_logs_the_report_and_profiles_a_step(tmp_path, caplog):
     assert profile.tokens == 2 * 48 and profile.step == 2
     assert dict(profile.ops_by_layer).get("Qwen3_5GatedDeltaNet", 0) > 0
     assert list((tmp_path / "traces").glob("fusepatch-step2.json"))
+    steady = callback.steady_state()  # steps 3 and 4, less the profiled step 2: step 3 and 4
+    assert steady["steps"] == 2 and 0 < steady["median_step_s"] < 60 and steady["median_tokens_per_s"] > 0
+    assert "steady steps, median" in messages
     # patched forwards stay after training (the callback does not revert)
     assert "_fusepatch" in trainer.model.model.layers[0].linear_attn.__dict__
 
@@ -124,7 +127,7 @@ def test_flop_count_and_peaks():
 
 def test_a_slow_first_step_is_explained(caplog):
     callback = FusePatchCallback(profile=False)
-    callback._step_times = {1: 95.0, 2: 0.25}
+    callback.step_times = {1: (95.0, 4096), 2: (0.25, 4096)}
     with caplog.at_level(logging.WARNING, logger="fusepatch"):
         callback._report_first_step()
     assert "first step took 95 s, 380x the second" in caplog.text and "fusepatch warmup" in caplog.text
