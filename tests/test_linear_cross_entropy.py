@@ -134,3 +134,48 @@ def test_fla_adapter_keeps_weight_grad_gemms_in_the_weight_dtype(monkeypatch, ha
         h, w, y = _data(dtype=dtype)
         torch.testing.assert_close(fn(h, w, y), lce.linear_cross_entropy_reference(h, w, y))
     assert calls == ([False, True] if has_switch else [None, None])
+
+
+def _conditional_generation(seed=0):
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from fusepatch.tiny import FAMILIES
+
+    torch.manual_seed(seed)
+    text = {k: v for k, v in FAMILIES["qwen3_5_text"].items() if k != "tie_word_embeddings"}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
+    vision |= dict(spatial_merge_size=1, temporal_patch_size=1)
+    config = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision, tie_word_embeddings=False)
+    return AutoModelForImageTextToText.from_config(config, attn_implementation="eager")
+
+
+def test_conditional_generation_forward_uses_the_fused_loss(chunked_on_cpu):
+    """Qwen3.5 checkpoints load as Qwen3_5ForConditionalGeneration: its text loss goes through the fused loss,
+    whatever arguments and output class the installed transformers gives that forward."""
+    reference, model = _conditional_generation(), _conditional_generation()
+    ids = torch.randint(0, 512, (2, 29))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    expected = reference(input_ids=ids, labels=labels)
+    expected.loss.backward()
+    report = fusepatch.apply(model)
+    head = next(layer for layer in report.layers if layer.layer == "Qwen3_5ForConditionalGeneration")
+    assert head.choices[0].chosen == "torch-chunked"
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    assert type(out) is type(expected) and out.logits is None and out[0] is out.loss
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
+    g_ref, g = grads(reference), grads(model)
+    assert set(g) == set(g_ref)
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-3, atol=1e-6, msg=name)
+    with_logits = model(input_ids=ids, labels=labels, return_logits=True)
+    torch.testing.assert_close(with_logits.logits, expected.logits, rtol=1e-4, atol=1e-5)
+    items = torch.tensor(77)
+    torch.testing.assert_close(
+        model(input_ids=ids, labels=labels, num_items_in_batch=items).loss,
+        reference(input_ids=ids, labels=labels, num_items_in_batch=items).loss,
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    assert model(input_ids=ids).logits.shape == (2, 29, 512)  # no labels: the original forward

@@ -6,6 +6,7 @@ gradient). Logits are then not returned unless the call asks with ``return_logit
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -49,19 +50,9 @@ def causal_lm_forward(
     if not fused:
         return state.original(**inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     shift_labels = kwargs.pop("shift_labels", None)
-    num_items_in_batch = kwargs.get("num_items_in_batch")
     outputs = self.model(**inputs, **kwargs)
     hidden = outputs.last_hidden_state
-    if shift_labels is None:  # predict token t+1 at position t; the last position predicts nothing
-        shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
-    shift_labels = shift_labels.to(hidden.device)
-    loss = dispatch(
-        hidden.reshape(-1, hidden.shape[-1]),
-        self.lm_head.weight,
-        shift_labels.reshape(-1),
-        ignore_index=-100,
-        num_items_in_batch=num_items_in_batch,
-    )
+    loss = _fused_loss(dispatch, hidden, self.lm_head.weight, labels, shift_labels, kwargs.get("num_items_in_batch"))
     logits = self.lm_head(hidden) if return_logits else None
     return CausalLMOutputWithPast(
         loss=loss,
@@ -70,3 +61,56 @@ def causal_lm_forward(
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
     )
+
+
+def _fused_loss(dispatch, hidden, weight, labels, shift_labels, num_items_in_batch):
+    """transformers' causal-LM loss (labels shifted by one, -100 ignored, summed over ``num_items_in_batch``
+    when the Trainer gives it) through the fused linear cross-entropy."""
+    if shift_labels is None:  # predict token t+1 at position t; the last position predicts nothing
+        shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    shift_labels = shift_labels.to(hidden.device)
+    return dispatch(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        shift_labels.reshape(-1),
+        ignore_index=-100,
+        num_items_in_batch=num_items_in_batch,
+    )
+
+
+def conditional_generation_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
+    """The multimodal wrappers (``Qwen3_5ForConditionalGeneration``, the class Qwen3.5 checkpoints' configs
+    name in ``architectures``): their forward's arguments and output class change between transformers releases (images, videos,
+    rope deltas, ``cache``), so the original forward runs as it is, asked for no logits (an empty
+    ``logits_to_keep`` index), and the loss is computed from the text model's last hidden state, taken with a
+    forward hook on ``self.model``."""
+    state = self._fusepatch
+    return_logits = kwargs.pop("return_logits", False)
+    dispatch = state.ops["linear_cross_entropy"]
+    weight = self.lm_head.weight
+    fused = (
+        labels is not None
+        and isinstance(logits_to_keep, int)
+        and logits_to_keep == 0
+        and getattr(self.lm_head, "bias", None) is None
+        and dispatch.choice(weight.device.type, dtype_name(weight.dtype)).fused
+    )
+    if not fused:
+        return state.original(*args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    shift_labels = kwargs.pop("shift_labels", None)
+    captured = []
+
+    def keep(module, inputs, output):
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    handle = self.model.register_forward_hook(keep)
+    try:
+        no_logits = torch.empty(0, dtype=torch.long, device=weight.device)
+        outputs = state.original(*args, labels=None, logits_to_keep=no_logits, **kwargs)
+    finally:
+        handle.remove()
+    hidden = captured[-1]
+    loss = _fused_loss(dispatch, hidden, weight, labels, shift_labels, kwargs.get("num_items_in_batch"))
+    logits = self.lm_head(hidden) if return_logits else None
+    # the same output class, rebuilt so that loss comes first (outputs[0], as transformers orders it)
+    return type(outputs)(**{**dict(outputs.items()), "loss": loss, "logits": logits})

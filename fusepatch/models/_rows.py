@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fusepatch.layers.causal_lm import causal_lm_forward
+from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward
 from fusepatch.layers.gated_deltanet import gated_deltanet_forward
 from fusepatch.layers.packing import decoder_layer_forward
 from fusepatch.layers.simple import (
@@ -19,6 +19,7 @@ __all__ = [
     "GDN_OPS",
     "Row",
     "causal_lm_forward",
+    "conditional_generation_forward",
     "decoder_layer_forward",
     "experts_forward",
     "gated_deltanet_forward",

@@ -4,6 +4,7 @@ from fusepatch.models._rows import (
     GDN_OPS,
     Row,
     causal_lm_forward,
+    conditional_generation_forward,
     decoder_layer_forward,
     experts_forward,
     gated_deltanet_forward,
@@ -32,7 +33,14 @@ ROWS = [
     Row(DENSE, DENSE_MODULE, "Qwen3_5MLP", ("swiglu",), swiglu_mlp_forward),
     Row(DENSE, DENSE_MODULE, "Qwen3_5Attention", (), None, planned=("rotary",), note="gated full attention"),
     Row(DENSE, DENSE_MODULE, "Qwen3_5ForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
-    Row(DENSE, DENSE_MODULE, "Qwen3_5ForConditionalGeneration", (), None, planned=("linear_cross_entropy",)),
+    Row(
+        DENSE,
+        DENSE_MODULE,
+        "Qwen3_5ForConditionalGeneration",
+        ("linear_cross_entropy",),
+        conditional_generation_forward,
+        note="image-text wrapper: text loss only",
+    ),
     Row(MOE, MOE_MODULE, "Qwen3_5MoeGatedDeltaNet", GDN_OPS, gated_deltanet_forward, note="linear attention"),
     Row(
         MOE,
@@ -48,5 +56,12 @@ ROWS = [
     Row(MOE, MOE_MODULE, "Qwen3_5MoeExperts", ("moe_experts",), experts_forward),
     Row(MOE, MOE_MODULE, "Qwen3_5MoeAttention", (), None, planned=("rotary",), note="gated full attention"),
     Row(MOE, MOE_MODULE, "Qwen3_5MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
-    Row(MOE, MOE_MODULE, "Qwen3_5MoeForConditionalGeneration", (), None, planned=("linear_cross_entropy",)),
+    Row(
+        MOE,
+        MOE_MODULE,
+        "Qwen3_5MoeForConditionalGeneration",
+        ("linear_cross_entropy",),
+        conditional_generation_forward,
+        note="image-text wrapper: text loss only",
+    ),
 ]
