@@ -129,3 +129,32 @@ def test_activation_checkpointing_gives_the_same_gradients_on_gpu():
     assert grads_a.keys() == grads_b.keys()
     worst = max(relative_error(grads_b[n], grads_a[n]) for n in grads_a)
     assert worst < 5e-3, worst  # the recompute reruns the same kernels on the same inputs (atomics aside)
+
+
+def test_conditional_generation_text_loss_on_gpu():
+    """Qwen3.5 checkpoints load as Qwen3_5ForConditionalGeneration: the patched image-text model (fused loss, every
+    Gated DeltaNet kernel) against the unpatched one, fp32, loss and every parameter gradient."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = {**MINI, "vocab_size": 1024, "num_hidden_layers": 4, "tie_word_embeddings": False}
+    text["layer_types"] = ["linear_attention"] * 3 + ["full_attention"]
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=256, patch_size=4)
+    vision |= dict(spatial_merge_size=1, temporal_patch_size=1)
+    config = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    base = AutoModelForImageTextToText.from_config(config, attn_implementation="eager")
+    reference, model = copy.deepcopy(base).cuda(), copy.deepcopy(base).cuda()
+    report = fusepatch.apply(model)
+    head = next(layer for layer in report.layers if layer.layer == "Qwen3_5ForConditionalGeneration")
+    require(type("V", (), {"ok": head.choices[0].fused, "reason": head.choices[0].reason_text()})(), "fused loss")
+    ids = torch.randint(0, 1024, (2, 301), device="cuda")
+    expected, out = reference(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    out.loss.backward()
+    assert out.logits is None
+    errors = {"loss": relative_error(out.loss, expected.loss)}
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    errors |= {n: relative_error(p.grad, ref_grads[n]) for n, p in model.named_parameters() if p.grad is not None}
+    record("qwen3_5 ForConditionalGeneration fp32", errors)
+    bad = {k: v for k, v in errors.items() if not v <= 1e-2}
+    assert not bad and len(errors) == len(ref_grads) + 1, bad
