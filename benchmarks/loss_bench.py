@@ -26,7 +26,7 @@ from fusepatch.ops.linear_cross_entropy import LINEAR_CROSS_ENTROPY, linear_cros
 from fusepatch.ops.linear_cross_entropy import linear_cross_entropy_reference as eager  # noqa: E402
 
 
-def implementations() -> dict:
+def implementations(fla_budgets: list[int] = ()) -> dict:
     # eager: transformers' path (full logits in the model dtype, upcast, mean over the labelled tokens)
     found = {"eager (full logits)": eager, "fusepatch torch-chunked": linear_cross_entropy_chunked}
     try:
@@ -35,8 +35,12 @@ def implementations() -> dict:
         found["fla, fp32 weight-grad accumulation (fla's default)"] = lambda h, w, y: fused_linear_cross_entropy_loss(
             h, y, w, reduction="mean"
         )
-        fla = next(c for c in LINEAR_CROSS_ENTROPY.candidates if c.name == "fla").load()
-        found["fusepatch fla (GEMMs in bf16)"] = fla
+        candidate = next(c for c in LINEAR_CROSS_ENTROPY.candidates if c.name == "fla")
+        found["fusepatch fla (GEMMs in bf16)"] = candidate.load()
+        for mib in fla_budgets:  # FUSEPATCH_CE_LOGITS_MIB: fewer, larger chunks
+            os.environ["FUSEPATCH_CE_LOGITS_MIB"] = str(mib)
+            found[f"fusepatch fla, chunk logits <= {mib} MiB"] = candidate.load()
+        os.environ.pop("FUSEPATCH_CE_LOGITS_MIB", None)
     except ImportError as exc:
         print(f"fla not importable: {exc}", file=sys.stderr)
     try:
@@ -59,7 +63,13 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json-out", default=None)
+    parser.add_argument(
+        "--fla-budgets",
+        default="512,1024,2048",
+        help="FUSEPATCH_CE_LOGITS_MIB values to measure (MiB, comma-separated)",
+    )
     args = parser.parse_args()
+    budgets = [int(x) for x in args.fla_budgets.split(",") if x.strip()]
     config = build_config(args.shape, 1).get_text_config()
     hidden_size, vocab = config.hidden_size, config.vocab_size
     torch.manual_seed(0)
@@ -76,7 +86,7 @@ def main() -> int:
 
     reference = call(eager)
     rows = []
-    for name, fn in implementations().items():
+    for name, fn in implementations(budgets).items():
         try:
             for _ in range(args.warmup):
                 out = call(fn)

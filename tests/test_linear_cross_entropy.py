@@ -179,3 +179,36 @@ def test_conditional_generation_forward_uses_the_fused_loss(chunked_on_cpu):
         atol=1e-6,
     )
     assert model(input_ids=ids).logits.shape == (2, 29, 512)  # no labels: the original forward
+
+
+def test_fla_chunk_budget_sets_num_chunks(monkeypatch):
+    """FUSEPATCH_CE_LOGITS_MIB bounds one chunk's logits: at the 27B shape (4096 tokens, vocab 248320, bf16),
+    1024 MiB gives 2048-token chunks (2 chunks) where fla's default makes 8; unset, fla's default stands."""
+    import sys
+    import types
+
+    assert lce.fla_num_chunks(4096, 248320, 2, 1024 * 2**20) == 2
+    assert lce.fla_num_chunks(4096, 248320, 2, 256 * 2**20) == 8
+    assert lce.fla_num_chunks(4096, 248320, 2, 64 * 2**20) == 32  # 128-token chunks
+    assert lce.fla_num_chunks(5, 248320, 2, 4 * 2**30) == 1
+
+    calls = []
+
+    def fused_linear_cross_entropy_loss(x, target, weight, ignore_index=-100, reduction="mean", num_chunks=8):
+        calls.append(num_chunks)
+        return lce.linear_cross_entropy_reference(x, weight, target, ignore_index) * (target != -100).sum()
+
+    module = types.ModuleType("fla.modules.fused_linear_cross_entropy")
+    module.fused_linear_cross_entropy_loss = fused_linear_cross_entropy_loss
+    for name in ("fla", "fla.modules"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.modules.fused_linear_cross_entropy", module)
+    candidate = next(c for c in OPS["linear_cross_entropy"].candidates if c.name == "fla")
+    h, w, y = _data(tokens=301, vocab=777)
+    candidate.load()(h, w, y)
+    monkeypatch.setenv("FUSEPATCH_CE_LOGITS_MIB", "1")  # 1 MiB / (777 x 8 bytes) -> 128-token chunks -> 3 chunks
+    candidate.load()(h, w, y)
+    assert calls == [8, 3]
+    monkeypatch.setenv("FUSEPATCH_CE_LOGITS_MIB", "lots")
+    with pytest.raises(ValueError, match="whole number of MiB"):
+        candidate.load()

@@ -11,6 +11,8 @@ when given (the Trainer's gradient-accumulation normaliser) and by their count o
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -88,6 +90,33 @@ def linear_cross_entropy_chunked(hidden, weight, labels, ignore_index: int = -10
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, denominator, chunk)
 
 
+def fla_chunk_budget() -> int | None:
+    """``FUSEPATCH_CE_LOGITS_MIB``: the most memory one chunk's logits may take in fla's fused loss. fla splits
+    the tokens into 8 chunks by default (512 tokens at seq 4096): each chunk re-reads and re-writes the whole
+    lm_head weight gradient (2.5 GB at Qwen3.5's 248k x 5120 in bf16) and runs GEMMs with a 512-long inner
+    dimension. Fewer, larger chunks trade logits memory for both; ``benchmarks/loss_bench.py --fla-budgets``
+    measures the trade. Unset: fla's default."""
+    value = os.environ.get("FUSEPATCH_CE_LOGITS_MIB", "").strip()
+    if not value:
+        return None
+    try:
+        mib = int(value)
+    except ValueError as exc:
+        raise ValueError(f"FUSEPATCH_CE_LOGITS_MIB={value!r}: expected a whole number of MiB, e.g. 1024") from exc
+    if mib <= 0:
+        raise ValueError(f"FUSEPATCH_CE_LOGITS_MIB={value!r}: expected a positive number of MiB")
+    return mib * 2**20
+
+
+def fla_num_chunks(tokens: int, vocab: int, element_size: int, budget_bytes: int) -> int:
+    """fla's ``num_chunks`` that keeps each chunk's ``chunk x vocab`` logits within ``budget_bytes`` (fla rounds
+    the chunk length up to a power of two, so the chunk length asked for is a power of two too)."""
+    per_token = vocab * element_size
+    chunk = max(1, budget_bytes // per_token)
+    chunk = 1 << (chunk.bit_length() - 1)  # a power of two at most the budget
+    return max(1, -(-tokens // chunk))
+
+
 def _load_fla():
     import inspect
 
@@ -97,10 +126,14 @@ def _load_fla():
     # hidden states to fp32 first: cuBLAS then runs fp32 SIMT GEMMs (measured on the H200 at the 27B shape:
     # 222 ms of a 430 ms step). For bf16/fp16 weights fusepatch keeps the GEMMs in the weight's dtype (tensor
     # cores, fp32 accumulation inside each GEMM, one rounding per chunk).
-    has_switch = "accumulate_grad_in_fp32" in inspect.signature(fused_linear_cross_entropy_loss).parameters
+    parameters = inspect.signature(fused_linear_cross_entropy_loss).parameters
+    has_switch = "accumulate_grad_in_fp32" in parameters
+    budget = fla_chunk_budget()
 
     def linear_cross_entropy_fla(hidden, weight, labels, ignore_index: int = -100, num_items_in_batch=None):
         kwargs = {"accumulate_grad_in_fp32": weight.dtype == torch.float32} if has_switch else {}
+        if budget is not None and "num_chunks" in parameters:
+            kwargs["num_chunks"] = fla_num_chunks(hidden.shape[0], weight.shape[0], hidden.element_size(), budget)
         total = fused_linear_cross_entropy_loss(
             hidden, labels, weight, ignore_index=ignore_index, reduction="sum", **kwargs
         )
