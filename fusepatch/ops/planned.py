@@ -52,7 +52,11 @@ ADD_RMS_NORM = Op(
         _planned(
             "fla",
             "pip",
-            "fused residual + norm: planned",
+            (
+                "fused residual + norm: planned. transformers adds the residual inline in each decoder layer's "
+                "forward, so fusing it means re-implementing that forward per family and per transformers release, "
+                "for one elementwise pass per layer (no elementwise kernel is among the 15 largest of the 27B step)"
+            ),
             fla_requirements("fla.modules.norm.layernorm"),
             "rms_norm(residual=...)",
         ),
@@ -67,7 +71,10 @@ ROTARY = Op(
         _planned(
             "fla",
             "pip",
-            "fused rotary: planned",
+            (
+                "fused rotary: planned. The attention forward applies it inline through its module's "
+                "apply_rotary_pos_emb (in Qwen3.5 one layer in four, on a quarter of each head); not measured to pay yet"
+            ),
             fla_requirements("fla.modules.rotary"),
             "fla.modules.rotary.rotary_embedding",
         ),
