@@ -119,11 +119,14 @@ EOF
     # NPROC: processes (= GPUs) for torchrun, "all" for every GPU of the machine (issue 7's multi-GPU run:
     # NPROC=all STEPS=30 LAYERS=<deepest that fits>); the table goes to $OUT/sft-table.md.
     nproc=${NPROC:-1}; [ "$nproc" = all ] && nproc=$(nvidia-smi -L | wc -l)
+    # BATCH conversations per GPU and step, packed into one row (the shipped 24 hold 1,984 tokens: 48 ~ 4k tokens),
+    # the sample repeated so that every rank gets full batches for every step
+    batch=${BATCH:-48}; steps=${STEPS:-12}; repeat=$(( (steps * batch * nproc + 23) / 24 ))
     for config in hf-fast fusepatch; do
       flag=$([ "$config" = hf-fast ] && echo --no-fusepatch)
       timeout ${SFT_TIMEOUT:-420} python3 -m torch.distributed.run --nproc-per-node "$nproc" examples/sft_ultrachat.py --fsdp $flag \
-        --config examples/configs/qwen3_5_27b_text.json --layers ${LAYERS:-4} --max-length 4096 --batch-size 24 \
-        --max-steps ${STEPS:-12} --profile-step ${PROFILE_STEP:-8} --output-dir /tmp/sft-$config > "$OUT/sft-$config.log" 2>&1
+        --config examples/configs/qwen3_5_27b_text.json --layers ${LAYERS:-4} --max-length 4096 --batch-size "$batch" \
+        --repeat "$repeat" --max-steps "$steps" --profile-step ${PROFILE_STEP:-8} --output-dir /tmp/sft-$config > "$OUT/sft-$config.log" 2>&1
       echo "== $config (exit $?)"; grep -E "conversations|world size|losses|fusepatch metrics|steady state|profile of step|CPU-bound|top kernels" "$OUT/sft-$config.log" | cut -c1-400
     done
     python3 benchmarks/sft_table.py --gpus "$nproc" "$OUT/sft-hf-fast.log" "$OUT/sft-fusepatch.log" | tee "$OUT/sft-table.md" ;;

@@ -152,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", default=DEFAULT_DATA, help="json/jsonl path or Hub dataset id")
     parser.add_argument("--split", default="train_sft")
     parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="use the tokenized conversations this many times over (the shipped sample holds 24: throughput runs "
+        "with large packed batches on several GPUs need more rows than that)",
+    )
     parser.add_argument("--batch-size", type=int, default=4, help="conversations per micro-batch (packed into one row)")
     parser.add_argument("--max-steps", type=int, default=10)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
@@ -186,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     supervised = sum(sum(1 for t in row["labels"] if t != -100) for row in train)
     total = sum(len(row["input_ids"]) for row in train)
     print(f"{len(train)} conversations, {total} tokens, {supervised} assistant tokens carry the loss")
+    if args.repeat > 1:
+        from datasets import concatenate_datasets
+
+        train = concatenate_datasets([train] * args.repeat)
+        print(f"repeated {args.repeat} times: {len(train)} rows")
 
     model = build_model(args, tokenizer)
     model.config.use_cache = False  # training: no cache (and packed batches need none)

@@ -46,10 +46,11 @@ def test_loss_is_on_assistant_tokens_only():
 def test_example_runs_offline_with_packing_and_checkpointing(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "cache"))
     cmd = [sys.executable, EXAMPLE, "--max-steps", "5", "--profile-step", "2", "--output-dir", str(tmp_path / "out")]
+    cmd += ["--repeat", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    assert "assistant tokens carry the loss" in out
+    assert "assistant tokens carry the loss" in out and "repeated 2 times: 48 rows" in out
     metrics = json.loads(out.split("fusepatch metrics: ")[1].splitlines()[0])
     assert metrics["fusepatch/cpu_ops_per_step"] > 0 and metrics["fusepatch/tokens_per_s"] > 0
     assert len(out.split("losses: ")[1].splitlines()[0].split()) == 5
