@@ -120,6 +120,15 @@ def run(
         _RESULTS[key] = OK
         return OK
     start = time.perf_counter()
+    if device != "cpu":  # on a GPU the first call compiles and autotunes: minutes on a fresh machine, so say so
+        logger.info(
+            "fusepatch: self-testing %s/%s on %s/%s%s (the first use of a kernel compiles it)",
+            op.name,
+            candidate.name,
+            device,
+            dtype,
+            " packed" if packed else "",
+        )
     # Inputs drawn from a seed fixed per key: the same machine makes the same decision on every run (a kernel
     # at the edge of its bound must not be accepted in one run and refused in the next).
     seed = zlib.crc32(repr(key).encode())
@@ -132,6 +141,9 @@ def run(
         first = (str(exc).strip().splitlines() or [""])[0]
         verdict, errors = reject(f"self-test on {device}/{dtype} raised {type(exc).__name__}: {first}"), {}
     elapsed = time.perf_counter() - start
+    if device != "cpu" and elapsed >= 5.0:
+        outcome = "passed" if verdict.ok else f"refused ({verdict.reason})"
+        logger.info("fusepatch: %s/%s self-test %s after %.0f s", op.name, candidate.name, outcome, elapsed)
     logger.debug(
         "self-test %s/%s on %s/%s: %s %s (%.1fs)", op.name, candidate.name, device, dtype, verdict, errors, elapsed
     )

@@ -254,3 +254,20 @@ def test_selftest_bounds_per_quantity_and_a_fixed_seed(monkeypatch):
         selftest.clear_cache()
         assert selftest.run(strict, _fake("rec", recording), recording, "cpu", "float32").ok
     assert torch.equal(seen[0], seen[1])
+
+
+def test_gpu_self_tests_say_so_before_and_after_a_long_compile(monkeypatch, caplog):
+    """On a GPU a first self-test compiles and autotunes (two minutes at Qwen3.5-27B sizes on the H200): a line
+    before it starts and one after a slow one, so that a stalled-looking job explains itself."""
+    from fusepatch.requirements import OK
+
+    clock = iter([100.0, 141.0])
+    monkeypatch.setattr(selftest.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(selftest, "compare", lambda *args, **kwargs: (OK, {}))
+    selftest.clear_cache()
+    with caplog.at_level(logging.INFO, logger="fusepatch"):
+        assert selftest.run(OPS["swiglu"], _fake("jit", None), None, "cuda", "bfloat16").ok
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0].startswith("fusepatch: self-testing swiglu/jit on cuda/bfloat16 packed")
+    assert messages[1] == "fusepatch: swiglu/jit self-test passed after 41 s"
+    selftest.clear_cache()
