@@ -4,7 +4,8 @@
 
 ``--site-fla`` holds fla + causal-conv1d (+ kernels, liger); ``--site-tl`` holds tilelang and its
 dependencies. Each configuration sees only the folders it is meant to: ``eager`` sees neither, the
-``-no-tilelang`` rows see fla but not tilelang (the stack where fla's Hopper guard bites).
+``-no-tilelang`` rows see fla but not tilelang (the stack where fla's Hopper guard bites). A label may carry
+environment settings for its process: ``fusepatch+FUSEPATCH_CE_LOGITS_MIB=1024``.
 """
 
 from __future__ import annotations
@@ -30,10 +31,26 @@ CONFIGS = {
 }
 
 
+def parse_label(label: str) -> tuple[str, dict[str, str]]:
+    """``fusepatch+FUSEPATCH_CE_LOGITS_MIB=1024``: a configuration plus environment settings for its process, so
+    that variants are measured in the same run as their baselines."""
+    base, *settings = label.split("+")
+    if base not in CONFIGS:
+        raise ValueError(f"unknown configuration {base!r} in {label!r}; known: {', '.join(CONFIGS)}")
+    env = {}
+    for setting in settings:
+        name, sep, value = setting.partition("=")
+        if not sep or not name:
+            raise ValueError(f"{label!r}: expected NAME=VALUE after '+', got {setting!r}")
+        env[name] = value
+    return base, env
+
+
 def run_one(label: str, args) -> dict:
-    config, fla, tilelang = CONFIGS[label]
+    base, overrides = parse_label(label)
+    config, fla, tilelang = CONFIGS[base]
     paths = [ROOT] + ([args.site_fla] if fla else []) + ([args.site_tl] if tilelang else [])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), FLA_FLASH_QLA="0")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), FLA_FLASH_QLA="0", **overrides)
     out = os.path.join(args.workdir, f"{args.shape}-{label}.json")
     cmd = [
         sys.executable,
@@ -102,8 +119,11 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
+    labels = args.configs.split(",")
+    for label in labels:  # a typo fails here, not after an hour of the configurations before it
+        parse_label(label)
     results = []
-    for label in args.configs.split(","):
+    for label in labels:
         try:
             results.append(run_one(label, args))
         except subprocess.TimeoutExpired:
