@@ -112,7 +112,8 @@ def run(args, seq: int, batch: int) -> dict:
             "qwen3_5_moe_text": liger.apply_liger_kernel_to_qwen3_5_moe,
             "qwen3": liger.apply_liger_kernel_to_qwen3,
         }[config.model_type]
-        patch(rope=False, model=model)
+        # Liger's rope raises for Qwen3.5 (partial rotary); where it works (qwen3) the peer gets all of Liger
+        patch(rope=not config.model_type.startswith("qwen3_5"), model=model)
     if args.config == "fusepatch":
         import fusepatch
 
