@@ -46,9 +46,12 @@ def _detached(value):
     return value
 
 
-def _forward_backward(fn: Callable, args: tuple, kwargs: dict, cotangent: torch.Tensor | None):
+def _forward_backward(fn: Callable, args: tuple, kwargs: dict, cotangent: torch.Tensor | None, outputs: int = 1):
     out = fn(*args, **kwargs)
-    first = out[0] if isinstance(out, tuple) else out
+    if isinstance(out, tuple) and outputs > 1:  # several outputs compared as one flat vector
+        first = torch.cat([o.reshape(-1) for o in out[:outputs]])
+    else:
+        first = out[0] if isinstance(out, tuple) else out
     leaves = _leaves(args, kwargs)
     if cotangent is None:
         cotangent = torch.randn_like(first, dtype=torch.float32)
@@ -73,10 +76,11 @@ def compare(
     ref_dtype = torch.float64 if dtype == "float32" and device == "cpu" else torch.float32
     ref_args = tuple(_upcast(a, ref_dtype) for a in args)
     ref_kwargs = {k: _upcast(v, ref_dtype) for k, v in kwargs.items()}
-    ref_out, ref_grads, cotangent = _forward_backward(op.reference, ref_args, ref_kwargs, None)
+    count = op.selftest.outputs
+    ref_out, ref_grads, cotangent = _forward_backward(op.reference, ref_args, ref_kwargs, None, count)
     args = tuple(_detached(a) for a in args)
     kwargs = {k: _detached(v) for k, v in kwargs.items()}
-    out, grads, _ = _forward_backward(fn, args, kwargs, cotangent)
+    out, grads, _ = _forward_backward(fn, args, kwargs, cotangent, count)
     if out.shape != ref_out.shape:
         return reject(f"self-test: output shape {tuple(out.shape)} != reference {tuple(ref_out.shape)}"), {}
     errors = {"output": relative_error(out, ref_out)}
