@@ -48,3 +48,44 @@ def test_swiglu_kernel_matches_the_reference_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+ROTARY_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from fusepatch.kernels.rotary import rotary
+    from fusepatch.ops._common import relative_error
+    from fusepatch.ops.rotary import rotary_reference
+
+    torch.manual_seed(0)
+    # (batch, q heads, k heads, tokens, head dim, rotary dim, cos batch): full and partial rotary, odd sizes,
+    # cos shared over the batch (1) or per row
+    cases = [(2, 4, 2, 37, 64, 64, 2), (1, 3, 1, 5, 256, 64, 1), (2, 2, 2, 9, 40, 24, 2)]
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        for b, hq, hk, t, d, r, cb in cases:
+            # q as the attention makes it: [b, t, h, d] viewed as [b, h, t, d] (non-contiguous)
+            q = torch.randn(b, t, hq, d).to(dtype).transpose(1, 2).requires_grad_(True)
+            k = torch.randn(b, t, hk, d).to(dtype).transpose(1, 2).requires_grad_(True)
+            angles = torch.randn(cb, t, r // 2).repeat(1, 1, 2) * 3
+            cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+            qo, ko = rotary(q, k, cos, sin)
+            leaves = [x.detach().double().requires_grad_(True) for x in (q, k)]
+            rq, rk = rotary_reference(leaves[0], leaves[1], cos.double(), sin.double())
+            cq, ck = torch.randn_like(rq), torch.randn_like(rk)
+            grads = torch.autograd.grad((qo, ko), (q, k), (cq.to(dtype), ck.to(dtype)))
+            ref_grads = torch.autograd.grad((rq, rk), leaves, (cq, ck))
+            errors = [relative_error(qo, rq), relative_error(ko, rk)]
+            errors += [relative_error(a, e) for a, e in zip(grads, ref_grads)]
+            assert qo.dtype == dtype and qo.shape == q.shape and qo.is_contiguous()
+            assert max(errors) < tol, (dtype, (b, hq, hk, t, d, r, cb), errors)
+            if r < d:  # the channels past the rotary ones are copied exactly
+                assert torch.equal(qo[..., r:], q[..., r:])
+    print("ok")
+    """
+)
+
+
+def test_rotary_kernel_matches_the_reference_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", ROTARY_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

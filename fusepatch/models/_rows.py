@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fusepatch.layers.attention import rotary_attention_forward
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward
 from fusepatch.layers.gated_deltanet import gated_deltanet_forward
 from fusepatch.layers.packing import decoder_layer_forward
@@ -25,5 +26,6 @@ __all__ = [
     "gated_deltanet_forward",
     "rms_norm_forward",
     "rms_norm_zero_centered_forward",
+    "rotary_attention_forward",
     "swiglu_mlp_forward",
 ]

@@ -5,6 +5,7 @@ from fusepatch.models._rows import (
     causal_lm_forward,
     experts_forward,
     rms_norm_forward,
+    rotary_attention_forward,
     swiglu_mlp_forward,
 )
 
@@ -17,12 +18,12 @@ ROWS = [
     Row(DENSE, DENSE_MODULE, "Qwen2RMSNorm", ("rms_norm",), rms_norm_forward),
     Row(DENSE, DENSE_MODULE, "Qwen2MLP", ("swiglu",), swiglu_mlp_forward),
     Row(DENSE, DENSE_MODULE, "Qwen2DecoderLayer", (), None, planned=("add_rms_norm",)),
-    Row(DENSE, DENSE_MODULE, "Qwen2Attention", (), None, planned=("rotary",)),
+    Row(DENSE, DENSE_MODULE, "Qwen2Attention", ("rotary",), rotary_attention_forward),
     Row(DENSE, DENSE_MODULE, "Qwen2ForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeRMSNorm", ("rms_norm",), rms_norm_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeMLP", ("swiglu",), swiglu_mlp_forward, note="experts and shared expert"),
     Row(MOE, MOE_MODULE, "Qwen2MoeExperts", ("moe_experts",), experts_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeDecoderLayer", (), None, planned=("add_rms_norm",)),
-    Row(MOE, MOE_MODULE, "Qwen2MoeAttention", (), None, planned=("rotary",)),
+    Row(MOE, MOE_MODULE, "Qwen2MoeAttention", ("rotary",), rotary_attention_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
 ]

@@ -5,6 +5,7 @@ from fusepatch.models._rows import (
     causal_lm_forward,
     experts_forward,
     rms_norm_forward,
+    rotary_attention_forward,
     swiglu_mlp_forward,
 )
 
@@ -17,12 +18,12 @@ ROWS = [
     Row(DENSE, DENSE_MODULE, "Qwen3RMSNorm", ("rms_norm",), rms_norm_forward),
     Row(DENSE, DENSE_MODULE, "Qwen3MLP", ("swiglu",), swiglu_mlp_forward),
     Row(DENSE, DENSE_MODULE, "Qwen3DecoderLayer", (), None, planned=("add_rms_norm",)),
-    Row(DENSE, DENSE_MODULE, "Qwen3Attention", (), None, planned=("rotary",)),
+    Row(DENSE, DENSE_MODULE, "Qwen3Attention", ("rotary",), rotary_attention_forward),
     Row(DENSE, DENSE_MODULE, "Qwen3ForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeRMSNorm", ("rms_norm",), rms_norm_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeMLP", ("swiglu",), swiglu_mlp_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeExperts", ("moe_experts",), experts_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeDecoderLayer", (), None, planned=("add_rms_norm",)),
-    Row(MOE, MOE_MODULE, "Qwen3MoeAttention", (), None, planned=("rotary",)),
+    Row(MOE, MOE_MODULE, "Qwen3MoeAttention", ("rotary",), rotary_attention_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
 ]

@@ -8,7 +8,8 @@ from fusepatch.ops.gated_delta_rule import GATED_DELTA_RULE
 from fusepatch.ops.linear_cross_entropy import LINEAR_CROSS_ENTROPY
 from fusepatch.ops.moe_experts import MOE_EXPERTS
 from fusepatch.ops.norms import GATED_RMS_NORM, RMS_NORM, RMS_NORM_ZERO_CENTERED
-from fusepatch.ops.planned import ADD_RMS_NORM, ROTARY
+from fusepatch.ops.planned import ADD_RMS_NORM
+from fusepatch.ops.rotary import ROTARY
 from fusepatch.ops.swiglu import SWIGLU
 
 OPS: dict[str, Op] = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fusepatch.ops._common import fla_requirements, hub_requirements, planned
+from fusepatch.ops._common import fla_requirements, planned
 from fusepatch.ops.base import Candidate, Op
 from fusepatch.requirements import NotImplementedYet
 
@@ -18,19 +18,6 @@ def add_rms_norm_reference(x, residual, weight, eps):
     h = x + residual
     normed = h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + eps)
     return (weight * normed.to(h.dtype)), h
-
-
-def rotary_reference(q, k, cos, sin):
-    """Rotary embedding on the first ``cos.shape[-1]`` channels (partial rotary), the rest passed through."""
-    rot = cos.shape[-1]
-
-    def rotate(x):
-        x_rot, x_pass = x[..., :rot], x[..., rot:]
-        half = rot // 2
-        rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-        return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
-
-    return rotate(q), rotate(k)
 
 
 def _never():
@@ -59,30 +46,6 @@ ADD_RMS_NORM = Op(
             ),
             fla_requirements("fla.modules.norm.layernorm"),
             "rms_norm(residual=...)",
-        ),
-    ),
-)
-
-ROTARY = Op(
-    name="rotary",
-    summary="rotary embedding of q and k in one kernel, partial rotary and mrope text positions",
-    reference=rotary_reference,
-    candidates=(
-        _planned(
-            "fla",
-            "pip",
-            (
-                "fused rotary: planned. The attention forward applies it inline through its module's "
-                "apply_rotary_pos_emb (in Qwen3.5 one layer in four, on a quarter of each head); not measured to pay yet"
-            ),
-            fla_requirements("fla.modules.rotary"),
-            "fla.modules.rotary.rotary_embedding",
-        ),
-        _planned(
-            "hub:kernels-community/rotary",
-            "hub",
-            "Kernel Hub rotary: planned",
-            hub_requirements("kernels-community/rotary", "rotary is not fused in this release"),
         ),
     ),
 )

@@ -1,0 +1,113 @@
+"""rotary: the rotary position embedding of q and k in one kernel per tensor, partial rotary included.
+
+Op signature (transformers' ``apply_rotary_pos_emb`` with ``unsqueeze_dim=1``)::
+
+    q_embed, k_embed = rotary(q [B, Hq, T, D], k [B, Hk, T, D], cos [B or 1, T, R], sin [B or 1, T, R])
+
+The first ``R`` channels of each head are rotated (``x * cos + rotate_half(x) * sin``), the rest pass through.
+cos/sin arrive per token as the model computed them (Qwen3.5's mrope text positions, packed rows), so the
+kernel makes no assumption about positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusepatch.ops._common import TRITON_FIX, hub_requirements, package_requirements, rand
+from fusepatch.ops.base import Candidate, Op, SelfTest
+from fusepatch.requirements import InputRule
+
+
+def rotary_reference(q, k, cos, sin):
+    """transformers' apply_rotary_pos_emb (unsqueeze_dim=1), partial rotary on the first cos.shape[-1] channels."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rot = cos.shape[-1]
+
+    def apply(x):
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        half = rot // 2
+        rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+        return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+    return apply(q), apply(k)
+
+
+def unsupported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    """Why a call is outside what the fused kernel reproduces exactly (the caller then keeps transformers'
+    function), or None."""
+    if q.ndim != 4 or k.ndim != 4 or cos.ndim != 3 or sin.shape != cos.shape:
+        return f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+    if not q.dtype == k.dtype == cos.dtype == sin.dtype:  # eager would promote; the kernel keeps q's dtype
+        return f"dtypes q {q.dtype}, k {k.dtype}, cos {cos.dtype}, sin {sin.dtype}"
+    rotary = cos.shape[-1]
+    if rotary % 2 or rotary > q.shape[-1] or q.shape[-1] != k.shape[-1]:
+        return f"rotary dim {rotary} against head dims {q.shape[-1]}/{k.shape[-1]}"
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or cos.shape[1] != q.shape[2]:
+        return f"batch/tokens of q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)} disagree"
+    if cos.shape[0] not in (1, q.shape[0]) or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        return "cos/sin layout"
+    if cos.requires_grad or sin.requires_grad:
+        return "cos/sin require grad"
+    return None
+
+
+def _load_triton():
+    from fusepatch.kernels.rotary import rotary
+
+    return rotary
+
+
+def _inputs(device, dtype, generator, packed=False, dims=None):
+    dims = dims or {}
+    hq, hk, dim, rot = (dims.get(n, d) for n, d in (("hq", 4), ("hk", 2), ("dim", 64), ("rot", 16)))
+    tokens = 37
+    q = rand((2, hq, tokens, dim), device, dtype, generator)
+    k = rand((2, hk, tokens, dim), device, dtype, generator)
+    # angles of real positions (packed: restarting at 0 mid-row), duplicated halves as transformers builds them
+    positions = torch.cat([torch.arange(20), torch.arange(tokens - 20)]) if packed else torch.arange(tokens)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+    angles = (positions[:, None].float() * inv_freq[None]).repeat(1, 2)[None].expand(2, tokens, rot)
+    cos = angles.cos().to(device=device, dtype=dtype)
+    sin = angles.sin().to(device=device, dtype=dtype)
+    return (q, k, cos, sin), {}
+
+
+def _dims(module) -> dict[str, int]:
+    config = module.config
+    dim = getattr(module, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    factor = getattr(config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor", 1.0)
+    return {
+        "hq": config.num_attention_heads,
+        "hk": config.num_key_value_heads,
+        "dim": dim,
+        "rot": int(dim * factor) // 2 * 2,
+    }
+
+
+ROTARY = Op(
+    name="rotary",
+    summary="rotary embedding of q and k, one kernel each, partial rotary and per-token (mrope, packed) angles",
+    reference=rotary_reference,
+    candidates=(
+        Candidate(
+            name="triton",
+            source="pip",
+            requirements=package_requirements("triton", ">=3.0", "triton", TRITON_FIX),
+            load=_load_triton,
+            inputs=InputRule(kernel="fusepatch's Triton rotary"),
+            provides="fusepatch.kernels.rotary.rotary (fixed launch configuration: no autotuning)",
+            distribution="triton",
+        ),
+        Candidate(
+            name="hub:kernels-community/rotary",
+            source="hub",
+            requirements=hub_requirements(
+                "kernels-community/rotary", "adapter to transformers' per-token cos/sin not written"
+            ),
+            load=lambda: None,
+            provides="apply_rotary",
+        ),
+    ),
+    selftest=SelfTest(_inputs, {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-5}, _dims, outputs=2),
+)

@@ -1,0 +1,100 @@
+"""The patched attention forward sends transformers' rotary call to the chosen kernel, in every family, and
+leaves everything else (and the modeling module afterwards) as it was. On CPU a stand-in kernel (the reference,
+counting its calls) takes the place of the Triton one; the kernel itself is tested in test_kernels.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+from helpers import grads
+
+import fusepatch
+from fusepatch import selftest
+from fusepatch.ops import OPS
+from fusepatch.ops.base import Candidate
+from fusepatch.ops.rotary import rotary_reference, unsupported
+from fusepatch.requirements import InputRule
+from fusepatch.tiny import FAMILIES, tiny_model
+
+CALLS = []
+
+
+def _stand_in(q, k, cos, sin):
+    CALLS.append(tuple(q.shape))
+    return rotary_reference(q, k, cos, sin)
+
+
+@pytest.fixture
+def rotary_on_cpu(monkeypatch):
+    cpu = InputRule(devices=("cpu",), dtypes=("float32",), kernel="stand-in rotary")
+    candidate = Candidate("stand-in", "pip", (), lambda: _stand_in, inputs=cpu)
+    monkeypatch.setitem(OPS, "rotary", dataclasses.replace(OPS["rotary"], candidates=(candidate,)))
+    selftest.clear_cache()
+    CALLS.clear()
+    yield
+    selftest.clear_cache()
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_patched_attention_uses_the_kernel_and_matches(rotary_on_cpu, model_type):
+    reference, model = tiny_model(model_type), tiny_model(model_type)
+    report = fusepatch.apply(model)
+    attention = [layer for layer in report.layers if layer.layer.endswith("Attention")]
+    assert attention and all(c.chosen == "stand-in" for layer in attention for c in layer.choices), attention
+    ids = torch.randint(0, 512, (2, 23))
+    expected = reference(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    CALLS.clear()
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    full_layers = sum(layer.count for layer in attention)
+    assert len(CALLS) == full_layers  # one call per attention layer, each through the stand-in
+    torch.testing.assert_close(out.logits, expected.logits, rtol=1e-5, atol=1e-6)
+    g_ref, g = grads(reference), grads(model)
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+    # the modeling module's function is transformers' own again after the call
+    module = sys.modules[type(model.model.layers[-1]).__module__]
+    assert not getattr(module.apply_rotary_pos_emb, "_fusepatch", False)
+
+
+def test_the_binding_is_undone_when_the_forward_raises(rotary_on_cpu):
+    model = tiny_model("qwen3")
+    fusepatch.apply(model)
+    module = sys.modules[type(model.model.layers[0]).__module__]
+    original = module.apply_rotary_pos_emb
+    attention = model.model.layers[0].self_attn
+    with pytest.raises(TypeError):  # no position embeddings: fails inside the forward, after the binding
+        attention(hidden_states=torch.randn(1, 4, 64), position_embeddings=None, attention_mask=None)
+    assert module.apply_rotary_pos_emb is original
+
+
+def test_calls_the_kernel_cannot_reproduce_exactly_keep_transformers_function():
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8)
+    cos = torch.randn(1, 5, 8)
+    assert unsupported(q, k, cos, cos.clone()) is None
+    assert "dtypes" in unsupported(q, k, cos.double(), cos.double())  # eager would promote to fp64
+    assert "rotary dim" in unsupported(q, k, torch.randn(1, 5, 7), torch.randn(1, 5, 7))
+    assert "require grad" in unsupported(q, k, cos.requires_grad_(True), cos)
+    assert "shapes" in unsupported(q[0], k, cos, cos)
+
+
+def test_rotary_self_test_compares_both_outputs(monkeypatch):
+    """The self-test checks q's and k's rotation (two outputs): a kernel that gets k wrong is refused."""
+    cpu = InputRule(devices=("cpu",), dtypes=("float32",))
+
+    def wrong_k(q, k, cos, sin):
+        rq, rk = rotary_reference(q, k, cos, sin)
+        return rq, rk * 1.01
+
+    op = OPS["rotary"]
+    selftest.clear_cache()
+    ok = selftest.run(
+        op, Candidate("good", "pip", (), lambda: rotary_reference, inputs=cpu), rotary_reference, "cpu", "float32"
+    )
+    bad = selftest.run(op, Candidate("bad", "pip", (), lambda: wrong_k, inputs=cpu), wrong_k, "cpu", "float32")
+    assert ok.ok and not bad.ok and "differs from the reference" in bad.reason
+    selftest.clear_cache()
