@@ -65,3 +65,35 @@ def test_moe_experts_grouped(dtype):
     gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda") * hidden**-0.5
     down = torch.randn(experts, hidden, inter, device="cuda") * inter**-0.5
     _compare(fn, OPS["moe_experts"].reference, [h, index, weights, gate_up, down], dtype)
+
+
+@DTYPES
+@pytest.mark.parametrize(
+    "batch, hq, hk, tokens, dim, rot",
+    [(1, 24, 4, 1000, 256, 64), (2, 8, 2, 333, 128, 128)],
+    ids=["qwen3_5-27b-partial", "qwen3-full"],
+)
+def test_rotary(dtype, batch, hq, hk, tokens, dim, rot):
+    """q and k as the attention makes them (transposed views), per-token angles with a packed restart."""
+    from conftest import record
+
+    from fusepatch.ops._common import relative_error
+
+    fn = kernel("rotary", "triton", dtype)
+    q = torch.randn(batch, tokens, hq, dim, device="cuda").to(dtype).transpose(1, 2).requires_grad_(True)
+    k = torch.randn(batch, tokens, hk, dim, device="cuda").to(dtype).transpose(1, 2).requires_grad_(True)
+    positions = torch.cat([torch.arange(tokens // 3), torch.arange(tokens - tokens // 3)]).cuda()
+    inv_freq = 1.0 / (1e7 ** (torch.arange(0, rot, 2, device="cuda") / rot))
+    angles = (positions[:, None] * inv_freq[None]).repeat(1, 2)[None].expand(batch, tokens, rot)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    out = fn(q, k, cos, sin)
+    leaves = [x.detach().double().requires_grad_(True) for x in (q, k)]
+    ref = OPS["rotary"].reference(leaves[0], leaves[1], cos.double(), sin.double())
+    cots = [torch.randn_like(r) for r in ref]
+    grads = torch.autograd.grad(out, (q, k), [c.to(dtype) for c in cots])
+    ref_grads = torch.autograd.grad(ref, leaves, cots)
+    errors = {"q": relative_error(out[0], ref[0]), "k": relative_error(out[1], ref[1])}
+    errors |= {"dq": relative_error(grads[0], ref_grads[0]), "dk": relative_error(grads[1], ref_grads[1])}
+    record(f"rotary {dtype} {batch}x{hq}/{hk}x{tokens}x{dim}/{rot}", errors)
+    bad = {name: e for name, e in errors.items() if not e <= TOL[dtype]}
+    assert not bad, errors
