@@ -125,7 +125,7 @@ class PatchReport:
         fixes: list[str] = []
         for _, choice in self.fallbacks():
             fixes += [f for f in choice.fixes() if f not in fixes]
-        for fix in fixes[:4]:
+        for fix in fixes:  # every distinct fix: a dropped one would leave an op on eager with no way out shown
             lines.append(f"  fix: {fix}")
         compiled = sum(c.ready_s for _, c in self.fused_ops if c.compiled)
         if compiled:
