@@ -34,6 +34,16 @@ TRACKED_DISTRIBUTIONS: tuple[str, ...] = (
 OFFLINE_VARIABLES: tuple[str, ...] = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
+def flag_set(*names: str) -> bool:
+    """Whether any of these environment variables is switched on (1/true/yes/on, any case)."""
+    return any(os.environ.get(name, "").lower() in ("1", "true", "yes", "on") for name in names)
+
+
+def offline_mode() -> bool:
+    """Hugging Face offline mode: the Hub is read from the local cache only."""
+    return flag_set(*OFFLINE_VARIABLES)
+
+
 @dataclass(frozen=True)
 class GPU:
     """One visible accelerator."""
@@ -206,7 +216,7 @@ def capture(*, refresh: bool = False, probe: Iterable[str] = ()) -> Environment:
             cuda_available = bool(torch.cuda.is_available())
         except ImportError:
             torch_version, torch_cuda, cuda_available = None, None, False
-        offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in OFFLINE_VARIABLES)
+        offline = offline_mode()
         _CAPTURED = Environment(
             python=platform.python_version(),
             platform=sys.platform,

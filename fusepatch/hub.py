@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fusepatch.env import OFFLINE_VARIABLES, Environment
+from fusepatch.env import Environment, offline_mode
 from fusepatch.ops.base import Candidate
 from fusepatch.requirements import OK, DistributionVersion, Importable, InputRule, Verdict, reject
 
@@ -48,10 +48,6 @@ def locked_commit(repo_id: str, lockfile: Path) -> str | None:
         if dependency.repo_id == repo_id:
             return lock.commit
     return None
-
-
-def offline() -> bool:
-    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in OFFLINE_VARIABLES)
 
 
 class KernelNotCached(RuntimeError):
@@ -135,13 +131,12 @@ class HubKernel:
             if commit is None:
                 raise RuntimeError(f"{self.repo_id} is not pinned in {lockfile}; lock it with `kernels lock`")
             return kernels.load_kernel(self.repo_id, lockfile=lockfile)
-        trust = True if trusted(self.repo_id) else False
         try:
             return kernels.get_kernel(
-                self.repo_id, version=self.version, revision=self.revision, trust_remote_code=trust
+                self.repo_id, version=self.version, revision=self.revision, trust_remote_code=trusted(self.repo_id)
             )
         except Exception as exc:
-            if not offline():
+            if not offline_mode():
                 raise
             pin = f"revision={self.revision!r}" if self.revision else f"version={self.version}"
             raise KernelNotCached(

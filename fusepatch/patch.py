@@ -7,7 +7,6 @@ module tree stay as they were, and ``revert`` restores the previous forward obje
 from __future__ import annotations
 
 import logging
-import os
 import types
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -16,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fusepatch.env import capture
+from fusepatch.env import capture, flag_set
 from fusepatch.ops import OPS
 from fusepatch.registry import Row, known_model_types, rows_for
 from fusepatch.report import LayerReport, PatchReport
@@ -76,7 +75,7 @@ def _fsdp_compute_dtype(model: torch.nn.Module) -> torch.dtype | None:
 
 
 def _disabled() -> bool:
-    return os.environ.get("FUSEPATCH_DISABLE", "").lower() in ("1", "true", "yes", "on")
+    return flag_set("FUSEPATCH_DISABLE")
 
 
 def _matches(model: torch.nn.Module, rows: list[Row]) -> dict[Row, list[torch.nn.Module]]:
