@@ -13,6 +13,7 @@ from fusepatch.ops.base import Op
 from fusepatch.registry import all_rows
 from fusepatch.requirements import Inputs, version_in
 from fusepatch.resolve import evaluate, ordered, preferred_sources, static_verdict
+from fusepatch.selftest import COMPILED_S
 
 logger = logging.getLogger("fusepatch")
 
@@ -188,7 +189,8 @@ def render(report: dict) -> str:
                 if c["ok"]
                 else f": {c['reason']}" + (f"  [fix: {c['fix']}]" if c["fix"] and not c["planned"] else "")
             )
-            took = f" [self-test {c['seconds']:.0f} s]" if c.get("checked") == "self-test" and c["seconds"] >= 5 else ""
+            slow = c.get("checked") == "self-test" and c["seconds"] >= COMPILED_S
+            took = f" [self-test {c['seconds']:.0f} s]" if slow else ""
             lines.append(f"    {status:8s} {c['name']} ({c['source']}){took}{detail}")
     lines += ["", "Families"]
     for model_type, layers in report["families"].items():

@@ -23,7 +23,6 @@ logger = logging.getLogger("fusepatch")
 # Installed packages first: a Hub candidate downloads code at apply time, so it is reached only when no
 # installed kernel passes its checks (or when the user puts "hub" first).
 DEFAULT_PREFER: tuple[str, ...] = ("pip", "hub", "source")
-COMPILED_S = 5.0  # a kernel that needs this long to load and self-test was compiled/autotuned, not cached
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,7 @@ class Choice:
     @property
     def compiled(self) -> bool:
         """Whether getting ready took compile time (rather than coming from the on-disk caches)."""
-        return self.ready_s >= COMPILED_S
+        return self.ready_s >= selftest.COMPILED_S
 
     @property
     def fused(self) -> bool:

@@ -36,7 +36,7 @@ class OpTiming:
     def compiled(self) -> bool:
         """Compiled or autotuned here: a slow self-test, or a first call far slower than the second; a kernel
         that came from the on-disk caches is fast in both."""
-        from fusepatch.resolve import COMPILED_S
+        from fusepatch.selftest import COMPILED_S
 
         return self.ready_s >= COMPILED_S or self.first_s > 10 * self.second_s + 0.5
 

@@ -207,7 +207,6 @@ def test_first_use_compile_time_is_measured_and_reported(monkeypatch):
     report's "[compiled N s]" and a pointer to `fusepatch warmup`; a fast (cached) one shows nothing."""
     import time
 
-    from fusepatch import resolve
     from fusepatch.report import LayerReport, PatchReport
 
     calls = []
@@ -218,7 +217,7 @@ def test_first_use_compile_time_is_measured_and_reported(monkeypatch):
         calls.append(1)
         return torch.nn.functional.silu(gate) * up
 
-    monkeypatch.setattr(resolve, "COMPILED_S", 0.2)
+    monkeypatch.setattr(selftest, "COMPILED_S", 0.2)
     slow = _dispatch(_op_with(monkeypatch, _fake("jit", slow_first_call))).choice("cpu", "float32")
     fast = _dispatch(_op_with(monkeypatch, _fake("cached", lambda g, u: torch.nn.functional.silu(g) * u)))
     fast = fast.choice("cpu", "float32")
