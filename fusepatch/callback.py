@@ -120,9 +120,9 @@ class FusePatchCallback(TrainerCallback):
         if not self.profile or state.global_step + 1 != self.profile_step or self._hook is None:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
+        self._sync()
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-            torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         self._labels = profiling.label_layers(self._model)
         self._labels.__enter__()
@@ -139,8 +139,7 @@ class FusePatchCallback(TrainerCallback):
                 self._report_first_step()
         if self._profiler is None:
             return
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        self._sync()
         wall = time.perf_counter() - self._start
         self._profiler.__exit__(None, None, None)
         self._labels.__exit__(None, None, None)
