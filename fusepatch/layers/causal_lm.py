@@ -39,15 +39,7 @@ def causal_lm_forward(
     # only what the caller gave: newer transformers warn on an explicit past_key_values, even None
     inputs = {name: value for name, value in inputs.items() if value is not None}
     reference = input_ids if input_ids is not None else inputs_embeds
-    fused = (
-        labels is not None
-        and isinstance(logits_to_keep, int)
-        and logits_to_keep == 0
-        and getattr(self.lm_head, "bias", None) is None
-        and reference is not None
-        and dispatch.choice(reference.device.type, dtype_name(self.lm_head.weight.dtype)).fused
-    )
-    if not fused:
+    if reference is None or not _fuses_loss(self, dispatch, labels, logits_to_keep, reference.device.type):
         return state.original(**inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     shift_labels = kwargs.pop("shift_labels", None)
     outputs = self.model(**inputs, **kwargs)
@@ -60,6 +52,18 @@ def causal_lm_forward(
         past_key_values=outputs.past_key_values,
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
+    )
+
+
+def _fuses_loss(self, dispatch, labels, logits_to_keep, device_type: str) -> bool:
+    """Whether this call's loss goes through the fused op: labels given, every position's logits asked for (an
+    int ``logits_to_keep`` of 0), an lm_head without bias, and a fused candidate for the device and dtype."""
+    return (
+        labels is not None
+        and isinstance(logits_to_keep, int)
+        and logits_to_keep == 0
+        and getattr(self.lm_head, "bias", None) is None
+        and dispatch.choice(device_type, dtype_name(self.lm_head.weight.dtype)).fused
     )
 
 
@@ -88,14 +92,7 @@ def conditional_generation_forward(self, *args, labels=None, logits_to_keep=0, *
     return_logits = kwargs.pop("return_logits", False)
     dispatch = state.ops["linear_cross_entropy"]
     weight = self.lm_head.weight
-    fused = (
-        labels is not None
-        and isinstance(logits_to_keep, int)
-        and logits_to_keep == 0
-        and getattr(self.lm_head, "bias", None) is None
-        and dispatch.choice(weight.device.type, dtype_name(weight.dtype)).fused
-    )
-    if not fused:
+    if not _fuses_loss(self, dispatch, labels, logits_to_keep, weight.device.type):
         return state.original(*args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     shift_labels = kwargs.pop("shift_labels", None)
     captured = []
