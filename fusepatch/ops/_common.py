@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from fusepatch.ops.base import Candidate
 from fusepatch.requirements import (
     CudaDevice,
     DistributionVersion,
     Importable,
+    InputRule,
     MinCapability,
     NoKnownIssue,
     NotImplementedYet,
@@ -22,6 +24,19 @@ HUB_FIX = 'pip install "fusepatch[hub]"'
 def package_requirements(distribution: str, spec: str, module: str, fix: str) -> tuple:
     """A CUDA kernel from one installed package: a GPU, the distribution in ``spec``, and ``module`` importing."""
     return (CudaDevice(), DistributionVersion(distribution, spec, fix), Importable(module, distribution, fix))
+
+
+def own_triton_candidate(load, kernel: str, provides: str) -> Candidate:
+    """A kernel of fusepatch's own (``fusepatch/kernels/``): a GPU and Triton, one fixed launch configuration."""
+    return Candidate(
+        name="triton",
+        source="pip",
+        requirements=package_requirements("triton", ">=3.0", "triton", TRITON_FIX),
+        load=load,
+        inputs=InputRule(kernel=kernel),
+        provides=f"{provides} (fixed launch configuration: no autotuning)",
+        distribution="triton",
+    )
 
 
 def fla_requirements(module: str) -> tuple:

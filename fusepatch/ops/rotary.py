@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from fusepatch.ops._common import TRITON_FIX, hub_requirements, package_requirements, rand
+from fusepatch.ops._common import hub_requirements, own_triton_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
-from fusepatch.requirements import InputRule
 
 
 def rotary_reference(q, k, cos, sin):
@@ -90,15 +89,7 @@ ROTARY = Op(
     summary="rotary embedding of q and k, one kernel each, partial rotary and per-token (mrope, packed) angles",
     reference=rotary_reference,
     candidates=(
-        Candidate(
-            name="triton",
-            source="pip",
-            requirements=package_requirements("triton", ">=3.0", "triton", TRITON_FIX),
-            load=_load_triton,
-            inputs=InputRule(kernel="fusepatch's Triton rotary"),
-            provides="fusepatch.kernels.rotary.rotary (fixed launch configuration: no autotuning)",
-            distribution="triton",
-        ),
+        own_triton_candidate(_load_triton, "fusepatch's Triton rotary", "fusepatch.kernels.rotary.rotary"),
         Candidate(
             name="hub:kernels-community/rotary",
             source="hub",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from fusepatch.ops._common import TRITON_FIX, fla_requirements, hub_requirements, package_requirements, rand
+from fusepatch.ops._common import fla_requirements, hub_requirements, own_triton_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import InputRule
 
@@ -39,15 +39,7 @@ SWIGLU = Op(
     summary="SwiGLU activation silu(gate) * up, fwd+bwd fused",
     reference=swiglu_reference,
     candidates=(
-        Candidate(
-            name="triton",
-            source="pip",
-            requirements=package_requirements("triton", ">=3.0", "triton", TRITON_FIX),
-            load=_load_triton,
-            inputs=InputRule(kernel="fusepatch's Triton SwiGLU"),
-            provides="fusepatch.kernels.swiglu.swiglu (fixed launch configuration: no autotuning)",
-            distribution="triton",
-        ),
+        own_triton_candidate(_load_triton, "fusepatch's Triton SwiGLU", "fusepatch.kernels.swiglu.swiglu"),
         Candidate(
             name="fla",
             source="pip",
