@@ -60,37 +60,41 @@ def chunked_on_cpu(monkeypatch):
     selftest.clear_cache()
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
-def test_causal_lm_forward_uses_the_fused_loss(chunked_on_cpu, model_type):
-    reference = tiny_model(model_type)
-    model = tiny_model(model_type)
-    ids = torch.randint(0, 512, (2, 33))
+def _fused_loss_matches_the_unpatched_model(reference, model, *, length: int, ignored: int) -> None:
+    """Patch ``model`` (chunked loss on CPU): the fused loss is chosen for its head; the output (same class, loss
+    first, no logits), every gradient, logits on request, the Trainer's ``num_items_in_batch`` and the
+    no-labels path match the unpatched ``reference``."""
+    ids = torch.randint(0, 512, (2, length))
     labels = ids.clone()
-    labels[:, :5] = -100
+    labels[:, :ignored] = -100
     expected = reference(input_ids=ids, labels=labels)
     expected.loss.backward()
     report = fusepatch.apply(model)
-    head = next(layer for layer in report.layers if layer.layer.endswith("ForCausalLM"))
+    head = next(layer for layer in report.layers if layer.layer == type(model).__name__)
     assert head.choices[0].chosen == "torch-chunked"
     out = model(input_ids=ids, labels=labels)
     out.loss.backward()
-    assert out.logits is None  # never materialised
+    assert type(out) is type(expected) and out.logits is None and out[0] is out.loss  # logits never materialised
     torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
     g_ref, g = grads(reference), grads(model)
+    assert set(g) == set(g_ref)
     for name in g_ref:
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-3, atol=1e-6, msg=name)
     with_logits = model(input_ids=ids, labels=labels, return_logits=True)
     torch.testing.assert_close(with_logits.logits, expected.logits, rtol=1e-4, atol=1e-5)
-    # the Trainer's gradient-accumulation normaliser
-    items = torch.tensor(100)
+    items = torch.tensor(77)  # the Trainer's gradient-accumulation normaliser
     torch.testing.assert_close(
         model(input_ids=ids, labels=labels, num_items_in_batch=items).loss,
         reference(input_ids=ids, labels=labels, num_items_in_batch=items).loss,
         rtol=1e-5,
         atol=1e-6,
     )
-    # no labels: transformers' forward, logits as usual
-    assert model(input_ids=ids).logits.shape == (2, 33, 512)
+    assert model(input_ids=ids).logits.shape == (2, length, 512)  # no labels: the original forward
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_causal_lm_forward_uses_the_fused_loss(chunked_on_cpu, model_type):
+    _fused_loss_matches_the_unpatched_model(tiny_model(model_type), tiny_model(model_type), length=33, ignored=5)
 
 
 def test_causal_lm_forward_falls_back_on_cpu_without_the_override():
@@ -102,14 +106,23 @@ def test_causal_lm_forward_falls_back_on_cpu_without_the_override():
     assert model(input_ids=ids, labels=ids).logits is not None  # the original forward ran
 
 
+def _stand_in_fla(monkeypatch, fused_linear_cross_entropy_loss) -> None:
+    """An importable ``fla.modules.fused_linear_cross_entropy`` whose loss function is the one given."""
+    import sys
+    import types
+
+    module = types.ModuleType("fla.modules.fused_linear_cross_entropy")
+    module.fused_linear_cross_entropy_loss = fused_linear_cross_entropy_loss
+    for name in ("fla", "fla.modules"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.modules.fused_linear_cross_entropy", module)
+
+
 @pytest.mark.parametrize("has_switch", [True, False], ids=["fla>=0.5-signature", "older-signature"])
 def test_fla_adapter_keeps_weight_grad_gemms_in_the_weight_dtype(monkeypatch, has_switch):
     """fla's default fp32 weight-gradient accumulation runs fp32 GEMMs (measured on the H200: 254 ms against
     58.6 ms at the 27B shape); the adapter turns it off for half-precision weights, on for fp32 ones, and
     passes nothing to an fla whose function has no such switch. A stand-in fla records the calls."""
-    import sys
-    import types
-
     calls = []
 
     if has_switch:
@@ -124,11 +137,7 @@ def test_fla_adapter_keeps_weight_grad_gemms_in_the_weight_dtype(monkeypatch, ha
             calls.append(None)
             return lce.linear_cross_entropy_reference(x, weight, target, ignore_index) * (target != -100).sum()
 
-    module = types.ModuleType("fla.modules.fused_linear_cross_entropy")
-    module.fused_linear_cross_entropy_loss = fused_linear_cross_entropy_loss
-    for name in ("fla", "fla.modules"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "fla.modules.fused_linear_cross_entropy", module)
+    _stand_in_fla(monkeypatch, fused_linear_cross_entropy_loss)
     fn = next(c for c in OPS["linear_cross_entropy"].candidates if c.name == "fla").load()
     for dtype in (torch.bfloat16, torch.float32):
         h, w, y = _data(dtype=dtype)
@@ -152,41 +161,12 @@ def _conditional_generation(seed=0):
 def test_conditional_generation_forward_uses_the_fused_loss(chunked_on_cpu):
     """Qwen3.5 checkpoints load as Qwen3_5ForConditionalGeneration: its text loss goes through the fused loss,
     whatever arguments and output class the installed transformers gives that forward."""
-    reference, model = _conditional_generation(), _conditional_generation()
-    ids = torch.randint(0, 512, (2, 29))
-    labels = ids.clone()
-    labels[:, :4] = -100
-    expected = reference(input_ids=ids, labels=labels)
-    expected.loss.backward()
-    report = fusepatch.apply(model)
-    head = next(layer for layer in report.layers if layer.layer == "Qwen3_5ForConditionalGeneration")
-    assert head.choices[0].chosen == "torch-chunked"
-    out = model(input_ids=ids, labels=labels)
-    out.loss.backward()
-    assert type(out) is type(expected) and out.logits is None and out[0] is out.loss
-    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
-    g_ref, g = grads(reference), grads(model)
-    assert set(g) == set(g_ref)
-    for name in g_ref:
-        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-3, atol=1e-6, msg=name)
-    with_logits = model(input_ids=ids, labels=labels, return_logits=True)
-    torch.testing.assert_close(with_logits.logits, expected.logits, rtol=1e-4, atol=1e-5)
-    items = torch.tensor(77)
-    torch.testing.assert_close(
-        model(input_ids=ids, labels=labels, num_items_in_batch=items).loss,
-        reference(input_ids=ids, labels=labels, num_items_in_batch=items).loss,
-        rtol=1e-5,
-        atol=1e-6,
-    )
-    assert model(input_ids=ids).logits.shape == (2, 29, 512)  # no labels: the original forward
+    _fused_loss_matches_the_unpatched_model(_conditional_generation(), _conditional_generation(), length=29, ignored=4)
 
 
 def test_fla_chunk_budget_sets_num_chunks(monkeypatch):
     """FUSEPATCH_CE_LOGITS_MIB bounds one chunk's logits: at the 27B shape (4096 tokens, vocab 248320, bf16),
     1024 MiB gives 2048-token chunks (2 chunks) where fla's default makes 8; unset, fla's default stands."""
-    import sys
-    import types
-
     assert lce.fla_num_chunks(4096, 248320, 2, 1024 * 2**20) == 2
     assert lce.fla_num_chunks(4096, 248320, 2, 256 * 2**20) == 8
     assert lce.fla_num_chunks(4096, 248320, 2, 64 * 2**20) == 32  # 128-token chunks
@@ -198,11 +178,7 @@ def test_fla_chunk_budget_sets_num_chunks(monkeypatch):
         calls.append(num_chunks)
         return lce.linear_cross_entropy_reference(x, weight, target, ignore_index) * (target != -100).sum()
 
-    module = types.ModuleType("fla.modules.fused_linear_cross_entropy")
-    module.fused_linear_cross_entropy_loss = fused_linear_cross_entropy_loss
-    for name in ("fla", "fla.modules"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "fla.modules.fused_linear_cross_entropy", module)
+    _stand_in_fla(monkeypatch, fused_linear_cross_entropy_loss)
     candidate = next(c for c in OPS["linear_cross_entropy"].candidates if c.name == "fla")
     h, w, y = _data(tokens=301, vocab=777)
     candidate.load()(h, w, y)
