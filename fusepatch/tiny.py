@@ -55,3 +55,18 @@ def tiny_model(model_type: str = "qwen3_5_text", *, seed: int = 0, dtype=None, *
     config = tiny_config(model_type, **overrides)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype or torch.float32)
     return model
+
+
+def tiny_image_text_model(model_type: str = "qwen3_5", *, seed: int = 0, **text_overrides: Any):
+    """The image-text wrapper (``Qwen3_5ForConditionalGeneration``: the class Qwen3.5 checkpoints name) around a
+    tiny text stack of ``{model_type}_text`` and a one-block vision tower (eager attention, fp32)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    text = {k: v for k, v in FAMILIES[f"{model_type}_text"].items() if k != "tie_word_embeddings"}
+    text.update(text_overrides)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"])
+    vision.update(patch_size=4, spatial_merge_size=1, temporal_patch_size=1)
+    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, tie_word_embeddings=False)
+    return AutoModelForImageTextToText.from_config(config, attn_implementation="eager")

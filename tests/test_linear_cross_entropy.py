@@ -14,7 +14,7 @@ from fusepatch import selftest
 from fusepatch.ops import OPS
 from fusepatch.ops import linear_cross_entropy as lce
 from fusepatch.requirements import InputRule
-from fusepatch.tiny import tiny_model
+from fusepatch.tiny import tiny_image_text_model, tiny_model
 
 
 def _data(tokens=301, hidden=48, vocab=777, dtype=torch.float64):
@@ -145,23 +145,10 @@ def test_fla_adapter_keeps_weight_grad_gemms_in_the_weight_dtype(monkeypatch, ha
     assert calls == ([False, True] if has_switch else [None, None])
 
 
-def _conditional_generation(seed=0):
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
-    from fusepatch.tiny import FAMILIES
-
-    torch.manual_seed(seed)
-    text = {k: v for k, v in FAMILIES["qwen3_5_text"].items() if k != "tie_word_embeddings"}
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
-    vision |= dict(spatial_merge_size=1, temporal_patch_size=1)
-    config = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision, tie_word_embeddings=False)
-    return AutoModelForImageTextToText.from_config(config, attn_implementation="eager")
-
-
 def test_conditional_generation_forward_uses_the_fused_loss(chunked_on_cpu):
     """Qwen3.5 checkpoints load as Qwen3_5ForConditionalGeneration: its text loss goes through the fused loss,
     whatever arguments and output class the installed transformers gives that forward."""
-    _fused_loss_matches_the_unpatched_model(_conditional_generation(), _conditional_generation(), length=29, ignored=4)
+    _fused_loss_matches_the_unpatched_model(tiny_image_text_model(), tiny_image_text_model(), length=29, ignored=4)
 
 
 def test_fla_chunk_budget_sets_num_chunks(monkeypatch):

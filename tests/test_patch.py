@@ -163,26 +163,9 @@ def test_fusepatch_disable(monkeypatch):
 
 
 def test_conditional_generation_wrapper_text_stack_is_found():
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from fusepatch.tiny import tiny_image_text_model
 
-    from fusepatch.tiny import FAMILIES
-
-    text = {k: v for k, v in FAMILIES["qwen3_5_text"].items() if k != "tie_word_embeddings"}
-    config = AutoConfig.for_model(
-        "qwen3_5",
-        text_config=text,
-        vision_config=dict(
-            depth=1,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=4,
-            spatial_merge_size=1,
-            temporal_patch_size=1,
-        ),
-    )
-    model = AutoModelForImageTextToText.from_config(config)
+    model = tiny_image_text_model()
     report = fusepatch.apply(model)
     assert "qwen3_5" in report.model_types
     assert any(layer.layer == "Qwen3_5GatedDeltaNet" and layer.count == 3 for layer in report.layers)

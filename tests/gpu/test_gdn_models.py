@@ -134,15 +134,9 @@ def test_activation_checkpointing_gives_the_same_gradients_on_gpu():
 def test_conditional_generation_text_loss_on_gpu():
     """Qwen3.5 checkpoints load as Qwen3_5ForConditionalGeneration: the patched image-text model (fused loss, every
     Gated DeltaNet kernel) against the unpatched one, fp32, loss and every parameter gradient."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from fusepatch.tiny import tiny_image_text_model
 
-    text = {**MINI, "vocab_size": 1024, "num_hidden_layers": 4, "tie_word_embeddings": False}
-    text["layer_types"] = ["linear_attention"] * 3 + ["full_attention"]
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=256, patch_size=4)
-    vision |= dict(spatial_merge_size=1, temporal_patch_size=1)
-    config = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    base = AutoModelForImageTextToText.from_config(config, attn_implementation="eager")
+    base = tiny_image_text_model(**MINI, vocab_size=1024)
     reference, model = copy.deepcopy(base).cuda(), copy.deepcopy(base).cuda()
     report = fusepatch.apply(model)
     head = next(layer for layer in report.layers if layer.layer == "Qwen3_5ForConditionalGeneration")
