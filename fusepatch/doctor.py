@@ -11,7 +11,7 @@ from fusepatch.known_issues import KNOWN_ISSUES
 from fusepatch.ops import OPS
 from fusepatch.ops.base import Op
 from fusepatch.registry import all_rows
-from fusepatch.requirements import Inputs, version_in
+from fusepatch.requirements import version_in
 from fusepatch.resolve import evaluate, ordered, preferred_sources, static_verdict
 from fusepatch.selftest import COMPILED_S
 
@@ -67,10 +67,7 @@ def examine_op(
     for candidate in ordered(op, prefer):
         started = time.perf_counter()
         static, env = static_verdict(candidate, env)
-        if static_only:
-            verdict = candidate.inputs.check(Inputs(device, dtype)) if static.ok else static
-        else:
-            verdict, _ = evaluate(op, candidate, static, device, dtype)
+        verdict, _ = evaluate(op, candidate, static, device, dtype, checks_only=static_only)
         seconds = time.perf_counter() - started
         status = "ok" if verdict.ok else ("planned" if verdict.planned else "rejected")
         logger.info("doctor: %s/%s %s (%.1f s)", op.name, candidate.name, status, seconds)

@@ -165,21 +165,23 @@ def evaluate(
     dtype: str,
     packed: bool = False,
     dims: dict[str, int] | None = None,
+    checks_only: bool = False,
 ) -> tuple[Verdict, Callable[..., Any] | None]:
-    """After the static checks: the call's device/dtype, varlen support, loading, then the self-test."""
+    """After the static checks: the call's device/dtype, varlen support, loading, then the self-test
+    (``checks_only``: stop before loading anything)."""
     verdict = static
     if verdict.ok:
         verdict = candidate.inputs.check(Inputs(device, dtype))
     if verdict.ok and packed and not candidate.varlen:
         verdict = Verdict(False, "cannot honour packed-document boundaries (no varlen support)", "")
     fn = None
-    if verdict.ok:
+    if verdict.ok and not checks_only:
         try:
             fn = candidate.load()
         except Exception as exc:  # noqa: BLE001 - a broken install must not break training
             fix = getattr(exc, "fix", "") or candidate_fix(candidate)
             verdict = Verdict(False, f"loading failed: {type(exc).__name__}: {exc}", fix)
-    if verdict.ok:
+    if verdict.ok and not checks_only:
         verdict = selftest.run(op, candidate, fn, device, dtype, packed=packed, dims=dims)
     return verdict, fn
 
