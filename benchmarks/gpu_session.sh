@@ -19,7 +19,9 @@ set -uo pipefail
 phase=${1:?phase}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site-fla /tmp/site-tl
-pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$1" "${@:2}"; }
+# Inside a started sequence everything is installed once by `start`: steps running side by side must not
+# reinstall into the folders the other lane is importing from.
+pipi() { [ "${SEQ_INSTALLED:-0}" = 1 ] && return 0; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$1" "${@:2}"; }
 # One compile cache for every call and process of the session: later calls reuse what earlier ones compiled.
 export FLA_FLASH_QLA=0 PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/cache/triton TILELANG_CACHE_DIR=/tmp/cache/tilelang
 export FUSEPATCH_CACHE=/tmp/cache/fusepatch
@@ -119,30 +121,57 @@ EOF
     # NPROC: processes (= GPUs) for torchrun, "all" for every GPU of the machine (issue 7's multi-GPU run:
     # NPROC=all STEPS=30 LAYERS=<deepest that fits>); the table goes to $OUT/sft-table.md.
     nproc=${NPROC:-1}; [ "$nproc" = all ] && nproc=$(nvidia-smi -L | wc -l)
+    [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && [ "$nproc" -gt 1 ] && nproc=$(echo "$CUDA_VISIBLE_DEVICES" | tr , '\n' | wc -l)
     # BATCH conversations per GPU and step, packed into one row (the shipped 24 hold 1,984 tokens: 48 ~ 4k tokens),
     # the sample repeated so that every rank gets full batches for every step
     batch=${BATCH:-48}; steps=${STEPS:-12}; repeat=$(( (steps * batch * nproc + 23) / 24 ))
     for config in hf-fast fusepatch; do
       flag=$([ "$config" = hf-fast ] && echo --no-fusepatch)
-      timeout ${SFT_TIMEOUT:-420} python3 -m torch.distributed.run --nproc-per-node "$nproc" examples/sft_ultrachat.py --fsdp $flag \
+      timeout ${SFT_TIMEOUT:-420} python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" examples/sft_ultrachat.py --fsdp $flag \
         --config examples/configs/qwen3_5_27b_text.json --layers ${LAYERS:-4} --max-length 4096 --batch-size "$batch" \
-        --repeat "$repeat" --max-steps "$steps" --profile-step ${PROFILE_STEP:-8} --output-dir /tmp/sft-$config > "$OUT/sft-$config.log" 2>&1
-      echo "== $config (exit $?)"; grep -E "conversations|world size|losses|fusepatch metrics|steady state|profile of step|CPU-bound|top kernels" "$OUT/sft-$config.log" | cut -c1-400
+        --repeat "$repeat" --max-steps "$steps" --profile-step ${PROFILE_STEP:-8} --output-dir /tmp/sft-$nproc-$config > "$OUT/sft-${nproc}gpu-$config.log" 2>&1
+      echo "== $config (exit $?)"; grep -E "conversations|world size|losses|fusepatch metrics|steady state|profile of step|CPU-bound|top kernels" "$OUT/sft-${nproc}gpu-$config.log" | cut -c1-400
     done
-    python3 benchmarks/sft_table.py --gpus "$nproc" "$OUT/sft-hf-fast.log" "$OUT/sft-fusepatch.log" | tee "$OUT/sft-table.md" ;;
+    python3 benchmarks/sft_table.py --gpus "$nproc" "$OUT/sft-${nproc}gpu-hf-fast.log" "$OUT/sft-${nproc}gpu-fusepatch.log" | tee "$OUT/sft-table-${nproc}gpu.md" ;;
   start)
     need_tilelang
     pipi /tmp/site-tl .whl-tl2/*.whl; pipi /tmp/site-fla .whl/*.whl; ls .whl-ex/*.whl >/dev/null 2>&1 && pipi /tmp/site-ex .whl-ex/*.whl
     python3 -c "import pyarrow; print('pyarrow', pyarrow.__version__)"
-    rm -rf /tmp/seq && mkdir -p /tmp/seq && cp -r . /tmp/seq/tree  # the working tree is replaced by each call
+    nvidia-smi -L
+    rm -rf /tmp/seq && mkdir -p /tmp/seq/out && cp -r . /tmp/seq/tree  # the working tree is replaced by each call
     steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
-    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|IEEE|LAYERS|STEPS)=" > /tmp/seq/env || true
-    (cd /tmp/seq/tree && setsid nohup bash -c "set -a; . /tmp/seq/env; set +a; for step in $steps; do \
-      s=\$(date +%s); echo \"== \$step started \$(date +%T)\" >> /tmp/seq/progress; \
-      OUT=/tmp/seq/out bash benchmarks/gpu_session.sh \${step%%-*} \$(echo \$step | sed -n 's/^[a-z]*-//p') \
-        > /tmp/seq/\$step.log 2>&1; \
-      echo \"== \$step exit \$? after \$((\$(date +%s) - s)) s\" >> /tmp/seq/progress; done; \
-      echo done >> /tmp/seq/progress" > /dev/null 2>&1 < /dev/null &)
+    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|BATCH)=" > /tmp/seq/env || true
+    # Lanes: "A B / C D + E" runs A then B on GPU 0 beside C then D on GPU 1 (CUDA_VISIBLE_DEVICES), then E on
+    # every GPU once both lanes are done. A step is PHASE[-ARG][@K=V:K=V]: its own environment (sft@NPROC=all:LAYERS=24).
+    cat > /tmp/seq/run.sh <<'RUN'
+set -a; . /tmp/seq/env; set +a; export SEQ_INSTALLED=1
+step() {  # step LANE STEP
+  local name=${2%%@*} extra=${2#*@} s=$(date +%s) log=/tmp/seq/$(echo "$2" | tr -c 'A-Za-z0-9.\n-' _).log
+  [ "$extra" = "$2" ] && extra=
+  echo "== [$1] $2 started $(date +%T)" >> /tmp/seq/progress
+  env ${extra//:/ } OUT=/tmp/seq/out bash benchmarks/gpu_session.sh ${name%%-*} $(echo "$name" | sed -n 's/^[a-z]*-//p') > "$log" 2>&1
+  echo "== [$1] $2 exit $? after $(($(date +%s) - s)) s" >> /tmp/seq/progress
+}
+lanes=() lane=
+for word in $STEPS_ARG "+"; do
+  case "$word" in
+    /|+) lanes+=("$lane"); lane=; [ "$word" = + ] && break ;;
+    *) lane="$lane $word" ;;
+  esac
+done
+after=${STEPS_ARG#*+}; [ "$after" = "$STEPS_ARG" ] && after=
+if [ ${#lanes[@]} -gt 1 ]; then
+  for i in "${!lanes[@]}"; do
+    ( export CUDA_VISIBLE_DEVICES=$i; for w in ${lanes[$i]}; do step "gpu$i" "$w"; done ) &
+  done
+  wait
+else
+  for w in ${lanes[0]}; do step all "$w"; done
+fi
+for w in $after; do step all "$w"; done
+echo done >> /tmp/seq/progress
+RUN
+    (cd /tmp/seq/tree && STEPS_ARG="$steps" setsid nohup bash /tmp/seq/run.sh > /tmp/seq/runner.log 2>&1 < /dev/null &)
     echo "started: $steps" ;;
   poll)
     deadline=$(($(date +%s) + ${2:-560}))
