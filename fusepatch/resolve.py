@@ -244,7 +244,8 @@ class Dispatch:
                 verdict, self._env = static_verdict(candidate, self._env)
                 self._static.append((candidate, verdict))
         self._choices: dict[tuple[str, str, bool], tuple[Choice, Callable[..., Any]]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entry from the same thread is detected and reported, not deadlocked
+        self._resolving: set[tuple[str, str, bool]] = set()
         self.announce = False  # set by apply once its report is logged: later new choices log themselves
 
     def choice(self, device: str, dtype: str, packed: bool = False) -> Choice:
@@ -265,36 +266,48 @@ class Dispatch:
         with self._lock:
             if key in self._choices:
                 return self._choices[key]
-            rejected: list[Rejection] = []
-            if self.disabled_reason is not None:
-                rejected.append(Rejection("*", "-", self.disabled_reason, ""))
-            chosen: tuple[Candidate, Callable[..., Any]] | None = None
-            ready = 0.0
-            for candidate, verdict in self._static:
-                start = time.perf_counter()
-                verdict, fn = evaluate(self.op, candidate, verdict, device, dtype, packed, self.dims)
-                if verdict.ok:
-                    chosen, ready = (candidate, fn), time.perf_counter() - start
-                    break
-                rejected.append(
-                    Rejection(candidate.name, candidate.source, verdict.reason, verdict.fix, verdict.planned)
+            if key in self._resolving:  # a self-test called back into this layer (never a silent deadlock)
+                raise RuntimeError(
+                    f"fusepatch: {self.label}: {self.op.name} was called again while its kernel for {key} was being "
+                    "chosen (a hook around the self-test re-ran the layer); please report this with the traceback"
                 )
-            if chosen is None:
-                eager = self.op.eager
-                chosen = (eager, self.op.reference)
-            candidate, fn = chosen
-            choice = Choice(
-                self.op.name,
-                candidate.name,
-                candidate.source,
-                candidate.provides,
-                tuple(rejected),
-                device,
-                dtype,
-                origin(candidate),
-                ready,
-            )
-            self._choices[key] = (choice, fn)
+            self._resolving.add(key)
+            try:
+                return self._resolve_locked(key)
+            finally:
+                self._resolving.discard(key)
+
+    def _resolve_locked(self, key: tuple[str, str, bool]) -> tuple[Choice, Callable[..., Any]]:
+        """Check, load and self-test the candidates in order for one (device, dtype, packed); log a new choice."""
+        device, dtype, packed = key
+        rejected: list[Rejection] = []
+        if self.disabled_reason is not None:
+            rejected.append(Rejection("*", "-", self.disabled_reason, ""))
+        chosen: tuple[Candidate, Callable[..., Any]] | None = None
+        ready = 0.0
+        for candidate, verdict in self._static:
+            start = time.perf_counter()
+            verdict, fn = evaluate(self.op, candidate, verdict, device, dtype, packed, self.dims)
+            if verdict.ok:
+                chosen, ready = (candidate, fn), time.perf_counter() - start
+                break
+            rejected.append(Rejection(candidate.name, candidate.source, verdict.reason, verdict.fix, verdict.planned))
+        if chosen is None:
+            eager = self.op.eager
+            chosen = (eager, self.op.reference)
+        candidate, fn = chosen
+        choice = Choice(
+            self.op.name,
+            candidate.name,
+            candidate.source,
+            candidate.provides,
+            tuple(rejected),
+            device,
+            dtype,
+            origin(candidate),
+            ready,
+        )
+        self._choices[key] = (choice, fn)
         if self.announce:
             where = f"{device}/{dtype}{' packed' if packed else ''}"
             if choice.fused:

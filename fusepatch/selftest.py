@@ -26,6 +26,11 @@ _RESULTS: dict[tuple, Verdict] = {}
 COMPILED_S = 5.0  # a kernel that needs this long to load and self-test was compiled/autotuned, not cached
 
 
+def _keep(tensor: torch.Tensor) -> torch.Tensor:
+    """Saved-tensor hook that saves the tensor itself (shadows any checkpointing/offloading hooks around)."""
+    return tensor
+
+
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
@@ -139,8 +144,11 @@ def run(
     seed = zlib.crc32(repr(key).encode())
     try:
         # The first packed batch may arrive under no_grad or inference_mode (evaluation, generation): the
-        # self-test checks gradients all the same, on tensors of its own.
-        with torch.inference_mode(False), torch.enable_grad():
+        # self-test checks gradients all the same, on tensors of its own. It may also arrive inside an
+        # activation-checkpointed forward (non-reentrant checkpoint, FSDP's checkpoint_wrapper): the self-test's
+        # own graph must keep its saved tensors, else its backward would ask the checkpoint to recompute the
+        # layer, from inside that layer's forward (which deadlocked on the dispatcher's lock: H200, FSDP2 + AC).
+        with torch.inference_mode(False), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
             verdict, errors = compare(op, fn, device, dtype, packed=packed, dims=dims, seed=seed)
     except Exception as exc:  # noqa: BLE001 - any failure of a kernel is a reason to refuse it
         first = (str(exc).strip().splitlines() or [""])[0]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+
 import pytest
 import torch
 
@@ -123,6 +126,51 @@ def test_packed_batch_under_activation_checkpointing(model_type):
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     (loss_a, grads_a), (loss_b, grads_b) = results
     torch.testing.assert_close(loss_b, loss_a)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_first_packed_self_test_inside_a_checkpointed_forward(monkeypatch):
+    """A packed-call self-test runs at the first packed batch, i.e. inside the checkpointed layer's forward. Its
+    own backward must not make the checkpoint recompute the layer from inside that forward (on the H200 this
+    deadlocked the first FSDP2 + activation-checkpointing step). A CPU stand-in candidate makes the self-test run
+    here; the step runs in a thread so that a deadlock fails the test instead of hanging the suite."""
+    from fusepatch import selftest
+    from fusepatch.ops import OPS
+    from fusepatch.ops.base import Candidate
+    from fusepatch.requirements import InputRule
+
+    op = OPS["causal_conv1d"]
+    standin = Candidate(
+        name="cpu-standin", source="pip", requirements=(), load=lambda: op.reference, inputs=InputRule(devices=("cpu",))
+    )
+    monkeypatch.setitem(OPS, "causal_conv1d", dataclasses.replace(op, candidates=(standin,)))
+    selftest.clear_cache()
+    plain, checkpointed = tiny_model("qwen3_5_text"), tiny_model("qwen3_5_text")
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, ids, position_ids = _packed_batch(plain.config.vocab_size)
+    results: dict = {}
+
+    def step(model, name):
+        report = fusepatch.apply(model.train())
+        loss = model(input_ids=ids, labels=ids, position_ids=position_ids, use_cache=False).loss
+        loss.backward()
+        results[name] = (report, loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+
+    for model, name in ((checkpointed, "checkpointed"), (plain, "plain")):
+        selftest.clear_cache()  # each model's first packed call self-tests inside its forward
+        worker = threading.Thread(target=step, args=(model, name), daemon=True)
+        worker.start()
+        worker.join(timeout=120)
+        assert not worker.is_alive(), f"{name}: the first packed step did not finish (deadlock in the self-test?)"
+        assert name in results, f"{name}: the step raised (see the thread's traceback above)"
+    conv = next(layer for layer in results["checkpointed"][0].layers if layer.layer == "Qwen3_5GatedDeltaNet")
+    dispatch = checkpointed.model.layers[0].linear_attn._fusepatch.ops["causal_conv1d"]
+    assert {(c.dtype, c.chosen) for c in dispatch.seen()} >= {("float32", "cpu-standin")}, conv
+    _, loss_a, grads_a = results["plain"]
+    _, loss_b, grads_b = results["checkpointed"]
+    torch.testing.assert_close(loss_b, loss_a)
+    assert grads_a.keys() == grads_b.keys()
     for name in grads_a:
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7, msg=name)
 

@@ -132,12 +132,14 @@ def test_activation_checkpointing_gives_the_same_gradients_on_gpu():
 
 
 def test_conditional_generation_text_loss_on_gpu():
-    """Qwen3.5 checkpoints load as Qwen3_5ForConditionalGeneration: the patched image-text model (fused loss, every
-    Gated DeltaNet kernel) against the unpatched one, fp32, loss and every parameter gradient."""
+    """Qwen3.5 checkpoints load as Qwen3_5ForConditionalGeneration: the patched image-text model (fused loss and
+    every kernel that takes fp32) against its eager self, fp32, loss and every parameter gradient. The reference
+    is fusepatch's eager forward, not transformers' own: with a causal-conv1d build that lacks fp32 (the H200's
+    bf16-only wheel) transformers' fast path raises "not implemented for type 'Float'" (measured there)."""
     from fusepatch.tiny import tiny_image_text_model
 
     base = tiny_image_text_model(**MINI, vocab_size=1024)
-    reference, model = copy.deepcopy(base).cuda(), copy.deepcopy(base).cuda()
+    reference, model = eager(copy.deepcopy(base).cuda()), copy.deepcopy(base).cuda()
     report = fusepatch.apply(model)
     head = next(layer for layer in report.layers if layer.layer == "Qwen3_5ForConditionalGeneration")
     require(type("V", (), {"ok": head.choices[0].fused, "reason": head.choices[0].reason_text()})(), "fused loss")
