@@ -35,8 +35,12 @@ def implementations(fla_budgets: list[int] = ()) -> dict:
         found["fla, fp32 weight-grad accumulation (fla's default)"] = lambda h, w, y: fused_linear_cross_entropy_loss(
             h, y, w, reduction="mean"
         )
+        found["fla, GEMMs in bf16, fla's 8 chunks"] = lambda h, w, y: fused_linear_cross_entropy_loss(
+            h, y, w, reduction="mean", accumulate_grad_in_fp32=False
+        )
         candidate = next(c for c in LINEAR_CROSS_ENTROPY.candidates if c.name == "fla")
-        found["fusepatch fla (GEMMs in bf16)"] = candidate.load()
+        os.environ.pop("FUSEPATCH_CE_LOGITS_MIB", None)
+        found["fusepatch fla (default: GEMMs in bf16, chunk logits <= 1024 MiB)"] = candidate.load()
         for mib in fla_budgets:  # FUSEPATCH_CE_LOGITS_MIB: fewer, larger chunks
             os.environ["FUSEPATCH_CE_LOGITS_MIB"] = str(mib)
             found[f"fusepatch fla, chunk logits <= {mib} MiB"] = candidate.load()

@@ -153,7 +153,7 @@ def test_conditional_generation_forward_uses_the_fused_loss(chunked_on_cpu):
 
 def test_fla_chunk_budget_sets_num_chunks(monkeypatch):
     """FUSEPATCH_CE_LOGITS_MIB bounds one chunk's logits: at the 27B shape (4096 tokens, vocab 248320, bf16),
-    1024 MiB gives 2048-token chunks (2 chunks) where fla's default makes 8; unset, fla's default stands."""
+    1024 MiB (the default) gives 2048-token chunks (2 chunks) where fla's own default makes 8."""
     assert lce.fla_num_chunks(4096, 248320, 2, 1024 * 2**20) == 2
     assert lce.fla_num_chunks(4096, 248320, 2, 256 * 2**20) == 8
     assert lce.fla_num_chunks(4096, 248320, 2, 64 * 2**20) == 32  # 128-token chunks
@@ -168,10 +168,11 @@ def test_fla_chunk_budget_sets_num_chunks(monkeypatch):
     _stand_in_fla(monkeypatch, fused_linear_cross_entropy_loss)
     candidate = next(c for c in OPS["linear_cross_entropy"].candidates if c.name == "fla")
     h, w, y = _data(tokens=301, vocab=777)
-    candidate.load()(h, w, y)
+    monkeypatch.delenv("FUSEPATCH_CE_LOGITS_MIB", raising=False)
+    candidate.load()(h, w, y)  # default 1024 MiB: all 301 tokens in one chunk
     monkeypatch.setenv("FUSEPATCH_CE_LOGITS_MIB", "1")  # 1 MiB / (777 x 8 bytes) -> 128-token chunks -> 3 chunks
     candidate.load()(h, w, y)
-    assert calls == [8, 3]
+    assert calls == [1, 3]
     monkeypatch.setenv("FUSEPATCH_CE_LOGITS_MIB", "lots")
     with pytest.raises(ValueError, match="whole number of MiB"):
         candidate.load()

@@ -90,15 +90,20 @@ def linear_cross_entropy_chunked(hidden, weight, labels, ignore_index: int = -10
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, denominator, chunk)
 
 
-def fla_chunk_budget() -> int | None:
-    """``FUSEPATCH_CE_LOGITS_MIB``: the most memory one chunk's logits may take in fla's fused loss. fla splits
-    the tokens into 8 chunks by default (512 tokens at seq 4096): each chunk re-reads and re-writes the whole
-    lm_head weight gradient (2.5 GB at Qwen3.5's 248k x 5120 in bf16) and runs GEMMs with a 512-long inner
-    dimension. Fewer, larger chunks trade logits memory for both; ``benchmarks/loss_bench.py --fla-budgets``
-    measures the trade. Unset: fla's default."""
+DEFAULT_LOGITS_MIB = 1024
+
+
+def fla_chunk_budget() -> int:
+    """``FUSEPATCH_CE_LOGITS_MIB`` (default 1024): the most memory one chunk's logits may take in fla's fused
+    loss. fla splits the tokens into 8 chunks whatever their number (512 tokens at seq 4096): each chunk
+    re-reads and re-writes the whole lm_head weight gradient (2.5 GB at Qwen3.5's 248k x 5120 in bf16) and runs
+    GEMMs with a 512-long inner dimension. Fewer, larger chunks trade logits memory for both: measured on the
+    H200 at the 27B shape (benchmarks/RESULTS.md, loss_bench.py --fla-budgets), fwd+bwd 60.2 ms with fla's 8
+    chunks, 55.0 / 53.7 / 53.0 ms at 512 / 1024 / 2048 MiB, the same peak memory. At long rows a budget also
+    bounds the logits where fla's fixed 8 chunks would grow with the row."""
     value = os.environ.get("FUSEPATCH_CE_LOGITS_MIB", "").strip()
     if not value:
-        return None
+        return DEFAULT_LOGITS_MIB * 2**20
     try:
         mib = int(value)
     except ValueError as exc:
@@ -132,7 +137,7 @@ def _load_fla():
 
     def linear_cross_entropy_fla(hidden, weight, labels, ignore_index: int = -100, num_items_in_batch=None):
         kwargs = {"accumulate_grad_in_fp32": weight.dtype == torch.float32} if has_switch else {}
-        if budget is not None and "num_chunks" in parameters:
+        if "num_chunks" in parameters:
             kwargs["num_chunks"] = fla_num_chunks(hidden.shape[0], weight.shape[0], hidden.element_size(), budget)
         total = fused_linear_cross_entropy_loss(
             hidden, labels, weight, ignore_index=ignore_index, reduction="sum", **kwargs
