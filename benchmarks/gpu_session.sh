@@ -117,7 +117,9 @@ EOF
     # a call that installed .whl into /tmp/site-fla)
     ls .whl-pa/*.whl >/dev/null 2>&1 && pipi /tmp/site-ex .whl-pa/*.whl
     python3 -c "import sys; sys.path[:0] = ['/tmp/site-ex']; import datasets, pyarrow; print('datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)"
-    export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl:/tmp/site-ex" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    # OMP_NUM_THREADS: torchrun sets 1 otherwise (the session-4 runs built 27B-shaped layers on the CPU with one
+    # thread and spent their whole limit there; the example now draws random weights on the GPU)
+    export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl:/tmp/site-ex" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 OMP_NUM_THREADS=8
     # NPROC: processes (= GPUs) for torchrun, "all" for every GPU of the machine (issue 7's multi-GPU run:
     # NPROC=all STEPS=30 LAYERS=<deepest that fits>); the table goes to $OUT/sft-table.md.
     nproc=${NPROC:-1}; [ "$nproc" = all ] && nproc=$(nvidia-smi -L | wc -l)

@@ -14,6 +14,7 @@ conversation); fusepatch keeps every conversation separate in the linear-attenti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -101,6 +102,9 @@ def build_model(args, tokenizer):
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    # Random weights are drawn on this process's GPU: at 27B layer shapes a CPU init takes minutes (torchrun
+    # sets OMP_NUM_THREADS=1), on the GPU seconds. FSDP2 then shards the model in place.
+    on_gpu = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() else None
     if args.model:
         return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     if args.config:  # real layer shapes, random weights (a config file: no Hub)
@@ -115,14 +119,16 @@ def build_model(args, tokenizer):
         config = AutoConfig.for_model(values.pop("model_type"), **values)
         config.pad_token_id = tokenizer.pad_token_id
         torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        with on_gpu or contextlib.nullcontext():
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
     from fusepatch.tiny import tiny_config
 
     config = tiny_config(
         "qwen3_5_text", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, use_cache=False
     )
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with on_gpu or contextlib.nullcontext():
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def fsdp_arguments(model, checkpointing: bool) -> dict:
