@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import fusepatch
-from fusepatch.layers.packing import PackedSequenceError, cu_seqlens_from_position_ids
+from fusepatch.layers import packing
+from fusepatch.layers.packing import PackedSequenceError, attention_crosses_documents, cu_seqlens_from_position_ids
 from fusepatch.tiny import tiny_model
 
 LENGTHS = [23, 1, 40, 17]
@@ -92,6 +93,59 @@ def test_packed_batch_whose_attention_would_leak_is_refused(attention_mask):
     kwargs = {"attention_mask": torch.ones_like(ids), "use_cache": False} if attention_mask else {}
     with pytest.raises(PackedSequenceError, match="use_cache=False and no attention_mask"):
         model(input_ids=ids, position_ids=position_ids, **kwargs)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_boundaries_are_found_once_per_forward(monkeypatch, packed):
+    """Finding the boundaries and probing the mask wait for the GPU: once per forward, not once per layer (the
+    2B benchmark's 24 layers made 24 such waits a forward)."""
+    calls = {"boundaries": 0, "mask": 0}
+    real_boundaries, real_mask = packing.cu_seqlens_from_position_ids, packing._mask_crosses
+
+    def counted_boundaries(*args):
+        calls["boundaries"] += 1
+        return real_boundaries(*args)
+
+    def counted_mask(*args):
+        calls["mask"] += 1
+        return real_mask(*args)
+
+    monkeypatch.setattr(packing, "cu_seqlens_from_position_ids", counted_boundaries)
+    monkeypatch.setattr(packing, "_mask_crosses", counted_mask)
+    model = tiny_model("qwen3_5_text", num_hidden_layers=8, layer_types=["linear_attention", "full_attention"] * 4)
+    fusepatch.apply(model)
+    _, ids, position_ids = _packed_batch(model.config.vocab_size)
+    if not packed:
+        position_ids = torch.arange(ids.shape[1])[None]
+    for step in range(2):  # a new batch: a new tensor, found again
+        model(input_ids=ids, position_ids=position_ids.clone(), use_cache=False)
+        assert calls["boundaries"] == step + 1, calls
+        assert calls["mask"] == (step + 1 if packed else 0), calls
+    position_ids = position_ids.clone()
+    model(input_ids=ids, position_ids=position_ids, use_cache=False)
+    position_ids.add_(0)  # changed in place (version counter): found again
+    model(input_ids=ids, position_ids=position_ids, use_cache=False)
+    assert calls["boundaries"] == 4, calls
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_mask_probe_matches_a_boundary_by_boundary_check(batch, kind):
+    """The mask is probed at every boundary at once: the same verdict as looking at each boundary alone."""
+    generator = torch.Generator().manual_seed(batch)
+    length = 12
+    for _ in range(20):
+        allowed = torch.rand(batch, 1, length, length, generator=generator) < 0.15
+        mask = allowed if kind == "bool" else torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+        cuts = sorted(set(torch.randint(1, batch * length, (4,), generator=generator).tolist()))
+        cu = torch.tensor([0, *cuts, batch * length], dtype=torch.int32)
+        expected = False
+        for start in cuts:
+            if start // length == (start - 1) // length and bool(
+                allowed[start // length if batch > 1 else 0, 0, start % length, (start - 1) % length]
+            ):
+                expected = True
+        assert attention_crosses_documents(mask, cu, "sdpa") == expected
 
 
 def test_training_forward_with_a_cache_runs_the_patched_path():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 
 
@@ -28,6 +31,34 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor | None) -> torch.Ten
     return torch.cat([flat, total]).to(torch.int32)
 
 
+_memo = threading.local()
+
+
+def _once_per_call(slot: str, tensors: tuple[torch.Tensor, ...], compute):
+    """``compute()``, remembered for the last ``tensors`` seen in ``slot`` (same objects, not changed in place
+    since). Every decoder layer of one forward gets the same ``position_ids`` and mask tensors, and the checks
+    below wait for the GPU; once per layer, those waits kept the GPU idle while the CPU refilled its queue after
+    each (24 times a forward in a 24-layer model), once per forward they cost one. The same ``cu_seqlens``
+    object for every layer also lets fla reuse the chunk indices it caches per tensor."""
+    if any(t.is_inference() for t in tensors):  # inference tensors keep no version counter
+        return compute()
+    versions = tuple(t._version for t in tensors)
+    last = getattr(_memo, slot, None)
+    if last is not None and len(last[0]) == len(tensors) and last[1] == versions:
+        if all(ref() is t for ref, t in zip(last[0], tensors)):
+            return last[2]
+    result = compute()
+    setattr(_memo, slot, (tuple(weakref.ref(t) for t in tensors), versions, result))
+    return result
+
+
+def boundaries_for_call(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """``cu_seqlens_from_position_ids``, computed once per ``position_ids`` tensor (see ``_once_per_call``)."""
+    if position_ids is None:
+        return None
+    return _once_per_call("boundaries", (position_ids,), lambda: cu_seqlens_from_position_ids(position_ids))
+
+
 class PackedSequenceError(ValueError):
     """A packed batch would let attention cross a document boundary."""
 
@@ -36,21 +67,28 @@ def attention_crosses_documents(attention_mask, cu_seqlens: torch.Tensor, implem
     """Whether full attention under ``attention_mask`` lets a document's first token see the previous document.
 
     Flash-attention implementations take the boundaries from ``position_ids`` themselves; a 4D mask is
-    probed at each boundary; no mask at all means plain causal attention over the whole row.
+    probed at every boundary at once (one wait for the GPU, once per forward); no mask at all means plain
+    causal attention over the whole row.
     """
     if "flash" in implementation:
         return False
     if attention_mask is None or not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 4:
         return True
+    return _once_per_call("crosses", (attention_mask, cu_seqlens), lambda: _mask_crosses(attention_mask, cu_seqlens))
+
+
+def _mask_crosses(attention_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
+    starts = cu_seqlens[1:-1].to(device=attention_mask.device, dtype=torch.long)
+    if starts.numel() == 0:
+        return False
     row_length = attention_mask.shape[-2]
-    for start in cu_seqlens[1:-1].tolist():
-        row, col = start % row_length, (start - 1) % row_length
-        if start // row_length != (start - 1) // row_length:
-            continue  # the boundary is a row start: nothing to cross
-        allowed = attention_mask[start // row_length if attention_mask.shape[0] > 1 else 0, 0, row, col]
-        if bool(allowed) if attention_mask.dtype == torch.bool else bool(allowed == 0):
-            return True
-    return False
+    row = starts // row_length
+    same_row = row == (starts - 1) // row_length  # a boundary at a row start has nothing to cross
+    batch = row if attention_mask.shape[0] > 1 else torch.zeros_like(row)
+    allowed = attention_mask[batch, 0, starts % row_length, (starts - 1) % row_length]
+    if attention_mask.dtype != torch.bool:
+        allowed = allowed == 0  # additive mask: 0 lets the query see the key
+    return bool((allowed & same_row).any())
 
 
 def decoder_layer_forward(self, *args, **kwargs):
@@ -62,7 +100,7 @@ def decoder_layer_forward(self, *args, **kwargs):
     cu = kwargs.get("cu_seq_lens_q")
     derived = cu is None
     if derived:
-        cu = cu_seqlens_from_position_ids(kwargs.get("position_ids"))
+        cu = boundaries_for_call(kwargs.get("position_ids"))
     if cu is None:
         return state.original(*args, **kwargs)
     if getattr(self, "self_attn", None) is not None:
