@@ -15,7 +15,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
     prefer = tuple(args.prefer.split(",")) if args.prefer else None
     try:
-        report = diagnose(model_types=args.model_type or None, prefer=prefer, static_only=args.static)
+        report = diagnose(model_types=args.model_type or None, prefer=prefer, static_only=args.static, every=args.all)
     except ValueError as exc:
         print(f"fusepatch doctor: {exc}", file=sys.stderr)
         return 2
@@ -149,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         "--static",
         action="store_true",
         help="version, device and dtype checks only: no kernel is loaded or self-tested (seconds, not minutes)",
+    )
+    doctor.add_argument(
+        "--all",
+        action="store_true",
+        help="self-test every candidate, not only up to the one apply would choose (backups compile too: slower)",
     )
     doctor.set_defaults(func=_doctor)
 

@@ -57,19 +57,32 @@ def _target(env: Environment) -> tuple[str, str]:
 
 
 def examine_op(
-    op: Op, env: Environment, device: str, dtype: str, prefer: tuple[str, ...], static_only: bool = False
+    op: Op,
+    env: Environment,
+    device: str,
+    dtype: str,
+    prefer: tuple[str, ...],
+    static_only: bool = False,
+    every: bool = False,
 ) -> dict:
     """Every candidate's verdict for ``device``/``dtype``: self-tests run where the checks pass (a first run
     compiles and autotunes, minutes on a fresh GPU machine, so each is logged as it finishes), or, with
-    ``static_only``, the version/device/dtype checks alone, without loading anything."""
+    ``static_only``, the version/device/dtype checks alone, without loading anything.
+
+    Self-tests stop at the candidate ``apply`` would choose (the first that passes); the ones after it get the
+    checks only, unless ``every``: on the H200 a cold doctor spent minutes autotuning backup kernels (fla's
+    SwiGLU after fusepatch's) that no model would run."""
     candidates = []
     chosen = None
     for candidate in ordered(op, prefer):
         started = time.perf_counter()
         static, env = static_verdict(candidate, env)
-        verdict, _ = evaluate(op, candidate, static, device, dtype, checks_only=static_only)
+        checks_only = static_only or (chosen is not None and not every)
+        verdict, _ = evaluate(op, candidate, static, device, dtype, checks_only=checks_only)
         seconds = time.perf_counter() - started
         status = "ok" if verdict.ok else ("planned" if verdict.planned else "rejected")
+        if verdict.ok and checks_only and not static_only:
+            status = "passes the checks (not self-tested: an earlier candidate is chosen)"
         logger.info("doctor: %s/%s %s (%.1f s)", op.name, candidate.name, status, seconds)
         candidates.append(
             {
@@ -80,7 +93,7 @@ def examine_op(
                 "planned": verdict.planned,
                 "reason": verdict.reason,
                 "fix": verdict.fix,
-                "checked": "static" if static_only else ("self-test" if static.ok else "static"),
+                "checked": "static" if checks_only or not static.ok else "self-test",
                 "seconds": round(seconds, 2),
             }
         )
@@ -103,7 +116,11 @@ def examine_op(
 
 
 def diagnose(
-    *, model_types: list[str] | None = None, prefer: tuple[str, ...] | None = None, static_only: bool = False
+    *,
+    model_types: list[str] | None = None,
+    prefer: tuple[str, ...] | None = None,
+    static_only: bool = False,
+    every: bool = False,
 ) -> dict:
     """The doctor report as a JSON-serialisable dict."""
     env = capture()
@@ -114,7 +131,7 @@ def diagnose(
         known = sorted({t for r in all_rows() for t in r.model_types})
         raise ValueError(f"no fusepatch rows for model_type {model_types}; known: {', '.join(known)}")
     op_names = [name for name in OPS if any(name in (*r.ops, *r.planned) for r in rows)]
-    ops = {name: examine_op(OPS[name], env, device, dtype, prefer, static_only) for name in op_names}
+    ops = {name: examine_op(OPS[name], env, device, dtype, prefer, static_only, every) for name in op_names}
     families: dict[str, dict] = {}
     fallbacks: list[str] = []
     fixes: list[str] = []
@@ -142,6 +159,7 @@ def diagnose(
         "fusepatch": __version__,
         "target": {"device": device, "dtype": dtype},
         "self_tests": not static_only,
+        "self_tested": "none" if static_only else ("every candidate" if every else "up to the one chosen"),
         "environment": probed.to_dict(),
         "known_issues": [dict(issue.to_dict(), affects_this_machine=issue in matching) for issue in KNOWN_ISSUES],
         "ops": ops,
@@ -186,6 +204,11 @@ def render(report: dict) -> str:
                 if c["ok"]
                 else f": {c['reason']}" + (f"  [fix: {c['fix']}]" if c["fix"] and not c["planned"] else "")
             )
+            if c["ok"] and c.get("checked") == "static" and report.get("self_tests", True):
+                status, detail = (
+                    "checks",
+                    ": passes the checks; not self-tested (a candidate before it is chosen; --all)",
+                )
             slow = c.get("checked") == "self-test" and c["seconds"] >= COMPILED_S
             took = f" [self-test {c['seconds']:.0f} s]" if slow else ""
             lines.append(f"    {status:8s} {c['name']} ({c['source']}){took}{detail}")

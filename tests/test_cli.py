@@ -113,6 +113,63 @@ def test_doctor_logs_each_candidate_and_static_loads_nothing(caplog):
     assert refused["chosen"] == "eager" and "bfloat16 inputs" in refused["candidates"][0]["reason"]
 
 
+def test_doctor_self_tests_up_to_the_chosen_candidate():
+    """A backup candidate after the chosen one gets the checks only (a cold GPU doctor spent minutes autotuning
+    kernels no model would run); ``every`` self-tests it too."""
+    import dataclasses
+
+    import torch
+    from helpers import cpu_env
+
+    from fusepatch import selftest
+    from fusepatch.doctor import examine_op, render
+    from fusepatch.ops.base import Candidate
+    from fusepatch.requirements import InputRule
+
+    loads = []
+
+    def load(name):
+        def loader():
+            loads.append(name)
+            return lambda gate, up: torch.nn.functional.silu(gate) * up
+
+        return loader
+
+    cpu = InputRule(devices=("cpu",), dtypes=("float32",))
+    first, backup = (Candidate(n, "pip", (), load(n), inputs=cpu) for n in ("first", "backup"))
+    op = dataclasses.replace(OPS["swiglu"], candidates=(first, backup))
+    selftest.clear_cache()
+    quick = examine_op(op, cpu_env(), "cpu", "float32", ("pip",))
+    assert quick["chosen"] == "first" and loads == ["first"]
+    assert [c["checked"] for c in quick["candidates"][:2]] == ["self-test", "static"]
+    text = render(
+        {
+            "environment": {
+                "gpus": [],
+                "python": "3",
+                "torch": "2",
+                "torch_cuda": None,
+                "triton": None,
+                "transformers": None,
+                "distributions": {},
+            },
+            "fusepatch": "x",
+            "target": {"device": "cpu", "dtype": "float32"},
+            "self_tests": True,
+            "known_issues": [],
+            "ops": {"swiglu": quick},
+            "families": {},
+            "fallbacks": [],
+            "fixes": [],
+            "recommended": [],
+        }
+    )
+    assert "checks   backup (pip): passes the checks; not self-tested" in text, text
+    full = examine_op(op, cpu_env(), "cpu", "float32", ("pip",), every=True)
+    assert loads.count("backup") == 1, loads
+    assert [c["checked"] for c in full["candidates"][:2]] == ["self-test", "self-test"]
+
+
 def test_doctor_static_says_so():
     text = _run("doctor", "--static", "--model-type", "qwen3").stdout
     assert "--static: checks only" in text
