@@ -7,6 +7,7 @@ W&B see the metrics too).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -22,6 +23,34 @@ logger = logging.getLogger("fusepatch")
 
 def _patched(model: torch.nn.Module) -> bool:
     return any("_fusepatch" in m.__dict__ for m in model.modules())
+
+
+def _mixed_precision(args) -> torch.dtype | None:
+    """The dtype the Trainer's mixed precision computes in (``bf16=True`` / ``fp16=True``: autocast)."""
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return None
+
+
+def _keep_autocast(model: torch.nn.Module, dtype: torch.dtype | None) -> bool:
+    """The Trainer's accelerate wraps ``model.forward`` in autocast when training starts, before this callback
+    runs; patching the model's head then replaced that wrapper, and the whole model ran in its weights' dtype
+    (fp32 weights: fp32 instead of bf16, seen on CPU with a fused stand-in loss). Put autocast back around the
+    patched forward. Returns whether it did."""
+    if dtype is None or "_original_forward" not in model.__dict__ or "_fusepatch" not in model.__dict__:
+        return False
+    patched = model.forward
+    device = next((p.device.type for p in model.parameters()), "cpu")
+
+    @functools.wraps(patched)
+    def forward(*args, **kwargs):
+        with torch.autocast(device, dtype=dtype):
+            return patched(*args, **kwargs)
+
+    model.forward = forward
+    return True
 
 
 class FusePatchCallback(TrainerCallback):
@@ -79,10 +108,17 @@ class FusePatchCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             return
+        # Mixed precision (autocast) over fp32 weights: kernels are chosen and self-tested for the dtype the
+        # layers compute in, not for the weights' storage dtype.
+        amp = _mixed_precision(args)
+        weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        compute = amp if amp is not None and weights == torch.float32 else None
         if self.apply_patches and not _patched(model):
-            self.report = apply(model, **self.apply_kwargs)
+            self.report = apply(model, **{"compute_dtype": compute, **self.apply_kwargs})
+            if _keep_autocast(model, amp):
+                logger.info("fusepatch: kept the Trainer's %s autocast around the patched forward", amp)
         else:
-            self.report = report(model)
+            self.report = report(model, self.apply_kwargs.get("compute_dtype", compute))
         logger.info("%s", self.report)
         self._pending.update(
             {"fusepatch/fused_ops": len(self.report.fused_ops), "fusepatch/fallbacks": len(self.report.fallbacks())}

@@ -50,12 +50,15 @@ def _model_types(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _device_and_dtype(model: torch.nn.Module) -> tuple[str, str]:
-    """Where and in which dtype the layers compute: the parameters', unless FSDP2 casts them for compute."""
+def _device_and_dtype(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> tuple[str, str]:
+    """Where and in which dtype the layers compute: ``compute_dtype`` if given (mixed precision: the Trainer's
+    ``bf16=True`` on fp32 weights), else FSDP2's compute dtype, else an active autocast's, else the parameters'."""
     for parameter in model.parameters():
         if parameter.is_floating_point():
-            compute = _fsdp_compute_dtype(model) or parameter.dtype
-            return parameter.device.type, dtype_name(compute)
+            device = parameter.device.type
+            autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+            compute = compute_dtype or _fsdp_compute_dtype(model) or autocast or parameter.dtype
+            return device, dtype_name(compute)
     return "cpu", "float32"
 
 
@@ -95,8 +98,9 @@ def _build_report(
     message: str = "",
     newly: int = 0,
     already: int = 0,
+    compute_dtype: torch.dtype | None = None,
 ) -> PatchReport:
-    device, dtype = _device_and_dtype(model)
+    device, dtype = _device_and_dtype(model, compute_dtype)
     env = capture()
     return PatchReport(
         model=type(model).__name__,
@@ -123,6 +127,7 @@ def apply(
     exclude: Iterable[str] = (),
     prefer: Iterable[str] | None = None,
     strict: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> PatchReport:
     """Patch every layer of ``model`` that the registry knows, in place.
 
@@ -137,6 +142,9 @@ def apply(
         prefer: kernel source priority, e.g. ``("pip", "hub", "source")``; default ``FUSEPATCH_PREFER`` or
             ``("pip", "hub", "source")``.
         strict: raise :class:`FusePatchError` listing every fallback instead of patching anything.
+        compute_dtype: the dtype the layers will compute in when it is not the parameters' (autocast over fp32
+            weights, e.g. ``Trainer(bf16=True)``): choices and self-tests are made for it. Default: FSDP2's
+            ``MixedPrecisionPolicy.param_dtype``, else an active autocast's dtype, else the parameters'.
 
     Returns:
         The :class:`PatchReport`. Example::
@@ -157,7 +165,7 @@ def apply(
     if _disabled():
         message = "FUSEPATCH_DISABLE is set: nothing patched, the model runs as transformers ships it"
         logger.warning("fusepatch: %s", message)
-        return _build_report(model, [], message=message)
+        return _build_report(model, [], message=message, compute_dtype=compute_dtype)
 
     rows = rows_for(set(model_types))
     found = _matches(model, rows) if rows else {}
@@ -170,9 +178,9 @@ def apply(
         if strict:
             raise FusePatchError(message)
         logger.warning("fusepatch: %s", message)
-        return _build_report(model, [], message=message)
+        return _build_report(model, [], message=message, compute_dtype=compute_dtype)
 
-    device, dtype = _device_and_dtype(model)
+    device, dtype = _device_and_dtype(model, compute_dtype)
     env = capture()
     layers: list[LayerReport] = []
     dispatches: dict[Row, dict[str, Dispatch]] = {}
@@ -191,7 +199,7 @@ def apply(
         layers.append(LayerReport(row.layer, len(modules), row.forward is not None, choices, row.planned, row.note))
 
     if strict:
-        pending = _build_report(model, layers)
+        pending = _build_report(model, layers, compute_dtype=compute_dtype)
         if pending.fallbacks():
             raise FusePatchError(
                 "fusepatch.apply(strict=True): nothing patched; fallbacks:\n" + "\n".join(pending.log_lines())
@@ -213,7 +221,7 @@ def apply(
     message = ""
     if newly == 0 and already:
         message = f"already patched ({already} modules); nothing changed"
-    report = _build_report(model, layers, message=message, newly=newly, already=already)
+    report = _build_report(model, layers, message=message, newly=newly, already=already, compute_dtype=compute_dtype)
     for row_dispatches in dispatches.values():
         for dispatch in row_dispatches.values():
             dispatch.announce = True
@@ -241,10 +249,11 @@ def revert(model: torch.nn.Module) -> int:
     return restored
 
 
-def report(model: torch.nn.Module) -> PatchReport:
+def report(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> PatchReport:
     """The current report for a model: patched layers, and each op's choice for the model's present device
-    and dtype (a model moved to the GPU after ``apply`` shows its GPU choices)."""
-    device, dtype = _device_and_dtype(model)
+    and dtype (a model moved to the GPU after ``apply`` shows its GPU choices; ``compute_dtype`` as in
+    :func:`apply`)."""
+    device, dtype = _device_and_dtype(model, compute_dtype)
     groups: dict[Row, list[torch.nn.Module]] = defaultdict(list)
     for module in model.modules():
         state = module.__dict__.get("_fusepatch")
@@ -262,4 +271,6 @@ def report(model: torch.nn.Module) -> PatchReport:
         for row, modules in groups.items()
     ]
     total = sum(len(m) for m in groups.values())
-    return _build_report(model, layers, message="" if total else "not patched", already=total)
+    return _build_report(
+        model, layers, message="" if total else "not patched", already=total, compute_dtype=compute_dtype
+    )

@@ -25,10 +25,11 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
-def _trainer(tmp_path, callbacks, max_steps=4):
+def _trainer(tmp_path, callbacks, max_steps=4, **extra):
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
+        **extra,
         output_dir=str(tmp_path),
         max_steps=max_steps,
         per_device_train_batch_size=2,
@@ -71,6 +72,47 @@ def test_callback_applies_logs_the_report_and_profiles_a_step(tmp_path, caplog):
     assert "steady steps, median" in messages
     # patched forwards stay after training (the callback does not revert)
     assert "_fusepatch" in trainer.model.model.layers[0].linear_attn.__dict__
+
+
+def test_mixed_precision_survives_patching_after_the_trainer_wrapped_the_model(tmp_path, monkeypatch):
+    """Trainer(bf16=True) on fp32 weights: accelerate wraps model.forward in autocast before the callback patches
+    the model. Patching must keep that autocast (it replaced the wrapper: the model ran in fp32), choose kernels
+    for bf16, and hand the fused loss bf16 hidden states and weight. A CPU stand-in plays the fused loss."""
+    import dataclasses
+
+    from fusepatch import selftest
+    from fusepatch.ops import OPS
+    from fusepatch.requirements import InputRule
+
+    op = OPS["linear_cross_entropy"]
+    chunked = next(c for c in op.candidates if c.name == "torch-chunked")
+    seen_by_loss = []
+    real = chunked.load
+
+    def load():
+        fn = real()
+
+        def loss(hidden, weight, *args, **kwargs):
+            seen_by_loss.append((hidden.dtype, weight.dtype, torch.is_autocast_enabled("cpu")))
+            return fn(hidden, weight, *args, **kwargs)
+
+        return loss
+
+    standin = dataclasses.replace(chunked, load=load, inputs=InputRule(devices=("cpu",), kernel="stand-in"))
+    monkeypatch.setitem(OPS, "linear_cross_entropy", dataclasses.replace(op, candidates=(standin,)))
+    selftest.clear_cache()
+    callback = FusePatchCallback(profile=False)
+    trainer = _trainer(tmp_path, [callback], max_steps=2, bf16=True)
+    layer_autocast = []
+    trainer.model.model.layers[0].register_forward_hook(
+        lambda module, args, out: layer_autocast.append(torch.is_autocast_enabled("cpu"))
+    )
+    trainer.train()
+    assert callback.report.dtype == "bfloat16", callback.report.dtype
+    assert layer_autocast and all(layer_autocast), layer_autocast
+    assert seen_by_loss and all(s == (torch.bfloat16, torch.bfloat16, False) for s in seen_by_loss), seen_by_loss
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
 
 
 def test_profiling_off(tmp_path):

@@ -212,3 +212,17 @@ def test_torch_compile_of_a_patched_model():
     out.loss.backward()
     torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=1e-6)
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_choices_follow_an_active_autocast_and_an_explicit_compute_dtype():
+    """fp32 weights under autocast (or with ``compute_dtype``) compute in bf16: choices and self-tests are made
+    for bf16, and the patched model runs under autocast."""
+    model = tiny_model("qwen3_5_text")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fusepatch.apply(model).dtype == "bfloat16"
+        ids = torch.randint(0, model.config.vocab_size, (2, 21))
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    assert torch.isfinite(loss) and model.model.layers[0].linear_attn.conv1d.weight.grad is not None
+    assert fusepatch.apply(tiny_model("qwen3"), compute_dtype=torch.bfloat16).dtype == "bfloat16"
+    assert fusepatch.apply(tiny_model("qwen3")).dtype == "float32"

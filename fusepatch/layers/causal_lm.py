@@ -55,6 +55,13 @@ def causal_lm_forward(
     )
 
 
+def _loss_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype transformers' ``lm_head`` matmul would run in: autocast's when it is on (the Trainer's
+    ``bf16=True`` over fp32 weights, FSDP2 upcasting the root's parameters), else the weight's."""
+    device = weight.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
 def _fuses_loss(self, dispatch, labels, logits_to_keep, device_type: str) -> bool:
     """Whether this call's loss goes through the fused op: labels given, every position's logits asked for (an
     int ``logits_to_keep`` of 0), an lm_head without bias, and a fused candidate for the device and dtype."""
@@ -63,23 +70,27 @@ def _fuses_loss(self, dispatch, labels, logits_to_keep, device_type: str) -> boo
         and isinstance(logits_to_keep, int)
         and logits_to_keep == 0
         and getattr(self.lm_head, "bias", None) is None
-        and dispatch.choice(device_type, dtype_name(self.lm_head.weight.dtype)).fused
+        and dispatch.choice(device_type, dtype_name(_loss_dtype(self.lm_head.weight))).fused
     )
 
 
 def _fused_loss(dispatch, hidden, weight, labels, shift_labels, num_items_in_batch):
     """transformers' causal-LM loss (labels shifted by one, -100 ignored, summed over ``num_items_in_batch``
-    when the Trainer gives it) through the fused linear cross-entropy."""
+    when the Trainer gives it) through the fused linear cross-entropy. Under autocast the hidden states and the
+    weight are cast to autocast's dtype first (differentiably, as autocast casts them for ``lm_head``) and the
+    kernel runs with autocast off: it gets exactly the dtype it was chosen and self-tested for."""
     if shift_labels is None:  # predict token t+1 at position t; the last position predicts nothing
         shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
     shift_labels = shift_labels.to(hidden.device)
-    return dispatch(
-        hidden.reshape(-1, hidden.shape[-1]),
-        weight,
-        shift_labels.reshape(-1),
-        ignore_index=-100,
-        num_items_in_batch=num_items_in_batch,
-    )
+    dtype = _loss_dtype(weight)
+    with torch.autocast(weight.device.type, enabled=False):
+        return dispatch(
+            hidden.reshape(-1, hidden.shape[-1]).to(dtype),
+            weight.to(dtype),
+            shift_labels.reshape(-1),
+            ignore_index=-100,
+            num_items_in_batch=num_items_in_batch,
+        )
 
 
 def conditional_generation_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):

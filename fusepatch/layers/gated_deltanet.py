@@ -87,9 +87,10 @@ def gated_deltanet_forward(
         mixed_qkv, z, b, a = (t.reshape(1, batch * length, *t.shape[2:]) for t in (mixed_qkv, z, b, a))
 
     ops = state.ops
-    mixed_qkv = ops["causal_conv1d"](
-        mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation="silu", cu_seqlens=cu_seqlens
-    )
+    weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
+    if weight.dtype != mixed_qkv.dtype:  # autocast over fp32 weights: the conv runs in the activations' dtype
+        weight, bias = weight.to(mixed_qkv.dtype), None if bias is None else bias.to(mixed_qkv.dtype)
+    mixed_qkv = ops["causal_conv1d"](mixed_qkv, weight, bias, activation="silu", cu_seqlens=cu_seqlens)
     rows, tokens = mixed_qkv.shape[:2]
     query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     query = query.reshape(rows, tokens, -1, self.head_k_dim)
