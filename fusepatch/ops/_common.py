@@ -64,6 +64,13 @@ def hub_requirements(repo: str, why: str) -> tuple:
     )
 
 
+def planned_hub_candidate(repo: str, why: str, provides: str = "") -> Candidate:
+    """A Kernel Hub kernel the registry names but does not wire up yet (``doctor`` shows it as planned, why)."""
+    return Candidate(
+        name=f"hub:{repo}", source="hub", requirements=hub_requirements(repo, why), load=lambda: None, provides=provides
+    )
+
+
 def planned(what: str) -> tuple:
     return (NotImplementedYet(what),)
 

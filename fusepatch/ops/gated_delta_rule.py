@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusepatch.ops._common import fla_backward_requirements, hub_requirements, rand
+from fusepatch.ops._common import fla_backward_requirements, planned_hub_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import InputRule
 
@@ -209,15 +209,10 @@ GATED_DELTA_RULE = Op(
             provides="fla.ops.gated_delta_rule.chunk_gated_delta_rule (gate and beta computed in torch)",
             distribution="fla-core",
         ),
-        Candidate(
-            name="hub:kernels-community/fla",
-            source="hub",
-            requirements=hub_requirements(
-                "kernels-community/fla",
-                "its chunked gated delta rule's API and backward not yet checked against fla 0.6",
-            ),
-            load=lambda: None,
-            provides="chunk_gated_delta_rule",
+        planned_hub_candidate(
+            "kernels-community/fla",
+            "its chunked gated delta rule's API and backward not yet checked against fla 0.6",
+            "chunk_gated_delta_rule",
         ),
     ),
     # grad[5], grad[6]: A_log and dt_bias, whose gradients sum the decay gradient over every token with heavy

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusepatch.ops._common import hub_requirements, rand
+from fusepatch.ops._common import planned_hub_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import CudaDevice, InputRule, MinCapability, TorchVersion
 
@@ -87,14 +87,9 @@ MOE_EXPERTS = Op(
             provides="fusepatch.ops.moe_experts.moe_experts_grouped (torch grouped_mm)",
             distribution="torch",
         ),
-        Candidate(
-            name="hub:kernels-community/megablocks",
-            source="hub",
-            requirements=hub_requirements(
-                "kernels-community/megablocks",
-                "its grouped-GEMM experts take a different weight layout; adapter not written yet",
-            ),
-            load=lambda: None,
+        planned_hub_candidate(
+            "kernels-community/megablocks",
+            "its grouped-GEMM experts take a different weight layout; adapter not written yet",
         ),
     ),
     selftest=SelfTest(_inputs, {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}, _dims),

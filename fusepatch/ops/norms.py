@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusepatch.ops._common import fla_requirements, hub_requirements, rand
+from fusepatch.ops._common import fla_requirements, planned_hub_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import InputRule
 
@@ -100,14 +100,7 @@ RMS_NORM = Op(
             provides="fla.modules.norm.layernorm.rms_norm",
             distribution="fla-core",
         ),
-        Candidate(
-            name="hub:kernels-community/rmsnorm",
-            source="hub",
-            requirements=hub_requirements(
-                "kernels-community/rmsnorm", "its rms_norm is forward-only (no backward for training)"
-            ),
-            load=lambda: None,
-        ),
+        planned_hub_candidate("kernels-community/rmsnorm", "its rms_norm is forward-only (no backward for training)"),
     ),
     selftest=SelfTest(_norm_inputs, NORM_TOLERANCE, _norm_dims),
 )
@@ -144,14 +137,8 @@ GATED_RMS_NORM = Op(
             provides="fla.modules.norm.fused_norm_gate.rms_norm_gated",
             distribution="fla-core",
         ),
-        Candidate(
-            name="hub:kernels-community/fla",
-            source="hub",
-            requirements=hub_requirements(
-                "kernels-community/fla", "its gated RMSNorm's API not yet checked against fla 0.6"
-            ),
-            load=lambda: None,
-            provides="FusedRMSNormGated",
+        planned_hub_candidate(
+            "kernels-community/fla", "its gated RMSNorm's API not yet checked against fla 0.6", "FusedRMSNormGated"
         ),
     ),
     selftest=SelfTest(_gated_inputs, NORM_TOLERANCE, _gated_dims),

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from fusepatch.ops._common import hub_requirements, own_triton_candidate, rand
-from fusepatch.ops.base import Candidate, Op, SelfTest
+from fusepatch.ops._common import own_triton_candidate, planned_hub_candidate, rand
+from fusepatch.ops.base import Op, SelfTest
 
 
 def rotary_reference(q, k, cos, sin):
@@ -90,14 +90,8 @@ ROTARY = Op(
     reference=rotary_reference,
     candidates=(
         own_triton_candidate(_load_triton, "fusepatch's Triton rotary", "fusepatch.kernels.rotary.rotary"),
-        Candidate(
-            name="hub:kernels-community/rotary",
-            source="hub",
-            requirements=hub_requirements(
-                "kernels-community/rotary", "adapter to transformers' per-token cos/sin not written"
-            ),
-            load=lambda: None,
-            provides="apply_rotary",
+        planned_hub_candidate(
+            "kernels-community/rotary", "adapter to transformers' per-token cos/sin not written", "apply_rotary"
         ),
     ),
     selftest=SelfTest(_inputs, {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-5}, _dims, outputs=2),

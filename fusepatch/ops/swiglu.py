@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from fusepatch.ops._common import fla_requirements, hub_requirements, own_triton_candidate, rand
+from fusepatch.ops._common import fla_requirements, own_triton_candidate, planned_hub_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import InputRule
 
@@ -49,14 +49,10 @@ SWIGLU = Op(
             provides="fla.modules.activations.swiglu",
             distribution="fla-core",
         ),
-        Candidate(
-            name="hub:kernels-community/activation",
-            source="hub",
-            requirements=hub_requirements(
-                "kernels-community/activation", "its silu_and_mul is forward-only (no backward for training)"
-            ),
-            load=lambda: None,
-            provides="silu_and_mul",
+        planned_hub_candidate(
+            "kernels-community/activation",
+            "its silu_and_mul is forward-only (no backward for training)",
+            "silu_and_mul",
         ),
     ),
     selftest=SelfTest(_inputs, {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-5}, _dims),
