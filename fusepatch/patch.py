@@ -19,7 +19,7 @@ from fusepatch.env import capture, flag_set
 from fusepatch.ops import OPS
 from fusepatch.registry import Row, known_model_types, rows_for
 from fusepatch.report import LayerReport, PatchReport
-from fusepatch.resolve import Dispatch, dtype_name, make_dispatch, preferred_sources
+from fusepatch.resolve import Dispatch, autocast_dtype, dtype_name, make_dispatch, preferred_sources
 
 logger = logging.getLogger("fusepatch")
 
@@ -56,8 +56,7 @@ def _device_and_dtype(model: torch.nn.Module, compute_dtype: torch.dtype | None 
     for parameter in model.parameters():
         if parameter.is_floating_point():
             device = parameter.device.type
-            autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-            compute = compute_dtype or _fsdp_compute_dtype(model) or autocast or parameter.dtype
+            compute = compute_dtype or _fsdp_compute_dtype(model) or autocast_dtype(device) or parameter.dtype
             return device, dtype_name(compute)
     return "cpu", "float32"
 

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from fusepatch import selftest
 from fusepatch.env import Environment
 from fusepatch.ops import OPS
@@ -105,6 +107,11 @@ class Choice:
 def dtype_name(dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``: the form choices are keyed and reported by."""
     return str(dtype).removeprefix("torch.")
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype an active autocast computes in on ``device_type``, or None when autocast is off there."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 def preferred_sources(prefer: Iterable[str] | None = None) -> tuple[str, ...]:

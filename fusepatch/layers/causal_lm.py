@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from fusepatch.resolve import dtype_name
+from fusepatch.resolve import autocast_dtype, dtype_name
 
 
 def causal_lm_forward(
@@ -58,8 +58,7 @@ def causal_lm_forward(
 def _loss_dtype(weight: torch.Tensor) -> torch.dtype:
     """The dtype transformers' ``lm_head`` matmul would run in: autocast's when it is on (the Trainer's
     ``bf16=True`` over fp32 weights, FSDP2 upcasting the root's parameters), else the weight's."""
-    device = weight.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    return autocast_dtype(weight.device.type) or weight.dtype
 
 
 def _fuses_loss(self, dispatch, labels, logits_to_keep, device_type: str) -> bool:
