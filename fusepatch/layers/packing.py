@@ -91,18 +91,17 @@ def _mask_crosses(attention_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> boo
     return bool((allowed & same_row).any())
 
 
-def decoder_layer_forward(self, *args, **kwargs):
-    """Decoder-layer wrapper for hybrid models: hand packed-document boundaries from ``position_ids`` to the
-    linear-attention sub-layer (transformers passes it no positions), refuse a packed batch whose full
-    attention mask would cross documents, then run the layer's own forward unchanged."""
-    state = self._fusepatch
+def packed_kwargs(self, args: tuple, kwargs: dict) -> dict:
+    """For a hybrid decoder layer's call: hand packed-document boundaries from ``position_ids`` to the
+    linear-attention sub-layer (transformers passes it no positions), and refuse a packed batch whose full
+    attention mask would cross documents. Returns the keyword arguments the layer's forward should get."""
     linear = getattr(self, "linear_attn", None)
     cu = kwargs.get("cu_seq_lens_q")
     derived = cu is None
     if derived:
         cu = boundaries_for_call(kwargs.get("position_ids"))
     if cu is None:
-        return state.original(*args, **kwargs)
+        return kwargs
     if getattr(self, "self_attn", None) is not None:
         implementation = str(getattr(self.self_attn.config, "_attn_implementation", "eager"))
         mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
@@ -114,8 +113,8 @@ def decoder_layer_forward(self, *args, **kwargs):
                 "does this), or use attn_implementation='flash_attention_2'."
             )
     if linear is None or not derived:
-        return state.original(*args, **kwargs)
+        return kwargs
     # The boundaries travel as transformers' own varlen argument, so that an activation-checkpoint recompute
     # (transformers >= 5.2x checkpoints the layer's original forward, below this wrapper) sees them too.
     # Flash attention reads them only with cu_seq_lens_k and the max lengths; sdpa and eager ignore them.
-    return state.original(*args, cu_seq_lens_q=cu, **kwargs)
+    return {**kwargs, "cu_seq_lens_q": cu}

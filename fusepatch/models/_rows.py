@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fusepatch.layers.attention import rotary_attention_forward
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward
+from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
 from fusepatch.layers.gated_deltanet import gated_deltanet_forward
-from fusepatch.layers.packing import decoder_layer_forward
 from fusepatch.layers.simple import (
     experts_forward,
     rms_norm_forward,
@@ -24,6 +24,7 @@ __all__ = [
     "decoder_layer_forward",
     "experts_forward",
     "gated_deltanet_forward",
+    "hybrid_decoder_layer_forward",
     "rms_norm_forward",
     "rms_norm_zero_centered_forward",
     "rotary_attention_forward",

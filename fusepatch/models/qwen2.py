@@ -3,6 +3,7 @@
 from fusepatch.models._rows import (
     Row,
     causal_lm_forward,
+    decoder_layer_forward,
     experts_forward,
     rms_norm_forward,
     rotary_attention_forward,
@@ -17,13 +18,13 @@ MOE_MODULE = "transformers.models.qwen2_moe.modeling_qwen2_moe"
 ROWS = [
     Row(DENSE, DENSE_MODULE, "Qwen2RMSNorm", ("rms_norm",), rms_norm_forward),
     Row(DENSE, DENSE_MODULE, "Qwen2MLP", ("swiglu",), swiglu_mlp_forward),
-    Row(DENSE, DENSE_MODULE, "Qwen2DecoderLayer", (), None, planned=("add_rms_norm",)),
+    Row(DENSE, DENSE_MODULE, "Qwen2DecoderLayer", ("add_rms_norm",), decoder_layer_forward),
     Row(DENSE, DENSE_MODULE, "Qwen2Attention", ("rotary",), rotary_attention_forward),
     Row(DENSE, DENSE_MODULE, "Qwen2ForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeRMSNorm", ("rms_norm",), rms_norm_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeMLP", ("swiglu",), swiglu_mlp_forward, note="experts and shared expert"),
     Row(MOE, MOE_MODULE, "Qwen2MoeExperts", ("moe_experts",), experts_forward),
-    Row(MOE, MOE_MODULE, "Qwen2MoeDecoderLayer", (), None, planned=("add_rms_norm",)),
+    Row(MOE, MOE_MODULE, "Qwen2MoeDecoderLayer", ("add_rms_norm",), decoder_layer_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeAttention", ("rotary",), rotary_attention_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
 ]

@@ -3,6 +3,7 @@
 from fusepatch.models._rows import (
     Row,
     causal_lm_forward,
+    decoder_layer_forward,
     experts_forward,
     rms_norm_forward,
     rotary_attention_forward,
@@ -17,13 +18,13 @@ MOE_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 ROWS = [
     Row(DENSE, DENSE_MODULE, "Qwen3RMSNorm", ("rms_norm",), rms_norm_forward),
     Row(DENSE, DENSE_MODULE, "Qwen3MLP", ("swiglu",), swiglu_mlp_forward),
-    Row(DENSE, DENSE_MODULE, "Qwen3DecoderLayer", (), None, planned=("add_rms_norm",)),
+    Row(DENSE, DENSE_MODULE, "Qwen3DecoderLayer", ("add_rms_norm",), decoder_layer_forward),
     Row(DENSE, DENSE_MODULE, "Qwen3Attention", ("rotary",), rotary_attention_forward),
     Row(DENSE, DENSE_MODULE, "Qwen3ForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeRMSNorm", ("rms_norm",), rms_norm_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeMLP", ("swiglu",), swiglu_mlp_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeExperts", ("moe_experts",), experts_forward),
-    Row(MOE, MOE_MODULE, "Qwen3MoeDecoderLayer", (), None, planned=("add_rms_norm",)),
+    Row(MOE, MOE_MODULE, "Qwen3MoeDecoderLayer", ("add_rms_norm",), decoder_layer_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeAttention", ("rotary",), rotary_attention_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
 ]

@@ -7,8 +7,13 @@ from fusepatch.ops.causal_conv1d import CAUSAL_CONV1D
 from fusepatch.ops.gated_delta_rule import GATED_DELTA_RULE
 from fusepatch.ops.linear_cross_entropy import LINEAR_CROSS_ENTROPY
 from fusepatch.ops.moe_experts import MOE_EXPERTS
-from fusepatch.ops.norms import GATED_RMS_NORM, RMS_NORM, RMS_NORM_ZERO_CENTERED
-from fusepatch.ops.planned import ADD_RMS_NORM
+from fusepatch.ops.norms import (
+    ADD_RMS_NORM,
+    ADD_RMS_NORM_ZERO_CENTERED,
+    GATED_RMS_NORM,
+    RMS_NORM,
+    RMS_NORM_ZERO_CENTERED,
+)
 from fusepatch.ops.rotary import ROTARY
 from fusepatch.ops.swiglu import SWIGLU
 
@@ -21,6 +26,7 @@ OPS: dict[str, Op] = {
         RMS_NORM,
         RMS_NORM_ZERO_CENTERED,
         ADD_RMS_NORM,
+        ADD_RMS_NORM_ZERO_CENTERED,
         SWIGLU,
         ROTARY,
         LINEAR_CROSS_ENTROPY,

@@ -1,5 +1,6 @@
 """RMSNorm in its three Qwen forms: plain (Qwen2/3), zero-centered ``x * (1 + w)`` (Qwen3.5/Next), and gated
-``norm(x) * w * silu(z)`` (the Gated DeltaNet output norm).
+``norm(x) * w * silu(z)`` (the Gated DeltaNet output norm); and the residual add fused into the first two
+(the decoder layer's ``h = residual + attn_out; post_attention_layernorm(h)``).
 
 The eager references repeat transformers' arithmetic step for step, so an unpatched and a patched-but-eager
 model give bit-identical results.
@@ -51,6 +52,32 @@ def _load_fla_rms_norm(zero_centered: bool):
     return rms_norm_fla
 
 
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Decoder layer, Qwen2/Qwen3 norm: ``h = residual + x`` in the activation dtype, then RMSNorm(h).
+    Returns ``(normed, h)``: ``h`` is the next residual."""
+    h = residual + x
+    return rms_norm_reference(h, weight, eps), h
+
+
+def add_rms_norm_zero_centered_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Decoder layer, Qwen3.5/Qwen3-Next norm: ``h = residual + x``, then the zero-centered RMSNorm(h)."""
+    h = residual + x
+    return rms_norm_zero_centered_reference(h, weight, eps), h
+
+
+def _load_fla_add_rms_norm(zero_centered: bool):
+    from fla.modules.norm.layernorm import rms_norm
+
+    def add_rms_norm_fla(x, residual, weight, eps):
+        # One kernel reads x and the residual, writes the sum (the next residual, in the residual's dtype) and
+        # the normed sum (normalised from the fp32 sum, before it is rounded); its backward adds the next
+        # residual's gradient into the input gradient instead of a separate add.
+        w = 1.0 + weight.float() if zero_centered else weight
+        return rms_norm(x, w, None, residual=residual, eps=eps, prenorm=True)
+
+    return add_rms_norm_fla
+
+
 def _load_fla_gated():
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
 
@@ -67,6 +94,14 @@ def _norm_inputs(device, dtype, generator, packed=False, dims=None):
     return (x, weight, 1e-6), {}
 
 
+def _add_norm_inputs(device, dtype, generator, packed=False, dims=None):
+    dim = (dims or {}).get("dim", 200)
+    x = rand((3, 37, dim), device, dtype, generator)
+    residual = rand((3, 37, dim), device, dtype, generator, scale=4.0)  # a residual stream is larger than x
+    weight = rand((dim,), device, dtype, generator, scale=0.1)
+    return (x, residual, weight, 1e-6), {}
+
+
 def _gated_inputs(device, dtype, generator, packed=False, dims=None):
     dim = (dims or {}).get("dim", 128)
     x = rand((211, dim), device, dtype, generator)
@@ -77,6 +112,10 @@ def _gated_inputs(device, dtype, generator, packed=False, dims=None):
 
 def _norm_dims(module) -> dict[str, int]:
     return {"dim": module.weight.shape[0]}
+
+
+def _add_norm_dims(module) -> dict[str, int]:
+    return {"dim": module.post_attention_layernorm.weight.shape[0]}  # the decoder layer's second norm
 
 
 def _gated_dims(module) -> dict[str, int]:
@@ -142,4 +181,37 @@ GATED_RMS_NORM = Op(
         ),
     ),
     selftest=SelfTest(_gated_inputs, NORM_TOLERANCE, _gated_dims),
+)
+
+
+def _add_norm_candidate(zero_centered: bool) -> Candidate:
+    return Candidate(
+        name="fla",
+        source="pip",
+        requirements=fla_requirements("fla.modules.norm.layernorm"),
+        load=lambda: _load_fla_add_rms_norm(zero_centered),
+        inputs=FLA_NORM_INPUTS,
+        provides="fla.modules.norm.layernorm.rms_norm(residual=..., prenorm=True)"
+        + (" with weight 1 + w" if zero_centered else ""),
+        distribution="fla-core",
+    )
+
+
+# Both outputs count: the normed sum and the sum itself (the residual stream the layer returns).
+ADD_NORM_SELFTEST = SelfTest(_add_norm_inputs, NORM_TOLERANCE, _add_norm_dims, outputs=2)
+
+ADD_RMS_NORM = Op(
+    name="add_rms_norm",
+    summary="residual add + RMSNorm in one kernel, fwd+bwd (decoder layer, Qwen2/Qwen3 form)",
+    reference=add_rms_norm_reference,
+    candidates=(_add_norm_candidate(zero_centered=False),),
+    selftest=ADD_NORM_SELFTEST,
+)
+
+ADD_RMS_NORM_ZERO_CENTERED = Op(
+    name="add_rms_norm_zero_centered",
+    summary="residual add + RMSNorm in one kernel, fwd+bwd (decoder layer, Qwen3.5/Qwen3-Next form)",
+    reference=add_rms_norm_zero_centered_reference,
+    candidates=(_add_norm_candidate(zero_centered=True),),
+    selftest=ADD_NORM_SELFTEST,
 )

@@ -31,6 +31,22 @@ def test_rms_norms(op, dtype):
 
 
 @DTYPES
+@pytest.mark.parametrize("op", ["add_rms_norm", "add_rms_norm_zero_centered"])
+def test_add_rms_norms(op, dtype):
+    """Both outputs (the normed sum and the sum, the next residual) and the gradients of x, the residual and
+    the weight, with a cotangent on each output (the sum's gradient is what the backward adds in)."""
+    fn = kernel(op, "fla", dtype)
+
+    def flat(impl):
+        return lambda x, residual, w, eps: torch.cat([t.reshape(-1) for t in impl(x, residual, w, eps)])
+
+    x = torch.randn(2, 777, 2048, device="cuda")
+    residual = 4 * torch.randn(2, 777, 2048, device="cuda")
+    w = 0.1 * torch.randn(2048, device="cuda") + (1.0 if op == "add_rms_norm" else 0.0)
+    _compare(flat(fn), flat(OPS[op].reference), [x, residual, w], dtype, extra=(1e-6,))
+
+
+@DTYPES
 @pytest.mark.parametrize("name", ["triton", "fla"])
 def test_swiglu(name, dtype):
     fn = kernel("swiglu", name, dtype)

@@ -1,0 +1,152 @@
+"""Decoder layers: the residual add fused into the post-attention RMSNorm.
+
+transformers' decoder layer computes ``h = residual + attn_out`` and then ``post_attention_layernorm(h)``: two
+passes over the residual stream forward and two backward (the norm's input gradient plus the residual's). The
+fused op does both in one kernel each way. The layer's second add (``h + mlp_out``) feeds the *next* layer's
+norm, across the layer boundary, so it stays an add.
+
+The forward below is the layer's own, step for step, with that one change; it runs only when the fused op has a
+candidate for the call's device and dtype (and both summands share the dtype: under autocast over fp32 weights
+the residual stream is fp32 and the attention output bf16). Otherwise the layer's original forward runs
+unchanged, so the eager path is transformers' own code, bit for bit.
+
+Release drift it absorbs: the cache argument (``past_key_values`` in transformers 5.17, ``cache`` later; the
+linear-attention mixer's ``cache_params`` / ``cache``) and where activation checkpointing wraps the layer
+(5.17 checkpoints ``__call__``, around this forward; later releases wrap the class's ``forward``, which this
+instance forward replaces, so it checkpoints itself the same way).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import torch
+
+from fusepatch.layers.packing import packed_kwargs
+from fusepatch.layers.simple import _eps
+from fusepatch.resolve import dtype_name
+
+logger = logging.getLogger("fusepatch")
+
+ADD_NORM_OPS = ("add_rms_norm", "add_rms_norm_zero_centered")
+_CACHE_NAMES = ("cache", "past_key_values")
+
+
+@functools.cache
+def _parameters(cls: type) -> tuple[tuple[str, ...], str | None]:
+    """The named parameters of ``cls.forward`` (after ``self``) and its ``**kwargs`` name."""
+    names: list[str] = []
+    var_keyword = None
+    for p in list(inspect.signature(cls.forward).parameters.values())[1:]:
+        if p.kind is p.VAR_KEYWORD:
+            var_keyword = p.name
+        elif p.kind is not p.VAR_POSITIONAL:
+            names.append(p.name)
+    return tuple(names), var_keyword
+
+
+@functools.cache
+def _checkpoints_in_forward(cls: type) -> bool:
+    """Whether this transformers wraps the layer class's ``forward`` in activation checkpointing (5.2x), rather
+    than ``__call__`` (5.17). Read from the base class itself, not from the version number."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return False
+    return issubclass(cls, GradientCheckpointingLayer) and "__init_subclass__" in GradientCheckpointingLayer.__dict__
+
+
+def _bind(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict, dict]:
+    """Split a call into (hidden_states, the layer's named parameters, the extra ``**kwargs``)."""
+    names, _ = _parameters(type(self))
+    named = dict(zip(names, args))
+    extra = {}
+    for key, value in kwargs.items():
+        if key in names:
+            named[key] = value
+        else:
+            extra[key] = value
+    hidden_states = named.pop(names[0])
+    return hidden_states, named, extra
+
+
+def _mixer(self, hidden_states: torch.Tensor, named: dict, extra: dict) -> torch.Tensor:
+    """The token mixer, called as the layer's own forward calls it."""
+    linear = getattr(self, "linear_attn", None)
+    if linear is not None and getattr(self, "block_type", "linear_attention") == "linear_attention":
+        cache = next((named[n] for n in _CACHE_NAMES if n in named), None)
+        mixer_names, _ = _parameters(type(linear))
+        cache_name = "cache_params" if "cache_params" in mixer_names else "cache"
+        return linear(
+            hidden_states=hidden_states,
+            attention_mask=named.get("attention_mask"),
+            **{cache_name: cache},
+            **extra,
+        )
+    out = self.self_attn(hidden_states=hidden_states, **named, **extra)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _fused_forward(self, *args, **kwargs) -> torch.Tensor:
+    hidden_states, named, extra = _bind(self, args, kwargs)
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states = _mixer(self, hidden_states, named, extra)
+    norm = self.post_attention_layernorm
+    dispatch = self._fusepatch.ops[_add_norm_op(self)]
+    same_dtype = hidden_states.dtype == residual.dtype
+    if same_dtype and dispatch.choice(hidden_states.device.type, dtype_name(hidden_states.dtype)).fused:
+        hidden_states, residual = dispatch(hidden_states, residual, norm.weight, _eps(norm))
+    else:
+        residual = residual + hidden_states
+        hidden_states = norm(residual)
+    hidden_states = self.mlp(hidden_states)
+    if isinstance(hidden_states, tuple):  # MoE blocks that also return router logits
+        hidden_states = hidden_states[0]
+    return residual + hidden_states
+
+
+def _add_norm_op(self) -> str:
+    return next(name for name in ADD_NORM_OPS if name in self._fusepatch.ops)
+
+
+def _wants_fused(self, args: tuple, kwargs: dict) -> bool:
+    """Whether the fused op has a kernel for this call's device and dtype (decided on the layer's input)."""
+    names, _ = _parameters(type(self))
+    hidden_states = args[0] if args else kwargs.get(names[0])
+    if not isinstance(hidden_states, torch.Tensor) or not hidden_states.is_floating_point():
+        return False
+    if not all(hasattr(self, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")):
+        return False  # a layer laid out differently from the ones this forward mirrors
+    dispatch = self._fusepatch.ops[_add_norm_op(self)]
+    return dispatch.choice(hidden_states.device.type, dtype_name(hidden_states.dtype)).fused
+
+
+def _run(self, args: tuple, kwargs: dict) -> torch.Tensor:
+    if not _wants_fused(self, args, kwargs):
+        return self._fusepatch.original(*args, **kwargs)
+    checkpointing = getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled()
+    if checkpointing and _checkpoints_in_forward(type(self)):
+        # What the class's checkpointing wrapper does before it checkpoints the layer: a cache cannot be
+        # written twice (once more in the backward's recompute).
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        if not getattr(self, "_can_checkpoint_with_cache", False):
+            for name in ("cache", "layer_past"):
+                if kwargs.get(name) is not None:
+                    kwargs[name] = None
+        return self._gradient_checkpointing_func(functools.partial(_fused_forward, self, **kwargs), *args)
+    return _fused_forward(self, *args, **kwargs)
+
+
+def decoder_layer_forward(self, *args, **kwargs):
+    """Qwen2/Qwen3 (and their MoE) decoder layer: the residual add fused into the post-attention norm."""
+    return _run(self, args, kwargs)
+
+
+def hybrid_decoder_layer_forward(self, *args, **kwargs):
+    """Hybrid (Qwen3.5, Qwen3-Next) decoder layer: packed-document boundaries handed to linear attention (see
+    ``packing.packed_kwargs``), and the residual add fused into the post-attention norm."""
+    return _run(self, args, packed_kwargs(self, args, kwargs))

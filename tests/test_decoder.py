@@ -1,0 +1,169 @@
+"""The decoder layer with the residual add fused into the post-attention norm, on CPU.
+
+No fused kernel runs on a CPU, so a stand-in candidate (the eager reference, counting its calls) plays the fused
+op: that makes the decoder take its fused forward, which must then equal the layer transformers ships (outputs
+and every parameter gradient), under activation checkpointing, with packed rows, with a cache and under autocast,
+on every family and on both supported transformers releases (CI runs the oldest and the newest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import loss_and_grads
+
+import fusepatch
+from fusepatch import selftest
+from fusepatch.ops import OPS
+from fusepatch.ops.base import Candidate
+from fusepatch.requirements import InputRule
+from fusepatch.tiny import FAMILIES, tiny_model
+
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+ADD_OPS = ("add_rms_norm", "add_rms_norm_zero_centered")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Every add-norm op gets a CPU stand-in candidate; returns the list its calls append to."""
+    seen: list[tuple] = []
+    for name in ADD_OPS:
+        op = OPS[name]
+
+        def load(reference=op.reference, name=name):
+            def standin(x, residual, weight, eps):
+                seen.append((name, x.dtype, tuple(x.shape)))
+                return reference(x, residual, weight, eps)
+
+            return standin
+
+        candidate = Candidate("cpu-standin", "pip", (), load, inputs=InputRule(devices=("cpu",)))
+        monkeypatch.setitem(OPS, name, dataclasses.replace(op, candidates=(candidate,)))
+    selftest.clear_cache()
+    yield seen
+    selftest.clear_cache()
+
+
+def _batch(model, batch=2, length=29):
+    ids = torch.randint(0, model.config.vocab_size, (batch, length))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _in_model(calls: list[tuple]) -> list[tuple]:
+    """The stand-in's calls from the model's layers (the self-test calls it too, on its own inputs)."""
+    return [call for call in calls if call[2][:2] == (2, 29)]
+
+
+def _assert_same(a, b, exact: bool):
+    (loss_a, logits_a, grads_a), (loss_b, logits_b, grads_b) = a, b
+    assert grads_a.keys() == grads_b.keys()
+    if exact:
+        assert torch.equal(loss_a, loss_b) and torch.equal(logits_a, logits_b)
+        for name in grads_a:
+            assert torch.equal(grads_a[name], grads_b[name]), name
+        return
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits_b, logits_a, rtol=1e-4, atol=1e-5)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_fused_residual_forward_equals_the_layer_transformers_ships(model_type, calls):
+    model = tiny_model(model_type).train()
+    batch = _batch(model)
+    expected = loss_and_grads(model, **batch)
+    report = fusepatch.apply(model, ops=ADD_OPS)
+    decoder = next(layer for layer in report.layers if layer.layer.endswith("DecoderLayer"))
+    assert [c.chosen for c in decoder.choices] == ["cpu-standin"]
+    got = loss_and_grads(model, **batch)
+    layers = model.config.num_hidden_layers
+    ran = _in_model(calls)
+    assert len(ran) == layers, f"the fused op ran {len(ran)} times for {layers} layers"
+    wanted = "add_rms_norm_zero_centered" if model_type in HYBRID else "add_rms_norm"
+    assert {name for name, _, _ in ran} == {wanted}
+    # Only the add-norm op has a (stand-in) kernel, so the fused forward repeats transformers' arithmetic and
+    # must agree bit for bit; in hybrid models the linear attention's eager path is fusepatch's chunked delta
+    # rule, which agrees to fp32 rounding (test_patch.py).
+    _assert_same(expected, got, exact=model_type not in HYBRID)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next", "qwen3_moe"])
+def test_fused_residual_forward_under_activation_checkpointing(model_type, calls):
+    plain = tiny_model(model_type).train()
+    checkpointed = tiny_model(model_type).train()
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = _batch(plain)
+    expected = loss_and_grads(plain, **batch)
+    fusepatch.apply(checkpointed, ops=ADD_OPS)
+    got = loss_and_grads(checkpointed, **batch)
+    layers = plain.config.num_hidden_layers
+    assert len(_in_model(calls)) == 2 * layers, "forward + the backward's recompute, once per layer each"
+    _assert_same(expected, got, exact=model_type not in HYBRID)
+
+
+@pytest.mark.parametrize("model_type", HYBRID)
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_fused_residual_forward_with_packed_rows(model_type, checkpointing, calls):
+    """Packed rows: every op patched (the linear attention needs its boundaries from the decoder layer, which
+    now also runs the fused add); each document's loss equals the document alone."""
+    model = tiny_model(model_type).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    fusepatch.apply(model)
+    lengths = [19, 1, 33, 12]
+    docs = [torch.randint(0, model.config.vocab_size, (n,)) for n in lengths]
+    ids = torch.cat(docs)[None]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits[0]
+    assert calls, "the fused forward must run for a packed batch"
+    start = 0
+    for doc in docs:
+        alone = model(input_ids=doc[None], use_cache=False).logits[0]
+        torch.testing.assert_close(logits[start : start + len(doc)], alone, rtol=1e-4, atol=1e-5)
+        start += len(doc)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next", "qwen3", "qwen2_moe"])
+def test_cached_generation_through_the_fused_forward(model_type, calls):
+    model = tiny_model(model_type).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 12))
+    expected = model.generate(ids, max_new_tokens=6, do_sample=False)
+    fusepatch.apply(model, ops=ADD_OPS)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), expected)
+    assert calls, "generation must run the fused forward (the cache argument passed under its release's name)"
+
+
+def test_mixed_dtypes_under_autocast_take_the_plain_add(calls):
+    """Autocast over fp32 weights: the residual stream stays fp32 while the attention output is bf16, so the add
+    promotes to fp32 in transformers' layer. The fused op needs one dtype: the layer keeps transformers' add."""
+    model = tiny_model("qwen3").train()
+    batch = _batch(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = loss_and_grads(model, **batch)
+    fusepatch.apply(model, ops=ADD_OPS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = loss_and_grads(model, **batch)
+    assert not _in_model(calls), "no fused call on mixed dtypes"
+    _assert_same(expected, got, exact=True)
+
+
+def test_without_a_fused_candidate_the_original_forward_runs(monkeypatch):
+    """No fused add-norm for this device: the decoder's own forward runs (the layer's eager path is
+    transformers' code, not a copy of it)."""
+    model = tiny_model("qwen3").train()
+    layer = model.model.layers[0]
+    original = type(layer).forward
+    entered = []
+
+    def spy(self, *args, **kwargs):
+        entered.append(True)
+        return original(self, *args, **kwargs)
+
+    fusepatch.apply(model)
+    monkeypatch.setattr(type(layer), "forward", spy)
+    layer._fusepatch.original = spy.__get__(layer)
+    model(**_batch(model))
+    assert entered
