@@ -56,12 +56,12 @@ def _device_and_dtype(model: torch.nn.Module, compute_dtype: torch.dtype | None 
     for parameter in model.parameters():
         if parameter.is_floating_point():
             device = parameter.device.type
-            compute = compute_dtype or _fsdp_compute_dtype(model) or autocast_dtype(device) or parameter.dtype
+            compute = compute_dtype or fsdp_compute_dtype(model) or autocast_dtype(device) or parameter.dtype
             return device, dtype_name(compute)
     return "cpu", "float32"
 
 
-def _fsdp_compute_dtype(model: torch.nn.Module) -> torch.dtype | None:
+def fsdp_compute_dtype(model: torch.nn.Module) -> torch.dtype | None:
     """FSDP2's MixedPrecisionPolicy.param_dtype, if the model is sharded with one. The Trainer keeps sharded
     parameters in fp32 and computes in bf16: self-testing fp32 there compiles kernels training never calls
     (minutes at 27B shapes) and reports choices for a dtype that never runs."""

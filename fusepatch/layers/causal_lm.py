@@ -55,10 +55,28 @@ def causal_lm_forward(
     )
 
 
-def _loss_dtype(weight: torch.Tensor) -> torch.dtype:
+def _loss_dtype(weight: torch.Tensor, model: torch.nn.Module | None = None) -> torch.dtype:
     """The dtype transformers' ``lm_head`` matmul would run in: autocast's when it is on (the Trainer's
-    ``bf16=True`` over fp32 weights, FSDP2 upcasting the root's parameters), else the weight's."""
-    return autocast_dtype(weight.device.type) or weight.dtype
+    ``bf16=True`` over fp32 weights), else the weight's as the matmul will see it. Under FSDP2 the weight is
+    still a sharded fp32 DTensor when the forward starts (accelerate shards ``[final norm, lm_head]`` as one
+    unit, gathered and cast to the policy's ``param_dtype`` only when the final norm runs), so there the
+    policy's dtype is the one the loss will get (the H200's FSDP2 run self-tested and chose an fp32 loss)."""
+    auto = autocast_dtype(weight.device.type)
+    if auto is not None:
+        return auto
+    if model is not None and _is_sharded(weight):
+        from fusepatch.patch import fsdp_compute_dtype
+
+        return fsdp_compute_dtype(model) or weight.dtype
+    return weight.dtype
+
+
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed
+        return False
+    return isinstance(tensor, DTensor)
 
 
 def _fuses_loss(self, dispatch, labels, logits_to_keep, device_type: str) -> bool:
@@ -69,7 +87,7 @@ def _fuses_loss(self, dispatch, labels, logits_to_keep, device_type: str) -> boo
         and isinstance(logits_to_keep, int)
         and logits_to_keep == 0
         and getattr(self.lm_head, "bias", None) is None
-        and dispatch.choice(device_type, dtype_name(_loss_dtype(self.lm_head.weight))).fused
+        and dispatch.choice(device_type, dtype_name(_loss_dtype(self.lm_head.weight, self))).fused
     )
 
 

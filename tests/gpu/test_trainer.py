@@ -1,7 +1,12 @@
 """The Trainer's mixed precision on a real GPU: fp32 weights, ``bf16=True`` (accelerate's autocast), fusepatch
 applied by the callback after accelerate wrapped the model. The fused kernels then see fp32 weights beside bf16
 activations (norm and conv weights, A_log, dt_bias), which no self-test draws: the run must train, choose bf16
-kernels, and give the first step's loss of the unpatched model under the same autocast."""
+kernels, and give the first step's loss of the eager model under the same autocast.
+
+The reference is fusepatch's eager path (every op on its reference, the same arithmetic as transformers'), not
+the unpatched model: on the H200 the unpatched qwen3_5 model crashed in transformers' own fast path (its
+causal-conv1d call with the fp32 conv weight under autocast, on the bf16-only wheel: "causal_conv1d_fwd
+bf16-only build: not implemented for type 'Float'") before the fused run began."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from conftest import MINI, record
+from conftest import MINI, eager, record
 
 import fusepatch
 from fusepatch.tiny import tiny_model
@@ -54,7 +59,7 @@ def _train(model, tmp_path, callback) -> list[float]:
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3"])
 def test_trainer_bf16_over_fp32_weights(model_type, tmp_path):
     base = tiny_model(model_type, **MINI)  # fp32 weights
-    reference = _train(copy.deepcopy(base).cuda(), tmp_path / "reference", None)
+    reference = _train(eager(copy.deepcopy(base).cuda()), tmp_path / "reference", None)
     callback = fusepatch.FusePatchCallback(profile=False)
     fused = _train(copy.deepcopy(base).cuda(), tmp_path / "fused", callback)
     chosen = {c.op: c.chosen for layer in callback.report.layers for c in layer.choices}
