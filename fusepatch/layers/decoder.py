@@ -5,10 +5,11 @@ passes over the residual stream forward and two backward (the norm's input gradi
 fused op does both in one kernel each way. The layer's second add (``h + mlp_out``) feeds the *next* layer's
 norm, across the layer boundary, so it stays an add.
 
-The forward below is the layer's own, step for step, with that one change; it runs only when the fused op has a
-candidate for the call's device and dtype (and both summands share the dtype: under autocast over fp32 weights
-the residual stream is fp32 and the attention output bf16). Otherwise the layer's original forward runs
-unchanged, so the eager path is transformers' own code, bit for bit.
+The forward below is the layer's own, step for step, with that one change; it runs when the fused op has a
+candidate for the layer input's device and dtype. Where the two summands' dtypes differ (autocast over fp32
+weights: an fp32 residual stream, a bf16 attention output) it adds them as transformers does, since the kernel
+takes one dtype. Without a candidate the layer's original forward runs unchanged, so the eager path is
+transformers' own code, bit for bit.
 
 Release drift it absorbs: the cache argument (``past_key_values`` in transformers 5.17, ``cache`` later; the
 linear-attention mixer's ``cache_params`` / ``cache``) and where activation checkpointing wraps the layer
