@@ -167,3 +167,17 @@ def test_without_a_fused_candidate_the_original_forward_runs(monkeypatch):
     layer._fusepatch.original = spy.__get__(layer)
     model(**_batch(model))
     assert entered
+
+
+@pytest.mark.slow
+def test_torch_compile_through_the_fused_forward(calls):
+    """torch.compile of a model whose decoder layers take the fused forward: same loss and gradients."""
+    model = tiny_model("qwen3_5_text").train()
+    batch = _batch(model)
+    expected = loss_and_grads(model, **batch)
+    fusepatch.apply(model, ops=ADD_OPS)
+    compiled = torch.compile(model)
+    loss, logits, grads = loss_and_grads(compiled, **batch)
+    got = (loss, logits, {name.removeprefix("_orig_mod."): grad for name, grad in grads.items()})
+    assert _in_model(calls), "the compiled model must run the fused op"
+    _assert_same(expected, got, exact=False)

@@ -35,9 +35,21 @@ ADD_NORM_OPS = ("add_rms_norm", "add_rms_norm_zero_centered")
 _CACHE_NAMES = ("cache", "past_key_values")
 
 
-@functools.cache
+# Per-class memos as plain dicts, not functools.cache: torch.compile traces through a cache wrapper (and warns),
+# and would re-read the signature on every trace.
+_PARAMETERS: dict[type, tuple[tuple[str, ...], str | None]] = {}
+_CHECKPOINTS_IN_FORWARD: dict[type, bool] = {}
+
+
 def _parameters(cls: type) -> tuple[tuple[str, ...], str | None]:
     """The named parameters of ``cls.forward`` (after ``self``) and its ``**kwargs`` name."""
+    found = _PARAMETERS.get(cls)
+    if found is None:
+        found = _PARAMETERS[cls] = _read_parameters(cls)
+    return found
+
+
+def _read_parameters(cls: type) -> tuple[tuple[str, ...], str | None]:
     names: list[str] = []
     var_keyword = None
     for p in list(inspect.signature(cls.forward).parameters.values())[1:]:
@@ -48,15 +60,21 @@ def _parameters(cls: type) -> tuple[tuple[str, ...], str | None]:
     return tuple(names), var_keyword
 
 
-@functools.cache
 def _checkpoints_in_forward(cls: type) -> bool:
     """Whether this transformers wraps the layer class's ``forward`` in activation checkpointing (5.2x), rather
     than ``__call__`` (5.17). Read from the base class itself, not from the version number."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:
-        return False
-    return issubclass(cls, GradientCheckpointingLayer) and "__init_subclass__" in GradientCheckpointingLayer.__dict__
+    found = _CHECKPOINTS_IN_FORWARD.get(cls)
+    if found is None:
+        try:
+            from transformers.modeling_layers import GradientCheckpointingLayer
+        except ImportError:
+            found = False
+        else:
+            found = issubclass(cls, GradientCheckpointingLayer) and "__init_subclass__" in vars(
+                GradientCheckpointingLayer
+            )
+        _CHECKPOINTS_IN_FORWARD[cls] = found
+    return found
 
 
 def _bind(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict, dict]:
