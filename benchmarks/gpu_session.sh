@@ -127,7 +127,8 @@ EOF
     # BATCH conversations per GPU and step, packed into one row (the shipped 24 hold 1,984 tokens: 48 ~ 4k tokens),
     # the sample repeated so that every rank gets full batches for every step
     batch=${BATCH:-48}; steps=${STEPS:-12}; repeat=$(( (steps * batch * nproc + 23) / 24 ))
-    for config in hf-fast fusepatch; do
+    # SFT_CONFIGS: which configurations, in which order (comma-separated; the table always compares to hf-fast)
+    for config in $(echo "${SFT_CONFIGS:-hf-fast,fusepatch}" | tr , ' '); do
       flag=$([ "$config" = hf-fast ] && echo --no-fusepatch)
       timeout ${SFT_TIMEOUT:-420} python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" examples/sft_ultrachat.py --fsdp $flag \
         --config examples/configs/qwen3_5_27b_text.json --layers ${LAYERS:-4} --max-length 4096 --batch-size "$batch" \
@@ -142,7 +143,7 @@ EOF
     nvidia-smi -L
     rm -rf /tmp/seq && mkdir -p /tmp/seq/out && cp -r . /tmp/seq/tree  # the working tree is replaced by each call
     steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
-    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|BATCH)=" > /tmp/seq/env || true
+    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH)=" > /tmp/seq/env || true
     # Lanes: "A B / C D + E" runs A then B on GPU 0 beside C then D on GPU 1 (CUDA_VISIBLE_DEVICES), then E on
     # every GPU once both lanes are done. A step is PHASE[-ARG][@K=V:K=V]: its own environment (sft@NPROC=all:LAYERS=24).
     cat > /tmp/seq/run.sh <<'RUN'
