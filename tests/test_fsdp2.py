@@ -15,8 +15,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--order", "shard-then-patch"], ["--checkpointing"]],
-    ids=["patch-first", "shard-first", "checkpointing"],
+    [
+        [],
+        ["--order", "shard-then-patch"],
+        ["--checkpointing"],
+        ["--checkpointing", "--standin-add-norm"],
+        ["--order", "shard-then-patch", "--standin-add-norm"],
+    ],
+    ids=["patch-first", "shard-first", "checkpointing", "checkpointing-fused-decoder", "shard-first-fused-decoder"],
 )
 def test_fsdp2_world_size_2_matches_unsharded_unpatched(tmp_path, extra):
     out = tmp_path / "result.json"
@@ -27,6 +33,8 @@ def test_fsdp2_world_size_2_matches_unsharded_unpatched(tmp_path, extra):
     assert data["loss_diff"] < 1e-5
     # fp32; the eager chunked delta rule is fusepatch's own formulation of transformers' reference
     assert data["worst_grad_rel_err"] < 2e-3, data
+    if "--standin-add-norm" in extra:  # 4 decoder layers ran their fused forward (checkpointed: and its recompute)
+        assert data["add_norm_calls"] >= (8 if "--checkpointing" in extra else 4), data
 
 
 MIXED_PRECISION_WORKER = """

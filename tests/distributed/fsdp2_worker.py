@@ -16,12 +16,41 @@ import fusepatch
 from fusepatch.tiny import tiny_model
 
 
+def _standin_add_norm() -> list:
+    """Give the add-norm op a CPU candidate (its eager reference, counting calls)."""
+    import dataclasses
+
+    from fusepatch.ops import OPS
+    from fusepatch.ops.base import Candidate
+    from fusepatch.requirements import InputRule
+
+    calls: list = []
+    op = OPS["add_rms_norm_zero_centered"]
+
+    def load():
+        def standin(*args):
+            calls.append(1)
+            return op.reference(*args)
+
+        return standin
+
+    candidate = Candidate("cpu-standin", "pip", (), load, inputs=InputRule(devices=("cpu",)))
+    OPS[op.name] = dataclasses.replace(op, candidates=(candidate,))
+    return calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--order", choices=["patch-then-shard", "shard-then-patch"], default="patch-then-shard")
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument(
+        "--standin-add-norm",
+        action="store_true",
+        help="a CPU stand-in kernel for the fused residual add + norm, so the decoder layers take their fused forward",
+    )
     args = parser.parse_args()
+    calls = _standin_add_norm() if args.standin_add_norm else []
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -74,6 +103,7 @@ def main() -> None:
             "loss_diff": max(abs(a.item() - b.item()) for a, b in zip(losses, ref_losses)),
             "worst_grad_rel_err": worst,
             "gdn_forward_patched": "_fusepatch" in model.model.layers[0].linear_attn.__dict__,
+            "add_norm_calls": len(calls),
         }
         with open(args.out, "w") as fh:
             json.dump(result, fh)
