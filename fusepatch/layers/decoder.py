@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 
 import torch
 
@@ -29,35 +28,24 @@ from fusepatch.layers.packing import packed_kwargs
 from fusepatch.layers.simple import _eps
 from fusepatch.resolve import dtype_name
 
-logger = logging.getLogger("fusepatch")
-
 ADD_NORM_OPS = ("add_rms_norm", "add_rms_norm_zero_centered")
 _CACHE_NAMES = ("cache", "past_key_values")
 
 
 # Per-class memos as plain dicts, not functools.cache: torch.compile traces through a cache wrapper (and warns),
 # and would re-read the signature on every trace.
-_PARAMETERS: dict[type, tuple[tuple[str, ...], str | None]] = {}
+_PARAMETERS: dict[type, tuple[str, ...]] = {}
 _CHECKPOINTS_IN_FORWARD: dict[type, bool] = {}
 
 
-def _parameters(cls: type) -> tuple[tuple[str, ...], str | None]:
-    """The named parameters of ``cls.forward`` (after ``self``) and its ``**kwargs`` name."""
+def _parameters(cls: type) -> tuple[str, ...]:
+    """The named parameters of ``cls.forward`` after ``self`` (not ``*args`` / ``**kwargs``)."""
     found = _PARAMETERS.get(cls)
     if found is None:
-        found = _PARAMETERS[cls] = _read_parameters(cls)
+        variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        parameters = list(inspect.signature(cls.forward).parameters.values())[1:]
+        found = _PARAMETERS[cls] = tuple(p.name for p in parameters if p.kind not in variadic)
     return found
-
-
-def _read_parameters(cls: type) -> tuple[tuple[str, ...], str | None]:
-    names: list[str] = []
-    var_keyword = None
-    for p in list(inspect.signature(cls.forward).parameters.values())[1:]:
-        if p.kind is p.VAR_KEYWORD:
-            var_keyword = p.name
-        elif p.kind is not p.VAR_POSITIONAL:
-            names.append(p.name)
-    return tuple(names), var_keyword
 
 
 def _checkpoints_in_forward(cls: type) -> bool:
@@ -79,7 +67,7 @@ def _checkpoints_in_forward(cls: type) -> bool:
 
 def _bind(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict, dict]:
     """Split a call into (hidden_states, the layer's named parameters, the extra ``**kwargs``)."""
-    names, _ = _parameters(type(self))
+    names = _parameters(type(self))
     named = dict(zip(names, args))
     extra = {}
     for key, value in kwargs.items():
@@ -96,8 +84,7 @@ def _mixer(self, hidden_states: torch.Tensor, named: dict, extra: dict) -> torch
     linear = getattr(self, "linear_attn", None)
     if linear is not None and getattr(self, "block_type", "linear_attention") == "linear_attention":
         cache = next((named[n] for n in _CACHE_NAMES if n in named), None)
-        mixer_names, _ = _parameters(type(linear))
-        cache_name = "cache_params" if "cache_params" in mixer_names else "cache"
+        cache_name = "cache_params" if "cache_params" in _parameters(type(linear)) else "cache"
         return linear(
             hidden_states=hidden_states,
             attention_mask=named.get("attention_mask"),
@@ -114,9 +101,10 @@ def _fused_forward(self, *args, **kwargs) -> torch.Tensor:
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states = _mixer(self, hidden_states, named, extra)
     norm = self.post_attention_layernorm
-    dispatch = self._fusepatch.ops[_add_norm_op(self)]
-    same_dtype = hidden_states.dtype == residual.dtype
-    if same_dtype and dispatch.choice(hidden_states.device.type, dtype_name(hidden_states.dtype)).fused:
+    # _run chose this forward because the op is fused for the layer input's device and dtype: the same dtype here
+    # means the same choice.
+    if hidden_states.dtype == residual.dtype:
+        dispatch = self._fusepatch.ops[_add_norm_op(self)]
         hidden_states, residual = dispatch(hidden_states, residual, norm.weight, _eps(norm))
     else:
         residual = residual + hidden_states
@@ -133,8 +121,7 @@ def _add_norm_op(self) -> str:
 
 def _wants_fused(self, args: tuple, kwargs: dict) -> bool:
     """Whether the fused op has a kernel for this call's device and dtype (decided on the layer's input)."""
-    names, _ = _parameters(type(self))
-    hidden_states = args[0] if args else kwargs.get(names[0])
+    hidden_states = args[0] if args else kwargs.get(_parameters(type(self))[0])
     if not isinstance(hidden_states, torch.Tensor) or not hidden_states.is_floating_point():
         return False
     if not all(hasattr(self, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")):
