@@ -41,17 +41,6 @@ def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.
     return h.to(dtype)
 
 
-def _load_fla_rms_norm(zero_centered: bool):
-    from fla.modules.norm.layernorm import rms_norm
-
-    def rms_norm_fla(x, weight, eps):
-        # The (1 + w) shift is one [D]-sized op; autograd carries its gradient to w unchanged.
-        w = 1.0 + weight.float() if zero_centered else weight
-        return rms_norm(x, w, None, eps=eps)
-
-    return rms_norm_fla
-
-
 def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """Decoder layer, Qwen2/Qwen3 norm: ``h = residual + x`` in the activation dtype, then RMSNorm(h).
     Returns ``(normed, h)``: ``h`` is the next residual."""
@@ -65,17 +54,39 @@ def add_rms_norm_zero_centered_reference(x: torch.Tensor, residual: torch.Tensor
     return rms_norm_zero_centered_reference(h, weight, eps), h
 
 
-def _load_fla_add_rms_norm(zero_centered: bool):
+def _load_fla_rms_norm(zero_centered: bool, residual: bool):
+    """fla's Triton RMSNorm in the op's signature: ``(x, weight, eps)``, or ``(x, residual, weight, eps)``."""
     from fla.modules.norm.layernorm import rms_norm
+
+    def scale(weight):
+        # The (1 + w) shift is one [D]-sized op; autograd carries its gradient to w unchanged.
+        return 1.0 + weight.float() if zero_centered else weight
+
+    def rms_norm_fla(x, weight, eps):
+        return rms_norm(x, scale(weight), None, eps=eps)
 
     def add_rms_norm_fla(x, residual, weight, eps):
         # One kernel reads x and the residual, writes the sum (the next residual, in the residual's dtype) and
         # the normed sum (normalised from the fp32 sum, before it is rounded); its backward adds the next
         # residual's gradient into the input gradient instead of a separate add.
-        w = 1.0 + weight.float() if zero_centered else weight
-        return rms_norm(x, w, None, residual=residual, eps=eps, prenorm=True)
+        return rms_norm(x, scale(weight), None, residual=residual, eps=eps, prenorm=True)
 
-    return add_rms_norm_fla
+    return add_rms_norm_fla if residual else rms_norm_fla
+
+
+def _fla_norm_candidate(zero_centered: bool, residual: bool = False) -> Candidate:
+    """The fla candidate of the four RMSNorm ops (plain / zero-centered, with or without the residual add)."""
+    return Candidate(
+        name="fla",
+        source="pip",
+        requirements=fla_requirements("fla.modules.norm.layernorm"),
+        load=lambda: _load_fla_rms_norm(zero_centered, residual),
+        inputs=FLA_NORM_INPUTS,
+        provides="fla.modules.norm.layernorm.rms_norm"
+        + ("(residual=..., prenorm=True)" if residual else "")
+        + (" with weight 1 + w" if zero_centered else ""),
+        distribution="fla-core",
+    )
 
 
 def _load_fla_gated():
@@ -130,15 +141,7 @@ RMS_NORM = Op(
     summary="RMSNorm fwd+bwd (Qwen2/Qwen3 form, x * w)",
     reference=rms_norm_reference,
     candidates=(
-        Candidate(
-            name="fla",
-            source="pip",
-            requirements=fla_requirements("fla.modules.norm.layernorm"),
-            load=lambda: _load_fla_rms_norm(zero_centered=False),
-            inputs=FLA_NORM_INPUTS,
-            provides="fla.modules.norm.layernorm.rms_norm",
-            distribution="fla-core",
-        ),
+        _fla_norm_candidate(zero_centered=False),
         planned_hub_candidate("kernels-community/rmsnorm", "its rms_norm is forward-only (no backward for training)"),
     ),
     selftest=SelfTest(_norm_inputs, NORM_TOLERANCE, _norm_dims),
@@ -148,17 +151,7 @@ RMS_NORM_ZERO_CENTERED = Op(
     name="rms_norm_zero_centered",
     summary="RMSNorm fwd+bwd (Qwen3.5/Qwen3-Next form, x * (1 + w))",
     reference=rms_norm_zero_centered_reference,
-    candidates=(
-        Candidate(
-            name="fla",
-            source="pip",
-            requirements=fla_requirements("fla.modules.norm.layernorm"),
-            load=lambda: _load_fla_rms_norm(zero_centered=True),
-            inputs=FLA_NORM_INPUTS,
-            provides="fla.modules.norm.layernorm.rms_norm with weight 1 + w",
-            distribution="fla-core",
-        ),
-    ),
+    candidates=(_fla_norm_candidate(zero_centered=True),),
     selftest=SelfTest(_norm_inputs, NORM_TOLERANCE, _norm_dims),
 )
 
@@ -184,19 +177,6 @@ GATED_RMS_NORM = Op(
 )
 
 
-def _add_norm_candidate(zero_centered: bool) -> Candidate:
-    return Candidate(
-        name="fla",
-        source="pip",
-        requirements=fla_requirements("fla.modules.norm.layernorm"),
-        load=lambda: _load_fla_add_rms_norm(zero_centered),
-        inputs=FLA_NORM_INPUTS,
-        provides="fla.modules.norm.layernorm.rms_norm(residual=..., prenorm=True)"
-        + (" with weight 1 + w" if zero_centered else ""),
-        distribution="fla-core",
-    )
-
-
 # Both outputs count: the normed sum and the sum itself (the residual stream the layer returns).
 ADD_NORM_SELFTEST = SelfTest(_add_norm_inputs, NORM_TOLERANCE, _add_norm_dims, outputs=2)
 
@@ -204,7 +184,7 @@ ADD_RMS_NORM = Op(
     name="add_rms_norm",
     summary="residual add + RMSNorm in one kernel, fwd+bwd (decoder layer, Qwen2/Qwen3 form)",
     reference=add_rms_norm_reference,
-    candidates=(_add_norm_candidate(zero_centered=False),),
+    candidates=(_fla_norm_candidate(zero_centered=False, residual=True),),
     selftest=ADD_NORM_SELFTEST,
 )
 
@@ -212,6 +192,6 @@ ADD_RMS_NORM_ZERO_CENTERED = Op(
     name="add_rms_norm_zero_centered",
     summary="residual add + RMSNorm in one kernel, fwd+bwd (decoder layer, Qwen3.5/Qwen3-Next form)",
     reference=add_rms_norm_zero_centered_reference,
-    candidates=(_add_norm_candidate(zero_centered=True),),
+    candidates=(_fla_norm_candidate(zero_centered=True, residual=True),),
     selftest=ADD_NORM_SELFTEST,
 )
