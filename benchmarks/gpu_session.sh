@@ -128,14 +128,24 @@ EOF
     # the sample repeated so that every rank gets full batches for every step
     batch=${BATCH:-48}; steps=${STEPS:-12}; repeat=$(( (steps * batch * nproc + 23) / 24 ))
     # SFT_CONFIGS: which configurations, in which order (comma-separated; the table always compares to hf-fast)
-    for config in $(echo "${SFT_CONFIGS:-hf-fast,fusepatch}" | tr , ' '); do
-      flag=$([ "$config" = hf-fast ] && echo --no-fusepatch)
-      timeout ${SFT_TIMEOUT:-420} python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" examples/sft_ultrachat.py --fsdp $flag \
-        --config examples/configs/qwen3_5_27b_text.json --layers ${LAYERS:-4} --max-length 4096 --batch-size "$batch" \
-        --repeat "$repeat" --max-steps "$steps" --profile-step ${PROFILE_STEP:-8} --output-dir /tmp/sft-$nproc-$config > "$OUT/sft-${nproc}gpu-$config.log" 2>&1
-      echo "== $config (exit $?)"; grep -E "conversations|world size|losses|fusepatch metrics|steady state|profile of step|CPU-bound|top kernels" "$OUT/sft-${nproc}gpu-$config.log" | cut -c1-400
+    # LAYERS may list depths, deepest first (LAYERS=24,16): a depth whose run runs out of GPU memory is given
+    # up for the next one, every configuration again, so the table compares one depth (issue 7: the deepest
+    # that fits)
+    for layers in $(echo "${LAYERS:-4}" | tr , ' '); do
+      oom=0
+      for config in $(echo "${SFT_CONFIGS:-hf-fast,fusepatch}" | tr , ' '); do
+        flag=$([ "$config" = hf-fast ] && echo --no-fusepatch)
+        log="$OUT/sft-${nproc}gpu-$config.log"
+        timeout ${SFT_TIMEOUT:-420} python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" examples/sft_ultrachat.py --fsdp $flag \
+          --config examples/configs/qwen3_5_27b_text.json --layers "$layers" --max-length 4096 --batch-size "$batch" \
+          --repeat "$repeat" --max-steps "$steps" --profile-step ${PROFILE_STEP:-8} --output-dir /tmp/sft-$nproc-$config > "$log" 2>&1
+        echo "== $config, $layers layers (exit $?)"; grep -E "conversations|world size|losses|fusepatch metrics|steady state|profile of step|CPU-bound|top kernels" "$log" | cut -c1-400
+        if grep -q "OutOfMemoryError" "$log"; then oom=1; cp "$log" "$OUT/sft-${nproc}gpu-$config-${layers}layers-oom.log"; echo "out of memory at $layers layers"; break; fi
+      done
+      [ "$oom" = 0 ] && break
     done
-    python3 benchmarks/sft_table.py --gpus "$nproc" "$OUT/sft-${nproc}gpu-hf-fast.log" "$OUT/sft-${nproc}gpu-fusepatch.log" | tee "$OUT/sft-table-${nproc}gpu.md" ;;
+    python3 benchmarks/sft_table.py --gpus "$nproc" "$OUT/sft-${nproc}gpu-hf-fast.log" "$OUT/sft-${nproc}gpu-fusepatch.log" | tee "$OUT/sft-table-${nproc}gpu.md"
+    echo "layers: $layers" >> "$OUT/sft-table-${nproc}gpu.md" ;;
   start)
     need_tilelang
     pipi /tmp/site-tl .whl-tl2/*.whl; pipi /tmp/site-fla .whl/*.whl; ls .whl-ex/*.whl >/dev/null 2>&1 && pipi /tmp/site-ex .whl-ex/*.whl
