@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh built               # the built causal-conv1d wheel: install it, test it, doctor
 #   bash benchmarks/gpu_session.sh bench 27b [layers]  # call 3+: the benchmark table for one shape
 #   bash benchmarks/gpu_session.sh loss 27b            # the loss alone (benchmarks/loss_bench.py)
+#   bash benchmarks/gpu_session.sh norm                # the RMSNorm candidates alone (benchmarks/norm_bench.py)
 #   bash benchmarks/gpu_session.sh sft                 # carry .whl .whl-ex: the SFT example, FSDP2 world size 1
 #                                                      #   (NPROC=all STEPS=30 LAYERS=N: every GPU, issue 7)
 #   bash benchmarks/gpu_session.sh start [STEPS...]    # carry .whl-tl2 .whl .whl-ex: run STEPS (default: bench-27b
@@ -106,6 +107,11 @@ EOF
     pipi /tmp/site-fla .whl/fla_core-*.whl .whl/liger_kernel-*.whl 2>/dev/null
     PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${LOSS_TIMEOUT:-150} python3 benchmarks/loss_bench.py --shape "${2:-27b}" \
       --json-out "$OUT/loss-${2:-27b}.json" 2>&1 | tee "$OUT/loss-${2:-27b}.md" ;;
+  norm)
+    # the RMSNorm candidates alone, fixed and varying row counts (benchmarks/norm_bench.py)
+    pipi /tmp/site-fla .whl/fla_core-*.whl 2>/dev/null
+    PYTHONPATH="$PWD:/tmp/site-fla" timeout ${NORM_TIMEOUT:-240} python3 benchmarks/norm_bench.py \
+      --json-out "$OUT/norm.json" 2>&1 | tee "$OUT/norm.md" ;;
   sft)
     # The SFT example at the 27B layer shapes (LAYERS deep), packed ultrachat-format data, FSDP2 world size 1
     # (fully_shard + its activation checkpointing) under torchrun; hf-fast (no fusepatch) then fusepatch.

@@ -89,3 +89,51 @@ def test_rotary_kernel_matches_the_reference_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", ROTARY_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+RMS_NORM_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from fusepatch.kernels.rms_norm import rms_norm, rms_norm_zero_centered
+    from fusepatch.ops._common import relative_error
+    from fusepatch.ops.norms import rms_norm_reference, rms_norm_zero_centered_reference
+
+    torch.manual_seed(0)
+    forms = ((rms_norm, rms_norm_reference, 1.0), (rms_norm_zero_centered, rms_norm_zero_centered_reference, 0.0))
+    # (x dtype, weight dtype, bound): the weight in fp32 under the activation dtype is autocast's case
+    dtypes = ((torch.float32, torch.float32, 1e-6), (torch.bfloat16, torch.bfloat16, 1e-2),
+              (torch.bfloat16, torch.float32, 1e-2))
+    # odd feature sizes; one row; more rows than one backward program takes (partial weight gradients summed);
+    # per-head rows as the attention's q/k norms see them
+    shapes = ((3, 37, 200), (1000, 5), (1, 1300), (2, 301, 4, 64))
+    for fn, reference, shift in forms:
+        for x_dtype, w_dtype, tol in dtypes:
+            for shape in shapes:
+                x = torch.randn(shape).to(x_dtype).requires_grad_(True)
+                w = (0.1 * torch.randn(shape[-1]) + shift).to(w_dtype).requires_grad_(True)
+                out = fn(x, w, 1e-6)
+                expected = reference(x.detach(), w.detach(), 1e-6)  # the eager result's dtype and shape
+                assert out.dtype == expected.dtype and out.shape == expected.shape, (out.dtype, expected.dtype)
+                x64, w64 = (t.detach().double().requires_grad_(True) for t in (x, w))
+                ref = reference(x64, w64, 1e-6)
+                cot = torch.randn_like(ref)
+                grads = torch.autograd.grad(out, (x, w), cot.to(out.dtype))
+                ref_grads = torch.autograd.grad(ref, (x64, w64), cot)
+                assert grads[0].dtype == x_dtype and grads[1].dtype == w_dtype
+                errors = [relative_error(out, ref)] + [relative_error(a, b) for a, b in zip(grads, ref_grads)]
+                assert max(errors) < tol, (fn.__name__, x_dtype, w_dtype, shape, errors)
+    # a non-contiguous input (q viewed per head, then transposed) gives its contiguous copy's result
+    q = torch.randn(2, 7, 3, 64).transpose(1, 2)
+    w = torch.randn(64)
+    assert torch.equal(rms_norm(q, w, 1e-6), rms_norm(q.contiguous(), w, 1e-6))
+    print("ok")
+    """
+)
+
+
+def test_rms_norm_kernel_matches_the_reference_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, "-c", RMS_NORM_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

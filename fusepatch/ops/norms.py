@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusepatch.ops._common import fla_requirements, planned_hub_candidate, rand
+from fusepatch.ops._common import fla_requirements, own_triton_candidate, planned_hub_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import InputRule
 
@@ -72,6 +72,19 @@ def _load_fla_rms_norm(zero_centered: bool, residual: bool):
         return rms_norm(x, scale(weight), None, residual=residual, eps=eps, prenorm=True)
 
     return add_rms_norm_fla if residual else rms_norm_fla
+
+
+def _triton_norm_candidate(zero_centered: bool) -> Candidate:
+    """fusepatch's own RMSNorm (``fusepatch/kernels/rms_norm.py``): compiled once per feature size and dtype,
+    where fla's compiles and autotunes again for each new row-count bucket of the per-head q/k norms."""
+    name = "rms_norm_zero_centered" if zero_centered else "rms_norm"
+
+    def load():
+        from fusepatch.kernels import rms_norm
+
+        return getattr(rms_norm, name)
+
+    return own_triton_candidate(load, "fusepatch's Triton RMSNorm", f"fusepatch.kernels.rms_norm.{name}")
 
 
 def _fla_norm_candidate(zero_centered: bool, residual: bool = False) -> Candidate:
@@ -141,6 +154,7 @@ RMS_NORM = Op(
     summary="RMSNorm fwd+bwd (Qwen2/Qwen3 form, x * w)",
     reference=rms_norm_reference,
     candidates=(
+        _triton_norm_candidate(zero_centered=False),
         _fla_norm_candidate(zero_centered=False),
         planned_hub_candidate("kernels-community/rmsnorm", "its rms_norm is forward-only (no backward for training)"),
     ),
@@ -151,7 +165,7 @@ RMS_NORM_ZERO_CENTERED = Op(
     name="rms_norm_zero_centered",
     summary="RMSNorm fwd+bwd (Qwen3.5/Qwen3-Next form, x * (1 + w))",
     reference=rms_norm_zero_centered_reference,
-    candidates=(_fla_norm_candidate(zero_centered=True),),
+    candidates=(_triton_norm_candidate(zero_centered=True), _fla_norm_candidate(zero_centered=True)),
     selftest=SelfTest(_norm_inputs, NORM_TOLERANCE, _norm_dims),
 )
 

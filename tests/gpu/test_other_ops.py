@@ -22,12 +22,56 @@ def _compare(fn, reference, args, dtype, extra=(), **kwargs):
 
 
 @DTYPES
+@pytest.mark.parametrize("name", ["triton", "fla"])
 @pytest.mark.parametrize("op", ["rms_norm", "rms_norm_zero_centered"])
-def test_rms_norms(op, dtype):
-    fn = kernel(op, "fla", dtype)
-    x = torch.randn(3, 1001, 2048, device="cuda")
-    w = 0.1 * torch.randn(2048, device="cuda") + (1.0 if op == "rms_norm" else 0.0)
+@pytest.mark.parametrize("shape", [(3, 1001, 2048), (2, 777, 24, 256), (5, 131, 5)], ids=["wide", "per-head", "odd"])
+def test_rms_norms(shape, op, name, dtype):
+    """The decoder's width, the per-head q/k norms (rows = tokens x heads), an odd width."""
+    fn = kernel(op, name, dtype)
+    x = torch.randn(*shape, device="cuda")
+    w = 0.1 * torch.randn(shape[-1], device="cuda") + (1.0 if op == "rms_norm" else 0.0)
     _compare(fn, OPS[op].reference, [x, w], dtype, extra=(1e-6,))
+
+
+def _variants(jit_function) -> int:
+    """How many variants of a Triton kernel this process has compiled for the current GPU."""
+    return len(jit_function.device_caches[torch.cuda.current_device()][0])
+
+
+def _norm_steps(fn, rows_per_token: int, dim: int, tokens: tuple[int, ...]) -> None:
+    """Forward and backward at several packed-row lengths, as training steps of varying length call it."""
+    w = torch.randn(dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for t in tokens:
+        x = torch.randn(t, rows_per_token, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        fn(x, w, 1e-6).sum().backward()
+
+
+LENGTHS = (4001, 4097, 4203, 4311, 4420)  # packed rows a few hundred tokens apart
+
+
+def test_triton_rms_norm_compiles_once_for_every_row_count():
+    """The reason fusepatch's own RMSNorm comes first: the q/k norms' rows (tokens x heads) change with every
+    packed step, and this kernel compiles one variant per feature size and dtype, whatever the row count."""
+    from fusepatch.kernels import rms_norm as module
+
+    fn = kernel("rms_norm_zero_centered", "triton", torch.bfloat16)
+    _norm_steps(fn, 24, 256, LENGTHS[:1])
+    before = _variants(module._rms_norm_fwd), _variants(module._rms_norm_bwd)
+    _norm_steps(fn, 24, 256, LENGTHS[1:])
+    assert (_variants(module._rms_norm_fwd), _variants(module._rms_norm_bwd)) == before
+
+
+def test_fla_rms_norm_autotunes_again_for_new_row_buckets():
+    """The measured reason fla's RMSNorm is second (benchmarks/RESULTS.md, session 6): at feature sizes <= 512
+    its kernels autotune (and compile) per row-count bucket cdiv(rows, 2048). When this fails, fla no longer
+    does that, and the candidate order in fusepatch/ops/norms.py can be revisited."""
+    from fla.modules.norm import layernorm
+
+    fn = kernel("rms_norm_zero_centered", "fla", torch.bfloat16)
+    _norm_steps(fn, 24, 256, LENGTHS[:1])
+    before = len(layernorm.layer_norm_fwd_kernel.cache)
+    _norm_steps(fn, 24, 256, LENGTHS[1:])
+    assert len(layernorm.layer_norm_fwd_kernel.cache) >= before + 3
 
 
 @DTYPES

@@ -1,0 +1,184 @@
+"""RMSNorm forward and backward, plain (``w * norm(x)``) and zero-centered (``norm(x) * (1 + w)``), one fixed
+launch configuration per feature size and nothing compiled per row count.
+
+Why not fla's for every call: for feature sizes up to 512 (the per-head q/k norms of the Qwen3 and Qwen3.5
+attention, whose rows are tokens x heads) fla's RMSNorm kernels take the row-count bucket
+``NB = cdiv(rows, 2048)`` as a compile-time constant and as an autotune key. With packed batches of varying length
+nearly every step has a new bucket (24 heads: one every ~85 tokens), and each one compiles and autotunes the
+forward and backward kernels again. On the H200 the SFT example (27B layer shapes, FSDP2, packed rows of ~4.1k
+tokens) spent its profiled step there: 22.3 s, 11,998 forward ops inside the RMSNorm modules, 21,802 GPU kernels
+(benchmarks/RESULTS.md, session 6). Here the row count is a runtime argument Triton does not specialize on, the
+block sizes depend on the feature size only, and nothing is autotuned: a layer's norm compiles once per dtype.
+
+Arithmetic follows transformers: statistics in fp32; the plain form rounds the normalised row to the input dtype
+before the weight multiplies it (``weight * h.to(dtype)``, result in the promoted dtype), the zero-centered form
+multiplies in fp32 and rounds once (``(h * (1 + w.float())).type_as(x)``). The backward is the exact derivative
+in fp32; the weight gradient is summed per program (8 row blocks), then over programs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _rms_norm_fwd(
+    x,
+    w,
+    y,
+    rstd,
+    rows,
+    eps,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    c = tl.arange(0, BLOCK_D)
+    row_ok = r < rows
+    col_ok = c < D
+    mask = row_ok[:, None] & col_ok[None, :]
+    offsets = r[:, None] * D + c[None, :]
+    xv = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xv * xv, axis=1) / D + eps)
+    tl.store(rstd + r, inv, mask=row_ok)
+    h = xv * inv[:, None]
+    wv = tl.load(w + c, mask=col_ok, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        out = h * (1.0 + wv)[None, :]
+    else:
+        out = h.to(x.dtype.element_ty).to(tl.float32) * wv[None, :]
+    tl.store(y + offsets, out.to(y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _rms_norm_bwd(
+    x,
+    w,
+    dy,
+    rstd,
+    dx,
+    dw_partial,
+    rows,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    STEPS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_D)
+    col_ok = c < D
+    wv = tl.load(w + c, mask=col_ok, other=0.0).to(tl.float32)
+    scale = 1.0 + wv if ZERO_CENTERED else wv
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
+    # STEPS row blocks a program, each program summing its share of the weight gradient (rows past the end
+    # masked off)
+    for step in tl.static_range(STEPS):
+        r = (pid * STEPS + step) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_ok = r < rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        offsets = r[:, None] * D + c[None, :]
+        xv = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(dy + offsets, mask=mask, other=0.0).to(tl.float32)
+        inv = tl.load(rstd + r, mask=row_ok, other=0.0)
+        h = xv * inv[:, None]
+        if ZERO_CENTERED:
+            acc += g * h
+        else:
+            acc += g * h.to(x.dtype.element_ty).to(tl.float32)
+        gh = g * scale[None, :]
+        # d/dx of x * rstd(x): rstd * (gh - h * mean(gh * h)) per row
+        dot = tl.sum(gh * h, axis=1) / D
+        tl.store(dx + offsets, ((gh - h * dot[:, None]) * inv[:, None]).to(dx.dtype.element_ty), mask=mask)
+    tl.store(dw_partial + pid.to(tl.int64) * D + c, tl.sum(acc, axis=0), mask=col_ok)
+
+
+def _blocks(dim: int) -> tuple[int, int, int]:
+    """(BLOCK_D, BLOCK_ROWS, warps) from the feature size alone: ~4k elements a tile for narrow rows (several
+    rows a program), one row a program for wide ones."""
+    block_d = triton.next_power_of_2(dim)
+    block_rows = max(1, min(16, 4096 // block_d))
+    warps = min(16, max(4, block_d * block_rows // 512))
+    return block_d, block_rows, warps
+
+
+# Row blocks per backward program: each program writes one row of partial weight gradients, so 8 blocks a
+# program keep that buffer at 1/8 of the rows (or 1/128 for narrow rows) while leaving thousands of programs.
+BWD_STEPS = 8
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+        dim = x.shape[-1]
+        if weight.shape != (dim,):
+            raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match the last dimension {dim} of x")
+        flat = x.reshape(-1, dim).contiguous()
+        weight = weight.contiguous()
+        out_dtype = x.dtype if zero_centered else torch.promote_types(x.dtype, weight.dtype)
+        y = torch.empty(flat.shape, dtype=out_dtype, device=x.device)
+        rows = flat.shape[0]
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        block_d, block_rows, warps = _blocks(dim)
+        if rows:
+            _rms_norm_fwd[(triton.cdiv(rows, block_rows),)](
+                flat,
+                weight,
+                y,
+                rstd,
+                rows,
+                eps,
+                D=dim,
+                BLOCK_D=block_d,
+                BLOCK_ROWS=block_rows,
+                ZERO_CENTERED=zero_centered,
+                num_warps=warps,
+            )
+        ctx.save_for_backward(flat, weight, rstd)
+        ctx.zero_centered = zero_centered
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        flat, weight, rstd = ctx.saved_tensors
+        dim = flat.shape[-1]
+        rows = flat.shape[0]
+        grad = grad_out.reshape(-1, dim).contiguous()
+        dx = torch.empty_like(flat)
+        block_d, block_rows, warps = _blocks(dim)
+        programs = triton.cdiv(rows, block_rows * BWD_STEPS)
+        partial = torch.empty((programs, dim), dtype=torch.float32, device=flat.device)
+        if rows:
+            _rms_norm_bwd[(programs,)](
+                flat,
+                weight,
+                grad,
+                rstd,
+                dx,
+                partial,
+                rows,
+                D=dim,
+                BLOCK_D=block_d,
+                BLOCK_ROWS=block_rows,
+                STEPS=BWD_STEPS,
+                ZERO_CENTERED=ctx.zero_centered,
+                num_warps=warps,
+            )
+        return dx.view(ctx.shape), partial.sum(0).to(weight.dtype), None, None
+
+
+@torch.compiler.disable  # a graph break under torch.compile, like fla's ops: dynamo never traces the launch
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen2/Qwen3 RMSNorm ``weight * norm(x).to(x.dtype)`` over the last dimension, fused backward."""
+    return _RMSNorm.apply(x, weight, eps, False)
+
+
+@torch.compiler.disable
+def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5/Qwen3-Next RMSNorm ``(norm(x) * (1 + weight)).type_as(x)`` over the last dimension, fused backward."""
+    return _RMSNorm.apply(x, weight, eps, True)
