@@ -144,8 +144,12 @@ EOF
         log="$OUT/sft-${nproc}gpu-$config.log"
         timeout ${SFT_TIMEOUT:-420} python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" examples/sft_ultrachat.py --fsdp $flag \
           --config examples/configs/qwen3_5_27b_text.json --layers "$layers" --max-length 4096 --batch-size "$batch" \
-          --repeat "$repeat" --max-steps "$steps" --profile-step ${PROFILE_STEP:-8} --output-dir /tmp/sft-$nproc-$config > "$log" 2>&1
-        echo "== $config, $layers layers (exit $?)"; grep -E "conversations|world size|losses|fusepatch metrics|steady state|profile of step|CPU-bound|top kernels" "$log" | cut -c1-400
+          --repeat "$repeat" --max-steps "$steps" --profile-step ${PROFILE_STEP:-8} --output-dir /tmp/sft-$nproc-$config \
+          ${TRACE:+--trace-dir /tmp/trace-$nproc-$config} > "$log" 2>&1
+        rc=$?
+        # TRACE=1: the profiled step's Chrome trace (rank 0's file, gzipped) comes back too
+        [ -n "${TRACE:-}" ] && gzip -c "$(ls /tmp/trace-$nproc-$config/*rank0.json /tmp/trace-$nproc-$config/*.json 2>/dev/null | head -1)" > "$OUT/trace-${nproc}gpu-$config.json.gz" 2>/dev/null
+        echo "== $config, $layers layers (exit $rc)"; grep -E "conversations|world size|losses|fusepatch metrics|steady state|profile of step|CPU-bound|top kernels" "$log" | cut -c1-400
         if grep -q "OutOfMemoryError" "$log"; then oom=1; cp "$log" "$OUT/sft-${nproc}gpu-$config-${layers}layers-oom.log"; echo "out of memory at $layers layers"; break; fi
       done
       [ "$oom" = 0 ] && break
@@ -159,7 +163,7 @@ EOF
     nvidia-smi -L
     rm -rf /tmp/seq && mkdir -p /tmp/seq/out && cp -r . /tmp/seq/tree  # the working tree is replaced by each call
     steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
-    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH)=" > /tmp/seq/env || true
+    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE)=" > /tmp/seq/env || true
     # Lanes: "A B / C D + E" runs A then B on GPU 0 beside C then D on GPU 1 (CUDA_VISIBLE_DEVICES), then E on
     # every GPU once both lanes are done. A step is PHASE[-ARG][@K=V:K=V]: its own environment (sft@NPROC=all:LAYERS=24).
     cat > /tmp/seq/run.sh <<'RUN'

@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--no-fusepatch", action="store_true")
     parser.add_argument("--profile-step", type=int, default=5)
+    parser.add_argument("--trace-dir", default=None, help="also write the profiled step's Chrome trace there")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard per decoder layer) under torchrun")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -229,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=collator)
     callback = fusepatch.attach(
-        trainer, fusepatch.FusePatchCallback(apply_patches=not args.no_fusepatch, profile_step=args.profile_step)
+        trainer,
+        fusepatch.FusePatchCallback(
+            apply_patches=not args.no_fusepatch, profile_step=args.profile_step, trace_dir=args.trace_dir
+        ),
     )
     trainer.train()
     metrics = {k: v for entry in trainer.state.log_history for k, v in entry.items() if k.startswith("fusepatch/")}

@@ -13,6 +13,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 from transformers import TrainerCallback
 
 from fusepatch import profile as profiling
@@ -192,7 +193,9 @@ class FusePatchCallback(TrainerCallback):
         (logger.warning if result.cpu_bound else logger.info)("%s", result.summary())
         if self.trace_dir:
             os.makedirs(self.trace_dir, exist_ok=True)
-            path = os.path.join(self.trace_dir, f"fusepatch-step{state.global_step}.json")
+            # one file per rank: under torchrun every rank profiles the same step into the same folder
+            rank = f"-rank{dist.get_rank()}" if dist.is_available() and dist.is_initialized() else ""
+            path = os.path.join(self.trace_dir, f"fusepatch-step{state.global_step}{rank}.json")
             prof.export_chrome_trace(path)
             logger.info("fusepatch: trace of step %d written to %s", state.global_step, path)
         control.should_log = True  # the Trainer logs right after this step; on_log adds the metrics
