@@ -149,7 +149,7 @@ EOF
         rc=$?
         # TRACE=1: the profiled step's Chrome trace (rank 0's file, gzipped) comes back too
         [ -n "${TRACE:-}" ] && gzip -c "$(ls /tmp/trace-$nproc-$config/*rank0.json /tmp/trace-$nproc-$config/*.json 2>/dev/null | head -1)" > "$OUT/trace-${nproc}gpu-$config.json.gz" 2>/dev/null
-        echo "== $config, $layers layers (exit $rc)"; grep -E "conversations|world size|losses|fusepatch metrics|steady state|profile of step|CPU-bound|top kernels" "$log" | cut -c1-400
+        echo "== $config, $layers layers (exit $rc)"; grep -E "conversations|world size|losses|fusepatch metrics|steady state|profile of step|CPU-bound|top kernels|kernel builds" "$log" | cut -c1-400
         if grep -q "OutOfMemoryError" "$log"; then oom=1; cp "$log" "$OUT/sft-${nproc}gpu-$config-${layers}layers-oom.log"; echo "out of memory at $layers layers"; break; fi
       done
       [ "$oom" = 0 ] && break

@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     print("losses: " + " ".join(f"{x:.3f}" for x in losses))
     print("fusepatch metrics: " + json.dumps(metrics))
     print("steady state (this rank): " + json.dumps(callback.steady_state()))
+    print("triton kernel builds after step 2: " + json.dumps(dict(callback.late_builds)))
     if callback.last_profile is not None:
         print(callback.last_profile.summary())
     return 0

@@ -7,6 +7,7 @@ W&B see the metrics too).
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from fusepatch import profile as profiling
+from fusepatch.compiles import CompileCounter, describe
 from fusepatch.patch import apply, report
 
 logger = logging.getLogger("fusepatch")
@@ -104,6 +106,11 @@ class FusePatchCallback(TrainerCallback):
         self.step_times: dict[int, tuple[float, int]] = {}  # optimizer step -> (wall s, tokens on this rank)
         self._step_start = 0.0
         self._step_tokens = 0
+        # Triton kernel builds per step: after the first two steps they mean sizes that keep changing
+        self.compiles = CompileCounter()
+        self.late_builds: collections.Counter[str] = collections.Counter()  # builds in steps 3 and later
+        self._late_steps = 0
+        self._builds_before: collections.Counter[str] = collections.Counter()
 
     # -- training begins: patch, report, start counting tokens ---------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -126,6 +133,7 @@ class FusePatchCallback(TrainerCallback):
         )
         self._hook = model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
         self._model = model
+        self.compiles.install()
 
     def _count_tokens(self, module, args, kwargs):
         if not module.training:
@@ -150,6 +158,7 @@ class FusePatchCallback(TrainerCallback):
             torch.cuda.synchronize()
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self._builds_before = self.compiles.counts.copy()
         if self._hook is not None and (self.time_steps or state.global_step + 1 <= 2):
             self._sync()
             self._step_start = time.perf_counter()
@@ -174,6 +183,9 @@ class FusePatchCallback(TrainerCallback):
             self.step_times[state.global_step] = (time.perf_counter() - self._step_start, self._step_tokens)
             if state.global_step == 2:
                 self._report_first_step()
+        builds = self.compiles.since(self._builds_before)
+        if builds and state.global_step > 2:
+            self._late_builds(state.global_step, builds)
         if self._profiler is None:
             return
         self._sync()
@@ -190,7 +202,12 @@ class FusePatchCallback(TrainerCallback):
         )
         self.last_profile = result
         self._pending.update(result.metrics())
-        (logger.warning if result.cpu_bound else logger.info)("%s", result.summary())
+        summary = result.summary()
+        if self.compiles.active:
+            self._pending["fusepatch/triton_builds"] = sum(builds.values())
+            if builds:
+                summary += f" During this step: {describe(builds)}."
+        (logger.warning if result.cpu_bound or builds else logger.info)("%s", summary)
         if self.trace_dir:
             os.makedirs(self.trace_dir, exist_ok=True)
             # one file per rank: under torchrun every rank profiles the same step into the same folder
@@ -215,6 +232,18 @@ class FusePatchCallback(TrainerCallback):
             "median_step_s": round(seconds[len(seconds) // 2], 4),
             "median_tokens_per_s": round(rates[len(rates) // 2], 1) if rates else 0.0,
         }
+
+    def _late_builds(self, step: int, builds: collections.Counter[str]) -> None:
+        self.late_builds.update(builds)
+        self._late_steps += 1
+        if self._late_steps == 1:
+            logger.warning(
+                "fusepatch: step %d made %s after the warm-up steps. A kernel that specializes on a size that "
+                "changes from step to step (a packed row's length) is compiled, and autotuned, again for each new "
+                "size; the end of training says how often it happened.",
+                step,
+                describe(builds),
+            )
 
     def _report_first_step(self) -> None:
         first, second = self.step_times.get(1, (0.0, 0))[0], self.step_times.get(2, (0.0, 0))[0]
@@ -247,6 +276,16 @@ class FusePatchCallback(TrainerCallback):
                 steady["median_step_s"] * 1000,
                 steady["median_tokens_per_s"],
             )
+        if self.late_builds:
+            logger.warning(
+                "fusepatch: %s in %d steps after the first two. Each costs a compile (or a load from the disk "
+                "cache) and, for an autotuned kernel, a benchmark of every configuration; if it keeps happening, "
+                "that kernel specializes on a size your batches change (report it; fusepatch's own norm, SwiGLU "
+                "and rotary kernels do not).",
+                describe(self.late_builds),
+                self._late_steps,
+            )
+        self.compiles.remove()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

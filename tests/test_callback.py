@@ -205,3 +205,67 @@ def test_gpu_annotations_are_not_kernels_and_not_busy_time():
     assert profile.gpu_kernels == 2 and profile.cpu_ops == 1
     assert profile.gpu_busy_fraction == 0.2  # 200 us of kernels in a 1 ms step, not the annotations' 1 ms
     assert [name for name, _ in profile.top_kernels] == ["gemm_kernel"]
+
+
+def _triton_builds(name: str):
+    """What Triton does after building a kernel variant: call the post-compile hook, as ``JITFunction._call_hook``
+    calls it (a CPU machine cannot build a GPU kernel, so the test makes the call itself)."""
+    from triton import knobs
+    from triton.runtime.jit import JitFunctionInfo
+
+    hook = knobs.runtime.jit_post_compile_hook
+    if hook is not None:
+        hook(
+            key=(),
+            repr=name,
+            fn=JitFunctionInfo("tests", name, None),
+            compile={},
+            is_manual_warmup=False,
+            already_compiled=False,
+        )
+
+
+def test_kernel_builds_after_the_warm_up_steps_are_named(tmp_path, caplog):
+    """A kernel that specializes on a size changing every step rebuilds each step (the H200 SFT run of session 6):
+    the callback names it in the profiled step, in a warning at the first such step, and at the end."""
+    knobs = pytest.importorskip("triton.knobs")
+    before = knobs.runtime.jit_post_compile_hook
+    calls = []
+
+    def earlier_hook(**kwargs):  # someone else's hook: still called, and put back afterwards
+        calls.append(kwargs["fn"].name)
+
+    knobs.runtime.jit_post_compile_hook = earlier_hook
+    try:
+        callback = FusePatchCallback(profile_step=4)
+        trainer = _trainer(tmp_path, [callback], max_steps=5)
+        steps = []
+        trainer.model.register_forward_pre_hook(lambda module, args: steps.append(1))
+        # every forward builds "warm_up_kernel" during steps 1-2 and "size_specialized_kernel" afterwards
+        trainer.model.register_forward_pre_hook(
+            lambda module, args: _triton_builds("warm_up_kernel" if len(steps) <= 2 else "size_specialized_kernel")
+        )
+        with caplog.at_level(logging.INFO, logger="fusepatch"):
+            trainer.train()
+        assert knobs.runtime.jit_post_compile_hook is earlier_hook
+    finally:
+        knobs.runtime.jit_post_compile_hook = before
+    assert calls.count("warm_up_kernel") == 2 and calls.count("size_specialized_kernel") == 3
+    assert dict(callback.late_builds) == {"size_specialized_kernel": 3}
+    messages = "\n".join(r.getMessage() for r in caplog.records)
+    assert "step 3 made 1 Triton kernel build (size_specialized_kernel 1) after the warm-up steps" in messages
+    assert "During this step: 1 Triton kernel build (size_specialized_kernel 1)." in messages
+    assert "3 Triton kernel builds (size_specialized_kernel 3) in 3 steps after the first two" in messages
+    merged = {}
+    for entry in trainer.state.log_history:
+        merged.update(entry)
+    assert merged["fusepatch/triton_builds"] == 1
+
+
+def test_no_kernel_builds_no_warning(tmp_path, caplog):
+    pytest.importorskip("triton.knobs")
+    callback = FusePatchCallback(profile_step=3)
+    with caplog.at_level(logging.INFO, logger="fusepatch"):
+        _trainer(tmp_path, [callback], max_steps=4).train()
+    assert not callback.late_builds
+    assert "Triton kernel build" not in "\n".join(r.getMessage() for r in caplog.records)
