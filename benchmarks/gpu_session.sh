@@ -134,6 +134,8 @@ EOF
     # the sample repeated so that every rank gets full batches for every step
     batch=${BATCH:-48}; steps=${STEPS:-12}; repeat=$(( (steps * batch * nproc + 23) / 24 ))
     # SFT_CONFIGS: which configurations, in which order (comma-separated; the table always compares to hf-fast)
+    # LR: the learning rate (default 1e-3, the example's; at 24 layers of random 27B-shaped weights it gave loss
+    # spikes in session 6, which make two curves hard to compare)
     # LAYERS may list depths, deepest first (LAYERS=24,16): a depth whose run runs out of GPU memory is given
     # up for the next one, every configuration again, so the table compares one depth (issue 7: the deepest
     # that fits)
@@ -144,7 +146,7 @@ EOF
         log="$OUT/sft-${nproc}gpu-$config.log"
         timeout ${SFT_TIMEOUT:-420} python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" examples/sft_ultrachat.py --fsdp $flag \
           --config examples/configs/qwen3_5_27b_text.json --layers "$layers" --max-length 4096 --batch-size "$batch" \
-          --repeat "$repeat" --max-steps "$steps" --profile-step ${PROFILE_STEP:-8} --output-dir /tmp/sft-$nproc-$config \
+          --repeat "$repeat" --max-steps "$steps" --learning-rate ${LR:-1e-3} --profile-step ${PROFILE_STEP:-8} --output-dir /tmp/sft-$nproc-$config \
           ${TRACE:+--trace-dir /tmp/trace-$nproc-$config} > "$log" 2>&1
         rc=$?
         # TRACE=1: the profiled step's Chrome trace (rank 0's file, gzipped) comes back too
@@ -163,7 +165,7 @@ EOF
     nvidia-smi -L
     rm -rf /tmp/seq && mkdir -p /tmp/seq/out && cp -r . /tmp/seq/tree  # the working tree is replaced by each call
     steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
-    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE)=" > /tmp/seq/env || true
+    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR)=" > /tmp/seq/env || true
     # Lanes: "A B / C D + E" runs A then B on GPU 0 beside C then D on GPU 1 (CUDA_VISIBLE_DEVICES), then E on
     # every GPU once both lanes are done. A step is PHASE[-ARG][@K=V:K=V]: its own environment (sft@NPROC=all:LAYERS=24).
     cat > /tmp/seq/run.sh <<'RUN'
