@@ -94,7 +94,7 @@ def _rms_norm_bwd(
         # d/dx of x * rstd(x): rstd * (gh - h * mean(gh * h)) per row
         dot = tl.sum(gh * h, axis=1) / D
         tl.store(dx + offsets, ((gh - h * dot[:, None]) * inv[:, None]).to(dx.dtype.element_ty), mask=mask)
-    tl.store(dw_partial + pid.to(tl.int64) * D + c, tl.sum(acc, axis=0), mask=col_ok)
+    tl.store(dw_partial + pid * D + c, tl.sum(acc, axis=0), mask=col_ok)
 
 
 def _blocks(dim: int) -> tuple[int, int, int]:
