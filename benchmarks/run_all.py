@@ -72,6 +72,8 @@ def run_one(label: str, args) -> dict:
         cmd += ["--layers", str(args.layers)]
     if args.checkpointing:
         cmd.append("--checkpointing")
+    if args.vary_seq:
+        cmd += ["--vary-seq", str(args.vary_seq)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if os.path.exists(out):
@@ -88,17 +90,18 @@ def run_one(label: str, args) -> dict:
 def table(results: list[dict], baseline: str = "hf-fast") -> str:
     base = next((r for r in results if r.get("config") == baseline and "error" not in r), None)
     lines = [
-        "| config | tokens/s | vs hf-fast | median step ms | peak GiB | aten ops/step | GPU kernels/step | GPU busy | MFU | note |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| config | tokens/s | vs hf-fast | median step ms | slowest step ms | peak GiB | aten ops/step | GPU kernels/step | GPU busy | MFU | note |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['config']} | - | - | - | - | - | - | - | - | fails: {r['error'][:160]} |")
+            lines.append(f"| {r['config']} | - | - | - | - | - | - | - | - | - | fails: {r['error'][:160]} |")
             continue
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         note = "; ".join(r.get("fallbacks", [])[:2])[:160]
         lines.append(
-            f"| {r['config']} | {r['tokens_per_s']:,.0f} | {ratio} | {r['median_step_ms']} | {r['peak_mem_gib']} | "
+            f"| {r['config']} | {r['tokens_per_s']:,.0f} | {ratio} | {r['median_step_ms']} | "
+            f"{r.get('max_step_ms', max(r.get('step_ms') or [0]))} | {r['peak_mem_gib']} | "
             f"{r['aten_ops_per_step']:,} | {r['gpu_kernels_per_step']:,} | {r['gpu_busy_fraction']:.2f} | {r['mfu']:.2f} | {note} |"
         )
     return "\n".join(lines)
@@ -114,6 +117,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument(
+        "--vary-seq", type=float, default=0.0, help="each timed step's length from [seq*(1-F), seq] (train_step.py)"
+    )
     parser.add_argument("--timeout", type=int, default=300)
     parser.add_argument("--workdir", default=".")
     parser.add_argument("--out", default=None)

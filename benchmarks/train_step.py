@@ -8,6 +8,11 @@ Configurations: ``eager`` (transformers' reference paths; the caller makes fla/c
 ``hf-fast`` (transformers with fla + causal-conv1d importable, no fusepatch), ``fusepatch`` (the same plus
 ``fusepatch.apply``). Reports the median step time of ``--steps`` timed steps after ``--warmup`` steps,
 tokens/s, peak memory, and from one profiled step: aten ops dispatched, GPU kernels, GPU busy fraction.
+
+``--vary-seq F`` gives every timed step its own length, drawn from ``[seq * (1 - F), seq]`` (the same draws for
+every configuration), as packed rows of a fine-tuning run have: a kernel that compiles or autotunes per size
+shows up in the step times (the fixed-length tables cannot show it; RESULTS.md, session 6). tokens/s is then
+all timed tokens over all timed step time, and the slowest step is reported beside the median.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -63,6 +69,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--vary-seq", type=float, default=0.0, help="each timed step's length from [seq*(1-F), seq]")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
@@ -125,8 +132,8 @@ def run(args, seq: int, batch: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def step():
-        ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+    def step(length: int = seq):
+        ids = torch.randint(0, config.vocab_size, (batch, length), device=device)
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         optimizer.step()
@@ -140,16 +147,22 @@ def run(args, seq: int, batch: int) -> dict:
     info["warmup_s"] = time.perf_counter() - first
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    draws = random.Random(1234)  # the same lengths for every configuration
+    lengths = [
+        draws.randint(max(1, int(seq * (1 - args.vary_seq))), seq) if args.vary_seq else seq for _ in range(args.steps)
+    ]
     times, losses = [], []
-    for _ in range(args.steps):
+    for length in lengths:
         sync()
         start = time.perf_counter()
-        loss = step()
+        loss = step(length)
         sync()
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
     median = statistics.median(times)
     tokens = batch * seq
+    if args.vary_seq:
+        info.update(lengths=lengths, max_step_ms=round(max(times) * 1000, 2))
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -164,16 +177,22 @@ def run(args, seq: int, batch: int) -> dict:
         window = time.perf_counter() - start
     # The same trace arithmetic as FusePatchCallback (fusepatch.profile), over the profiled step's wall time.
     profiled = summarize(prof.events(), step=0, wall_s=window, tokens=tokens, flops=None, peak_tflops=None, top=15)
+    if args.vary_seq:  # every step its own size: all tokens over all time, FLOPs per step at its length
+        rate = batch * sum(lengths) / sum(times)
+        flops_per_s = sum(flops_per_token(model, n) * batch * n for n in lengths) / sum(times)
+    else:
+        rate = tokens / median
+        flops_per_s = flops_per_token(model, seq) * tokens / median
     flops = flops_per_token(model, seq) * tokens
     info.update(
         step_ms=[round(t * 1000, 2) for t in times],
         median_step_ms=round(median * 1000, 2),
-        tokens_per_s=round(tokens / median, 1),
+        tokens_per_s=round(rate, 1),
         peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
         aten_ops_per_step=profiled.cpu_ops,
         gpu_kernels_per_step=profiled.gpu_kernels,
         gpu_busy_fraction=round(profiled.gpu_busy_fraction or 0.0, 3),
-        mfu=round(flops / median / (PEAK_TFLOPS * 1e12), 3),
+        mfu=round(flops_per_s / (PEAK_TFLOPS * 1e12), 3),
         tflop_per_step=round(flops / 1e12, 2),
         losses=[round(x, 4) for x in losses],
         top_kernels_ms=profiled.top_kernels,

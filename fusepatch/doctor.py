@@ -12,7 +12,7 @@ from fusepatch.ops import OPS
 from fusepatch.ops.base import Op
 from fusepatch.registry import all_rows
 from fusepatch.requirements import version_in
-from fusepatch.resolve import evaluate, ordered, preferred_sources, static_verdict
+from fusepatch.resolve import evaluate, first_verdict, ordered, preferred_sources
 from fusepatch.selftest import COMPILED_S
 
 logger = logging.getLogger("fusepatch")
@@ -76,7 +76,7 @@ def examine_op(
     chosen = None
     for candidate in ordered(op, prefer):
         started = time.perf_counter()
-        static, env = static_verdict(candidate, env)
+        static, env = first_verdict(op, candidate, env)
         checks_only = static_only or (chosen is not None and not every)
         verdict, _ = evaluate(op, candidate, static, device, dtype, checks_only=checks_only)
         seconds = time.perf_counter() - started

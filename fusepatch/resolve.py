@@ -18,7 +18,16 @@ from fusepatch import selftest
 from fusepatch.env import Environment
 from fusepatch.ops import OPS
 from fusepatch.ops.base import SOURCES, Candidate, Op
-from fusepatch.requirements import OK, CudaDevice, DistributionVersion, Importable, Inputs, MinCapability, Verdict
+from fusepatch.requirements import (
+    OK,
+    CudaDevice,
+    DistributionVersion,
+    Importable,
+    Inputs,
+    MinCapability,
+    Verdict,
+    reject,
+)
 
 logger = logging.getLogger("fusepatch")
 
@@ -124,6 +133,34 @@ def preferred_sources(prefer: Iterable[str] | None = None) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"unknown kernel source(s) {unknown}; choose from 'hub', 'pip', 'source'")
     return prefer
+
+
+def skipped_candidates() -> set[tuple[str, str]]:
+    """``FUSEPATCH_SKIP``: comma-separated ``op/candidate`` pairs (``*`` for every op) to refuse without trying,
+    e.g. ``rms_norm_zero_centered/triton`` to run fla's norm instead of fusepatch's, or to step around a kernel
+    that misbehaves on your stack. A skipped candidate is reported with that reason, never dropped silently."""
+    pairs = set()
+    for item in os.environ.get("FUSEPATCH_SKIP", "").split(","):
+        op, sep, name = item.strip().partition("/")
+        if item.strip() and (not sep or not op or not name):
+            raise ValueError(f"FUSEPATCH_SKIP: expected op/candidate (e.g. rms_norm/triton), got {item.strip()!r}")
+        if sep:
+            pairs.add((op, name))
+    return pairs
+
+
+def first_verdict(op: Op, candidate: Candidate, env: Environment) -> tuple[Verdict, Environment]:
+    """``static_verdict``, unless ``FUSEPATCH_SKIP`` names the candidate (then refused with that reason)."""
+    skip = skipped_candidates()
+    if (op.name, candidate.name) in skip or ("*", candidate.name) in skip:
+        return (
+            reject(
+                f"skipped by FUSEPATCH_SKIP={os.environ.get('FUSEPATCH_SKIP', '')}",
+                f"remove {op.name}/{candidate.name} from FUSEPATCH_SKIP to try it",
+            ),
+            env,
+        )
+    return static_verdict(candidate, env)
 
 
 def ordered(op: Op, prefer: tuple[str, ...]) -> list[Candidate]:
@@ -248,7 +285,7 @@ class Dispatch:
         self._static: list[tuple[Candidate, Verdict]] = []
         if disabled_reason is None:
             for candidate in ordered(op, prefer):
-                verdict, self._env = static_verdict(candidate, self._env)
+                verdict, self._env = first_verdict(op, candidate, self._env)
                 self._static.append((candidate, verdict))
         self._choices: dict[tuple[str, str, bool], tuple[Choice, Callable[..., Any]]] = {}
         self._lock = threading.RLock()  # re-entry from the same thread is detected and reported, not deadlocked

@@ -21,3 +21,28 @@ def test_labels_carry_environment_settings_for_variants():
         run_all.parse_label("fusepach")
     with pytest.raises(ValueError, match="expected NAME=VALUE"):
         run_all.parse_label("fusepatch+1024")
+
+
+def test_varying_lengths_give_every_timed_step_its_own_size(tmp_path):
+    """``--vary-seq``: the harness case the fixed-length tables missed (session 6). Same draws for every
+    configuration; tokens/s over all timed tokens and time; the slowest step in the table."""
+    import json
+    import random
+    import subprocess
+
+    out = tmp_path / "tiny.json"
+    script = os.path.join(os.path.dirname(run_all.__file__), "train_step.py")
+    cmd = [sys.executable, script, "--config", "fusepatch", "--shape", "tiny", "--device", "cpu"]
+    cmd += ["--steps", "3", "--warmup", "1", "--vary-seq", "0.5", "--json-out", str(out)]
+    subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
+    result = json.loads(out.read_text())
+    assert "error" not in result, result.get("traceback")
+    draws = random.Random(1234)
+    assert result["lengths"] == [draws.randint(128, 256) for _ in range(3)]
+    seconds = sum(result["step_ms"]) / 1000
+    assert (
+        abs(result["tokens_per_s"] - result["batch"] * sum(result["lengths"]) / seconds) < 0.01 * result["tokens_per_s"]
+    )
+    assert result["max_step_ms"] == max(result["step_ms"])
+    row = run_all.table([result | {"config": "fusepatch"}]).splitlines()[-1]
+    assert f"| {result['median_step_ms']} | {result['max_step_ms']} |" in row

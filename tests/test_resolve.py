@@ -270,3 +270,37 @@ def test_gpu_self_tests_say_so_before_and_after_a_long_compile(monkeypatch, capl
     assert messages[0].startswith("fusepatch: self-testing swiglu/jit on cuda/bfloat16 packed")
     assert messages[1] == "fusepatch: swiglu/jit self-test passed after 41 s"
     selftest.clear_cache()
+
+
+def test_fusepatch_skip_refuses_named_candidates_with_the_reason(monkeypatch):
+    """FUSEPATCH_SKIP=op/candidate: the named candidate is refused without loading (reported, not dropped), the
+    next one is tried; ``*/name`` names a candidate of every op; a malformed entry raises with the expected form."""
+
+    def swiglu(g, u):
+        return torch.nn.functional.silu(g) * u
+
+    loaded = []
+
+    def tracked(name):
+        return Candidate(
+            name=name,
+            source="pip",
+            requirements=(),
+            load=lambda: loaded.append(name) or swiglu,
+            inputs=CPU_INPUTS,
+        )
+
+    op = _op_with(monkeypatch, tracked("first"), tracked("second"))
+    monkeypatch.setenv("FUSEPATCH_SKIP", f"{op.name}/first")
+    choice = _dispatch(op).choice("cpu", "float32")
+    assert choice.chosen == "second" and loaded == ["second"]
+    assert choice.rejected[0].candidate == "first"
+    assert choice.rejected[0].reason == f"skipped by FUSEPATCH_SKIP={op.name}/first"
+    assert f"remove {op.name}/first from FUSEPATCH_SKIP" in choice.rejected[0].fix
+
+    monkeypatch.setenv("FUSEPATCH_SKIP", "*/first, */second")
+    assert _dispatch(op).choice("cpu", "float32").chosen == "eager"
+
+    monkeypatch.setenv("FUSEPATCH_SKIP", "first")
+    with pytest.raises(ValueError, match="expected op/candidate"):
+        _dispatch(op)
