@@ -2,14 +2,14 @@
 
     python benchmarks/norm_bench.py --json-out norm.json
 
-Two cases per norm site of the Qwen3.5-27B shapes (decoder width 5120; the per-head q/k norm, 24 heads of 256;
-bf16, zero-centered form):
+Two cases per norm site of the Qwen3.5-27B shapes (decoder width 5120 and the per-head q/k norm, 24 heads of 256,
+zero-centered form; the Gated DeltaNet output norm, 48 value heads of 128, gated form; bf16):
 - fixed: the same 4,096 tokens every call; median of ``--steps`` calls after ``--warmup`` (the benchmark tables'
   case: every shape seen before).
 - varying: ``--lengths`` packed-row lengths, each new to the process, one call each, timed with whatever the
   kernel compiles or autotunes for it (the SFT case: packed rows of a different length every step). Reported:
   the total and the slowest call.
-Eager is transformers' arithmetic (``fusepatch.ops.norms.rms_norm_zero_centered_reference``).
+Eager is transformers' arithmetic (the ops' references in ``fusepatch.ops.norms``).
 """
 
 from __future__ import annotations
@@ -22,14 +22,19 @@ import time
 
 import torch
 
-from fusepatch.ops.norms import RMS_NORM_ZERO_CENTERED, rms_norm_zero_centered_reference
+from fusepatch.ops import OPS
 
-SITES = {"decoder (5120)": (1, 5120), "q/k per head (24 x 256)": (24, 256)}
+# site: (op, heads, feature size)
+SITES = {
+    "decoder (5120)": ("rms_norm_zero_centered", 1, 5120),
+    "q/k per head (24 x 256)": ("rms_norm_zero_centered", 24, 256),
+    "gated, per value head (48 x 128)": ("gated_rms_norm", 48, 128),
+}
 
 
-def implementations() -> dict:
-    found = {"eager": rms_norm_zero_centered_reference}
-    for candidate in RMS_NORM_ZERO_CENTERED.candidates:
+def implementations(op: str) -> dict:
+    found = {"eager": OPS[op].reference}
+    for candidate in OPS[op].candidates:
         if candidate.name in ("triton", "fla"):
             try:
                 found[candidate.name] = candidate.load()
@@ -38,13 +43,14 @@ def implementations() -> dict:
     return found
 
 
-def call(fn, tokens: int, heads: int, dim: int, weight: torch.Tensor) -> float:
+def call(fn, op: str, tokens: int, heads: int, dim: int, weight: torch.Tensor) -> float:
     x = torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = weight.detach().requires_grad_(True)
     grad = torch.randn_like(x)
+    args = (x, torch.randn_like(x, requires_grad=True), w) if op == "gated_rms_norm" else (x, w)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    fn(x, w, 1e-6).backward(grad)
+    fn(*args, 1e-6).backward(grad)
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
@@ -59,13 +65,13 @@ def main() -> int:
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = []
-    for site, (heads, dim) in SITES.items():
-        weight = 0.1 * torch.randn(dim, device="cuda", dtype=torch.bfloat16)
-        for name, fn in implementations().items():
+    for site, (op, heads, dim) in SITES.items():
+        weight = 0.1 * torch.randn(dim, device="cuda", dtype=torch.bfloat16) + (op == "gated_rms_norm")
+        for name, fn in implementations(op).items():
             for _ in range(args.warmup):
-                call(fn, args.tokens, heads, dim, weight)
-            fixed = [call(fn, args.tokens, heads, dim, weight) for _ in range(args.steps)]
-            varying = [call(fn, t, heads, dim, weight) for t in lengths]
+                call(fn, op, args.tokens, heads, dim, weight)
+            fixed = [call(fn, op, args.tokens, heads, dim, weight) for _ in range(args.steps)]
+            varying = [call(fn, op, t, heads, dim, weight) for t in lengths]
             rows.append(
                 {
                     "site": site,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -51,7 +52,8 @@ def run_one(label: str, args) -> dict:
     config, fla, tilelang = CONFIGS[base]
     paths = [ROOT] + ([args.site_fla] if fla else []) + ([args.site_tl] if tilelang else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), FLA_FLASH_QLA="0", **overrides)
-    out = os.path.join(args.workdir, f"{args.shape}-{label}.json")
+    stem = f"{args.shape}-{re.sub(r'[^A-Za-z0-9.+=_-]', '_', label)}"  # a label may hold '/' (FUSEPATCH_SKIP)
+    out = os.path.join(args.workdir, f"{stem}.json")
     cmd = [
         sys.executable,
         os.path.join(HERE, "train_step.py"),
@@ -82,7 +84,7 @@ def run_one(label: str, args) -> dict:
     else:
         result = {"config": label, "error": f"exit {proc.returncode}: {proc.stderr[-800:]}"}
     result["wall_s"] = round(time.perf_counter() - start, 1)
-    with open(os.path.join(args.workdir, f"{args.shape}-{label}.log"), "w") as fh:
+    with open(os.path.join(args.workdir, f"{stem}.log"), "w") as fh:
         fh.write(proc.stdout[-20000:] + "\n--- stderr ---\n" + proc.stderr[-20000:])
     return result
 

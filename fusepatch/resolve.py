@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -136,11 +137,12 @@ def preferred_sources(prefer: Iterable[str] | None = None) -> tuple[str, ...]:
 
 
 def skipped_candidates() -> set[tuple[str, str]]:
-    """``FUSEPATCH_SKIP``: comma-separated ``op/candidate`` pairs (``*`` for every op) to refuse without trying,
-    e.g. ``rms_norm_zero_centered/triton`` to run fla's norm instead of fusepatch's, or to step around a kernel
-    that misbehaves on your stack. A skipped candidate is reported with that reason, never dropped silently."""
+    """``FUSEPATCH_SKIP``: ``op/candidate`` pairs separated by commas or semicolons (``*`` for every op) to refuse
+    without trying, e.g. ``rms_norm_zero_centered/triton`` to run fla's norm instead of fusepatch's, or to step
+    around a kernel that misbehaves on your stack. A skipped candidate is reported with that reason, never
+    dropped silently."""
     pairs = set()
-    for item in os.environ.get("FUSEPATCH_SKIP", "").split(","):
+    for item in re.split(r"[,;]", os.environ.get("FUSEPATCH_SKIP", "")):
         op, sep, name = item.strip().partition("/")
         if item.strip() and (not sep or not op or not name):
             raise ValueError(f"FUSEPATCH_SKIP: expected op/candidate (e.g. rms_norm/triton), got {item.strip()!r}")

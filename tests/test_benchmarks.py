@@ -46,3 +46,17 @@ def test_varying_lengths_give_every_timed_step_its_own_size(tmp_path):
     assert result["max_step_ms"] == max(result["step_ms"])
     row = run_all.table([result | {"config": "fusepatch"}]).splitlines()[-1]
     assert f"| {result['median_step_ms']} | {result['max_step_ms']} |" in row
+
+
+def test_a_label_with_a_slash_gets_its_own_files(tmp_path):
+    """``fusepatch+FUSEPATCH_SKIP=rms_norm/triton``: the label names files, so its '/' must not make a folder."""
+    import argparse
+
+    args = argparse.Namespace(
+        shape="tiny", steps=1, warmup=0, timeout=300, workdir=str(tmp_path), site_fla="", site_tl="", layers=None,
+        checkpointing=False, vary_seq=0.0,
+    )  # fmt: skip
+    result = run_all.run_one("eager+FUSEPATCH_SKIP=rms_norm/triton", args)
+    assert result["config"] == "eager+FUSEPATCH_SKIP=rms_norm/triton"
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["tiny-eager+FUSEPATCH_SKIP=rms_norm_triton.json", "tiny-eager+FUSEPATCH_SKIP=rms_norm_triton.log"]

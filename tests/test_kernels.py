@@ -100,9 +100,12 @@ RMS_NORM_SCRIPT = textwrap.dedent(
 
     torch.manual_seed(0)
     forms = ((rms_norm, rms_norm_reference, 1.0), (rms_norm_zero_centered, rms_norm_zero_centered_reference, 0.0))
-    # (x dtype, weight dtype, bound): the weight in fp32 under the activation dtype is autocast's case
-    dtypes = ((torch.float32, torch.float32, 1e-6), (torch.bfloat16, torch.bfloat16, 1e-2),
-              (torch.bfloat16, torch.float32, 1e-2))
+    # (x dtype, weight dtype, bound): the weight in fp32 under the activation dtype is autocast's case. The
+    # interpreter truncates fp32 -> bf16 where a GPU rounds to nearest (checked: half of all casts differ), so
+    # bf16 errors here are about twice the GPU's (gated bf16: 8.9e-3 here, eager bf16 2.9e-3); the GPU tests
+    # hold the compiled kernel to the GPU's own bounds.
+    dtypes = ((torch.float32, torch.float32, 1e-6), (torch.bfloat16, torch.bfloat16, 1.5e-2),
+              (torch.bfloat16, torch.float32, 1.5e-2))
     # odd feature sizes; one row; more rows than one backward program takes (partial weight gradients summed);
     # per-head rows as the attention's q/k norms see them
     shapes = ((3, 37, 200), (1000, 5), (1, 1300), (2, 301, 4, 64))
@@ -122,6 +125,25 @@ RMS_NORM_SCRIPT = textwrap.dedent(
                 assert grads[0].dtype == x_dtype and grads[1].dtype == w_dtype
                 errors = [relative_error(out, ref)] + [relative_error(a, b) for a, b in zip(grads, ref_grads)]
                 assert max(errors) < tol, (fn.__name__, x_dtype, w_dtype, shape, errors)
+    # the gated form (Gated DeltaNet's output norm): output, x, gate and weight gradients
+    from fusepatch.kernels.rms_norm import gated_rms_norm
+    from fusepatch.ops.norms import gated_rms_norm_reference
+
+    for x_dtype, w_dtype, tol in dtypes:
+        for shape in ((211, 128), (1000, 5), (2, 37, 3, 64)):
+            x = torch.randn(shape).to(x_dtype).requires_grad_(True)
+            z = torch.randn(shape).to(x_dtype).requires_grad_(True)
+            w = (1 + 0.1 * torch.randn(shape[-1])).to(w_dtype).requires_grad_(True)
+            out = gated_rms_norm(x, z, w, 1e-6)
+            expected = gated_rms_norm_reference(x.detach(), z.detach(), w.detach(), 1e-6)
+            assert out.dtype == expected.dtype == x_dtype and out.shape == expected.shape
+            leaves = [t.detach().double().requires_grad_(True) for t in (x, z, w)]
+            ref = gated_rms_norm_reference(leaves[0], leaves[1], leaves[2], 1e-6)
+            cot = torch.randn_like(ref)
+            grads = torch.autograd.grad(out, (x, z, w), cot.to(out.dtype))
+            ref_grads = torch.autograd.grad(ref, leaves, cot)
+            errors = [relative_error(out, ref)] + [relative_error(a, b) for a, b in zip(grads, ref_grads)]
+            assert max(errors) < tol, ("gated", x_dtype, w_dtype, shape, errors)
     # a non-contiguous input (q viewed per head, then transposed) gives its contiguous copy's result
     q = torch.randn(2, 7, 3, 64).transpose(1, 2)
     w = torch.randn(64)

@@ -1,5 +1,6 @@
-"""RMSNorm forward and backward, plain (``w * norm(x)``) and zero-centered (``norm(x) * (1 + w)``), one fixed
-launch configuration per feature size and nothing compiled per row count.
+"""RMSNorm forward and backward in the three Qwen forms: plain (``w * norm(x)``), zero-centered
+(``norm(x) * (1 + w)``) and gated (``w * norm(x) * silu(z)``, the Gated DeltaNet output norm); one fixed launch
+configuration per feature size and nothing compiled per row count.
 
 Why not fla's for every call: for feature sizes up to 512 (the per-head q/k norms of the Qwen3 and Qwen3.5
 attention, whose rows are tokens x heads) fla's RMSNorm kernels take the row-count bucket
@@ -7,13 +8,16 @@ attention, whose rows are tokens x heads) fla's RMSNorm kernels take the row-cou
 nearly every step has a new bucket (24 heads: one every ~85 tokens), and each one compiles and autotunes the
 forward and backward kernels again. On the H200 the SFT example (27B layer shapes, FSDP2, packed rows of ~4.1k
 tokens) spent its profiled step there: 22.3 s, 11,998 forward ops inside the RMSNorm modules, 21,802 GPU kernels
-(benchmarks/RESULTS.md, session 6). Here the row count is a runtime argument Triton does not specialize on, the
-block sizes depend on the feature size only, and nothing is autotuned: a layer's norm compiles once per dtype.
+(benchmarks/RESULTS.md, session 6). fla's gated norm does the same with buckets of 65,536 rows (tokens x value
+heads: one every ~1,365 tokens at 48 heads). Here the row count is a runtime argument Triton does not specialize
+on, the block sizes depend on the feature size only, and nothing is autotuned: a layer's norm compiles once per
+dtype.
 
-Arithmetic follows transformers: statistics in fp32; the plain form rounds the normalised row to the input dtype
-before the weight multiplies it (``weight * h.to(dtype)``, result in the promoted dtype), the zero-centered form
-multiplies in fp32 and rounds once (``(h * (1 + w.float())).type_as(x)``). The backward is the exact derivative
-in fp32; the weight gradient is summed per program (8 row blocks), then over programs.
+Arithmetic follows transformers: statistics in fp32; the plain and gated forms round the normalised row to the
+input dtype before the weight multiplies it (``weight * h.to(dtype)``; plain: result in the promoted dtype; gated:
+that product in its own dtype, then ``* silu(gate.float())`` and back to the input dtype), the zero-centered
+form multiplies in fp32 and rounds once (``(h * (1 + w.float())).type_as(x)``). The backward is the exact
+derivative in fp32; the weight gradient is summed per program (8 row blocks), then over programs.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import triton.language as tl
 def _rms_norm_fwd(
     x,
     w,
+    z,
     y,
     rstd,
     rows,
@@ -35,6 +40,8 @@ def _rms_norm_fwd(
     BLOCK_D: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
+    GATED: tl.constexpr,
+    ROUND_PRODUCT: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     c = tl.arange(0, BLOCK_D)
@@ -51,6 +58,11 @@ def _rms_norm_fwd(
         out = h * (1.0 + wv)[None, :]
     else:
         out = h.to(x.dtype.element_ty).to(tl.float32) * wv[None, :]
+    if GATED:  # (w * norm(x)) in its own dtype, then * silu(z) in fp32
+        if ROUND_PRODUCT:
+            out = out.to(x.dtype.element_ty).to(tl.float32)
+        zv = tl.load(z + offsets, mask=mask, other=0.0).to(tl.float32)
+        out = out * zv * tl.sigmoid(zv)
     tl.store(y + offsets, out.to(y.dtype.element_ty), mask=mask)
 
 
@@ -58,9 +70,11 @@ def _rms_norm_fwd(
 def _rms_norm_bwd(
     x,
     w,
+    z,
     dy,
     rstd,
     dx,
+    dz,
     dw_partial,
     rows,
     D: tl.constexpr,
@@ -68,6 +82,8 @@ def _rms_norm_bwd(
     BLOCK_ROWS: tl.constexpr,
     STEPS: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
+    GATED: tl.constexpr,
+    ROUND_PRODUCT: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_D)
@@ -86,6 +102,14 @@ def _rms_norm_bwd(
         g = tl.load(dy + offsets, mask=mask, other=0.0).to(tl.float32)
         inv = tl.load(rstd + r, mask=row_ok, other=0.0)
         h = xv * inv[:, None]
+        if GATED:  # y = t * silu(z), t = w * norm(x): dz from t, and the gradient reaching t is g * silu(z)
+            t = h.to(x.dtype.element_ty).to(tl.float32) * wv[None, :]
+            if ROUND_PRODUCT:
+                t = t.to(x.dtype.element_ty).to(tl.float32)
+            zv = tl.load(z + offsets, mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(zv)
+            tl.store(dz + offsets, (g * t * sig * (1.0 + zv * (1.0 - sig))).to(dz.dtype.element_ty), mask=mask)
+            g = g * zv * sig
         if ZERO_CENTERED:
             acc += g * h
         else:
@@ -113,21 +137,31 @@ BWD_STEPS = 8
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    def forward(ctx, x, weight, eps: float, zero_centered: bool, gate=None) -> torch.Tensor:
         dim = x.shape[-1]
         if weight.shape != (dim,):
             raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match the last dimension {dim} of x")
+        if gate is not None and gate.shape != x.shape:
+            raise ValueError(f"gated rms_norm: gate {tuple(gate.shape)} and x {tuple(x.shape)} differ")
         flat = x.reshape(-1, dim).contiguous()
         weight = weight.contiguous()
-        out_dtype = x.dtype if zero_centered else torch.promote_types(x.dtype, weight.dtype)
+        z = flat if gate is None else gate.reshape(-1, dim).contiguous()
+        product = torch.promote_types(x.dtype, weight.dtype)  # the dtype of transformers' `weight * h.to(dtype)`
+        out_dtype = x.dtype if zero_centered or gate is not None else product
         y = torch.empty(flat.shape, dtype=out_dtype, device=x.device)
         rows = flat.shape[0]
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         block_d, block_rows, warps = _blocks(dim)
+        ctx.flags = {
+            "ZERO_CENTERED": zero_centered,
+            "GATED": gate is not None,
+            "ROUND_PRODUCT": gate is not None and product != torch.float32,
+        }
         if rows:
             _rms_norm_fwd[(triton.cdiv(rows, block_rows),)](
                 flat,
                 weight,
+                z,
                 y,
                 rstd,
                 rows,
@@ -135,21 +169,21 @@ class _RMSNorm(torch.autograd.Function):
                 D=dim,
                 BLOCK_D=block_d,
                 BLOCK_ROWS=block_rows,
-                ZERO_CENTERED=zero_centered,
                 num_warps=warps,
+                **ctx.flags,
             )
-        ctx.save_for_backward(flat, weight, rstd)
-        ctx.zero_centered = zero_centered
+        ctx.save_for_backward(flat, weight, rstd, z)
         ctx.shape = x.shape
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        flat, weight, rstd = ctx.saved_tensors
+        flat, weight, rstd, z = ctx.saved_tensors
         dim = flat.shape[-1]
         rows = flat.shape[0]
         grad = grad_out.reshape(-1, dim).contiguous()
         dx = torch.empty_like(flat)
+        dz = torch.empty_like(z) if ctx.flags["GATED"] else dx  # not written without a gate
         block_d, block_rows, warps = _blocks(dim)
         programs = triton.cdiv(rows, block_rows * BWD_STEPS)
         partial = torch.empty((programs, dim), dtype=torch.float32, device=flat.device)
@@ -157,19 +191,22 @@ class _RMSNorm(torch.autograd.Function):
             _rms_norm_bwd[(programs,)](
                 flat,
                 weight,
+                z,
                 grad,
                 rstd,
                 dx,
+                dz,
                 partial,
                 rows,
                 D=dim,
                 BLOCK_D=block_d,
                 BLOCK_ROWS=block_rows,
                 STEPS=BWD_STEPS,
-                ZERO_CENTERED=ctx.zero_centered,
                 num_warps=warps,
+                **ctx.flags,
             )
-        return dx.view(ctx.shape), partial.sum(0).to(weight.dtype), None, None
+        dgate = dz.view(ctx.shape) if ctx.flags["GATED"] else None
+        return dx.view(ctx.shape), partial.sum(0).to(weight.dtype), None, None, dgate
 
 
 @torch.compiler.disable  # a graph break under torch.compile, like fla's ops: dynamo never traces the launch
@@ -182,3 +219,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3.5/Qwen3-Next RMSNorm ``(norm(x) * (1 + weight)).type_as(x)`` over the last dimension, fused backward."""
     return _RMSNorm.apply(x, weight, eps, True)
+
+
+@torch.compiler.disable
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated DeltaNet output norm ``(weight * norm(x).to(x.dtype)) * silu(gate)``, result in x's dtype, fused
+    backward (the gate's gradient included)."""
+    return _RMSNorm.apply(x, weight, eps, False, gate)

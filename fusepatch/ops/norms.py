@@ -74,10 +74,10 @@ def _load_fla_rms_norm(zero_centered: bool, residual: bool):
     return add_rms_norm_fla if residual else rms_norm_fla
 
 
-def _triton_norm_candidate(zero_centered: bool) -> Candidate:
-    """fusepatch's own RMSNorm (``fusepatch/kernels/rms_norm.py``): compiled once per feature size and dtype,
-    where fla's compiles and autotunes again for each new row-count bucket of the per-head q/k norms."""
-    name = "rms_norm_zero_centered" if zero_centered else "rms_norm"
+def _triton_norm_candidate(name: str) -> Candidate:
+    """fusepatch's own RMSNorm (``fusepatch/kernels/rms_norm.py``; ``name``: its function, the op's name):
+    compiled once per feature size and dtype, where fla's compiles and autotunes again for each new row-count
+    bucket (the per-head q/k norms, the gated norm over value heads)."""
 
     def load():
         from fusepatch.kernels import rms_norm
@@ -154,7 +154,7 @@ RMS_NORM = Op(
     summary="RMSNorm fwd+bwd (Qwen2/Qwen3 form, x * w)",
     reference=rms_norm_reference,
     candidates=(
-        _triton_norm_candidate(zero_centered=False),
+        _triton_norm_candidate("rms_norm"),
         _fla_norm_candidate(zero_centered=False),
         planned_hub_candidate("kernels-community/rmsnorm", "its rms_norm is forward-only (no backward for training)"),
     ),
@@ -165,7 +165,7 @@ RMS_NORM_ZERO_CENTERED = Op(
     name="rms_norm_zero_centered",
     summary="RMSNorm fwd+bwd (Qwen3.5/Qwen3-Next form, x * (1 + w))",
     reference=rms_norm_zero_centered_reference,
-    candidates=(_triton_norm_candidate(zero_centered=True), _fla_norm_candidate(zero_centered=True)),
+    candidates=(_triton_norm_candidate("rms_norm_zero_centered"), _fla_norm_candidate(zero_centered=True)),
     selftest=SelfTest(_norm_inputs, NORM_TOLERANCE, _norm_dims),
 )
 
@@ -174,6 +174,7 @@ GATED_RMS_NORM = Op(
     summary="gated RMSNorm norm(x) * w * silu(z), fwd+bwd in one kernel",
     reference=gated_rms_norm_reference,
     candidates=(
+        _triton_norm_candidate("gated_rms_norm"),
         Candidate(
             name="fla",
             source="pip",

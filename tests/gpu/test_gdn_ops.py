@@ -113,10 +113,12 @@ def test_causal_conv1d(name, dtype, packed):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_gated_rms_norm(dtype):
-    fn = kernel("gated_rms_norm", "fla", dtype)
-    x, z = torch.randn(3001, 64, device="cuda"), torch.randn(3001, 64, device="cuda")
-    w = 1 + 0.1 * torch.randn(64, device="cuda")
+@pytest.mark.parametrize("name", ["triton", "fla"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_gated_rms_norm(dim, name, dtype):
+    fn = kernel("gated_rms_norm", name, dtype)
+    x, z = torch.randn(3001, dim, device="cuda"), torch.randn(3001, dim, device="cuda")
+    w = 1 + 0.1 * torch.randn(dim, device="cuda")
 
     compare(fn, OPS["gated_rms_norm"].reference, [x, z, w], dtype, TOL[dtype], extra=(1e-6,))
 

@@ -55,9 +55,16 @@ def test_triton_rms_norm_compiles_once_for_every_row_count():
     from fusepatch.kernels import rms_norm as module
 
     fn = kernel("rms_norm_zero_centered", "triton", torch.bfloat16)
+    gated = kernel("gated_rms_norm", "triton", torch.bfloat16)
+
+    def gated_steps(tokens):  # the Gated DeltaNet output norm: rows = tokens x 48 value heads of 128
+        _norm_steps(lambda x, w, eps: gated(x, torch.randn_like(x), w, eps), 48, 128, tokens)
+
     _norm_steps(fn, 24, 256, LENGTHS[:1])
+    gated_steps(LENGTHS[:1])
     before = _variants(module._rms_norm_fwd), _variants(module._rms_norm_bwd)
     _norm_steps(fn, 24, 256, LENGTHS[1:])
+    gated_steps(LENGTHS[1:])
     assert (_variants(module._rms_norm_fwd), _variants(module._rms_norm_bwd)) == before
 
 
