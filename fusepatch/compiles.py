@@ -11,10 +11,7 @@ run of session 6, benchmarks/RESULTS.md); this counter names the cause. Triton c
 from __future__ import annotations
 
 import collections
-import logging
 from typing import Any
-
-logger = logging.getLogger("fusepatch")
 
 
 def _runtime_knobs() -> Any | None:
@@ -65,9 +62,6 @@ class CompileCounter:
         if self._runtime.jit_post_compile_hook is self._hook:
             self._runtime.jit_post_compile_hook = self._previous
         self._runtime = self._previous = self._hook = None
-
-    def total(self) -> int:
-        return sum(self.counts.values())
 
     def since(self, before: collections.Counter[str]) -> collections.Counter[str]:
         """The builds counted after ``before`` (a copy of ``counts`` taken earlier)."""
