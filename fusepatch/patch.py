@@ -6,6 +6,7 @@ module tree stay as they were, and ``revert`` restores the previous forward obje
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 from collections import defaultdict
@@ -215,6 +216,7 @@ def apply(
             instance_forward = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)
             module._fusepatch = PatchState(row, dispatches[row], module.forward, instance_forward)
             module.forward = types.MethodType(row.forward, module)
+            module._replicate_for_data_parallel = types.MethodType(_replicate_patched, module)
             newly += 1
 
     message = ""
@@ -231,6 +233,29 @@ def apply(
     return report
 
 
+def _rebind(fn: Any, old: torch.nn.Module, new: torch.nn.Module) -> Any:
+    """``fn`` bound to ``new`` where it was a method bound to ``old``; anything else as it is."""
+    if isinstance(fn, types.MethodType) and fn.__self__ is old:
+        return types.MethodType(fn.__func__, new)
+    return fn
+
+
+def _replicate_patched(self: torch.nn.Module) -> torch.nn.Module:
+    """``nn.DataParallel`` (what the Trainer uses when it sees several GPUs without torchrun) copies each module's
+    ``__dict__`` into its replicas, so the patched forward and the saved original, both bound to this module,
+    would make replica 1 run replica 0's weights on another GPU's inputs. Each replica gets its own binding."""
+    replica = type(self)._replicate_for_data_parallel(self)
+    state = self._fusepatch
+    replica._fusepatch = dataclasses.replace(
+        state,
+        original=_rebind(state.original, self, replica),
+        instance_forward=_rebind(state.instance_forward, self, replica),
+    )
+    replica.forward = types.MethodType(state.row.forward, replica)
+    replica._replicate_for_data_parallel = types.MethodType(_replicate_patched, replica)
+    return replica
+
+
 def revert(model: torch.nn.Module) -> int:
     """Restore every forward ``apply`` replaced, exactly as it was. Returns how many modules were restored."""
     restored = 0
@@ -242,6 +267,7 @@ def revert(model: torch.nn.Module) -> int:
             del module.forward
         else:
             module.forward = state.instance_forward
+        module.__dict__.pop("_replicate_for_data_parallel", None)
         del module._fusepatch
         restored += 1
     logger.info("fusepatch: reverted %d modules", restored)

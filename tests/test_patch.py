@@ -226,3 +226,44 @@ def test_choices_follow_an_active_autocast_and_an_explicit_compute_dtype():
     assert torch.isfinite(loss) and model.model.layers[0].linear_attn.conv1d.weight.grad is not None
     assert fusepatch.apply(tiny_model("qwen3"), compute_dtype=torch.bfloat16).dtype == "bfloat16"
     assert fusepatch.apply(tiny_model("qwen3")).dtype == "float32"
+
+
+def _replicate_like_data_parallel(model: torch.nn.Module) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """One replica the way ``torch.nn.parallel.replicate`` builds it (each module's
+    ``_replicate_for_data_parallel()``, children and parameters set on the copy), with the parameters as new
+    tensors, on CPU: replicate itself needs CUDA devices."""
+    modules = list(model.modules())
+    copies = {m: m._replicate_for_data_parallel() for m in modules}
+    new_params = []
+    for module in modules:
+        replica = copies[module]
+        for key, child in module._modules.items():
+            replica._modules[key] = None if child is None else copies[child]
+        for key, param in module._parameters.items():
+            if param is None:
+                replica._parameters[key] = None
+            else:
+                copy = param.detach().clone().requires_grad_(True)
+                new_params.append(copy)
+                setattr(replica, key, copy)
+    return copies[model], new_params
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_data_parallel_replicas_run_their_own_weights(model_type):
+    """The Trainer wraps the model in nn.DataParallel on a machine with several GPUs and no torchrun; each
+    replica must compute with its own parameters (a GPU each). Before each replica had its own binding, the
+    patched forward and the saved original ran the source module's weights: on the H200 pair, `index is on
+    cuda:1, different from other tensors on cuda:0`."""
+    model = tiny_model(model_type)
+    fusepatch.apply(model)
+    ids = torch.randint(0, 512, (2, 17))
+    expected = model(input_ids=ids, labels=ids).loss
+    replica, params = _replicate_like_data_parallel(model)
+    loss = replica(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.testing.assert_close(loss, expected)
+    assert all(p.grad is None for p in model.parameters()), "a replica reached the source module's weights"
+    assert sum(p.grad is not None for p in params) == sum(p.requires_grad for p in model.parameters())
+    assert replica._fusepatch.original.__self__ is replica
+    assert fusepatch.revert(model) > 0 and "_replicate_for_data_parallel" not in model.model.layers[0].__dict__

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 
 import pytest
 import torch
@@ -20,9 +21,12 @@ from fusepatch.requirements import InputRule
 from fusepatch.tiny import FAMILIES, tiny_model
 
 CALLS = []
+BEFORE_CALL = []  # hooks a test runs inside the stand-in kernel
 
 
 def _stand_in(q, k, cos, sin):
+    for hook in BEFORE_CALL:
+        hook()
     CALLS.append(tuple(q.shape))
     return rotary_reference(q, k, cos, sin)
 
@@ -47,6 +51,8 @@ def test_patched_attention_uses_the_kernel_and_matches(rotary_on_cpu, model_type
     ids = torch.randint(0, 512, (2, 23))
     expected = reference(input_ids=ids, labels=ids)
     expected.loss.backward()
+    module = sys.modules[type(model.model.layers[-1]).__module__]
+    transformers_function = module.apply_rotary_pos_emb
     CALLS.clear()
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
@@ -57,8 +63,7 @@ def test_patched_attention_uses_the_kernel_and_matches(rotary_on_cpu, model_type
     for name in g_ref:
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-6, msg=name)
     # the modeling module's function is transformers' own again after the call
-    module = sys.modules[type(model.model.layers[-1]).__module__]
-    assert not getattr(module.apply_rotary_pos_emb, "_fusepatch", False)
+    assert module.apply_rotary_pos_emb is transformers_function
 
 
 def test_the_binding_is_undone_when_the_forward_raises(rotary_on_cpu):
@@ -98,3 +103,58 @@ def test_rotary_self_test_compares_both_outputs(monkeypatch):
     bad = selftest.run(op, Candidate("bad", "pip", (), lambda: wrong_k, inputs=cpu), wrong_k, "cpu", "float32")
     assert ok.ok and not bad.ok and "differs from the reference" in bad.reason
     selftest.clear_cache()
+
+
+def test_threads_share_the_binding_and_each_gets_the_kernel(rotary_on_cpu):
+    """nn.DataParallel runs replicas in threads. Thread A pauses inside its first rotary call (holding the
+    binding); thread B enters its first attention layer then and pauses before its rotary call (at q_proj) until
+    A's whole forward is done. B's rotary call must still reach the kernel (A's return must not undo a binding B
+    is inside), and the modeling module's function is transformers' own once both are done."""
+    model_a, model_b = tiny_model("qwen3"), tiny_model("qwen3")
+    fusepatch.apply(model_a)
+    fusepatch.apply(model_b)
+    module = sys.modules[type(model_a.model.layers[0]).__module__]
+    transformers_function = module.apply_rotary_pos_emb
+    layers = len(model_a.model.layers)
+    a_inside, b_inside, a_done = threading.Event(), threading.Event(), threading.Event()
+
+    def pause_a_once():
+        if threading.current_thread().name == "A" and not a_inside.is_set():
+            a_inside.set()
+            assert b_inside.wait(60)
+
+    def pause_b_before_rotary(*_):
+        if not b_inside.is_set():
+            b_inside.set()
+            assert a_done.wait(60)
+
+    BEFORE_CALL.append(pause_a_once)
+    hook = model_b.model.layers[0].self_attn.q_proj.register_forward_pre_hook(pause_b_before_rotary)
+    ids = torch.randint(0, 512, (1, 9))
+    errors = []
+
+    def run(model, done=None):
+        try:
+            with torch.no_grad():
+                model(input_ids=ids)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            if done is not None:
+                done.set()
+
+    a = threading.Thread(target=run, args=(model_a, a_done), name="A")
+    b = threading.Thread(target=run, args=(model_b,), name="B")
+    try:
+        a.start()
+        assert a_inside.wait(60)
+        b.start()
+        b.join(60)
+        a.join(60)
+    finally:
+        BEFORE_CALL.clear()
+        hook.remove()
+    assert not errors, errors
+    calls = [shape for shape in CALLS if shape[0] == 1 and shape[2] == ids.shape[1]]  # not the self-test's
+    assert len(calls) == 2 * layers  # every attention layer of both threads through the kernel
+    assert module.apply_rotary_pos_emb is transformers_function
