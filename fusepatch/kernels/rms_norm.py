@@ -1,5 +1,6 @@
 """RMSNorm forward and backward in the three Qwen forms: plain (``w * norm(x)``), zero-centered
-(``norm(x) * (1 + w)``) and gated (``w * norm(x) * silu(z)``, the Gated DeltaNet output norm); one fixed launch
+(``norm(x) * (1 + w)``) and gated (``w * norm(x) * silu(z)``, the Gated DeltaNet output norm), the first two also
+with the decoder layer's residual add fused in (``h = residual + x``, returned with ``norm(h)``); one fixed launch
 configuration per feature size and nothing compiled per row count.
 
 Why not fla's for every call: for feature sizes up to 512 (the per-head q/k norms of the Qwen3 and Qwen3.5
@@ -9,7 +10,9 @@ nearly every step has a new bucket (24 heads: one every ~85 tokens), and each on
 forward and backward kernels again. On the H200 the SFT example (27B layer shapes, FSDP2, packed rows of ~4.1k
 tokens) spent its profiled step there: 22.3 s, 11,998 forward ops inside the RMSNorm modules, 21,802 GPU kernels
 (benchmarks/RESULTS.md, session 6). fla's gated norm does the same with buckets of 65,536 rows (tokens x value
-heads: one every ~1,365 tokens at 48 heads). Here the row count is a runtime argument Triton does not specialize
+heads: one every ~1,365 tokens at 48 heads), and its residual-add backward at the model width takes rows per
+program (``cdiv(rows, SMs)``) as a constexpr: the same SFT run after the plain norms were replaced still built
+fla's ``layer_norm_bwd_kernel_row`` 5 times in 10 steps (RESULTS.md, session 7). Here the row count is a runtime argument Triton does not specialize
 on, the block sizes depend on the feature size only, and nothing is autotuned: a layer's norm compiles once per
 dtype.
 
@@ -30,6 +33,8 @@ import triton.language as tl
 @triton.jit(do_not_specialize=["rows"])
 def _rms_norm_fwd(
     x,
+    a,
+    res,
     w,
     z,
     y,
@@ -42,6 +47,7 @@ def _rms_norm_fwd(
     ZERO_CENTERED: tl.constexpr,
     GATED: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,
+    ADD: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     c = tl.arange(0, BLOCK_D)
@@ -49,7 +55,14 @@ def _rms_norm_fwd(
     col_ok = c < D
     mask = row_ok[:, None] & col_ok[None, :]
     offsets = r[:, None] * D + c[None, :]
-    xv = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
+    if ADD:  # x = res + a, rounded to x's dtype (what `residual + hidden_states` stores), written, then normed
+        av = tl.load(a + offsets, mask=mask, other=0.0).to(tl.float32)
+        rv = tl.load(res + offsets, mask=mask, other=0.0).to(tl.float32)
+        xr = (rv + av).to(x.dtype.element_ty)
+        tl.store(x + offsets, xr, mask=mask)
+        xv = xr.to(tl.float32)
+    else:
+        xv = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(xv * xv, axis=1) / D + eps)
     tl.store(rstd + r, inv, mask=row_ok)
     h = xv * inv[:, None]
@@ -72,6 +85,7 @@ def _rms_norm_bwd(
     w,
     z,
     dy,
+    dres,
     rstd,
     dx,
     dz,
@@ -84,6 +98,7 @@ def _rms_norm_bwd(
     ZERO_CENTERED: tl.constexpr,
     GATED: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,
+    HAS_DRES: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_D)
@@ -117,7 +132,10 @@ def _rms_norm_bwd(
         gh = g * scale[None, :]
         # d/dx of x * rstd(x): rstd * (gh - h * mean(gh * h)) per row
         dot = tl.sum(gh * h, axis=1) / D
-        tl.store(dx + offsets, ((gh - h * dot[:, None]) * inv[:, None]).to(dx.dtype.element_ty), mask=mask)
+        gx = (gh - h * dot[:, None]) * inv[:, None]
+        if HAS_DRES:  # x was also returned (the next residual): its gradient adds to the norm's
+            gx += tl.load(dres + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx + offsets, gx.to(dx.dtype.element_ty), mask=mask)
     tl.store(dw_partial + pid * D + c, tl.sum(acc, axis=0), mask=col_ok)
 
 
@@ -135,43 +153,95 @@ def _blocks(dim: int) -> tuple[int, int, int]:
 BWD_STEPS = 8
 
 
+def _norm_forward(flat, weight, eps, flags, z, y, add=None):
+    """Launch the forward kernel over ``flat`` ``[rows, D]``; with ``add = (a, res)`` it first writes
+    ``res + a`` into ``flat``. Returns the per-row ``rstd`` the backward needs."""
+    rows, dim = flat.shape
+    rstd = torch.empty(rows, dtype=torch.float32, device=flat.device)
+    block_d, block_rows, warps = _blocks(dim)
+    a, res = add if add is not None else (flat, flat)
+    if rows:
+        _rms_norm_fwd[(triton.cdiv(rows, block_rows),)](
+            flat,
+            a,
+            res,
+            weight,
+            z,
+            y,
+            rstd,
+            rows,
+            eps,
+            D=dim,
+            BLOCK_D=block_d,
+            BLOCK_ROWS=block_rows,
+            num_warps=warps,
+            ADD=add is not None,
+            **flags,
+        )
+    return rstd
+
+
+def _norm_backward(flat, weight, rstd, z, grad, flags, dres=None):
+    """dx (plus ``dres`` where given, the gradient of ``flat`` itself), dz (gated) and dw."""
+    rows, dim = flat.shape
+    dx = torch.empty_like(flat)
+    dz = torch.empty_like(z) if flags["GATED"] else dx  # not written without a gate
+    block_d, block_rows, warps = _blocks(dim)
+    programs = triton.cdiv(rows, block_rows * BWD_STEPS)
+    partial = torch.empty((programs, dim), dtype=torch.float32, device=flat.device)
+    if rows:
+        _rms_norm_bwd[(programs,)](
+            flat,
+            weight,
+            z,
+            grad,
+            grad if dres is None else dres,
+            rstd,
+            dx,
+            dz,
+            partial,
+            rows,
+            D=dim,
+            BLOCK_D=block_d,
+            BLOCK_ROWS=block_rows,
+            STEPS=BWD_STEPS,
+            num_warps=warps,
+            HAS_DRES=dres is not None,
+            **flags,
+        )
+    return dx, (dz if flags["GATED"] else None), partial.sum(0).to(weight.dtype)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor | None, what: str) -> int:
+    dim = x.shape[-1]
+    if weight.shape != (dim,):
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match the last dimension {dim} of x")
+    if other is not None and other.shape != x.shape:
+        raise ValueError(f"rms_norm: {what} {tuple(other.shape)} and x {tuple(x.shape)} differ")
+    return dim
+
+
+def _flags(zero_centered: bool, gated: bool, x_dtype: torch.dtype, weight_dtype: torch.dtype) -> dict[str, bool]:
+    product = torch.promote_types(x_dtype, weight_dtype)  # the dtype of transformers' `weight * h.to(dtype)`
+    return {"ZERO_CENTERED": zero_centered, "GATED": gated, "ROUND_PRODUCT": gated and product != torch.float32}
+
+
+def _out_dtype(zero_centered: bool, gated: bool, x_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+    return x_dtype if zero_centered or gated else torch.promote_types(x_dtype, weight_dtype)
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps: float, zero_centered: bool, gate=None) -> torch.Tensor:
-        dim = x.shape[-1]
-        if weight.shape != (dim,):
-            raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match the last dimension {dim} of x")
-        if gate is not None and gate.shape != x.shape:
-            raise ValueError(f"gated rms_norm: gate {tuple(gate.shape)} and x {tuple(x.shape)} differ")
+        dim = _check(x, weight, gate, "gate")
         flat = x.reshape(-1, dim).contiguous()
         weight = weight.contiguous()
         z = flat if gate is None else gate.reshape(-1, dim).contiguous()
-        product = torch.promote_types(x.dtype, weight.dtype)  # the dtype of transformers' `weight * h.to(dtype)`
-        out_dtype = x.dtype if zero_centered or gate is not None else product
-        y = torch.empty(flat.shape, dtype=out_dtype, device=x.device)
-        rows = flat.shape[0]
-        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-        block_d, block_rows, warps = _blocks(dim)
-        ctx.flags = {
-            "ZERO_CENTERED": zero_centered,
-            "GATED": gate is not None,
-            "ROUND_PRODUCT": gate is not None and product != torch.float32,
-        }
-        if rows:
-            _rms_norm_fwd[(triton.cdiv(rows, block_rows),)](
-                flat,
-                weight,
-                z,
-                y,
-                rstd,
-                rows,
-                eps,
-                D=dim,
-                BLOCK_D=block_d,
-                BLOCK_ROWS=block_rows,
-                num_warps=warps,
-                **ctx.flags,
-            )
+        ctx.flags = _flags(zero_centered, gate is not None, x.dtype, weight.dtype)
+        y = torch.empty(
+            flat.shape, dtype=_out_dtype(zero_centered, gate is not None, x.dtype, weight.dtype), device=x.device
+        )
+        rstd = _norm_forward(flat, weight, eps, ctx.flags, z, y)
         ctx.save_for_backward(flat, weight, rstd, z)
         ctx.shape = x.shape
         return y.view(x.shape)
@@ -179,34 +249,39 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         flat, weight, rstd, z = ctx.saved_tensors
-        dim = flat.shape[-1]
-        rows = flat.shape[0]
-        grad = grad_out.reshape(-1, dim).contiguous()
-        dx = torch.empty_like(flat)
-        dz = torch.empty_like(z) if ctx.flags["GATED"] else dx  # not written without a gate
-        block_d, block_rows, warps = _blocks(dim)
-        programs = triton.cdiv(rows, block_rows * BWD_STEPS)
-        partial = torch.empty((programs, dim), dtype=torch.float32, device=flat.device)
-        if rows:
-            _rms_norm_bwd[(programs,)](
-                flat,
-                weight,
-                z,
-                grad,
-                rstd,
-                dx,
-                dz,
-                partial,
-                rows,
-                D=dim,
-                BLOCK_D=block_d,
-                BLOCK_ROWS=block_rows,
-                STEPS=BWD_STEPS,
-                num_warps=warps,
-                **ctx.flags,
-            )
-        dgate = dz.view(ctx.shape) if ctx.flags["GATED"] else None
-        return dx.view(ctx.shape), partial.sum(0).to(weight.dtype), None, None, dgate
+        grad = grad_out.reshape(flat.shape).contiguous()
+        dx, dz, dw = _norm_backward(flat, weight, rstd, z, grad, ctx.flags)
+        dgate = dz.view(ctx.shape) if dz is not None else None
+        return dx.view(ctx.shape), dw, None, None, dgate
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    """``h = residual + x`` and ``norm(h)`` in one kernel; returns both (``h`` is the next residual). The
+    backward adds ``h``'s own gradient into the norm's input gradient in the same kernel."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps: float, zero_centered: bool):
+        dim = _check(x, weight, residual, "residual")
+        a = x.reshape(-1, dim).contiguous()
+        res = residual.reshape(-1, dim).contiguous()
+        weight = weight.contiguous()
+        h = torch.empty(a.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+        ctx.flags = _flags(zero_centered, False, h.dtype, weight.dtype)
+        y = torch.empty(a.shape, dtype=_out_dtype(zero_centered, False, h.dtype, weight.dtype), device=x.device)
+        rstd = _norm_forward(h, weight, eps, ctx.flags, h, y, add=(a, res))
+        ctx.save_for_backward(h, weight, rstd)
+        ctx.shape, ctx.dtypes = x.shape, (x.dtype, residual.dtype)
+        return y.view(x.shape), h.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor, grad_h: torch.Tensor | None):
+        h, weight, rstd = ctx.saved_tensors
+        grad = grad_out.reshape(h.shape).contiguous()
+        dres = None if grad_h is None else grad_h.reshape(h.shape).contiguous()
+        dh, _, dw = _norm_backward(h, weight, rstd, h, grad, ctx.flags, dres=dres)
+        dh = dh.view(ctx.shape)
+        x_dtype, residual_dtype = ctx.dtypes
+        return dh.to(x_dtype), dh.to(residual_dtype), dw, None, None
 
 
 @torch.compiler.disable  # a graph break under torch.compile, like fla's ops: dynamo never traces the launch
@@ -226,3 +301,15 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     """Gated DeltaNet output norm ``(weight * norm(x).to(x.dtype)) * silu(gate)``, result in x's dtype, fused
     backward (the gate's gradient included)."""
     return _RMSNorm.apply(x, weight, eps, False, gate)
+
+
+@torch.compiler.disable
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The decoder layer's ``h = residual + x; rms_norm(h)`` in one kernel: ``(norm(h), h)``."""
+    return _AddRMSNorm.apply(x, residual, weight, eps, False)
+
+
+@torch.compiler.disable
+def add_rms_norm_zero_centered(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The decoder layer's ``h = residual + x; rms_norm_zero_centered(h)`` in one kernel: ``(norm(h), h)``."""
+    return _AddRMSNorm.apply(x, residual, weight, eps, True)

@@ -11,6 +11,7 @@ when given (the Trainer's gradient-accumulation normaliser) and by their count o
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -122,26 +123,69 @@ def fla_num_chunks(tokens: int, vocab: int, element_size: int, budget_bytes: int
     return max(1, -(-tokens // chunk))
 
 
+class _FlaLinearCrossEntropy(torch.autograd.Function):
+    """fla's fused forward (loss, and both gradients chunk by chunk), with a backward of fusepatch's own: fla's
+    ``fused_linear_cross_entropy_bwd`` launches a kernel whose element count (tokens x hidden) is a
+    compile-time constant, so packed steps of varying length compile it again almost every step (10 builds in
+    10 steps of the SFT example on the H200: benchmarks/RESULTS.md, session 7)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index: int, forward_fn, kwargs):
+        # fla's kernels launch on the current device: make it the inputs' (as fla's own input_guard does)
+        on_device = torch.cuda.device(hidden.device) if hidden.device.type == "cuda" else contextlib.nullcontext()
+        with on_device:
+            loss, grad_hidden, grad_weight, _ = forward_fn(
+                x=hidden.contiguous(),
+                target=labels.contiguous(),
+                weight=weight.contiguous(),
+                bias=None,
+                ignore_index=ignore_index,
+                reduction="sum",
+                **kwargs,
+            )
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.done = False
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        from fusepatch.kernels.scale import scale_unless_one_
+
+        if ctx.done:  # the stored gradients were scaled in place by the first backward
+            raise RuntimeError(
+                "fusepatch's fused linear cross-entropy (fla) supports one backward per forward; for a second "
+                "backward through the same graph set FUSEPATCH_SKIP=linear_cross_entropy/fla"
+            )
+        ctx.done = True
+        grad_hidden, grad_weight = ctx.saved_tensors
+        factor = grad_output.detach().float()
+        return scale_unless_one_(grad_hidden, factor), scale_unless_one_(grad_weight, factor), None, None, None, None
+
+
 def _load_fla():
     import inspect
 
-    from fla.modules.fused_linear_cross_entropy import fused_linear_cross_entropy_loss
+    from fla.modules.fused_linear_cross_entropy import ops
 
     # fla accumulates the weight gradient in fp32 by default, casting each chunk's bf16 logits-gradient and
     # hidden states to fp32 first: cuBLAS then runs fp32 SIMT GEMMs (measured on the H200 at the 27B shape:
     # 222 ms of a 430 ms step). For bf16/fp16 weights fusepatch keeps the GEMMs in the weight's dtype (tensor
     # cores, fp32 accumulation inside each GEMM, one rounding per chunk).
-    parameters = inspect.signature(fused_linear_cross_entropy_loss).parameters
+    forward_fn = ops.fused_linear_cross_entropy_fwd
+    parameters = inspect.signature(forward_fn).parameters
+    missing = {"x", "target", "weight", "bias", "ignore_index", "reduction", "num_chunks"} - set(parameters)
+    if missing:
+        raise ImportError(
+            f"fla's fused_linear_cross_entropy_fwd lacks {sorted(missing)} (fla-core changed it); fusepatch knows "
+            "fla-core 0.5-0.6's. Fix: pip install 'fla-core>=0.5,<0.7', or FUSEPATCH_SKIP=linear_cross_entropy/fla"
+        )
     has_switch = "accumulate_grad_in_fp32" in parameters
     budget = fla_chunk_budget()
 
     def linear_cross_entropy_fla(hidden, weight, labels, ignore_index: int = -100, num_items_in_batch=None):
         kwargs = {"accumulate_grad_in_fp32": weight.dtype == torch.float32} if has_switch else {}
-        if "num_chunks" in parameters:
-            kwargs["num_chunks"] = fla_num_chunks(hidden.shape[0], weight.shape[0], hidden.element_size(), budget)
-        total = fused_linear_cross_entropy_loss(
-            hidden, labels, weight, ignore_index=ignore_index, reduction="sum", **kwargs
-        )
+        kwargs["num_chunks"] = fla_num_chunks(hidden.shape[0], weight.shape[0], hidden.element_size(), budget)
+        total = _FlaLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, forward_fn, kwargs)
         return total / _denominator(labels, ignore_index, num_items_in_batch)
 
     return linear_cross_entropy_fla
@@ -172,7 +216,7 @@ LINEAR_CROSS_ENTROPY = Op(
             requirements=fla_requirements("fla.modules.fused_linear_cross_entropy"),
             load=_load_fla,
             inputs=InputRule(kernel="fla's fused linear cross-entropy"),
-            provides="fla.modules.fused_linear_cross_entropy.fused_linear_cross_entropy_loss",
+            provides="fla.modules.fused_linear_cross_entropy.ops.fused_linear_cross_entropy_fwd (fusepatch's backward)",
             distribution="fla-core",
         ),
         Candidate(

@@ -77,7 +77,8 @@ def _load_fla_rms_norm(zero_centered: bool, residual: bool):
 def _triton_norm_candidate(name: str) -> Candidate:
     """fusepatch's own RMSNorm (``fusepatch/kernels/rms_norm.py``; ``name``: its function, the op's name):
     compiled once per feature size and dtype, where fla's compiles and autotunes again for each new row-count
-    bucket (the per-head q/k norms, the gated norm over value heads)."""
+    bucket (the per-head q/k norms, the gated norm over value heads) and, with the residual add at the model
+    width, compiles its backward again for each rows-per-program count (``cdiv(rows, SMs)``, a constexpr)."""
 
     def load():
         from fusepatch.kernels import rms_norm
@@ -199,7 +200,7 @@ ADD_RMS_NORM = Op(
     name="add_rms_norm",
     summary="residual add + RMSNorm in one kernel, fwd+bwd (decoder layer, Qwen2/Qwen3 form)",
     reference=add_rms_norm_reference,
-    candidates=(_fla_norm_candidate(zero_centered=False, residual=True),),
+    candidates=(_triton_norm_candidate("add_rms_norm"), _fla_norm_candidate(zero_centered=False, residual=True)),
     selftest=ADD_NORM_SELFTEST,
 )
 
@@ -207,6 +208,9 @@ ADD_RMS_NORM_ZERO_CENTERED = Op(
     name="add_rms_norm_zero_centered",
     summary="residual add + RMSNorm in one kernel, fwd+bwd (decoder layer, Qwen3.5/Qwen3-Next form)",
     reference=add_rms_norm_zero_centered_reference,
-    candidates=(_fla_norm_candidate(zero_centered=True, residual=True),),
+    candidates=(
+        _triton_norm_candidate("add_rms_norm_zero_centered"),
+        _fla_norm_candidate(zero_centered=True, residual=True),
+    ),
     selftest=ADD_NORM_SELFTEST,
 )

@@ -82,19 +82,44 @@ def test_fla_rms_norm_autotunes_again_for_new_row_buckets():
 
 
 @DTYPES
+@pytest.mark.parametrize("name", ["triton", "fla"])
 @pytest.mark.parametrize("op", ["add_rms_norm", "add_rms_norm_zero_centered"])
-def test_add_rms_norms(op, dtype):
+@pytest.mark.parametrize("dim", [5120, 2048, 1000])
+def test_add_rms_norms(dim, op, name, dtype):
     """Both outputs (the normed sum and the sum, the next residual) and the gradients of x, the residual and
-    the weight, with a cotangent on each output (the sum's gradient is what the backward adds in)."""
-    fn = kernel(op, "fla", dtype)
+    the weight, with a cotangent on each output (the sum's gradient is what the backward adds in); the
+    27B and 2B model widths and an odd one."""
+    fn = kernel(op, name, dtype)
 
     def flat(impl):
         return lambda x, residual, w, eps: torch.cat([t.reshape(-1) for t in impl(x, residual, w, eps)])
 
-    x = torch.randn(2, 777, 2048, device="cuda")
-    residual = 4 * torch.randn(2, 777, 2048, device="cuda")
-    w = 0.1 * torch.randn(2048, device="cuda") + (1.0 if op == "add_rms_norm" else 0.0)
+    x = torch.randn(2, 777, dim, device="cuda")
+    residual = 4 * torch.randn(2, 777, dim, device="cuda")
+    w = 0.1 * torch.randn(dim, device="cuda") + (1.0 if op == "add_rms_norm" else 0.0)
     _compare(flat(fn), flat(OPS[op].reference), [x, residual, w], dtype, extra=(1e-6,))
+
+
+def test_triton_add_rms_norm_compiles_once_for_every_row_count():
+    """fla's residual-add backward at the model width compiles again per rows-per-program count; ours keeps
+    one variant per width and dtype over packed steps of varying length."""
+    from fusepatch.kernels import rms_norm as module
+
+    fn = kernel("add_rms_norm_zero_centered", "triton", torch.bfloat16)
+    w = torch.randn(5120, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def steps(tokens):
+        for t in tokens:
+            x, residual = (
+                torch.randn(t, 5120, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2)
+            )
+            out, h = fn(x, residual, w, 1e-6)
+            (out.sum() + h.sum()).backward()
+
+    steps(LENGTHS[:1])
+    before = _variants(module._rms_norm_fwd), _variants(module._rms_norm_bwd)
+    steps(LENGTHS[1:])
+    assert (_variants(module._rms_norm_fwd), _variants(module._rms_norm_bwd)) == before
 
 
 @DTYPES
@@ -120,6 +145,33 @@ def test_linear_cross_entropy(name, dtype):
     y[::9] = -100
     items = torch.tensor(1500, device="cuda")
     _compare(fn, OPS["linear_cross_entropy"].reference, [h, w, y], dtype, num_items_in_batch=items)
+
+
+def test_fla_loss_compiles_nothing_new_for_new_lengths():
+    """fla's own backward compiles a kernel per token count (tokens x hidden is a constexpr); fusepatch's
+    backward for fla's fused loss must not: over packed lengths of a few hundred tokens apart, no Triton kernel
+    of fusepatch's or fla's loss gets a new variant after the first."""
+    from fla.modules.fused_linear_cross_entropy import ops as fla_ops
+
+    from fusepatch.kernels import scale
+
+    fn = kernel("linear_cross_entropy", "fla", torch.bfloat16)
+    w = (torch.randn(32003, 1024, device="cuda") * 1024**-0.5).to(torch.bfloat16).requires_grad_(True)
+
+    def steps(lengths):
+        for t in lengths:
+            h = torch.randn(t, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            y = torch.randint(0, 32003, (t,), device="cuda")
+            (fn(h, w, y) * 0.5).backward()  # a loss gradient other than 1: the scaling runs
+
+    def variants():
+        kernels = [scale._scale_unless_one, fla_ops.elementwise_mul_kernel]
+        return [len(k.device_caches[torch.cuda.current_device()][0]) for k in kernels]
+
+    steps(LENGTHS[:1])
+    before = variants()
+    steps(LENGTHS[1:])
+    assert variants() == before
 
 
 @DTYPES
