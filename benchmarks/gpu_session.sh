@@ -171,22 +171,26 @@ EOF
     # Lanes: "A B / C D + E" runs A then B on GPU 0 beside C then D on GPU 1 (CUDA_VISIBLE_DEVICES), then E on
     # every GPU once both lanes are done. A step is PHASE[-ARG][@K=V:K=V]: its own environment (sft@NPROC=all:LAYERS=24).
     cat > /tmp/seq/run.sh <<'RUN'
+set -f  # steps are split on spaces only: a '*' in FUSEPATCH_SKIP=*/triton is not a file pattern
 set -a; . /tmp/seq/env; set +a; export SEQ_INSTALLED=1
-step() {  # step LANE STEP
-  local name=${2%%@*} extra=${2#*@} s=$(date +%s) log=/tmp/seq/$(echo "$2" | tr -c 'A-Za-z0-9.\n-' _).log
+step() {  # step LANE STEP: its log is named by lane and step, so a step in two lanes keeps both logs
+  local name=${2%%@*} extra=${2#*@} s=$(date +%s) log=/tmp/seq/$1-$(echo "$2" | tr -c 'A-Za-z0-9.\n-' _).log
   [ "$extra" = "$2" ] && extra=
   echo "== [$1] $2 started $(date +%T)" >> /tmp/seq/progress
   env ${extra//:/ } OUT=/tmp/seq/out bash benchmarks/gpu_session.sh ${name%%-*} $(echo "$name" | sed -n 's/^[a-z]*-//p') > "$log" 2>&1
   echo "== [$1] $2 exit $? after $(($(date +%s) - s)) s" >> /tmp/seq/progress
 }
-lanes=() lane=
-for word in $STEPS_ARG "+"; do
+# Only a word that is exactly "/" or "+" separates: a "+" inside a step (fusepatch+FUSEPATCH_SKIP=...) does not.
+lanes=() lane= after= plus=0
+for word in $STEPS_ARG; do
+  if [ "$plus" = 1 ]; then after="$after $word"; continue; fi
   case "$word" in
-    /|+) lanes+=("$lane"); lane=; [ "$word" = + ] && break ;;
+    /) lanes+=("$lane"); lane= ;;
+    +) lanes+=("$lane"); lane=; plus=1 ;;
     *) lane="$lane $word" ;;
   esac
 done
-after=${STEPS_ARG#*+}; [ "$after" = "$STEPS_ARG" ] && after=
+[ "$plus" = 0 ] && lanes+=("$lane")
 if [ ${#lanes[@]} -gt 1 ]; then
   for i in "${!lanes[@]}"; do
     ( export CUDA_VISIBLE_DEVICES=$i; for w in ${lanes[$i]}; do step "gpu$i" "$w"; done ) &

@@ -100,7 +100,11 @@ def table(results: list[dict], baseline: str = "hf-fast") -> str:
             lines.append(f"| {r['config']} | - | - | - | - | - | - | - | - | - | fails: {r['error'][:160]} |")
             continue
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
-        note = "; ".join(r.get("fallbacks", [])[:2])[:160]
+        notes = list(r.get("fallbacks", [])[:2])
+        if r.get("triton_builds"):  # kernels built during the timed steps: each one cost a compile or a load
+            kernels = ", ".join(f"{k} {n}" for k, n in r.get("triton_builds_by_kernel", {}).items())
+            notes.append(f"{r['triton_builds']} Triton builds in the timed steps ({kernels})")
+        note = "; ".join(notes)[:240]
         lines.append(
             f"| {r['config']} | {r['tokens_per_s']:,.0f} | {ratio} | {r['median_step_ms']} | "
             f"{r.get('max_step_ms', max(r.get('step_ms') or [0]))} | {r['peak_mem_gib']} | "

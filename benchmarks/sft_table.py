@@ -3,7 +3,7 @@
     python benchmarks/sft_table.py --gpus 8 sft-hf-fast.log sft-fusepatch.log
 
 Reads the lines the example prints on rank 0: ``losses: ...``, ``fusepatch metrics: {...}`` (the profiled step)
-and ``steady state (this rank): {...}`` (median over the timed steps after warm-up). Per-GPU figures are rank 0's;
+and ``steady state (rank N): {...}`` (median over the timed steps after warm-up). Per-GPU figures are rank 0's;
 the ratio column is against the first log's configuration. The loss curves are compared step by step.
 """
 
@@ -12,19 +12,45 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+
+_MARKERS = re.compile(r"(losses|fusepatch metrics|steady state \((?:this rank|rank (\d+))\)): ")
+
+
+def _leading_floats(text: str) -> list[float]:
+    values = []
+    for word in text.split():
+        try:
+            values.append(float(word))
+        except ValueError:
+            break
+    return values
 
 
 def parse(path: str) -> dict:
+    """The first ``losses`` and ``fusepatch metrics`` lines, and rank 0's ``steady state`` (else the first).
+    Markers are found anywhere in a line: under torchrun two ranks' lines can run together."""
     text = open(path, encoding="utf-8", errors="replace").read()
     found: dict = {"config": os.path.basename(path).removeprefix("sft-").removesuffix(".log")}
-    for line in text.splitlines():
-        if line.startswith("losses: "):
-            found["losses"] = [float(x) for x in line.split()[1:]]
-        elif line.startswith("fusepatch metrics: "):
-            found["profile"] = json.loads(line.split(": ", 1)[1])
-        elif line.startswith("steady state (this rank): "):
-            found["steady"] = json.loads(line.split(": ", 1)[1])
+    decoder = json.JSONDecoder()
+    for match in _MARKERS.finditer(text):
+        marker, rank = match.group(1), match.group(2)
+        rest = text[match.end() :]
+        if marker == "losses":
+            if "losses" not in found:
+                found["losses"] = [
+                    float(x) for x in re.match(r"[-+0-9.eE naif]*", rest.split("\n", 1)[0]).group().split()
+                ]
+            continue
+        try:
+            value = decoder.raw_decode(rest)[0]
+        except json.JSONDecodeError:
+            continue
+        if marker == "fusepatch metrics":
+            found.setdefault("profile", value)
+        elif "steady" not in found or rank == "0":
+            found["steady"] = value
     return found
 
 

@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import SHAPES, build_config  # noqa: E402
 
+from fusepatch.compiles import CompileCounter  # noqa: E402
 from fusepatch.profile import flops_per_token, label_layers, summarize  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # bf16 dense, measured on this workplace's H200s (device KINDS.md)
@@ -152,13 +153,20 @@ def run(args, seq: int, batch: int) -> dict:
         draws.randint(max(1, int(seq * (1 - args.vary_seq))), seq) if args.vary_seq else seq for _ in range(args.steps)
     ]
     times, losses = [], []
-    for length in lengths:
-        sync()
-        start = time.perf_counter()
-        loss = step(length)
-        sync()
-        times.append(time.perf_counter() - start)
-        losses.append(float(loss))
+    builds = CompileCounter()  # Triton kernels built (compiled or loaded from disk) during the timed steps
+    builds.install()
+    try:
+        for length in lengths:
+            sync()
+            start = time.perf_counter()
+            loss = step(length)
+            sync()
+            times.append(time.perf_counter() - start)
+            losses.append(float(loss.detach()))
+    finally:
+        builds.remove()
+    info["triton_builds"] = sum(builds.counts.values())
+    info["triton_builds_by_kernel"] = dict(builds.counts.most_common(6))
     median = statistics.median(times)
     tokens = batch * seq
     if args.vary_seq:

@@ -239,13 +239,21 @@ def main(argv: list[str] | None = None) -> int:
     metrics = {k: v for entry in trainer.state.log_history for k, v in entry.items() if k.startswith("fusepatch/")}
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     sharded = any(type(m).__name__.startswith("FSDP") for m in trainer.model.modules())
-    print(f"world size {training_args.world_size}, FSDP2-sharded layers: {sharded}")
-    print("losses: " + " ".join(f"{x:.3f}" for x in losses))
-    print("fusepatch metrics: " + json.dumps(metrics))
-    print("steady state (this rank): " + json.dumps(callback.steady_state()))
-    print("triton kernel builds after step 2: " + json.dumps(dict(callback.late_builds)))
+    rank = training_args.process_index
+    # One write per line: under torchrun every rank prints into the same stream, and print's separate write of
+    # the newline let two ranks' lines run together (seen in a two-GPU log).
+    lines = [
+        f"world size {training_args.world_size}, FSDP2-sharded layers: {sharded}",
+        "losses: " + " ".join(f"{x:.3f}" for x in losses),
+        "fusepatch metrics: " + json.dumps(metrics),
+        f"steady state (rank {rank}): " + json.dumps(callback.steady_state()),
+        "triton kernel builds after step 2: " + json.dumps(dict(callback.late_builds)),
+    ]
     if callback.last_profile is not None:
-        print(callback.last_profile.summary())
+        lines.append(callback.last_profile.summary())
+    for line in lines:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
     return 0
 
 

@@ -107,3 +107,25 @@ def test_shipped_27b_config_builds_the_real_layer_shapes_truncated(tmp_path):
     assert (config.linear_num_key_heads, config.linear_num_value_heads, config.head_dim) == (16, 48, 256)
     assert config.num_hidden_layers == 4 and config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     assert type(model.model.layers[0].linear_attn).__name__ == "Qwen3_5GatedDeltaNet"
+
+
+def test_sft_table_reads_two_ranks_lines_run_together(tmp_path):
+    """A two-GPU log where rank 1's metrics line ran into its steady-state line (session 7's run): the table
+    takes rank 0's steady state and the first metrics and losses."""
+    sys.path.insert(0, os.path.join(os.path.dirname(EXAMPLE), "..", "benchmarks"))
+    import sft_table
+
+    metrics = {"fusepatch/step_time_s": 1.2, "fusepatch/peak_memory_gib": 92.99, "fusepatch/gpu_busy_fraction": 0.7}
+    log = (
+        "losses: 13.500 6.281 1.430\nlosses: 13.500 6.281 1.430\n"
+        f"fusepatch metrics: {json.dumps(metrics)}\n"
+        f"fusepatch metrics: {json.dumps(metrics)}steady state (rank 1): "
+        '{"steps": 27, "median_step_s": 1.07, "median_tokens_per_s": 3700.0}\n'
+        'steady state (rank 0): {"steps": 27, "median_step_s": 1.0588, "median_tokens_per_s": 3715.2}\n'
+    )
+    (tmp_path / "sft-2gpu-fusepatch.log").write_text(log)
+    run = sft_table.parse(str(tmp_path / "sft-2gpu-fusepatch.log"))
+    assert run["losses"] == [13.5, 6.281, 1.43]
+    assert run["profile"] == metrics
+    assert run["steady"]["median_tokens_per_s"] == 3715.2
+    assert "3,715" in sft_table.table([run], 2)

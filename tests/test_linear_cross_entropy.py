@@ -106,16 +106,30 @@ def test_causal_lm_forward_falls_back_on_cpu_without_the_override():
     assert model(input_ids=ids, labels=ids).logits is not None  # the original forward ran
 
 
-def _stand_in_fla(monkeypatch, fused_linear_cross_entropy_loss) -> None:
-    """An importable ``fla.modules.fused_linear_cross_entropy`` whose loss function is the one given."""
+def _stand_in_fla(monkeypatch, fused_linear_cross_entropy_fwd) -> None:
+    """An importable ``fla.modules.fused_linear_cross_entropy.ops`` whose forward function is the one given."""
     import sys
     import types
 
-    module = types.ModuleType("fla.modules.fused_linear_cross_entropy")
-    module.fused_linear_cross_entropy_loss = fused_linear_cross_entropy_loss
+    package = types.ModuleType("fla.modules.fused_linear_cross_entropy")
+    ops = types.ModuleType("fla.modules.fused_linear_cross_entropy.ops")
+    ops.fused_linear_cross_entropy_fwd = fused_linear_cross_entropy_fwd
+    package.ops = ops
     for name in ("fla", "fla.modules"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "fla.modules.fused_linear_cross_entropy", module)
+    monkeypatch.setitem(sys.modules, "fla.modules.fused_linear_cross_entropy", package)
+    monkeypatch.setitem(sys.modules, "fla.modules.fused_linear_cross_entropy.ops", ops)
+
+
+def _fla_contract(x, target, weight, ignore_index):
+    """What fla's forward returns: the summed loss, and its input and weight gradients (no bias)."""
+    x, weight = x.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+    with torch.enable_grad():
+        loss = torch.nn.functional.cross_entropy(
+            (x @ weight.t()).float(), target, ignore_index=ignore_index, reduction="sum"
+        )
+        dx, dw = torch.autograd.grad(loss, (x, weight))
+    return loss.detach(), dx, dw, None
 
 
 @pytest.mark.parametrize("has_switch", [True, False], ids=["fla>=0.5-signature", "older-signature"])
@@ -127,22 +141,35 @@ def test_fla_adapter_keeps_weight_grad_gemms_in_the_weight_dtype(monkeypatch, ha
 
     if has_switch:
 
-        def fused_linear_cross_entropy_loss(x, target, weight, ignore_index=-100, reduction="mean",
-                                            accumulate_grad_in_fp32=True):  # fmt: skip
+        def fused_linear_cross_entropy_fwd(x, target, weight, bias=None, ignore_index=-100, num_chunks=8,
+                                           reduction="mean", accumulate_grad_in_fp32=True):  # fmt: skip
             calls.append(accumulate_grad_in_fp32)
-            return lce.linear_cross_entropy_reference(x, weight, target, ignore_index) * (target != -100).sum()
+            return _fla_contract(x, target, weight, ignore_index)
     else:
 
-        def fused_linear_cross_entropy_loss(x, target, weight, ignore_index=-100, reduction="mean"):
+        def fused_linear_cross_entropy_fwd(x, target, weight, bias=None, ignore_index=-100, num_chunks=8,
+                                           reduction="mean"):  # fmt: skip
             calls.append(None)
-            return lce.linear_cross_entropy_reference(x, weight, target, ignore_index) * (target != -100).sum()
+            return _fla_contract(x, target, weight, ignore_index)
 
-    _stand_in_fla(monkeypatch, fused_linear_cross_entropy_loss)
+    _stand_in_fla(monkeypatch, fused_linear_cross_entropy_fwd)
     fn = next(c for c in OPS["linear_cross_entropy"].candidates if c.name == "fla").load()
     for dtype in (torch.bfloat16, torch.float32):
         h, w, y = _data(dtype=dtype)
         torch.testing.assert_close(fn(h, w, y), lce.linear_cross_entropy_reference(h, w, y))
     assert calls == ([False, True] if has_switch else [None, None])
+
+
+def test_fla_adapter_names_the_fix_when_fla_changes_its_forward(monkeypatch):
+    """fusepatch calls fla's forward function directly (its own backward replaces fla's): an fla whose function
+    lost a parameter fusepatch passes fails to load, naming the fix (a failed load is a fallback with its reason)."""
+
+    def fused_linear_cross_entropy_fwd(x, target, weight, ignore_index=-100):
+        raise AssertionError("not called")
+
+    _stand_in_fla(monkeypatch, fused_linear_cross_entropy_fwd)
+    with pytest.raises(ImportError, match="FUSEPATCH_SKIP=linear_cross_entropy/fla"):
+        next(c for c in OPS["linear_cross_entropy"].candidates if c.name == "fla").load()
 
 
 def test_conditional_generation_forward_uses_the_fused_loss(chunked_on_cpu):
@@ -161,11 +188,11 @@ def test_fla_chunk_budget_sets_num_chunks(monkeypatch):
 
     calls = []
 
-    def fused_linear_cross_entropy_loss(x, target, weight, ignore_index=-100, reduction="mean", num_chunks=8):
+    def fused_linear_cross_entropy_fwd(x, target, weight, bias=None, ignore_index=-100, num_chunks=8, reduction="mean"):
         calls.append(num_chunks)
-        return lce.linear_cross_entropy_reference(x, weight, target, ignore_index) * (target != -100).sum()
+        return _fla_contract(x, target, weight, ignore_index)
 
-    _stand_in_fla(monkeypatch, fused_linear_cross_entropy_loss)
+    _stand_in_fla(monkeypatch, fused_linear_cross_entropy_fwd)
     candidate = next(c for c in OPS["linear_cross_entropy"].candidates if c.name == "fla")
     h, w, y = _data(tokens=301, vocab=777)
     monkeypatch.delenv("FUSEPATCH_CE_LOGITS_MIB", raising=False)
