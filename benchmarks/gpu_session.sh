@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_session.sh tilelang            # call 1, carry .whl-tl1 .src: install tilelang, and start
 #                                                      #   `fusepatch build causal-conv1d` in the background
 #   bash benchmarks/gpu_session.sh tests               # call 2, carry .whl-tl2 .whl: deps, fla, all GPU tests
+#                                                      #   (TESTS=files, K=filter, TAG=log name suffix)
 #   bash benchmarks/gpu_session.sh built               # the built causal-conv1d wheel: install it, test it, doctor
 #   bash benchmarks/gpu_session.sh bench 27b [layers]  # call 3+: the benchmark table for one shape
 #   bash benchmarks/gpu_session.sh loss 27b            # the loss alone (benchmarks/loss_bench.py)
@@ -58,8 +59,8 @@ case "$phase" in
       i=$((i + 1))
       FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR=/tmp/errors timeout ${TEST_TIMEOUT:-230} python3 -m pytest \
         $files ${K:+-k "$K"} -n ${WORKERS:-8} -v -rfE --tb=short --timeout ${PER_TEST:-220} -p no:cacheprovider \
-        > "$OUT/gpu-tests-$i.log" 2>&1
-      grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu-tests-$i.log" | grep -v "^tests/" | sed 's/^\[gw[0-9]*\] //' | tail -45
+        > "$OUT/gpu-tests${TAG:+-$TAG}-$i.log" 2>&1
+      grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu-tests${TAG:+-$TAG}-$i.log" | grep -v "^tests/" | sed 's/^\[gw[0-9]*\] //' | tail -45
     done
     # IEEE=1: fp32 through fla is tf32 on this GPU by default; the same fp32 cases with full-precision dots tell a
     # precision limit (passes here) from a wrong kernel (fails here too).
