@@ -246,3 +246,24 @@ def test_padding_matches_transformers(side):
     got = model(input_ids=ids, attention_mask=mask).logits
     real = mask.bool()
     torch.testing.assert_close(got[real], expected[real], rtol=1e-4, atol=1e-5)
+
+
+def test_boundaries_are_found_once_per_position_ids_across_threads(monkeypatch):
+    """An activation-checkpoint recompute runs the layers again in the autograd engine's thread with the
+    forward's own position_ids: the boundaries (a wait for the GPU on CUDA) are not computed again there. A
+    changed or different tensor is computed afresh."""
+    calls = []
+    real = packing.cu_seqlens_from_position_ids
+    monkeypatch.setattr(packing, "cu_seqlens_from_position_ids", lambda p: calls.append(1) or real(p))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    first = packing.boundaries_for_call(positions)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(packing.boundaries_for_call(positions)))
+    thread.start()
+    thread.join()
+    assert seen[0] is first and len(calls) == 1
+    assert first.tolist() == [0, 3, 5, 8]
+    other = positions.clone()
+    assert packing.boundaries_for_call(other).tolist() == [0, 3, 5, 8] and len(calls) == 2
+    positions[0, 3] = 3  # changed in place: its version moved on
+    assert packing.boundaries_for_call(positions).tolist() == [0, 5, 8] and len(calls) == 3

@@ -31,24 +31,32 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor | None) -> torch.Ten
     return torch.cat([flat, total]).to(torch.int32)
 
 
-_memo = threading.local()
+_MEMO_ENTRIES = 4  # per slot: the last few calls' tensors (a forward, its recompute, a second replica)
+_memo: dict[str, list] = {}
+_memo_lock = threading.Lock()
 
 
 def _once_per_call(slot: str, tensors: tuple[torch.Tensor, ...], compute):
-    """``compute()``, remembered for the last ``tensors`` seen in ``slot`` (same objects, not changed in place
-    since). Every decoder layer of one forward gets the same ``position_ids`` and mask tensors, and the checks
-    below wait for the GPU; once per layer, those waits kept the GPU idle while the CPU refilled its queue after
-    each (24 times a forward in a 24-layer model), once per forward they cost one. The same ``cu_seqlens``
-    object for every layer also lets fla reuse the chunk indices it caches per tensor."""
+    """``compute()``, remembered for the last few ``tensors`` seen in ``slot`` (same objects, not changed in
+    place since). Every decoder layer of one forward gets the same ``position_ids`` and mask tensors, and the
+    checks below wait for the GPU; once per layer, those waits kept the GPU idle while the CPU refilled its
+    queue after each (24 times a forward in a 24-layer model), once per forward they cost one. Shared by
+    threads: an activation-checkpoint recompute runs in the autograd engine's thread with the forward's own
+    tensors, and found nothing in a per-thread memo (a trace of the two-GPU SFT run showed the recompute's waits).
+    The same ``cu_seqlens`` object for every layer also lets fla reuse the chunk indices it caches per tensor."""
     if any(t.is_inference() for t in tensors):  # inference tensors keep no version counter
         return compute()
     versions = tuple(t._version for t in tensors)
-    last = getattr(_memo, slot, None)
-    if last is not None and len(last[0]) == len(tensors) and last[1] == versions:
-        if all(ref() is t for ref, t in zip(last[0], tensors)):
-            return last[2]
+    with _memo_lock:
+        for refs, seen, result in _memo.get(slot, ()):
+            if seen == versions and len(refs) == len(tensors) and all(r() is t for r, t in zip(refs, tensors)):
+                return result
     result = compute()
-    setattr(_memo, slot, (tuple(weakref.ref(t) for t in tensors), versions, result))
+    entry = (tuple(weakref.ref(t) for t in tensors), versions, result)
+    with _memo_lock:
+        entries = _memo.setdefault(slot, [])
+        entries.insert(0, entry)
+        del entries[_MEMO_ENTRIES:]
     return result
 
 

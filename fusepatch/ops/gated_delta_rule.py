@@ -13,6 +13,8 @@ Op signature (training path, no carried state)::
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -31,6 +33,24 @@ def gate_and_beta(a, b, A_log, dt_bias):
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+_first_solve = threading.Lock()
+_solved_once = False
+
+
+def _solve_unit_lower(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """``solve_triangular`` for a unit lower-triangular system. PyTorch loads its CUDA linear-algebra backend
+    lazily on the first such call of a process, and two threads making that first call together fail (`lazy
+    wrapper should be called at most once`): nn.DataParallel's replicas do (seen on two H200s, where the fp32
+    Trainer test runs this eager path). The first call is made under a lock."""
+    global _solved_once
+    if not _solved_once:
+        with _first_solve:
+            result = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+            _solved_once = True
+            return result
+    return torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
 
 
 def _chunked(q, k, v, g, beta):
@@ -54,10 +74,8 @@ def _chunked(q, k, v, g, beta):
     # with A[i, j] = beta_i exp(gc_i - gc_j) k_i.k_j for j < i.
     system = (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
     system = system + torch.eye(CHUNK, dtype=q.dtype, device=q.device)
-    u_values = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
-    w_keys = torch.linalg.solve_triangular(
-        system, beta[..., None] * gc.exp()[..., None] * k, upper=False, unitriangular=True
-    )
+    u_values = _solve_unit_lower(system, beta[..., None] * v)
+    w_keys = _solve_unit_lower(system, beta[..., None] * gc.exp()[..., None] * k)
     scores = (q @ k.transpose(-1, -2)) * decay  # causal, decayed q.k within the chunk
     q_decayed = q * gc.exp()[..., None]
     k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]
