@@ -205,6 +205,7 @@ def run(args, seq: int, batch: int) -> dict:
         losses=[round(x, 4) for x in losses],
         top_kernels_ms=profiled.top_kernels,
         forward_ops_by_layer=profiled.ops_by_layer,
+        idle_gaps=profiled.idle_gaps,
     )
     return info
 

@@ -48,6 +48,8 @@ class StepProfile:
     mfu: float | None
     top_kernels: list[tuple[str, float]] = field(default_factory=list)  # (name, ms)
     ops_by_layer: list[tuple[str, int]] = field(default_factory=list)  # forward aten ops per layer class
+    # the longest stretches with no kernel running, and the innermost aten op on the CPU during each: (ms, op)
+    idle_gaps: list[tuple[float, str]] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -85,6 +87,12 @@ class StepProfile:
             text += (
                 f". CPU-bound: the GPU sat idle {1 - self.gpu_busy_fraction:.0%} of the step waiting for the CPU to "
                 f"enqueue work. Most forward ops: {layers}. Check the report for layers that fell back to eager."
+            )
+        if self.idle_gaps:
+            gaps = ", ".join(f"{ms:.0f} ms in {op}" for ms, op in self.idle_gaps)
+            text += (
+                f". Longest GPU idle stretches: {gaps} (one op holding the CPU that long is usually building "
+                "something for a new shape: a kernel compile, a cuDNN plan)"
             )
         return text
 
@@ -137,6 +145,29 @@ def _busy(kernels) -> float:
     return busy
 
 
+# An idle stretch is reported when it is at least this long; shorter ones are launch gaps.
+IDLE_GAP_MS = 5.0
+
+
+def _idle_gaps(kernels, cpu_ops, top: int) -> list[tuple[float, str]]:
+    """The ``top`` longest gaps between kernels (at least IDLE_GAP_MS), each with the shortest aten op (any
+    thread) whose span covers the gap's middle: the op the CPU was inside while the GPU waited. In the two-GPU
+    SFT trace of session 7 these were cuDNN attention calls building a plan for each new packed length."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    gaps, end = [], None
+    for start, stop in spans:
+        if end is not None and start - end >= IDLE_GAP_MS * 1000:
+            gaps.append((start - end, end, start))
+        end = stop if end is None else max(end, stop)
+    found = []
+    for length, start, stop in sorted(gaps, reverse=True)[:top]:
+        middle = (start + stop) / 2
+        covering = [e for e in cpu_ops if e.time_range.start <= middle <= e.time_range.end]
+        op = min(covering, key=lambda e: e.time_range.end - e.time_range.start).name if covering else "Python code"
+        found.append((round(length / 1000.0, 1), op))
+    return found
+
+
 def _layer_of(event) -> str | None:
     parent = event.cpu_parent
     while parent is not None:
@@ -187,6 +218,7 @@ def summarize(
         mfu=mfu,
         top_kernels=[(name, round(ms, 3)) for name, ms in by_kernel.most_common(top)],
         ops_by_layer=by_layer.most_common(top),
+        idle_gaps=_idle_gaps(kernels, aten, min(top, 3)) if kernels else [],
     )
 
 

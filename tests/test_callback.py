@@ -269,3 +269,39 @@ def test_no_kernel_builds_no_warning(tmp_path, caplog):
         _trainer(tmp_path, [callback], max_steps=4).train()
     assert not callback.late_builds
     assert "Triton kernel build" not in "\n".join(r.getMessage() for r in caplog.records)
+
+
+def test_long_gpu_idle_stretches_name_the_op_the_cpu_was_in():
+    """What found the cuDNN plan builds in the two-GPU trace: the longest gaps between kernels, each with the
+    innermost aten op running across it (any thread), in the profile line; gaps under 5 ms are not listed."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from fusepatch.profile import summarize
+
+    def event(name, start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(
+            name=name,
+            device_type=device,
+            time_range=SimpleNamespace(start=start, end=end),
+            is_user_annotation=False,
+            cpu_parent=None,
+        )
+
+    cpu = DeviceType.CPU
+    events = [
+        event("gemm", 0, 1_000),
+        event("aten::scaled_dot_product_attention", 1_000, 61_500, device=cpu),
+        event("aten::_cudnn_attention_forward", 1_100, 61_400, device=cpu),  # innermost: named
+        event("flash_fwd", 61_000, 62_000),
+        event("gemm", 62_500, 63_000),  # a 0.5 ms launch gap: not listed
+        event("aten::item", 63_000, 71_000, device=cpu),
+        event("gemm", 71_000, 72_000),
+        event("gemm", 90_000, 100_000),  # 18 ms with no aten op open
+    ]
+    profile = summarize(events, step=8, wall_s=0.1, tokens=4096, flops=None, peak_tflops=None)
+    assert profile.idle_gaps == [(60.0, "aten::_cudnn_attention_forward"), (18.0, "Python code"), (8.0, "aten::item")]
+    assert (
+        "Longest GPU idle stretches: 60 ms in aten::_cudnn_attention_forward, 18 ms in Python code" in profile.summary()
+    )
