@@ -176,23 +176,27 @@ def test_a_slow_first_step_is_explained(caplog):
     assert callback._pending["fusepatch/first_step_s"] == 95.0
 
 
-def test_gpu_annotations_are_not_kernels_and_not_busy_time():
-    """On the GPU timeline record_function ranges (layer labels, Optimizer.step) appear beside the kernels; they
-    span the idle gaps between their kernels, so counting them would report a busy GPU that is not."""
+def event(name, start, end, device=None, annotation=False):
+    """A stand-in for one torch.profiler event (a GPU kernel unless ``device`` says otherwise), times in us."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
-    from fusepatch.profile import summarize
+    return SimpleNamespace(
+        name=name,
+        device_type=DeviceType.CUDA if device is None else device,
+        time_range=SimpleNamespace(start=start, end=end),
+        is_user_annotation=annotation,
+        cpu_parent=None,
+    )
 
-    def event(name, start, end, device=DeviceType.CUDA, annotation=False):
-        return SimpleNamespace(
-            name=name,
-            device_type=device,
-            time_range=SimpleNamespace(start=start, end=end),
-            is_user_annotation=annotation,
-            cpu_parent=None,
-        )
+
+def test_gpu_annotations_are_not_kernels_and_not_busy_time():
+    """On the GPU timeline record_function ranges (layer labels, Optimizer.step) appear beside the kernels; they
+    span the idle gaps between their kernels, so counting them would report a busy GPU that is not."""
+    from torch.autograd import DeviceType
+
+    from fusepatch.profile import summarize
 
     events = [
         event("aten::mm", 0, 5, device=DeviceType.CPU),
@@ -274,20 +278,9 @@ def test_no_kernel_builds_no_warning(tmp_path, caplog):
 def test_long_gpu_idle_stretches_name_the_op_the_cpu_was_in():
     """What found the cuDNN plan builds in the two-GPU trace: the longest gaps between kernels, each with the
     innermost aten op running across it (any thread), in the profile line; gaps under 5 ms are not listed."""
-    from types import SimpleNamespace
-
     from torch.autograd import DeviceType
 
     from fusepatch.profile import summarize
-
-    def event(name, start, end, device=DeviceType.CUDA):
-        return SimpleNamespace(
-            name=name,
-            device_type=device,
-            time_range=SimpleNamespace(start=start, end=end),
-            is_user_annotation=False,
-            cpu_parent=None,
-        )
 
     cpu = DeviceType.CPU
     events = [

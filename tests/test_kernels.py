@@ -14,6 +14,14 @@ import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
+
+def _run_in_interpreter(script: str) -> None:
+    """Run ``script`` in a fresh process under Triton's CPU interpreter; it prints "ok" when its checks pass."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
 SCRIPT = textwrap.dedent(
     """
     import torch
@@ -45,9 +53,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_swiglu_kernel_matches_the_reference_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    _run_in_interpreter(SCRIPT)
 
 
 ROTARY_SCRIPT = textwrap.dedent(
@@ -86,9 +92,7 @@ ROTARY_SCRIPT = textwrap.dedent(
 
 
 def test_rotary_kernel_matches_the_reference_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", ROTARY_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    _run_in_interpreter(ROTARY_SCRIPT)
 
 
 RMS_NORM_SCRIPT = textwrap.dedent(
@@ -198,11 +202,7 @@ RMS_NORM_SCRIPT = textwrap.dedent(
 
 
 def test_rms_norm_kernel_matches_the_reference_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-c", RMS_NORM_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    _run_in_interpreter(RMS_NORM_SCRIPT)
 
 
 LOSS_BACKWARD_SCRIPT = textwrap.dedent(
@@ -258,8 +258,4 @@ LOSS_BACKWARD_SCRIPT = textwrap.dedent(
 
 
 def test_fused_loss_backward_scales_the_stored_gradients_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-c", LOSS_BACKWARD_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    _run_in_interpreter(LOSS_BACKWARD_SCRIPT)

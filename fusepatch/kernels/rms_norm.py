@@ -12,9 +12,9 @@ tokens) spent its profiled step there: 22.3 s, 11,998 forward ops inside the RMS
 (benchmarks/RESULTS.md, session 6). fla's gated norm does the same with buckets of 65,536 rows (tokens x value
 heads: one every ~1,365 tokens at 48 heads), and its residual-add backward at the model width takes rows per
 program (``cdiv(rows, SMs)``) as a constexpr: the same SFT run after the plain norms were replaced still built
-fla's ``layer_norm_bwd_kernel_row`` 5 times in 10 steps (RESULTS.md, session 7). Here the row count is a runtime argument Triton does not specialize
-on, the block sizes depend on the feature size only, and nothing is autotuned: a layer's norm compiles once per
-dtype.
+fla's ``layer_norm_bwd_kernel_row`` 5 times in 10 steps (RESULTS.md, session 7). Here the row count is a
+runtime argument Triton does not specialize on, the block sizes depend on the feature size only, and nothing is
+autotuned: a layer's norm compiles once per dtype.
 
 Arithmetic follows transformers: statistics in fp32; the plain and gated forms round the normalised row to the
 input dtype before the weight multiplies it (``weight * h.to(dtype)``; plain: result in the promoted dtype; gated:

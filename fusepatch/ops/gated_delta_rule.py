@@ -13,6 +13,7 @@ Op signature (training path, no carried state)::
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -45,12 +46,10 @@ def _solve_unit_lower(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     wrapper should be called at most once`): nn.DataParallel's replicas do (seen on two H200s, where the fp32
     Trainer test runs this eager path). The first call is made under a lock."""
     global _solved_once
-    if not _solved_once:
-        with _first_solve:
-            result = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-            _solved_once = True
-            return result
-    return torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    with contextlib.nullcontext() if _solved_once else _first_solve:
+        result = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        _solved_once = True
+    return result
 
 
 def _chunked(q, k, v, g, beta):
