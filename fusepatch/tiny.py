@@ -46,14 +46,18 @@ def tiny_config(model_type: str, **overrides: Any):
     return AutoConfig.for_model(model_type, **{**FAMILIES[model_type], **overrides})
 
 
-def tiny_model(model_type: str = "qwen3_5_text", *, seed: int = 0, dtype=None, **overrides: Any):
-    """A freshly initialised tiny ``AutoModelForCausalLM`` of ``model_type`` (eager attention, fp32)."""
+def tiny_model(
+    model_type: str = "qwen3_5_text", *, seed: int = 0, dtype=None, attn_implementation: str = "eager", **overrides: Any
+):
+    """A freshly initialised tiny ``AutoModelForCausalLM`` of ``model_type`` (eager attention unless asked, fp32)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = tiny_config(model_type, **overrides)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype or torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=attn_implementation, dtype=dtype or torch.float32
+    )
     return model
 
 

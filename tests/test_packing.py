@@ -100,7 +100,7 @@ def test_boundaries_are_found_once_per_forward(monkeypatch, packed):
     """Finding the boundaries and probing the mask wait for the GPU: once per forward, not once per layer (the
     2B benchmark's 24 layers made 24 such waits a forward)."""
     calls = {"boundaries": 0, "mask": 0}
-    real_boundaries, real_mask = packing.cu_seqlens_from_position_ids, packing._mask_crosses
+    real_boundaries, real_mask = packing.cu_seqlens_from_position_ids, packing._plan
 
     def counted_boundaries(*args):
         calls["boundaries"] += 1
@@ -111,7 +111,7 @@ def test_boundaries_are_found_once_per_forward(monkeypatch, packed):
         return real_mask(*args)
 
     monkeypatch.setattr(packing, "cu_seqlens_from_position_ids", counted_boundaries)
-    monkeypatch.setattr(packing, "_mask_crosses", counted_mask)
+    monkeypatch.setattr(packing, "_plan", counted_mask)
     model = tiny_model("qwen3_5_text", num_hidden_layers=8, layer_types=["linear_attention", "full_attention"] * 4)
     fusepatch.apply(model)
     _, ids, position_ids = _packed_batch(model.config.vocab_size)

@@ -1,53 +1,70 @@
-"""Attention forward with the rotary embedding from a fused kernel.
+"""Attention forward: the rotary embedding from a fused kernel, packed rows through a varlen flash kernel.
 
 transformers' attention forwards (Qwen2/3 and their MoE variants, Qwen3-Next, Qwen3.5) apply the rotary
-embedding inline, through their modeling module's ``apply_rotary_pos_emb``. Re-implementing each forward per
-family and per transformers release is what this avoids: the layer's own forward runs unchanged, with that
-name bound, for the duration of the call, to a function that sends the call to the chosen kernel, or back to
-transformers' function for anything the kernel does not reproduce exactly (another ``unsqueeze_dim``, mixed
-dtypes, cos/sin that need gradients, a fallback). The binding is undone when the last call using it returns or
-raises. Threads (``nn.DataParallel`` runs one replica per thread) share one binding, counted, and each finds its
-own layer's kernel choice in a thread-local, so every replica gets the fused rotary and none undoes another's.
+embedding inline, through their modeling module's ``apply_rotary_pos_emb``, and pick the attention function
+from the module's ``ALL_ATTENTION_FUNCTIONS``. Re-implementing each forward per family and per transformers
+release is what this avoids: the layer's own forward runs unchanged, with those names bound, for the duration of
+the call, to objects that send the call to the chosen kernel, or back to transformers for anything the kernel
+does not reproduce exactly (another ``unsqueeze_dim``, mixed dtypes, cos/sin that need gradients, a fallback).
+A binding is undone when the last call using it returns or raises. Threads (``nn.DataParallel`` runs one
+replica per thread; the checkpoint recompute runs in the autograd thread) share one binding, counted, and each
+finds its own layer's choices in a thread-local, so every replica gets the fused path and none undoes another's.
+
+Packed rows (``position_ids`` restarting at 0) under ``attn_implementation="sdpa"``: transformers builds a
+block-causal 4D mask, and sdpa with a mask runs cuDNN or the memory-efficient kernel over every masked block,
+cuDNN planning anew for every new row length. When the mask is exactly causal within each document and nothing
+else (``packing.mask_plan``: no padding, no window, no cache), ``sdpa`` is answered with a varlen kernel over
+the boundaries instead (op ``varlen_attention``). Eager attention stays eager: it is what users pick to see
+attention weights.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import sys
 import threading
+from dataclasses import dataclass
 
+import torch
+
+from fusepatch.layers.packing import boundaries_for_call, mask_plan
 from fusepatch.ops.rotary import unsupported
-from fusepatch.resolve import dtype_name
+from fusepatch.resolve import Dispatch, dtype_name
 
-NAME = "apply_rotary_pos_emb"
+logger = logging.getLogger("fusepatch")
 
+ROTARY = "apply_rotary_pos_emb"
+INTERFACES = "ALL_ATTENTION_FUNCTIONS"
 
 _lock = threading.Lock()
-_bound: dict[str, list] = {}  # modeling module name -> [calls inside, transformers' function]
-_local = threading.local()  # .dispatch: the rotary choice of the attention call running in this thread
+_bound: dict[tuple[str, str], list] = {}  # (modeling module, name) -> [calls inside, transformers' object]
+_local = threading.local()  # .dispatch: this thread's rotary choice; .route: this thread's varlen route
+_told: set[tuple[str, str]] = set()  # (layer, reason) a packed call was not routed for, logged once
 
 
-def _bind(module) -> bool:
-    """Bind ``module.apply_rotary_pos_emb`` to the dispatching function (once, counted); False if the modeling
-    module has no such function."""
+def _bind(module, name: str, wrap) -> bool:
+    """Bind ``module.<name>`` to ``wrap(transformers' object)`` (once, counted); False if the modeling module
+    has no such name."""
     with _lock:
-        entry = _bound.get(module.__name__)
+        entry = _bound.get((module.__name__, name))
         if entry is None:
-            original = getattr(module, NAME, None)
+            original = getattr(module, name, None)
             if original is None:
                 return False
-            entry = _bound[module.__name__] = [0, original]
-            setattr(module, NAME, _dispatching(original))
+            entry = _bound[(module.__name__, name)] = [0, original]
+            setattr(module, name, wrap(original))
         entry[0] += 1
         return True
 
 
-def _unbind(module) -> None:
+def _unbind(module, name: str) -> None:
     with _lock:
-        entry = _bound[module.__name__]
+        entry = _bound[(module.__name__, name)]
         entry[0] -= 1
         if entry[0] == 0:
-            setattr(module, NAME, entry[1])
-            del _bound[module.__name__]
+            setattr(module, name, entry[1])
+            del _bound[(module.__name__, name)]
 
 
 def _dispatching(original):
@@ -63,15 +80,106 @@ def _dispatching(original):
     return apply_rotary_pos_emb
 
 
-def rotary_attention_forward(self, *args, **kwargs):
+@dataclass(frozen=True)
+class _Route:
+    """A packed call's varlen plan: the boundaries over the flattened rows and the longest document."""
+
+    dispatch: Dispatch
+    cu_seqlens: torch.Tensor
+    longest: int
+    tokens: int
+
+
+class _RoutingInterfaces:
+    """Stands in for a modeling module's ``ALL_ATTENTION_FUNCTIONS``: ``sdpa`` asked for inside a routed call
+    gets the varlen function; every other lookup, and every other thread, gets transformers' own."""
+
+    def __init__(self, original) -> None:
+        self._original = original
+
+    def get_interface(self, implementation, default):
+        found = self._original.get_interface(implementation, default)
+        route = getattr(_local, "route", None)
+        if route is None or implementation != "sdpa":
+            return found
+        return functools.partial(_varlen_attention, route, found)
+
+    def __getitem__(self, key):
+        return self._original[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self._original
+
+    def __getattr__(self, name):
+        return getattr(self._original, name)
+
+
+def _varlen_attention(route: _Route, sdpa, module, query, key, value, attention_mask, **kwargs):
+    """transformers' attention-interface signature ([B, H, S, D] in, [B, S, H, D] out) over the varlen op;
+    anything the op does not compute exactly goes to transformers' sdpa with its mask."""
+    dropout, scaling = kwargs.get("dropout", 0.0), kwargs.get("scaling")
+    batch, heads, length, dim = query.shape
+    device = query.device.type
+    dtype = query.dtype
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)  # what sdpa would compute in under this autocast
+    choice = route.dispatch.choice(device, dtype_name(dtype), True)
+    if not choice.fused or dropout or kwargs.get("sliding_window") is not None or batch * length != route.tokens:
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+    fn = route.dispatch.implementation(device, dtype_name(dtype), True)
+    q = query.transpose(1, 2).reshape(batch * length, heads, dim).to(dtype)
+    k = key.transpose(1, 2).reshape(batch * length, key.shape[1], dim).to(dtype)
+    v = value.transpose(1, 2).reshape(batch * length, value.shape[1], value.shape[-1]).to(dtype)
+    out = fn(q, k, v, route.cu_seqlens, route.longest, scaling)
+    return out.view(batch, length, heads, -1), None
+
+
+def _route(self, args: tuple, kwargs: dict) -> _Route | None:
+    """The varlen route of this call, or None (not packed, not sdpa, a cache, dropout, a mask that is not
+    plain block-causal: those keep transformers' path, the last one said once per layer class)."""
+    dispatch = self._fusepatch.ops.get("varlen_attention")
+    if dispatch is None or getattr(self.config, "_attn_implementation", None) != "sdpa":
+        return None
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        return None
+    if self.training and getattr(self, "attention_dropout", 0.0):
+        return None
+    position_ids = kwargs.get("position_ids")
+    cu = boundaries_for_call(position_ids)
+    if cu is None:
+        return None
+    mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+    plan = mask_plan(mask, cu)
+    if plan is None or not plan.block_causal:
+        why = "no 4D mask" if plan is None else "its mask is not plain causal within each document (padding?)"
+        if (type(self).__name__, why) not in _told:
+            _told.add((type(self).__name__, why))
+            logger.warning(
+                "fusepatch: %s: a packed batch stays on transformers' masked sdpa, not the varlen kernel: %s. "
+                "Fix: pack without padding (DataCollatorWithFlattening) and call with use_cache=False.",
+                type(self).__name__,
+                why,
+            )
+        return None
+    return _Route(
+        dispatch, cu, plan.longest, position_ids[0].numel() if position_ids.ndim == 3 else position_ids.numel()
+    )
+
+
+def attention_forward(self, *args, **kwargs):
+    """The attention layer's own forward, with the fused rotary and, for packed rows, the varlen kernel."""
     state = self._fusepatch
     module = sys.modules[type(self).__module__]
-    if not _bind(module):
+    route = _route(self, args, kwargs)
+    names = [name for name in (ROTARY, INTERFACES if route is not None else None) if name is not None]
+    bound = [name for name in names if _bind(module, name, _dispatching if name == ROTARY else _RoutingInterfaces)]
+    if not bound:
         return state.original(*args, **kwargs)
-    outer = getattr(_local, "dispatch", None)
-    _local.dispatch = state.ops["rotary"]
+    outer = getattr(_local, "dispatch", None), getattr(_local, "route", None)
+    _local.dispatch, _local.route = state.ops.get("rotary"), route
     try:
         return state.original(*args, **kwargs)
     finally:
-        _local.dispatch = outer
-        _unbind(module)
+        _local.dispatch, _local.route = outer
+        for name in bound:
+            _unbind(module, name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -71,32 +72,86 @@ class PackedSequenceError(ValueError):
     """A packed batch would let attention cross a document boundary."""
 
 
+def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """The document index of each of ``total`` flattened tokens (0 for the first document)."""
+    marks = torch.zeros(total, dtype=torch.int32, device=cu_seqlens.device)
+    starts = cu_seqlens[1:-1].long().clamp_max(total - 1)  # boundaries past ``total``: the caller checks cu[-1]
+    marks.index_add_(0, starts, torch.ones_like(starts, dtype=torch.int32))
+    return marks.cumsum(0)
+
+
+@dataclass(frozen=True)
+class MaskPlan:
+    """What a packed batch's 4D attention mask allows, read from the GPU once per forward.
+
+    ``crosses``: a document's first token may see the previous document (the mask is wrong for packing).
+    ``block_causal``: the mask is exactly causal within each document and nothing else (no padding, no
+    window), which is what a varlen kernel over the boundaries computes. ``longest``: the longest document
+    (a varlen kernel's ``max_seqlen``).
+    """
+
+    crosses: bool
+    block_causal: bool
+    longest: int
+
+
+_QUERY_ROWS = 1 << 26  # mask elements compared at once (64 Mi bools), so a 32k-token row never holds S x S twice
+
+
+def mask_plan(attention_mask, cu_seqlens: torch.Tensor) -> MaskPlan | None:
+    """The :class:`MaskPlan` of a 4D mask (bool, or additive with 0 = may attend) for packed ``cu_seqlens``;
+    ``None`` for no mask or another layout. One wait for the GPU, once per mask tensor (``_once_per_call``)."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 4:
+        return None
+    return _once_per_call("mask_plan", (attention_mask, cu_seqlens), lambda: _plan(attention_mask, cu_seqlens))
+
+
+def _plan(attention_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> MaskPlan:
+    device = attention_mask.device
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    batch, _, queries, keys = attention_mask.shape
+    total = queries * max(batch, 1)
+    starts = cu[1:-1]
+    crosses = torch.zeros((), dtype=torch.bool, device=device)
+    if starts.numel():
+        row = starts // queries
+        same_row = row == (starts - 1) // queries  # a boundary at a row start has nothing to cross
+        b = row if batch > 1 else torch.zeros_like(row)
+        allowed = _allowed(attention_mask[b, 0, starts % queries, (starts - 1) % queries])
+        crosses = (allowed & same_row).any()
+    mismatch = torch.zeros((), dtype=torch.bool, device=device)
+    if keys == queries:  # (a cache's longer key axis is never plain packing)
+        docs = document_ids(cu, total).view(max(batch, 1), queries)
+        position = torch.arange(queries, device=device)
+        step = max(1, _QUERY_ROWS // keys)
+        for r in range(batch):
+            for first in range(0, queries, step):
+                last = min(first + step, queries)
+                expected = (docs[r, first:last, None] == docs[r, None, :]) & (
+                    position[None, :] <= position[first:last, None]
+                )
+                mismatch |= (_allowed(attention_mask[r, 0, first:last]) != expected).any()
+    longest = (cu[1:] - cu[:-1]).max() if cu.numel() > 1 else torch.zeros((), dtype=torch.long, device=device)
+    crossed, mismatched, length, tokens = torch.stack([crosses.long(), mismatch.long(), longest, cu[-1]]).tolist()
+    exact = keys == queries and tokens == total and not mismatched and not crossed
+    return MaskPlan(bool(crossed), exact, int(length))
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask == 0  # additive mask: 0 lets the query see the key
+
+
 def attention_crosses_documents(attention_mask, cu_seqlens: torch.Tensor, implementation: str) -> bool:
     """Whether full attention under ``attention_mask`` lets a document's first token see the previous document.
 
     Flash-attention implementations take the boundaries from ``position_ids`` themselves; a 4D mask is
-    probed at every boundary at once (one wait for the GPU, once per forward); no mask at all means plain
-    causal attention over the whole row.
+    probed at every boundary at once (one wait for the GPU, once per forward, shared with the attention
+    layer's varlen routing); no mask at all means plain causal attention over the whole row.
     """
     if "flash" in implementation:
         return False
-    if attention_mask is None or not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 4:
-        return True
-    return _once_per_call("crosses", (attention_mask, cu_seqlens), lambda: _mask_crosses(attention_mask, cu_seqlens))
-
-
-def _mask_crosses(attention_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
-    starts = cu_seqlens[1:-1].to(device=attention_mask.device, dtype=torch.long)
-    if starts.numel() == 0:
-        return False
-    row_length = attention_mask.shape[-2]
-    row = starts // row_length
-    same_row = row == (starts - 1) // row_length  # a boundary at a row start has nothing to cross
-    batch = row if attention_mask.shape[0] > 1 else torch.zeros_like(row)
-    allowed = attention_mask[batch, 0, starts % row_length, (starts - 1) % row_length]
-    if attention_mask.dtype != torch.bool:
-        allowed = allowed == 0  # additive mask: 0 lets the query see the key
-    return bool((allowed & same_row).any())
+    plan = mask_plan(attention_mask, cu_seqlens)
+    return True if plan is None else plan.crosses
 
 
 def packed_kwargs(self, args: tuple, kwargs: dict) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fusepatch.layers.attention import rotary_attention_forward
+from fusepatch.layers.attention import attention_forward
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward
 from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
 from fusepatch.layers.gated_deltanet import gated_deltanet_forward
@@ -15,10 +15,13 @@ from fusepatch.layers.simple import (
 from fusepatch.registry import Row
 
 GDN_OPS = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm")
+ATTENTION_OPS = ("rotary", "varlen_attention")
 
 __all__ = [
+    "ATTENTION_OPS",
     "GDN_OPS",
     "Row",
+    "attention_forward",
     "causal_lm_forward",
     "conditional_generation_forward",
     "decoder_layer_forward",
@@ -27,6 +30,5 @@ __all__ = [
     "hybrid_decoder_layer_forward",
     "rms_norm_forward",
     "rms_norm_zero_centered_forward",
-    "rotary_attention_forward",
     "swiglu_mlp_forward",
 ]

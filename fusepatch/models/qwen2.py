@@ -1,12 +1,13 @@
 """Qwen2 and Qwen2-MoE: full attention, plain RMSNorm (x * w)."""
 
 from fusepatch.models._rows import (
+    ATTENTION_OPS,
     Row,
+    attention_forward,
     causal_lm_forward,
     decoder_layer_forward,
     experts_forward,
     rms_norm_forward,
-    rotary_attention_forward,
     swiglu_mlp_forward,
 )
 
@@ -19,12 +20,12 @@ ROWS = [
     Row(DENSE, DENSE_MODULE, "Qwen2RMSNorm", ("rms_norm",), rms_norm_forward),
     Row(DENSE, DENSE_MODULE, "Qwen2MLP", ("swiglu",), swiglu_mlp_forward),
     Row(DENSE, DENSE_MODULE, "Qwen2DecoderLayer", ("add_rms_norm",), decoder_layer_forward),
-    Row(DENSE, DENSE_MODULE, "Qwen2Attention", ("rotary",), rotary_attention_forward),
+    Row(DENSE, DENSE_MODULE, "Qwen2Attention", ATTENTION_OPS, attention_forward),
     Row(DENSE, DENSE_MODULE, "Qwen2ForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeRMSNorm", ("rms_norm",), rms_norm_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeMLP", ("swiglu",), swiglu_mlp_forward, note="experts and shared expert"),
     Row(MOE, MOE_MODULE, "Qwen2MoeExperts", ("moe_experts",), experts_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeDecoderLayer", ("add_rms_norm",), decoder_layer_forward),
-    Row(MOE, MOE_MODULE, "Qwen2MoeAttention", ("rotary",), rotary_attention_forward),
+    Row(MOE, MOE_MODULE, "Qwen2MoeAttention", ATTENTION_OPS, attention_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
 ]

@@ -1,12 +1,13 @@
 """Qwen3 and Qwen3-MoE: full attention, plain RMSNorm (x * w)."""
 
 from fusepatch.models._rows import (
+    ATTENTION_OPS,
     Row,
+    attention_forward,
     causal_lm_forward,
     decoder_layer_forward,
     experts_forward,
     rms_norm_forward,
-    rotary_attention_forward,
     swiglu_mlp_forward,
 )
 
@@ -19,12 +20,12 @@ ROWS = [
     Row(DENSE, DENSE_MODULE, "Qwen3RMSNorm", ("rms_norm",), rms_norm_forward),
     Row(DENSE, DENSE_MODULE, "Qwen3MLP", ("swiglu",), swiglu_mlp_forward),
     Row(DENSE, DENSE_MODULE, "Qwen3DecoderLayer", ("add_rms_norm",), decoder_layer_forward),
-    Row(DENSE, DENSE_MODULE, "Qwen3Attention", ("rotary",), rotary_attention_forward),
+    Row(DENSE, DENSE_MODULE, "Qwen3Attention", ATTENTION_OPS, attention_forward),
     Row(DENSE, DENSE_MODULE, "Qwen3ForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeRMSNorm", ("rms_norm",), rms_norm_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeMLP", ("swiglu",), swiglu_mlp_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeExperts", ("moe_experts",), experts_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeDecoderLayer", ("add_rms_norm",), decoder_layer_forward),
-    Row(MOE, MOE_MODULE, "Qwen3MoeAttention", ("rotary",), rotary_attention_forward),
+    Row(MOE, MOE_MODULE, "Qwen3MoeAttention", ATTENTION_OPS, attention_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
 ]

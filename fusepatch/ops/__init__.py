@@ -16,6 +16,7 @@ from fusepatch.ops.norms import (
 )
 from fusepatch.ops.rotary import ROTARY
 from fusepatch.ops.swiglu import SWIGLU
+from fusepatch.ops.varlen_attention import VARLEN_ATTENTION
 
 OPS: dict[str, Op] = {
     op.name: op
@@ -29,6 +30,7 @@ OPS: dict[str, Op] = {
         ADD_RMS_NORM_ZERO_CENTERED,
         SWIGLU,
         ROTARY,
+        VARLEN_ATTENTION,
         LINEAR_CROSS_ENTROPY,
         MOE_EXPERTS,
     )

@@ -1,0 +1,74 @@
+"""Packed full attention on the varlen kernel (torch's FlashAttention) on a real GPU, on fresh random inputs.
+
+Op: against the fp64 reference (causal within each document), output and q/k/v gradients within 2e-2 (bf16)
+and 5e-3 (fp16), at the 27B model's head layout (24 q / 4 kv heads of 256), Qwen3's (16 / 8 of 128) and a plain
+one, over random document lengths with one-token documents among them. Model: a packed batch through a bf16
+mini model routed to the kernel against the same model on transformers' masked sdpa, both measured against
+the fp32 model (the bounds of conftest.py: FACTOR x the masked bf16 error + FLOOR).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import FACTOR, FLOOR, MINI, compare, kernel, outputs, record
+
+import fusepatch
+from fusepatch.layers import attention
+from fusepatch.ops import OPS
+from fusepatch.ops._common import relative_error
+from fusepatch.tiny import tiny_model
+
+pytestmark = pytest.mark.gpu
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def _lengths(total: int, generator: torch.Generator) -> list[int]:
+    cuts = sorted(set(torch.randint(1, total, (9,), generator=generator).tolist()))
+    lengths = [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+    return [*lengths[:3], 1, *lengths[3:]]  # a one-token document
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("hq,hk,dim", [(24, 4, 256), (16, 8, 128), (4, 4, 64)], ids=["qwen3.5-27b", "qwen3", "mha"])
+def test_torch_varlen_matches_the_reference(hq, hk, dim, dtype):
+    fn = kernel("varlen_attention", "torch", dtype)
+    lengths = _lengths(1500, torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()))))
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, h, dim, device="cuda") for h in (hq, hk, hk))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    scale = 0.8 * dim**-0.5
+    compare(fn, OPS["varlen_attention"].reference, [q, k, v, cu], dtype, TOL[dtype], extra=(max(lengths), scale))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3"])
+def test_packed_model_on_varlen_matches_masked_sdpa(model_type, monkeypatch):
+    base = tiny_model(model_type, attn_implementation="sdpa", **MINI)
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    lengths = _lengths(601, generator)
+    ids = torch.randint(0, base.config.vocab_size, (1, sum(lengths)), generator=generator).cuda()
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+
+    def run(dtype, exclude):
+        model = copy.deepcopy(base).cuda().to(dtype)
+        fusepatch.apply(model, exclude=exclude)
+        return outputs(model, ids, position_ids=position_ids)
+
+    calls = []
+    real = attention._varlen_attention
+    monkeypatch.setattr(attention, "_varlen_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    reference = run(torch.float32, ["varlen_attention"])
+    masked = run(torch.bfloat16, ["varlen_attention"])
+    assert calls == []
+    fused = run(torch.bfloat16, [])
+    layers = sum(1 for m in base.modules() if type(m).__name__.endswith("Attention"))
+    assert len(calls) == layers, "the packed bf16 forward did not reach the varlen kernel"
+    errors = {
+        name: {"varlen": relative_error(fused[name], ref), "masked": relative_error(masked[name], ref)}
+        for name, ref in reference.items()
+    }
+    record(f"varlen-{model_type}", errors)
+    bad = {n: e for n, e in errors.items() if not e["varlen"] <= FACTOR * e["masked"] + FLOOR}
+    assert not bad, bad
