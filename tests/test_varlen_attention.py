@@ -258,3 +258,14 @@ def test_binding_is_undone_after_the_call(cpu_candidate):
     ids, position_ids = _packed(model.config.vocab_size)
     model(input_ids=ids, position_ids=position_ids, use_cache=False)
     assert modeling.ALL_ATTENTION_FUNCTIONS is original and attention._bound == {}
+
+
+def test_excluded_op_reads_no_mask(cpu_candidate, monkeypatch):
+    plans = []
+    real = packing._plan
+    monkeypatch.setattr(packing, "_plan", lambda *a: plans.append(1) or real(*a))
+    model = tiny_model("qwen3", attn_implementation="sdpa")
+    fusepatch.apply(model, exclude=["varlen_attention"])
+    ids, position_ids = _packed(model.config.vocab_size)
+    model(input_ids=ids, position_ids=position_ids, use_cache=False)
+    assert plans == [] and _routed(cpu_candidate) == []

@@ -138,7 +138,9 @@ def _route(self, args: tuple, kwargs: dict) -> _Route | None:
     """The varlen route of this call, or None (not packed, not sdpa, a cache, dropout, a mask that is not
     plain block-causal: those keep transformers' path, the last one said once per layer class)."""
     dispatch = self._fusepatch.ops.get("varlen_attention")
-    if dispatch is None or getattr(self.config, "_attn_implementation", None) != "sdpa":
+    if dispatch is None or dispatch.disabled_reason is not None:  # excluded: not even the mask is read
+        return None
+    if getattr(self.config, "_attn_implementation", None) != "sdpa":
         return None
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
         return None
