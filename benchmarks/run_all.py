@@ -76,6 +76,8 @@ def run_one(label: str, args) -> dict:
         cmd.append("--checkpointing")
     if args.vary_seq:
         cmd += ["--vary-seq", str(args.vary_seq)]
+    if args.packed_docs:
+        cmd += ["--packed-docs", str(args.packed_docs)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if os.path.exists(out):
@@ -125,6 +127,9 @@ def main() -> int:
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument(
         "--vary-seq", type=float, default=0.0, help="each timed step's length from [seq*(1-F), seq] (train_step.py)"
+    )
+    parser.add_argument(
+        "--packed-docs", type=int, default=0, help="K documents of random lengths in every row (train_step.py)"
     )
     parser.add_argument("--timeout", type=int, default=300)
     parser.add_argument("--workdir", default=".")

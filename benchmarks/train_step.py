@@ -13,6 +13,10 @@ tokens/s, peak memory, and from one profiled step: aten ops dispatched, GPU kern
 every configuration), as packed rows of a fine-tuning run have: a kernel that compiles or autotunes per size
 shows up in the step times (the fixed-length tables cannot show it; RESULTS.md, session 6). tokens/s is then
 all timed tokens over all timed step time, and the slowest step is reported beside the median.
+
+``--packed-docs K`` packs every row with K documents of random lengths (``position_ids`` restarting at 0, new
+cut points every step, the same for every configuration), as padding-free SFT batches are: transformers then
+builds a block-causal mask for sdpa, and fusepatch routes full attention to its varlen kernel.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--vary-seq", type=float, default=0.0, help="each timed step's length from [seq*(1-F), seq]")
+    parser.add_argument("--packed-docs", type=int, default=0, help="K documents of random lengths in every row")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
@@ -97,6 +102,13 @@ def main() -> int:
             fh.write(text)
     print(text)
     return 0
+
+
+def packed_positions(length: int, documents: int, draws: random.Random) -> torch.Tensor:
+    """One row's ``position_ids``: ``documents`` documents (fewer if the row is shorter) cut at random points."""
+    cuts = sorted(draws.sample(range(1, length), min(documents, length) - 1))
+    bounds = [0, *cuts, length]
+    return torch.cat([torch.arange(end - start) for start, end in zip(bounds, bounds[1:])])
 
 
 def run(args, seq: int, batch: int) -> dict:
@@ -133,9 +145,15 @@ def run(args, seq: int, batch: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
+    cuts = random.Random(4321)  # document boundaries of packed rows, the same for every configuration
+
     def step(length: int = seq):
         ids = torch.randint(0, config.vocab_size, (batch, length), device=device)
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        extra = {}
+        if args.packed_docs > 1:
+            rows = [packed_positions(length, args.packed_docs, cuts) for _ in range(batch)]
+            extra["position_ids"] = torch.stack(rows).to(device)
+        loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -171,6 +189,8 @@ def run(args, seq: int, batch: int) -> dict:
     tokens = batch * seq
     if args.vary_seq:
         info.update(lengths=lengths, max_step_ms=round(max(times) * 1000, 2))
+    if args.packed_docs > 1:
+        info["packed_docs"] = args.packed_docs
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":

@@ -54,9 +54,32 @@ def test_a_label_with_a_slash_gets_its_own_files(tmp_path):
 
     args = argparse.Namespace(
         shape="tiny", steps=1, warmup=0, timeout=300, workdir=str(tmp_path), site_fla="", site_tl="", layers=None,
-        checkpointing=False, vary_seq=0.0,
+        checkpointing=False, vary_seq=0.0, packed_docs=0,
     )  # fmt: skip
     result = run_all.run_one("eager+FUSEPATCH_SKIP=rms_norm/triton", args)
     assert result["config"] == "eager+FUSEPATCH_SKIP=rms_norm/triton"
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["tiny-eager+FUSEPATCH_SKIP=rms_norm_triton.json", "tiny-eager+FUSEPATCH_SKIP=rms_norm_triton.log"]
+
+
+def test_packed_rows_restart_positions_at_every_document(tmp_path):
+    """``--packed-docs K``: K documents a row, new cut points every step, the same for every configuration;
+    the run passes them to the model as ``position_ids``."""
+    import json
+    import random
+    import subprocess
+
+    import train_step
+
+    for length, docs in ((256, 4), (5, 9)):
+        positions = train_step.packed_positions(length, docs, random.Random(0))
+        assert positions.shape == (length,) and int((positions == 0).sum()) == min(docs, length)
+        assert positions.tolist() == train_step.packed_positions(length, docs, random.Random(0)).tolist()
+    out = tmp_path / "packed.json"
+    script = os.path.join(os.path.dirname(run_all.__file__), "train_step.py")
+    cmd = [sys.executable, script, "--config", "hf-fast", "--shape", "tiny", "--device", "cpu"]
+    cmd += ["--steps", "2", "--warmup", "1", "--packed-docs", "3", "--json-out", str(out)]
+    subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
+    result = json.loads(out.read_text())
+    assert "error" not in result, result.get("traceback")
+    assert result["packed_docs"] == 3 and len(result["step_ms"]) == 2
