@@ -245,7 +245,7 @@ def test_padded_packed_batch_stays_on_masked_sdpa_and_says_why(cpu_candidate, ca
         model(input_ids=ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
     assert _routed(cpu_candidate) == []
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
-    said = [r.getMessage() for r in caplog.records if "stays on transformers' masked sdpa" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "stays on transformers' sdpa" in r.getMessage()]
     assert len(said) == 1 and "DataCollatorWithFlattening" in said[0]
 
 
@@ -269,3 +269,15 @@ def test_excluded_op_reads_no_mask(cpu_candidate, monkeypatch):
     ids, position_ids = _packed(model.config.vocab_size)
     model(input_ids=ids, position_ids=position_ids, use_cache=False)
     assert plans == [] and _routed(cpu_candidate) == []
+
+
+def test_packed_batch_with_a_2d_mask_says_documents_would_attend_across(cpu_candidate, caplog):
+    """A 2D all-ones mask with packed position_ids makes transformers build a causal mask over the whole row
+    (documents see each other): not routed, and the log says so rather than guessing padding."""
+    model = tiny_model("qwen3", attn_implementation="sdpa")
+    fusepatch.apply(model)
+    ids, position_ids = _packed(model.config.vocab_size)
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        model(input_ids=ids, position_ids=position_ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    assert _routed(cpu_candidate) == []
+    assert any("attend to each other" in r.getMessage() for r in caplog.records)

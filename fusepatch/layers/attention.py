@@ -153,12 +153,15 @@ def _route(self, args: tuple, kwargs: dict) -> _Route | None:
     mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
     plan = mask_plan(mask, cu)
     if plan is None or not plan.block_causal:
-        why = "no 4D mask" if plan is None else "its mask is not plain causal within each document (padding?)"
+        if plan is None or plan.crosses:  # transformers does this when an attention_mask or a cache is passed
+            why = "transformers' attention lets its documents attend to each other (an attention_mask was passed?)"
+        else:
+            why = "its mask is not plain causal within each document (padding or a sliding window)"
         if (type(self).__name__, why) not in _told:
             _told.add((type(self).__name__, why))
             logger.warning(
-                "fusepatch: %s: a packed batch stays on transformers' masked sdpa, not the varlen kernel: %s. "
-                "Fix: pack without padding (DataCollatorWithFlattening) and call with use_cache=False.",
+                "fusepatch: %s: a packed batch stays on transformers' sdpa, not the varlen kernel: %s. "
+                "Fix: pack without padding (DataCollatorWithFlattening), no attention_mask, use_cache=False.",
                 type(self).__name__,
                 why,
             )
