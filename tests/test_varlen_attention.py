@@ -148,13 +148,13 @@ def cpu_candidate(monkeypatch):
 
     def load():
         def varlen(q, k, v, cu_seqlens, max_seqlen, scale=None):
-            calls.append((tuple(q.shape), cu_seqlens.tolist(), max_seqlen))
+            calls.append((tuple(q.shape), cu_seqlens.tolist(), max_seqlen, q.dtype))
             return varlen_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale)
 
         return varlen
 
     candidate = Candidate(
-        "cpu-reference", "pip", (), load, InputRule(devices=("cpu",), dtypes=("float32",)), provides="test"
+        "cpu-reference", "pip", (), load, InputRule(devices=("cpu",), dtypes=("float32", "bfloat16")), provides="test"
     )
     op = OPS["varlen_attention"]
     monkeypatch.setitem(OPS, "varlen_attention", dataclasses.replace(op, candidates=(candidate, *op.candidates)))
@@ -196,7 +196,7 @@ def test_packed_sdpa_model_routes_to_varlen_and_matches_transformers(cpu_candida
     out = _loss(model, ids, position_ids)
     out.loss.backward()
     full_attention = sum(1 for m in model.modules() if type(m).__name__.endswith("Attention"))
-    assert _routed(cpu_candidate) == [((81, 4, 32), _cu(LENGTHS).tolist(), 40)] * full_attention
+    assert _routed(cpu_candidate) == [((81, 4, 32), _cu(LENGTHS).tolist(), 40, torch.float32)] * full_attention
     torch.testing.assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
     for name, grad in grads(model).items():
@@ -281,3 +281,21 @@ def test_packed_batch_with_a_2d_mask_says_documents_would_attend_across(cpu_cand
         model(input_ids=ids, position_ids=position_ids, attention_mask=torch.ones_like(ids), use_cache=False)
     assert _routed(cpu_candidate) == []
     assert any("attend to each other" in r.getMessage() for r in caplog.records)
+
+
+def test_fp32_model_under_autocast_routes_in_autocast_dtype(cpu_candidate):
+    """The Trainer's bf16=True over fp32 weights: q/k/v may reach attention in fp32 (the q/k norms' fp32
+    weights), and sdpa would compute in bf16 under autocast; the varlen kernel is asked for bf16 the same way."""
+    model = tiny_model("qwen3", attn_implementation="sdpa")
+    ids, position_ids = _packed(model.config.vocab_size)
+    fusepatch.apply(model, exclude=["varlen_attention"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = _loss(model, ids, position_ids)
+    fusepatch.revert(model)
+    fusepatch.apply(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _loss(model, ids, position_ids)
+    routed = _routed(cpu_candidate)
+    assert routed and all(call[0] == (81, 4, 32) and call[3] == torch.bfloat16 for call in routed)
+    assert model.model.layers[0].self_attn._fusepatch.ops["varlen_attention"].choice("cpu", "bfloat16", True).fused
+    torch.testing.assert_close(out.loss, expected.loss, rtol=2e-2, atol=2e-2)

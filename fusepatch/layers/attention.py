@@ -30,7 +30,7 @@ import torch
 
 from fusepatch.layers.packing import boundaries_for_call, mask_plan
 from fusepatch.ops.rotary import unsupported
-from fusepatch.resolve import Dispatch, dtype_name
+from fusepatch.resolve import Dispatch, autocast_dtype, dtype_name
 
 logger = logging.getLogger("fusepatch")
 
@@ -121,8 +121,8 @@ def _varlen_attention(route: _Route, sdpa, module, query, key, value, attention_
     batch, heads, length, dim = query.shape
     device = query.device.type
     dtype = query.dtype
-    if query.dtype == torch.float32 and torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)  # what sdpa would compute in under this autocast
+    if dtype == torch.float32:  # under autocast sdpa computes in autocast's dtype; so does the varlen kernel
+        dtype = autocast_dtype(device) or dtype
     choice = route.dispatch.choice(device, dtype_name(dtype), True)
     if not choice.fused or dropout or kwargs.get("sliding_window") is not None or batch * length != route.tokens:
         return sdpa(module, query, key, value, attention_mask, **kwargs)
