@@ -43,8 +43,11 @@ def test_torch_varlen_matches_the_reference(hq, hk, dim, dtype):
     compare(fn, OPS["varlen_attention"].reference, [q, k, v, cu], dtype, TOL[dtype], extra=(max(lengths), scale))
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "fp32-weights-autocast"])
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3"])
-def test_packed_model_on_varlen_matches_masked_sdpa(model_type, monkeypatch):
+def test_packed_model_on_varlen_matches_masked_sdpa(model_type, autocast, monkeypatch):
+    """bf16 weights, or fp32 weights under bf16 autocast (the Trainer's bf16=True: q/k reach attention in fp32
+    and the kernel is asked for bf16, as sdpa computes under autocast)."""
     base = tiny_model(model_type, attn_implementation="sdpa", **MINI)
     generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     lengths = _lengths(601, generator)
@@ -52,9 +55,11 @@ def test_packed_model_on_varlen_matches_masked_sdpa(model_type, monkeypatch):
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
 
     def run(dtype, exclude):
-        model = copy.deepcopy(base).cuda().to(dtype)
-        fusepatch.apply(model, exclude=exclude)
-        return outputs(model, ids, position_ids=position_ids)
+        mixed = autocast and dtype == torch.bfloat16
+        model = copy.deepcopy(base).cuda().to(torch.float32 if mixed else dtype)
+        fusepatch.apply(model, exclude=exclude, compute_dtype=dtype)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mixed):
+            return outputs(model, ids, position_ids=position_ids)
 
     calls = []
     real = attention._varlen_attention
@@ -69,6 +74,6 @@ def test_packed_model_on_varlen_matches_masked_sdpa(model_type, monkeypatch):
         name: {"varlen": relative_error(fused[name], ref), "masked": relative_error(masked[name], ref)}
         for name, ref in reference.items()
     }
-    record(f"varlen-{model_type}", errors)
+    record(f"varlen-{model_type}{'-autocast' if autocast else ''}", errors)
     bad = {n: e for n, e in errors.items() if not e["varlen"] <= FACTOR * e["masked"] + FLOOR}
     assert not bad, bad
