@@ -23,20 +23,26 @@ def test_labels_carry_environment_settings_for_variants():
         run_all.parse_label("fusepatch+1024")
 
 
+def _train_step_on_cpu(tmp_path, config: str, *flags: str) -> dict:
+    """``train_step.py`` on the tiny shape on the CPU; its JSON result, which must hold no error."""
+    import json
+    import subprocess
+
+    out = tmp_path / f"{config}.json"
+    script = os.path.join(os.path.dirname(run_all.__file__), "train_step.py")
+    cmd = [sys.executable, script, "--config", config, "--shape", "tiny", "--device", "cpu", *flags]
+    subprocess.run([*cmd, "--json-out", str(out)], capture_output=True, text=True, timeout=600, check=True)
+    result = json.loads(out.read_text())
+    assert "error" not in result, result.get("traceback")
+    return result
+
+
 def test_varying_lengths_give_every_timed_step_its_own_size(tmp_path):
     """``--vary-seq``: the harness case the fixed-length tables missed (session 6). Same draws for every
     configuration; tokens/s over all timed tokens and time; the slowest step in the table."""
-    import json
     import random
-    import subprocess
 
-    out = tmp_path / "tiny.json"
-    script = os.path.join(os.path.dirname(run_all.__file__), "train_step.py")
-    cmd = [sys.executable, script, "--config", "fusepatch", "--shape", "tiny", "--device", "cpu"]
-    cmd += ["--steps", "3", "--warmup", "1", "--vary-seq", "0.5", "--json-out", str(out)]
-    subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
-    result = json.loads(out.read_text())
-    assert "error" not in result, result.get("traceback")
+    result = _train_step_on_cpu(tmp_path, "fusepatch", "--steps", "3", "--warmup", "1", "--vary-seq", "0.5")
     draws = random.Random(1234)
     assert result["lengths"] == [draws.randint(128, 256) for _ in range(3)]
     seconds = sum(result["step_ms"]) / 1000
@@ -65,9 +71,7 @@ def test_a_label_with_a_slash_gets_its_own_files(tmp_path):
 def test_packed_rows_restart_positions_at_every_document(tmp_path):
     """``--packed-docs K``: K documents a row, new cut points every step, the same for every configuration;
     the run passes them to the model as ``position_ids``."""
-    import json
     import random
-    import subprocess
 
     import train_step
 
@@ -75,11 +79,5 @@ def test_packed_rows_restart_positions_at_every_document(tmp_path):
         positions = train_step.packed_positions(length, docs, random.Random(0))
         assert positions.shape == (length,) and int((positions == 0).sum()) == min(docs, length)
         assert positions.tolist() == train_step.packed_positions(length, docs, random.Random(0)).tolist()
-    out = tmp_path / "packed.json"
-    script = os.path.join(os.path.dirname(run_all.__file__), "train_step.py")
-    cmd = [sys.executable, script, "--config", "hf-fast", "--shape", "tiny", "--device", "cpu"]
-    cmd += ["--steps", "2", "--warmup", "1", "--packed-docs", "3", "--json-out", str(out)]
-    subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
-    result = json.loads(out.read_text())
-    assert "error" not in result, result.get("traceback")
+    result = _train_step_on_cpu(tmp_path, "hf-fast", "--steps", "2", "--warmup", "1", "--packed-docs", "3")
     assert result["packed_docs"] == 3 and len(result["step_ms"]) == 2

@@ -176,8 +176,8 @@ def attention_forward(self, *args, **kwargs):
     state = self._fusepatch
     module = sys.modules[type(self).__module__]
     route = _route(self, args, kwargs)
-    names = [name for name in (ROTARY, INTERFACES if route is not None else None) if name is not None]
-    bound = [name for name in names if _bind(module, name, _dispatching if name == ROTARY else _RoutingInterfaces)]
+    wrappers = {ROTARY: _dispatching, INTERFACES: _RoutingInterfaces} if route is not None else {ROTARY: _dispatching}
+    bound = [name for name, wrap in wrappers.items() if _bind(module, name, wrap)]
     if not bound:
         return state.original(*args, **kwargs)
     outer = getattr(_local, "dispatch", None), getattr(_local, "route", None)

@@ -80,6 +80,13 @@ def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return marks.cumsum(0)
 
 
+def block_causal_rows(docs: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """Rows ``first:last`` of the mask a varlen kernel computes over tokens of documents ``docs``: a query sees
+    the keys of its own document up to itself."""
+    position = torch.arange(docs.numel(), device=docs.device)
+    return (docs[first:last, None] == docs[None, :]) & (position[None, :] <= position[first:last, None])
+
+
 @dataclass(frozen=True)
 class MaskPlan:
     """What a packed batch's 4D attention mask allows, read from the GPU once per forward.
@@ -122,14 +129,11 @@ def _plan(attention_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> MaskPlan:
     mismatch = torch.zeros((), dtype=torch.bool, device=device)
     if keys == queries:  # (a cache's longer key axis is never plain packing)
         docs = document_ids(cu, total).view(max(batch, 1), queries)
-        position = torch.arange(queries, device=device)
         step = max(1, _QUERY_ROWS // keys)
         for r in range(batch):
             for first in range(0, queries, step):
                 last = min(first + step, queries)
-                expected = (docs[r, first:last, None] == docs[r, None, :]) & (
-                    position[None, :] <= position[first:last, None]
-                )
+                expected = block_causal_rows(docs[r], first, last)
                 mismatch |= (_allowed(attention_mask[r, 0, first:last]) != expected).any()
     longest = (cu[1:] - cu[:-1]).max() if cu.numel() > 1 else torch.zeros((), dtype=torch.long, device=device)
     crossed, mismatched, length, tokens = torch.stack([crosses.long(), mismatch.long(), longest, cu[-1]]).tolist()

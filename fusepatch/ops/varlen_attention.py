@@ -20,7 +20,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from fusepatch.layers.packing import document_ids
+from fusepatch.layers.packing import block_causal_rows, document_ids
 from fusepatch.ops._common import planned_hub_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import CudaDevice, Importable, InputRule, MinCapability
@@ -31,9 +31,7 @@ TORCH_FIX = 'pip install -U "torch>=2.10"   (torch.nn.attention.varlen ships wit
 def varlen_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale=None):
     """sdpa over the flattened tokens with a mask that is causal within each document and closed across them."""
     total = q.shape[0]
-    docs = document_ids(cu_seqlens.to(q.device), total)
-    position = torch.arange(total, device=q.device)
-    allowed = (docs[:, None] == docs[None, :]) & (position[None, :] <= position[:, None])
+    allowed = block_causal_rows(document_ids(cu_seqlens.to(q.device), total), 0, total)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     out = F.scaled_dot_product_attention(
