@@ -111,6 +111,59 @@ def packed_positions(length: int, documents: int, draws: random.Random) -> torch
     return torch.cat([torch.arange(end - start) for start, end in zip(bounds, bounds[1:])])
 
 
+def cpu_profile(prof, step, sync, activities) -> dict:
+    """The CPU side of a step, two ways: aten ops by self CPU time (from the trace already taken) and Python
+    functions by self and inclusive time over every thread (one more step traced with Python stacks: the
+    backward's Python, custom autograd functions and kernel launchers included, which run on the autograd
+    engine's thread). The Python tracer slows Python-heavy code: read the times for ranking."""
+    import tempfile
+    from collections import defaultdict
+
+    aten = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)
+    with torch.profiler.profile(activities=activities, with_stack=True) as traced:
+        sync()
+        step()
+        sync()
+    with tempfile.NamedTemporaryFile(suffix=".json") as fh:
+        traced.export_chrome_trace(fh.name)
+        events = json.load(open(fh.name))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    spans = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("python_function", "cpu_op")]
+    by_thread = defaultdict(list)
+    for event in spans:
+        event["child"] = 0.0
+        by_thread[event["tid"]].append(event)
+    own, total, calls = defaultdict(float), defaultdict(float), defaultdict(int)
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[dict] = []
+        for event in thread:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= event["ts"]:
+                stack.pop()
+            if stack:
+                stack[-1]["child"] += event["dur"]
+            stack.append(event)
+        for event in thread:
+            if event["cat"] == "python_function":
+                own[event["name"]] += event["dur"] - event["child"]
+                total[event["name"]] += event["dur"]
+                calls[event["name"]] += 1
+    threads = {
+        str(t): round(sum(e["dur"] for e in evs if e["cat"] == "cpu_op") / 1000, 1) for t, evs in by_thread.items()
+    }
+
+    def rows(values, n):
+        ranked = sorted(values.items(), key=lambda kv: -kv[1])[:n]
+        return [[name[-110:], round(us / 1000, 2), calls[name]] for name, us in ranked]
+
+    return {
+        "cpu_self_by_op": aten,
+        "python_self_ms": rows(own, 80),
+        "python_total_ms": rows(total, 120),
+        "aten_ms_by_thread": threads,
+    }
+
+
 def run(args, seq: int, batch: int) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -203,6 +256,8 @@ def run(args, seq: int, batch: int) -> dict:
         step()
         sync()
         window = time.perf_counter() - start
+    if os.environ.get("BENCH_CPU_PROFILE"):  # where the CPU's time goes, for shapes the CPU holds back
+        info.update(cpu_profile(prof, step, sync, activities))
     # The same trace arithmetic as FusePatchCallback (fusepatch.profile), over the profiled step's wall time.
     profiled = summarize(prof.events(), step=0, wall_s=window, tokens=tokens, flops=None, peak_tflops=None, top=15)
     if args.vary_seq:  # every step its own size: all tokens over all time, FLOPs per step at its length
