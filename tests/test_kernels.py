@@ -213,7 +213,7 @@ LOSS_BACKWARD_SCRIPT = textwrap.dedent(
     from fusepatch.ops.linear_cross_entropy import _FlaLinearCrossEntropy, linear_cross_entropy_reference
 
     # the kernel: scales in place by a device scalar, leaves the tensor alone when it is 1, any length
-    for n in (1, 4095, 4097, 10001):
+    for n in (1, 4095, 4097, 10001, 40961):  # 40961: more blocks than programs, each program strides
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(n).to(dtype)
             expected = (x.float() * 2.5).to(dtype)

@@ -6,6 +6,10 @@ scale otherwise). The value lives on the GPU, so the kernel reads it there and r
 no host sync, and no 2.5 GB read and write of Qwen3.5's lm_head gradient per step. fla does the same, but its
 kernel takes the element count as a compile-time constant, so each new packed length compiles it again (the
 SFT run built it once a step: benchmarks/RESULTS.md, session 7); here the count is a runtime argument.
+
+The grid is a few programs per SM, each striding over the blocks, not one program per block: a program that
+returns at once still has to be scheduled, and one per 4096 elements of the 27B shape's 1.27 G-element weight
+gradient is 310 k programs, 4.8 ms of the H200's step for a multiplication by 1 (bench-27b, session 9).
 """
 
 from __future__ import annotations
@@ -16,17 +20,32 @@ import triton.language as tl
 
 BLOCK = 4096
 WARPS = 8
+PROGRAMS_PER_SM = 4
+_SMS: dict[int, int] = {}
 
 
-@triton.jit(do_not_specialize=["n"])
-def _scale_unless_one(x, g, n, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "blocks"])
+def _scale_unless_one(x, g, n, blocks, BLOCK: tl.constexpr):
     factor = tl.load(g).to(tl.float32)
     if factor == 1.0:
         return
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    values = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(x + offsets, (values * factor).to(x.dtype.element_ty), mask=mask)
+    block = tl.program_id(0)
+    while block < blocks:  # program p scales blocks p, p + programs, ...
+        offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        values = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(x + offsets, (values * factor).to(x.dtype.element_ty), mask=mask)
+        block += tl.num_programs(0)
+
+
+def _programs(device: torch.device, blocks: int) -> int:
+    """At most PROGRAMS_PER_SM programs per SM (a CPU tensor, in the interpreter: one wave of 4)."""
+    if device.type != "cuda":
+        return min(blocks, PROGRAMS_PER_SM)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return min(blocks, _SMS[index] * PROGRAMS_PER_SM)
 
 
 def scale_unless_one_(tensor: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -35,5 +54,7 @@ def scale_unless_one_(tensor: torch.Tensor, factor: torch.Tensor) -> torch.Tenso
         raise ValueError("scale_unless_one_: the tensor must be contiguous (it is scaled in place)")
     n = tensor.numel()
     if n:
-        _scale_unless_one[(triton.cdiv(n, BLOCK),)](tensor, factor.reshape(1), n, BLOCK=BLOCK, num_warps=WARPS)
+        blocks = triton.cdiv(n, BLOCK)
+        grid = (_programs(tensor.device, blocks),)
+        _scale_unless_one[grid](tensor, factor.reshape(1), n, blocks, BLOCK=BLOCK, num_warps=WARPS)
     return tensor
