@@ -94,12 +94,12 @@ def run_one(label: str, args) -> dict:
 def table(results: list[dict], baseline: str = "hf-fast") -> str:
     base = next((r for r in results if r.get("config") == baseline and "error" not in r), None)
     lines = [
-        "| config | tokens/s | vs hf-fast | median step ms | slowest step ms | peak GiB | aten ops/step | GPU kernels/step | GPU busy | MFU | note |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| config | tokens/s | vs hf-fast | median step ms | slowest step ms | peak GiB | peak reserved GiB | aten ops/step | GPU kernels/step | GPU busy | MFU | note |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['config']} | - | - | - | - | - | - | - | - | - | fails: {r['error'][:160]} |")
+            lines.append(f"| {r['config']} | - | - | - | - | - | - | - | - | - | - | fails: {r['error'][:160]} |")
             continue
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         notes = list(r.get("fallbacks", [])[:2])
@@ -109,7 +109,7 @@ def table(results: list[dict], baseline: str = "hf-fast") -> str:
         note = "; ".join(notes)[:240]
         lines.append(
             f"| {r['config']} | {r['tokens_per_s']:,.0f} | {ratio} | {r['median_step_ms']} | "
-            f"{r.get('max_step_ms', max(r.get('step_ms') or [0]))} | {r['peak_mem_gib']} | "
+            f"{r.get('max_step_ms', max(r.get('step_ms') or [0]))} | {r['peak_mem_gib']} | {r.get('peak_reserved_gib', '-')} | "
             f"{r['aten_ops_per_step']:,} | {r['gpu_kernels_per_step']:,} | {r['gpu_busy_fraction']:.2f} | {r['mfu']:.2f} | {note} |"
         )
     return "\n".join(lines)

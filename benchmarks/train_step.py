@@ -272,6 +272,9 @@ def run(args, seq: int, batch: int) -> dict:
         median_step_ms=round(median * 1000, 2),
         tokens_per_s=round(rate, 1),
         peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+        # reserved: the caching allocator's whole holding, CUDA-graph memory pools included (their blocks are
+        # not "allocated" between replays, so the allocated peak alone would hide them)
+        peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2) if device.type == "cuda" else None,
         aten_ops_per_step=profiled.cpu_ops,
         gpu_kernels_per_step=profiled.gpu_kernels,
         gpu_busy_fraction=round(profiled.gpu_busy_fraction or 0.0, 3),

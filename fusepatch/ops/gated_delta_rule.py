@@ -164,6 +164,23 @@ def _load_fla(gate_in_kernel: bool):
     return gated_delta_rule_fla
 
 
+def _load_fla_graphed():
+    """fla's delta rule (gate in kernel) replayed from CUDA graphs for equal-length batches (fusepatch/graphs.py:
+    its ~30 kernel launches per layer cost the CPU more than the GPU); packed calls run it directly."""
+    from fusepatch.graphs import GraphedOp
+
+    plain = _load_fla(gate_in_kernel=True)
+    graphed = GraphedOp(lambda *tensors: plain(*tensors), "gated_delta_rule/fla-graphed")
+
+    def gated_delta_rule_fla_graphed(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
+        if cu_seqlens is not None:
+            return plain(q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu_seqlens)
+        return graphed(q, k, v, a, b, A_log, dt_bias)
+
+    gated_delta_rule_fla_graphed.graphed = graphed  # for tests and the report: what was captured
+    return gated_delta_rule_fla_graphed
+
+
 def _selftest_inputs(device, dtype, generator, packed=True, dims=None):
     # Odd length, grouped value heads; packed: a row of three documents. Head sizes: the layer's when known.
     dims = dims or {}
@@ -208,6 +225,16 @@ GATED_DELTA_RULE = Op(
     summary="chunked gated delta rule fwd+bwd, gate/beta/L2-norm in kernel, native grouped value heads",
     reference=gated_delta_rule_reference,
     candidates=(
+        Candidate(
+            name="fla-graphed",
+            source="pip",
+            requirements=fla_backward_requirements("fla.ops.gated_delta_rule"),
+            load=_load_fla_graphed,
+            inputs=FLA_INPUTS,
+            provides="fla.ops.gated_delta_rule.chunk_gated_delta_rule (as 'fla'), replayed from CUDA graphs per shape",
+            distribution="fla-core",
+            varlen=False,  # packed rows: new boundaries every step, and fla reads them on the CPU
+        ),
         Candidate(
             name="fla",
             source="pip",

@@ -9,6 +9,8 @@ refuses it (see _fp32_is_refused_and_still_off).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import compare, kernel, require
@@ -54,7 +56,7 @@ GDN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", ["fla", "fla-gate-outside"])
+@pytest.mark.parametrize("name", ["fla-graphed", "fla", "fla-gate-outside"])
 @pytest.mark.parametrize("shape, dtype", GDN_CASES)
 def test_gated_delta_rule(name, shape, dtype):
     length, hk, hv, dk, dv, bounds = shape
@@ -71,6 +73,43 @@ def test_gated_delta_rule(name, shape, dtype):
     looser = {"d5": DECAY_TOL, "d6": DECAY_TOL} if dtype == torch.bfloat16 else None
     # every input, A_log and dt_bias too, in the dtype under test: a bf16 model holds its parameters in bf16
     compare(fn, OPS["gated_delta_rule"].reference, inputs, dtype, TOL[dtype], looser=looser, **kwargs)
+
+
+@pytest.mark.parametrize("batch, length", [(1, 301), (3, 200)])
+def test_graphed_delta_rule_replays_fla(batch, length):
+    """fla-graphed runs fla's kernels from CUDA graphs: against fla itself on fresh inputs, for two 'layers'
+    sharing the graphs and interleaved as autograd runs them (forward 1, forward 2, backward 2, backward 1),
+    within 1e-3 (the same kernels; the backward graph recomputes the forward); the fp64 reference check of the
+    same candidate is test_gated_delta_rule[...fla-graphed]."""
+    from conftest import record
+
+    from fusepatch.ops._common import relative_error
+
+    graphed = kernel("gated_delta_rule", "fla-graphed", torch.bfloat16)
+    plain = kernel("gated_delta_rule", "fla", torch.bfloat16)
+
+    def layer_inputs():
+        q, k, v = (torch.randn(batch, length, h, 64, device="cuda") for h in (2, 2, 4))
+        a, b = torch.randn(batch, length, 4, device="cuda"), torch.randn(batch, length, 4, device="cuda")
+        A_log, dt_bias = torch.empty(4, device="cuda").uniform_(1, 16).log(), torch.randn(4, device="cuda")
+        return [t.to(torch.bfloat16).requires_grad_(True) for t in (q, k, v, a, b, A_log, dt_bias)]
+
+    layers = [layer_inputs(), layer_inputs()]
+    outs = [graphed(*x) for x in layers]
+    cots = [torch.randn_like(o) for o in outs]
+    grads = [None, None]
+    grads[1] = torch.autograd.grad(outs[1], layers[1], cots[1])
+    grads[0] = torch.autograd.grad(outs[0], layers[0], cots[0])
+    assert graphed.graphed.disabled is None, graphed.graphed.disabled
+    assert len(graphed.graphed.entries) == 1  # both layers replayed one captured pair
+    errors = {}
+    for i, (x, out, cot, got) in enumerate(zip(layers, outs, cots, grads)):
+        want_out = plain(*x)
+        want = torch.autograd.grad(want_out, x, cot)
+        errors[f"layer{i}-out"] = relative_error(out, want_out)
+        errors |= {f"layer{i}-d{j}": relative_error(g, w) for j, (g, w) in enumerate(zip(got, want))}
+    record(os.environ.get("PYTEST_CURRENT_TEST", "graphed").split(" ")[0], {"tol": 1e-3, "errors": errors})
+    assert all(e <= 1e-3 for e in errors.values()), errors
 
 
 def _fp32_is_refused_and_still_off(name, inputs, kwargs):
