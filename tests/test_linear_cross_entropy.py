@@ -121,13 +121,16 @@ def _stand_in_fla(monkeypatch, fused_linear_cross_entropy_fwd) -> None:
     monkeypatch.setitem(sys.modules, "fla.modules.fused_linear_cross_entropy.ops", ops)
 
 
-def _fla_contract(x, target, weight, ignore_index):
-    """What fla's forward returns: the summed loss, and its input and weight gradients (no bias)."""
+def _fla_contract(x, target, weight, ignore_index, reduction="sum"):
+    """What fla's forward returns: the loss summed ("sum") or over the labels not ignored, at least 1 ("mean"),
+    and its input and weight gradients (no bias)."""
     x, weight = x.detach().requires_grad_(True), weight.detach().requires_grad_(True)
     with torch.enable_grad():
         loss = torch.nn.functional.cross_entropy(
             (x @ weight.t()).float(), target, ignore_index=ignore_index, reduction="sum"
         )
+        if reduction == "mean":
+            loss = loss / target.ne(ignore_index).sum().clamp_min(1)
         dx, dw = torch.autograd.grad(loss, (x, weight))
     return loss.detach(), dx, dw, None
 
@@ -144,13 +147,13 @@ def test_fla_adapter_keeps_weight_grad_gemms_in_the_weight_dtype(monkeypatch, ha
         def fused_linear_cross_entropy_fwd(x, target, weight, bias=None, ignore_index=-100, num_chunks=8,
                                            reduction="mean", accumulate_grad_in_fp32=True):  # fmt: skip
             calls.append(accumulate_grad_in_fp32)
-            return _fla_contract(x, target, weight, ignore_index)
+            return _fla_contract(x, target, weight, ignore_index, reduction)
     else:
 
         def fused_linear_cross_entropy_fwd(x, target, weight, bias=None, ignore_index=-100, num_chunks=8,
                                            reduction="mean"):  # fmt: skip
             calls.append(None)
-            return _fla_contract(x, target, weight, ignore_index)
+            return _fla_contract(x, target, weight, ignore_index, reduction)
 
     _stand_in_fla(monkeypatch, fused_linear_cross_entropy_fwd)
     fn = next(c for c in OPS["linear_cross_entropy"].candidates if c.name == "fla").load()
@@ -158,6 +161,29 @@ def test_fla_adapter_keeps_weight_grad_gemms_in_the_weight_dtype(monkeypatch, ha
         h, w, y = _data(dtype=dtype)
         torch.testing.assert_close(fn(h, w, y), lce.linear_cross_entropy_reference(h, w, y))
     assert calls == ([False, True] if has_switch else [None, None])
+
+
+def test_fla_adapter_lets_fla_divide_unless_the_trainer_gives_the_count(monkeypatch):
+    """Without ``num_items_in_batch`` the adapter asks fla for its "mean" (the same divisor as transformers':
+    labels not ignored, at least 1), so the gradients fla writes are final and the loss's backward multiplies
+    by 1 (skipped); with it, fla sums and the adapter divides by the Trainer's count. Both equal the reference."""
+    seen = []
+
+    def fused_linear_cross_entropy_fwd(x, target, weight, bias=None, ignore_index=-100, num_chunks=8, reduction="mean"):
+        seen.append(reduction)
+        return _fla_contract(x, target, weight, ignore_index, reduction)
+
+    _stand_in_fla(monkeypatch, fused_linear_cross_entropy_fwd)
+    fn = next(c for c in OPS["linear_cross_entropy"].candidates if c.name == "fla").load()
+    h, w, y = _data(dtype=torch.float32)
+    y[::3] = -100
+    torch.testing.assert_close(fn(h, w, y), lce.linear_cross_entropy_reference(h, w, y))
+    y[:] = -100  # nothing to predict: the divisor is 1, not 0
+    torch.testing.assert_close(fn(h, w, y), lce.linear_cross_entropy_reference(h, w, y))
+    h, w, y = _data(dtype=torch.float32)
+    got = fn(h, w, y, num_items_in_batch=97)
+    torch.testing.assert_close(got, lce.linear_cross_entropy_reference(h, w, y, num_items_in_batch=97))
+    assert seen == ["mean", "mean", "sum"]
 
 
 def test_fla_adapter_names_the_fix_when_fla_changes_its_forward(monkeypatch):
@@ -190,7 +216,7 @@ def test_fla_chunk_budget_sets_num_chunks(monkeypatch):
 
     def fused_linear_cross_entropy_fwd(x, target, weight, bias=None, ignore_index=-100, num_chunks=8, reduction="mean"):
         calls.append(num_chunks)
-        return _fla_contract(x, target, weight, ignore_index)
+        return _fla_contract(x, target, weight, ignore_index, reduction)
 
     _stand_in_fla(monkeypatch, fused_linear_cross_entropy_fwd)
     candidate = next(c for c in OPS["linear_cross_entropy"].candidates if c.name == "fla")
