@@ -53,7 +53,9 @@ case "$phase" in
     # The op files first: they fill the compile caches (same head sizes) that the model files then reuse.
     # -v, a log per group and the errors each test measured: partial results survive a cut-off call.
     # TESTS replaces the groups (one group), K adds a -k filter.
+    # (a step's own TESTS may separate files with commas: a step's environment cannot hold spaces)
     groups=${TESTS:-"tests/gpu/test_gdn_ops.py tests/gpu/test_other_ops.py tests/gpu/test_attention.py|tests/gpu/test_gdn_models.py tests/gpu/test_models.py tests/gpu/test_trainer.py"}
+    groups=${groups//,/ }
     i=0; IFS='|' read -ra parts <<< "$groups"
     for files in "${parts[@]}"; do
       i=$((i + 1))

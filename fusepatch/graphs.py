@@ -6,20 +6,20 @@ bench-27b with ``BENCH_CPU_PROFILE=1``, session 9): 1.6 ms of CPU per layer forw
 outside any aten op, against 0.4-1.4 ms of GPU work. At the 2B shape that is ~60 ms of a 235 ms step with the
 GPU 64% busy; at the 27B shape the GPU idles through every linear-attention layer.
 
-``GraphedOp(fn)`` runs ``fn`` (a function of tensors returning one tensor) from two CUDA graphs per input
-signature (shapes, dtypes, device, which inputs need gradients), captured on first sight:
+``GraphedOp(split)`` runs an op given as two functions of tensors (a ``Split``): ``forward(*inputs)`` returning
+``(output, saved)`` and ``backward(inputs, saved, grad_output, needs_grad)`` returning the input gradients.
+Each is captured once per input signature (shapes, dtypes, device, which inputs need gradients) as a CUDA graph
+over static buffers; a call copies its inputs in, replays, and clones the output and the saved tensors out, and
+its backward copies its own inputs, saved tensors and output gradient back in before replaying the backward
+graph. So every layer of a model shares one pair of graphs and one memory pool, and calls interleave freely
+(forward of layer 1, forward of layer 2, backward of layer 2, ...). ``recompute(fn)`` makes a split of any
+differentiable function (nothing saved; the backward graph runs ``fn`` again under autograd: one more forward
+on the GPU).
 
-* forward: ``fn`` on static copies of the inputs, no autograd;
-* backward: ``fn`` again with autograd on the same static inputs, then ``torch.autograd.grad`` against a
-  static output gradient. Recomputing the forward keeps nothing of one call in the graph between its forward
-  and backward, so every layer of a model shares one pair of graphs (and one memory pool), at the cost of one
-  more forward of the op on the GPU.
-
-Each replay copies its own inputs (or, in the backward, its saved inputs and output gradient) into the static
-buffers first and clones the results out after, so calls may interleave freely. Packed (``cu_seqlens``) calls,
-calls during another capture or under ``torch.compile`` tracing, and new signatures beyond
-``MAX_SIGNATURES`` run ``fn`` itself. A capture that fails (a kernel that synchronises or launches off the
-current stream) disables graphs for the op and says why once; the call then runs ``fn``.
+Packed calls (the caller routes them around), calls during another capture, in inference mode or under
+``torch.compile`` tracing, and new signatures beyond ``MAX_SIGNATURES`` run the op without graphs. A capture that
+fails (a kernel that synchronises or launches off the current stream) disables graphs for the op and says why
+once; the call then runs without graphs.
 """
 
 from __future__ import annotations
@@ -41,6 +41,60 @@ def _keep(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+@dataclass(frozen=True)
+class Split:
+    """An op as ``forward(*inputs) -> (output, saved tensors)`` and ``backward(inputs, saved, grad_output,
+    needs_grad) -> gradients`` (one per input that needs one, in order). Neither may synchronise the host."""
+
+    forward: Callable[..., tuple[torch.Tensor, tuple[torch.Tensor, ...]]]
+    backward: Callable[..., tuple[torch.Tensor, ...]]
+
+    def run(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The op without graphs, differentiable through the same two functions."""
+        return _Direct.apply(self, *inputs)
+
+
+def recompute(fn: Callable[..., torch.Tensor]) -> Split:
+    """A split of a differentiable ``fn``: nothing saved, the backward runs ``fn`` again under autograd."""
+
+    def forward(*inputs):
+        with torch.no_grad():
+            return fn(*inputs), ()
+
+    def backward(inputs, saved, grad_output, needs_grad):
+        leaves = [t.detach().requires_grad_(n) for t, n in zip(inputs, needs_grad)]
+        with torch.enable_grad():
+            out = fn(*leaves)
+            return torch.autograd.grad(out, [leaf for leaf, n in zip(leaves, needs_grad) if n], grad_output)
+
+    return Split(forward, backward)
+
+
+def _gradients(needs_grad, grads) -> tuple:
+    found = iter(grads)
+    return tuple(next(found) if needed else None for needed in needs_grad)
+
+
+class _Direct(torch.autograd.Function):
+    """A split run directly (no graphs): what calls that cannot be graphed get."""
+
+    @staticmethod
+    def forward(ctx, split: Split, *inputs):
+        output, saved = split.forward(*inputs)
+        ctx.split = split
+        ctx.save_for_backward(*inputs, *saved)
+        ctx.count = len(inputs)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        tensors = ctx.saved_tensors
+        inputs, saved = tensors[: ctx.count], tensors[ctx.count :]
+        needs = tuple(ctx.needs_input_grad[1:])
+        grads = ctx.split.backward(inputs, saved, grad_output.contiguous(), needs)
+        return (None, *_gradients(needs, grads))
+
+
 @dataclass
 class _Entry:
     """The captured graphs and static buffers of one input signature."""
@@ -49,13 +103,16 @@ class _Entry:
     needs_grad: tuple[bool, ...]
     forward: object
     output: torch.Tensor
+    saved: tuple[torch.Tensor, ...] = ()
     backward: object | None = None
     grad_output: torch.Tensor | None = None
     grads: tuple[torch.Tensor, ...] = ()
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def load(self, tensors) -> None:
+    def load(self, tensors, saved=()) -> None:
         for static, tensor in zip(self.inputs, tensors):
+            static.copy_(tensor)
+        for static, tensor in zip(self.saved, saved):
             static.copy_(tensor)
 
 
@@ -103,8 +160,9 @@ class _Replay(torch.autograd.Function):
             entry.load(tensors)
             op.backend.replay(entry.forward)
             output = entry.output.clone()
+            saved = [t.clone() for t in entry.saved]
         ctx.op, ctx.entry = op, entry
-        ctx.save_for_backward(*tensors)
+        ctx.save_for_backward(*tensors, *saved)
         return output
 
     @staticmethod
@@ -112,20 +170,21 @@ class _Replay(torch.autograd.Function):
         op, entry = ctx.op, ctx.entry
         # Unpack before taking the lock: under activation checkpointing unpacking re-runs the forward (and so
         # this op's forward replay, which takes the same lock).
-        saved = ctx.saved_tensors
+        tensors = ctx.saved_tensors
+        count = len(entry.inputs)
         with entry.lock:
-            entry.load(saved)
+            entry.load(tensors[:count], tensors[count:])
             entry.grad_output.copy_(grad_output)
             op.backend.replay(entry.backward)
-            grads = iter([g.clone() for g in entry.grads])
-        return (None, None, *[next(grads) if needed else None for needed in entry.needs_grad])
+            grads = [g.clone() for g in entry.grads]
+        return (None, None, *_gradients(entry.needs_grad, grads))
 
 
 class GraphedOp:
-    """``fn(*tensors) -> tensor`` replayed from CUDA graphs per input signature (module docstring)."""
+    """A ``Split`` op replayed from CUDA graphs per input signature (module docstring)."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor], name: str, backend: CudaGraphs | None = None) -> None:
-        self.fn = fn
+    def __init__(self, split: Split, name: str, backend: CudaGraphs | None = None) -> None:
+        self.split = split
         self.name = name
         self.backend = backend or CudaGraphs()
         self.entries: dict[tuple, _Entry] = {}
@@ -136,7 +195,7 @@ class GraphedOp:
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
         entry = self._entry(tensors)
         if entry is None:
-            return self.fn(*tensors)
+            return self.split.run(*tensors)
         if entry.backward is None:
             with entry.lock:
                 entry.load(tensors)
@@ -198,34 +257,35 @@ class GraphedOp:
     def _capture(self, tensors, needs_grad: tuple[bool, ...]) -> _Entry:
         device = tensors[0].device
         inputs = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
-        wanted = any(needs_grad)
+        split = self.split
+        # The kernels take their inputs' dtypes as they are; autocast stays off inside the graphs so that nothing
+        # it caches (cast weights) is baked into them.
+        quiet = torch.autocast(device.type, enabled=False)
 
-        # The op's kernels take their inputs' dtypes as they are; autocast stays off inside the graphs so that
-        # nothing it caches (cast weights) is baked into them.
-        def with_grad(grad_output: torch.Tensor | None):
-            leaves = [t.detach().requires_grad_(n) for t, n in zip(inputs, needs_grad)]
-            with torch.enable_grad(), torch.autocast(device.type, enabled=False):
-                out = self.fn(*leaves)
-                grads = torch.autograd.grad(
-                    out,
-                    [leaf for leaf, n in zip(leaves, needs_grad) if n],
-                    grad_output if grad_output is not None else torch.ones_like(out),
-                )
-            return grads
+        def forward():
+            with torch.no_grad(), quiet:
+                return split.forward(*inputs)
 
-        def forward_only():
-            with torch.no_grad(), torch.autocast(device.type, enabled=False):
-                return self.fn(*inputs)
+        def backward(saved, grad_output):
+            with torch.no_grad(), quiet:
+                return tuple(split.backward(inputs, saved, grad_output, needs_grad))
 
-        # A first call inside an activation-checkpointed forward: the capture's own autograd graph keeps its
-        # saved tensors (the checkpoint's hooks would drop them and re-run the layer from inside its forward).
+        def warm_up():
+            output, saved = forward()
+            if any(needs_grad):
+                backward(saved, torch.ones_like(output))
+
+        # A first call inside an activation-checkpointed forward: autograd graphs made here (a recompute split's
+        # backward) keep their saved tensors (the checkpoint's hooks would drop them and re-run the layer).
         with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-            self.backend.warm_up(device, (lambda: with_grad(None)) if wanted else forward_only)
-            forward, output = self.backend.capture(device, forward_only)
-            entry = _Entry(inputs=inputs, needs_grad=needs_grad, forward=forward, output=output)
-            if wanted:
+            self.backend.warm_up(device, warm_up)
+            graph, (output, saved) = self.backend.capture(device, forward)
+            entry = _Entry(inputs=inputs, needs_grad=needs_grad, forward=graph, output=output, saved=tuple(saved))
+            if any(needs_grad):
                 entry.grad_output = torch.empty_like(output)
-                entry.backward, entry.grads = self.backend.capture(device, lambda: with_grad(entry.grad_output))
+                entry.backward, entry.grads = self.backend.capture(
+                    device, lambda: backward(entry.saved, entry.grad_output)
+                )
         logger.debug("fusepatch: %s: captured CUDA graphs for %s", self.name, [tuple(t.shape) for t in tensors])
         return entry
 

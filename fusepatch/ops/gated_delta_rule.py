@@ -164,13 +164,85 @@ def _load_fla(gate_in_kernel: bool):
     return gated_delta_rule_fla
 
 
+def _fla_split():
+    """fla's delta rule (gate, beta sigmoid and q/k L2 norm in kernel) as the two halves its autograd function
+    runs, so that the backward graph reads what the forward saved instead of recomputing the forward. Mirrors
+    ``ChunkGatedDeltaRuleFunction`` of fla-core 0.5-0.6 for equal-length rows without initial state."""
+    import inspect
+
+    from fla.ops.gated_delta_rule import chunk as fla
+
+    needs = {
+        "chunk_gated_delta_rule_fwd": {"use_gate_in_kernel", "A_log", "dt_bias", "g", "beta", "scale"},
+        "chunk_gated_delta_rule_bwd": {"use_gate_in_kernel", "g_input", "A_log", "dt_bias", "A", "do", "dht"},
+        "l2norm_fwd": set(),
+        "l2norm_bwd": set(),
+        "fused_beta_sigmoid": {"scale"},
+        "fused_beta_sigmoid_bwd": {"scale"},
+    }
+    for name, wanted in needs.items():
+        function = getattr(fla, name, None)
+        missing = wanted - set(inspect.signature(function).parameters) if callable(function) else {"itself"}
+        if missing:
+            raise ImportError(
+                f"fla's {name}: {sorted(missing)} missing (fla-core changed it); fusepatch knows fla-core 0.5-0.6's. "
+                "Fix: pip install 'fla-core>=0.5,<0.7', or FUSEPATCH_SKIP=gated_delta_rule/fla-graphed"
+            )
+
+    def forward(q, k, v, a, b, A_log, dt_bias):
+        q_n, q_rstd = fla.l2norm_fwd(q)
+        k_n, k_rstd = fla.l2norm_fwd(k)
+        beta = fla.fused_beta_sigmoid(b, scale=1.0)
+        g, o, A, *_ = fla.chunk_gated_delta_rule_fwd(
+            q=q_n,
+            k=k_n,
+            v=v,
+            g=a,
+            beta=beta,
+            scale=k.shape[-1] ** -0.5,
+            initial_state=None,
+            output_final_state=False,
+            use_gate_in_kernel=True,
+            A_log=A_log,
+            dt_bias=dt_bias,
+        )
+        return o.to(q.dtype), (q_n, q_rstd, k_n, k_rstd, g, beta, A)
+
+    def backward(inputs, saved, grad_output, needs_grad):
+        q, k, v, a, b, A_log, dt_bias = inputs
+        q_n, q_rstd, k_n, k_rstd, g, beta, A = saved
+        dq, dk, dv, db, dg, _, dA_log, ddt_bias = fla.chunk_gated_delta_rule_bwd(
+            q=q_n,
+            k=k_n,
+            v=v,
+            g=g,
+            beta=beta,
+            A=A,
+            scale=k.shape[-1] ** -0.5,
+            initial_state=None,
+            do=grad_output,
+            dht=None,
+            use_gate_in_kernel=True,
+            g_input=a,
+            A_log=A_log,
+            dt_bias=dt_bias,
+        )
+        dq = fla.l2norm_bwd(q_n, q_rstd, dq)
+        dk = fla.l2norm_bwd(k_n, k_rstd, dk)
+        db = fla.fused_beta_sigmoid_bwd(b, db, scale=1.0)
+        grads = (dq, dk, dv, dg, db, dA_log, ddt_bias)
+        return tuple(d.to(x.dtype) for d, x, n in zip(grads, inputs, needs_grad) if n)
+
+    return forward, backward
+
+
 def _load_fla_graphed():
-    """fla's delta rule (gate in kernel) replayed from CUDA graphs for equal-length batches (fusepatch/graphs.py:
-    its ~30 kernel launches per layer cost the CPU more than the GPU); packed calls run it directly."""
-    from fusepatch.graphs import GraphedOp
+    """fla's delta rule replayed from CUDA graphs for equal-length rows (fusepatch/graphs.py: its ~30 kernel
+    launches per layer cost the CPU more than the GPU); packed calls run fla's own function."""
+    from fusepatch.graphs import GraphedOp, Split
 
     plain = _load_fla(gate_in_kernel=True)
-    graphed = GraphedOp(lambda *tensors: plain(*tensors), "gated_delta_rule/fla-graphed")
+    graphed = GraphedOp(Split(*_fla_split()), "gated_delta_rule/fla-graphed")
 
     def gated_delta_rule_fla_graphed(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
         if cu_seqlens is not None:
