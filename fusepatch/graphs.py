@@ -44,14 +44,30 @@ def _keep(tensor: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Split:
     """An op as ``forward(*inputs) -> (output, saved tensors)`` and ``backward(inputs, saved, grad_output,
-    needs_grad) -> gradients`` (one per input that needs one, in order). Neither may synchronise the host."""
+    needs_grad) -> gradients`` (one per input that needs one, in order). Neither may synchronise the host.
+
+    ``backward_inputs``: the indices of the inputs the backward reads (None: all). Only those are kept from the
+    forward to the backward; the others reach the backward as None (or, replayed, stale): an input that is a view
+    of a larger tensor would otherwise keep all of that tensor alive until the backward."""
 
     forward: Callable[..., tuple[torch.Tensor, tuple[torch.Tensor, ...]]]
     backward: Callable[..., tuple[torch.Tensor, ...]]
+    backward_inputs: tuple[int, ...] | None = None
 
     def run(self, *inputs: torch.Tensor) -> torch.Tensor:
         """The op without graphs, differentiable through the same two functions."""
         return _Direct.apply(self, *inputs)
+
+    def kept(self, count: int) -> tuple[int, ...]:
+        return tuple(range(count)) if self.backward_inputs is None else self.backward_inputs
+
+
+def _spread(count: int, kept: tuple[int, ...], values) -> list:
+    """The kept inputs back in their places among ``count``, None elsewhere."""
+    spread = [None] * count
+    for index, value in zip(kept, values):
+        spread[index] = value
+    return spread
 
 
 def recompute(fn: Callable[..., torch.Tensor]) -> Split:
@@ -81,15 +97,15 @@ class _Direct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, split: Split, *inputs):
         output, saved = split.forward(*inputs)
-        ctx.split = split
-        ctx.save_for_backward(*inputs, *saved)
-        ctx.count = len(inputs)
+        ctx.split, ctx.count, ctx.kept = split, len(inputs), split.kept(len(inputs))
+        ctx.save_for_backward(*[inputs[i] for i in ctx.kept], *saved)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
         tensors = ctx.saved_tensors
-        inputs, saved = tensors[: ctx.count], tensors[ctx.count :]
+        kept = len(ctx.kept)
+        inputs, saved = _spread(ctx.count, ctx.kept, tensors[:kept]), tensors[kept:]
         needs = tuple(ctx.needs_input_grad[1:])
         grads = ctx.split.backward(inputs, saved, grad_output.contiguous(), needs)
         return (None, *_gradients(needs, grads))
@@ -109,9 +125,11 @@ class _Entry:
     grads: tuple[torch.Tensor, ...] = ()
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def load(self, tensors, saved=()) -> None:
-        for static, tensor in zip(self.inputs, tensors):
-            static.copy_(tensor)
+    def load(self, tensors, saved=(), indices=None) -> None:
+        """Copy ``tensors`` into the static inputs (at ``indices``, or all in order) and ``saved`` into the static
+        saved tensors."""
+        for index, tensor in zip(indices if indices is not None else range(len(tensors)), tensors):
+            self.inputs[index].copy_(tensor)
         for static, tensor in zip(self.saved, saved):
             static.copy_(tensor)
 
@@ -161,8 +179,8 @@ class _Replay(torch.autograd.Function):
             op.backend.replay(entry.forward)
             output = entry.output.clone()
             saved = [t.clone() for t in entry.saved]
-        ctx.op, ctx.entry = op, entry
-        ctx.save_for_backward(*tensors, *saved)
+        ctx.op, ctx.entry, ctx.kept = op, entry, op.split.kept(len(tensors))
+        ctx.save_for_backward(*[tensors[i] for i in ctx.kept], *saved)
         return output
 
     @staticmethod
@@ -171,9 +189,9 @@ class _Replay(torch.autograd.Function):
         # Unpack before taking the lock: under activation checkpointing unpacking re-runs the forward (and so
         # this op's forward replay, which takes the same lock).
         tensors = ctx.saved_tensors
-        count = len(entry.inputs)
+        kept = len(ctx.kept)
         with entry.lock:
-            entry.load(tensors[:count], tensors[count:])
+            entry.load(tensors[:kept], tensors[kept:], indices=ctx.kept)
             entry.grad_output.copy_(grad_output)
             op.backend.replay(entry.backward)
             grads = [g.clone() for g in entry.grads]

@@ -201,6 +201,35 @@ def test_a_split_with_saved_tensors_interleaves_like_layers():
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("graphed", [True, False], ids=["replayed", "direct"])
+def test_only_the_inputs_the_backward_reads_are_kept(graphed):
+    """``backward_inputs``: a split whose backward reads its second input only (the first reaches it through
+    ``saved``, as fla's split passes v) keeps that input and its saved tensors, nothing else, and still
+    differentiates both inputs; without graphs the unkept input reaches the backward as None."""
+    seen = []
+
+    def forward(x, w):
+        return torch.tanh(x * w), (x.contiguous(),)
+
+    def backward(inputs, saved, grad_output, needs_grad):
+        seen.append(inputs[0] is None)
+        (x,), w = saved, inputs[1]
+        d = grad_output * (1 - torch.tanh(x * w) ** 2)
+        return tuple(g for g, n in zip((d * w, (d * x).sum(0)), needs_grad) if n)
+
+    split = Split(forward, backward, backward_inputs=(1,))
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    if graphed:
+        out = GraphedOp(split, "toy", StandInGraphs())(x, w)
+    else:
+        out = split.run(x, w)
+    assert len(out.grad_fn.saved_tensors) == 2  # w, and the saved copy of x
+    for got, want in zip(_grads(out, (x, w), 6), _grads(torch.tanh(x * w), (x, w), 6)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert seen[-1] is (not graphed)
+
+
 def test_the_graphed_candidate_comes_first_and_leaves_packed_rows_to_fla():
     from fusepatch.ops import OPS
 
@@ -221,7 +250,7 @@ def test_the_graphed_candidate_routes_packed_calls_around_the_graphs(monkeypatch
         return tensors[2] * 1.0
 
     monkeypatch.setattr(gdr, "_load_fla", lambda gate_in_kernel: fake_fla)
-    monkeypatch.setattr(gdr, "_fla_split", lambda: (lambda *t: (t[2] * 1.0, ()), None))
+    monkeypatch.setattr(gdr, "_fla_split", lambda: Split(lambda *t: (t[2] * 1.0, ()), None))
     fn = gdr._load_fla_graphed()
     fn.graphed.backend = StandInGraphs()
     t = torch.randn(1, 8, 2, 4)

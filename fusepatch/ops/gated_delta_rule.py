@@ -172,6 +172,8 @@ def _fla_split():
 
     from fla.ops.gated_delta_rule import chunk as fla
 
+    from fusepatch.graphs import Split
+
     needs = {
         "chunk_gated_delta_rule_fwd": {"use_gate_in_kernel", "A_log", "dt_bias", "g", "beta", "scale"},
         "chunk_gated_delta_rule_bwd": {"use_gate_in_kernel", "g_input", "A_log", "dt_bias", "A", "do", "dht"},
@@ -190,6 +192,7 @@ def _fla_split():
             )
 
     def forward(q, k, v, a, b, A_log, dt_bias):
+        v = v.contiguous()  # saved as fla saves it: its own copy, not a view that keeps the conv output alive
         q_n, q_rstd = fla.l2norm_fwd(q)
         k_n, k_rstd = fla.l2norm_fwd(k)
         beta = fla.fused_beta_sigmoid(b, scale=1.0)
@@ -206,11 +209,11 @@ def _fla_split():
             A_log=A_log,
             dt_bias=dt_bias,
         )
-        return o.to(q.dtype), (q_n, q_rstd, k_n, k_rstd, g, beta, A)
+        return o.to(q.dtype), (q_n, q_rstd, k_n, k_rstd, v, g, beta, A)
 
     def backward(inputs, saved, grad_output, needs_grad):
-        q, k, v, a, b, A_log, dt_bias = inputs
-        q_n, q_rstd, k_n, k_rstd, g, beta, A = saved
+        _, _, _, a, b, A_log, dt_bias = inputs  # q, k, v: not kept (backward_inputs below)
+        q_n, q_rstd, k_n, k_rstd, v, g, beta, A = saved
         dq, dk, dv, db, dg, _, dA_log, ddt_bias = fla.chunk_gated_delta_rule_bwd(
             q=q_n,
             k=k_n,
@@ -218,7 +221,7 @@ def _fla_split():
             g=g,
             beta=beta,
             A=A,
-            scale=k.shape[-1] ** -0.5,
+            scale=k_n.shape[-1] ** -0.5,
             initial_state=None,
             do=grad_output,
             dht=None,
@@ -231,18 +234,20 @@ def _fla_split():
         dk = fla.l2norm_bwd(k_n, k_rstd, dk)
         db = fla.fused_beta_sigmoid_bwd(b, db, scale=1.0)
         grads = (dq, dk, dv, dg, db, dA_log, ddt_bias)
-        return tuple(d.to(x.dtype) for d, x, n in zip(grads, inputs, needs_grad) if n)
+        dtypes = (q_n.dtype, k_n.dtype, v.dtype, a.dtype, b.dtype, A_log.dtype, dt_bias.dtype)
+        return tuple(d.to(dtype) for d, dtype, n in zip(grads, dtypes, needs_grad) if n)
 
-    return forward, backward
+    # the backward reads a, b, A_log and dt_bias of the inputs; q, k and v reach it through `saved`
+    return Split(forward, backward, backward_inputs=(3, 4, 5, 6))
 
 
 def _load_fla_graphed():
     """fla's delta rule replayed from CUDA graphs for equal-length rows (fusepatch/graphs.py: its ~30 kernel
     launches per layer cost the CPU more than the GPU); packed calls run fla's own function."""
-    from fusepatch.graphs import GraphedOp, Split
+    from fusepatch.graphs import GraphedOp
 
     plain = _load_fla(gate_in_kernel=True)
-    graphed = GraphedOp(Split(*_fla_split()), "gated_delta_rule/fla-graphed")
+    graphed = GraphedOp(_fla_split(), "gated_delta_rule/fla-graphed")
 
     def gated_delta_rule_fla_graphed(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
         if cu_seqlens is not None:
