@@ -126,7 +126,8 @@ def cpu_profile(prof, step, sync, activities) -> dict:
         sync()
     with tempfile.NamedTemporaryFile(suffix=".json") as fh:
         traced.export_chrome_trace(fh.name)
-        events = json.load(open(fh.name))
+        with open(fh.name) as trace:
+            events = json.load(trace)
     events = events["traceEvents"] if isinstance(events, dict) else events
     spans = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("python_function", "cpu_op")]
     by_thread = defaultdict(list)

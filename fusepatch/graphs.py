@@ -31,14 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fusepatch.selftest import own_saved_tensors
+
 logger = logging.getLogger("fusepatch")
 
 MAX_SIGNATURES = 4  # per op: each holds static inputs and outputs (~260 MB at the 27B shape); varying lengths stop here
-
-
-def _keep(tensor: torch.Tensor) -> torch.Tensor:
-    """Saved-tensor hook that saves the tensor itself (shadows checkpointing/offloading hooks around)."""
-    return tensor
 
 
 @dataclass(frozen=True)
@@ -133,6 +130,14 @@ class _Entry:
         for static, tensor in zip(self.saved, saved):
             static.copy_(tensor)
 
+    def run_forward(self, backend, tensors, keep_saved: bool):
+        """Replay the forward graph on ``tensors``: (the output, and the saved tensors when asked), the caller's
+        own copies, which the next replay does not overwrite."""
+        with self.lock:
+            self.load(tensors)
+            backend.replay(self.forward)
+            return self.output.clone(), [t.clone() for t in self.saved] if keep_saved else []
+
 
 class CudaGraphs:
     """Capture and replay with torch.cuda's graphs (the tests substitute a stand-in that runs on the CPU)."""
@@ -174,11 +179,7 @@ class CudaGraphs:
 class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op: GraphedOp, entry: _Entry, *tensors):
-        with entry.lock:
-            entry.load(tensors)
-            op.backend.replay(entry.forward)
-            output = entry.output.clone()
-            saved = [t.clone() for t in entry.saved]
+        output, saved = entry.run_forward(op.backend, tensors, keep_saved=True)
         ctx.op, ctx.entry, ctx.kept = op, entry, op.split.kept(len(tensors))
         ctx.save_for_backward(*[tensors[i] for i in ctx.kept], *saved)
         return output
@@ -208,17 +209,14 @@ class GraphedOp:
         self.entries: dict[tuple, _Entry] = {}
         self.disabled: str | None = None
         self._lock = threading.Lock()
-        self._noted: set[str] = set()
+        self._said_full = False
 
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
         entry = self._entry(tensors)
         if entry is None:
             return self.split.run(*tensors)
-        if entry.backward is None:
-            with entry.lock:
-                entry.load(tensors)
-                self.backend.replay(entry.forward)
-                return entry.output.clone()
+        if entry.backward is None:  # nothing to differentiate: no autograd node, no saved tensors
+            return entry.run_forward(self.backend, tensors, keep_saved=False)[0]
         return _Replay.apply(self, entry, *tensors)
 
     def _signature(self, tensors) -> tuple | None:
@@ -249,13 +247,14 @@ class GraphedOp:
             if self.disabled is not None:
                 return None
             if len(self.entries) >= MAX_SIGNATURES:
-                self._note(
-                    "signatures",
-                    "fusepatch: %s: %d input shapes already captured as CUDA graphs; new shapes run without "
-                    "graphs (lengths that change every step: pad to a few fixed lengths to keep them)",
-                    self.name,
-                    MAX_SIGNATURES,
-                )
+                if not self._said_full:
+                    self._said_full = True
+                    logger.info(
+                        "fusepatch: %s: %d input shapes already captured as CUDA graphs; new shapes run without "
+                        "graphs (lengths that change every step: pad to a few fixed lengths to keep them)",
+                        self.name,
+                        MAX_SIGNATURES,
+                    )
                 return None
             try:
                 entry = self._capture(tensors, key[1])
@@ -295,7 +294,7 @@ class GraphedOp:
 
         # A first call inside an activation-checkpointed forward: autograd graphs made here (a recompute split's
         # backward) keep their saved tensors (the checkpoint's hooks would drop them and re-run the layer).
-        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+        with own_saved_tensors():
             self.backend.warm_up(device, warm_up)
             graph, (output, saved) = self.backend.capture(device, forward)
             entry = _Entry(inputs=inputs, needs_grad=needs_grad, forward=graph, output=output, saved=tuple(saved))
@@ -306,8 +305,3 @@ class GraphedOp:
                 )
         logger.debug("fusepatch: %s: captured CUDA graphs for %s", self.name, [tuple(t.shape) for t in tensors])
         return entry
-
-    def _note(self, key: str, message: str, *args) -> None:
-        if key not in self._noted:
-            self._noted.add(key)
-            logger.info(message, *args)

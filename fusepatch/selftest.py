@@ -31,6 +31,13 @@ def _keep(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def own_saved_tensors():
+    """Autograd graphs made inside keep their saved tensors as they are, whatever saved-tensor hooks are around:
+    a kernel check run inside an activation-checkpointed forward must not have its backward ask the checkpoint to
+    re-run the layer from inside that layer's forward (a deadlock on the H200 under FSDP2 + checkpointing)."""
+    return torch.autograd.graph.saved_tensors_hooks(_keep, _keep)
+
+
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
@@ -148,7 +155,7 @@ def run(
         # activation-checkpointed forward (non-reentrant checkpoint, FSDP's checkpoint_wrapper): the self-test's
         # own graph must keep its saved tensors, else its backward would ask the checkpoint to recompute the
         # layer, from inside that layer's forward (which deadlocked on the dispatcher's lock: H200, FSDP2 + AC).
-        with torch.inference_mode(False), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+        with torch.inference_mode(False), torch.enable_grad(), own_saved_tensors():
             verdict, errors = compare(op, fn, device, dtype, packed=packed, dims=dims, seed=seed)
     except Exception as exc:  # noqa: BLE001 - any failure of a kernel is a reason to refuse it
         first = (str(exc).strip().splitlines() or [""])[0]
