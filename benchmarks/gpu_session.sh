@@ -59,7 +59,8 @@ case "$phase" in
     i=0; IFS='|' read -ra parts <<< "$groups"
     for files in "${parts[@]}"; do
       i=$((i + 1))
-      FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR=/tmp/errors timeout ${TEST_TIMEOUT:-230} python3 -m pytest \
+      # NICE=10: the compiling workers yield the CPU to a benchmark running in the other lane
+      FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR=/tmp/errors timeout ${TEST_TIMEOUT:-230} nice -n ${NICE:-0} python3 -m pytest \
         $files ${K:+-k "$K"} -n ${WORKERS:-8} -v -rfE --tb=short --timeout ${PER_TEST:-220} -p no:cacheprovider \
         > "$OUT/gpu-tests${TAG:+-$TAG}-$i.log" 2>&1
       grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu-tests${TAG:+-$TAG}-$i.log" | grep -v "^tests/" | sed 's/^\[gw[0-9]*\] //' | tail -45
@@ -171,7 +172,7 @@ EOF
     nvidia-smi -L
     rm -rf /tmp/seq && mkdir -p /tmp/seq/out && cp -r . /tmp/seq/tree  # the working tree is replaced by each call
     steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
-    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS)=" > /tmp/seq/env || true
+    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS)=" > /tmp/seq/env || true
     # Lanes: "A B / C D + E" runs A then B on GPU 0 beside C then D on GPU 1 (CUDA_VISIBLE_DEVICES), then E on
     # every GPU once both lanes are done. A step is PHASE[-ARG][@K=V:K=V]: its own environment (sft@NPROC=all:LAYERS=24).
     cat > /tmp/seq/run.sh <<'RUN'

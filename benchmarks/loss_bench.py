@@ -22,11 +22,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import build_config  # noqa: E402
 
 from fusepatch.ops._common import relative_error  # noqa: E402
-from fusepatch.ops.linear_cross_entropy import LINEAR_CROSS_ENTROPY, linear_cross_entropy_chunked  # noqa: E402
+from fusepatch.ops.linear_cross_entropy import (  # noqa: E402
+    DEFAULT_LOGITS_MIB,
+    LINEAR_CROSS_ENTROPY,
+    fla_num_chunks,
+    linear_cross_entropy_chunked,
+)
 from fusepatch.ops.linear_cross_entropy import linear_cross_entropy_reference as eager  # noqa: E402
 
 
-def implementations(fla_budgets: list[int] = ()) -> dict:
+def implementations(fla_budgets: list[int] = (), tokens: int = 4096, vocab: int = 248320) -> dict:
     # eager: transformers' path (full logits in the model dtype, upcast, mean over the labelled tokens)
     found = {"eager (full logits)": eager, "fusepatch torch-chunked": linear_cross_entropy_chunked}
     try:
@@ -37,6 +42,12 @@ def implementations(fla_budgets: list[int] = ()) -> dict:
         )
         found["fla, GEMMs in bf16, fla's 8 chunks"] = lambda h, w, y: fused_linear_cross_entropy_loss(
             h, y, w, reduction="mean", accumulate_grad_in_fp32=False
+        )
+        chunks = fla_num_chunks(tokens, vocab, 2, DEFAULT_LOGITS_MIB * 2**20)
+        found[f"fla's function, GEMMs in bf16, {chunks} chunks (fusepatch's adapter before the own loop)"] = (
+            lambda h, w, y: fused_linear_cross_entropy_loss(
+                h, y, w, reduction="mean", accumulate_grad_in_fp32=False, num_chunks=chunks
+            )
         )
         candidate = next(c for c in LINEAR_CROSS_ENTROPY.candidates if c.name == "fla")
         os.environ.pop("FUSEPATCH_CE_LOGITS_MIB", None)
@@ -90,7 +101,7 @@ def main() -> int:
 
     reference = call(eager)
     rows = []
-    for name, fn in implementations(budgets).items():
+    for name, fn in implementations(budgets, args.tokens, vocab).items():
         try:
             for _ in range(args.warmup):
                 out = call(fn)

@@ -225,30 +225,38 @@ LOSS_BACKWARD_SCRIPT = textwrap.dedent(
             before = x.clone()
             assert torch.equal(scale_unless_one_(x, torch.tensor(1.0)), before)
 
-    # the autograd function around fla's forward: a stand-in with the contract of fla's
-    # fused_linear_cross_entropy_fwd (summed loss, and the input and weight gradients of that sum)
-    def forward_fn(x, target, weight, bias, ignore_index, reduction, num_chunks):
-        assert reduction == "sum" and bias is None and x.is_contiguous()
-        x, weight = x.detach().requires_grad_(True), weight.detach().requires_grad_(True)
-        with torch.enable_grad():
-            loss = torch.nn.functional.cross_entropy(x @ weight.t(), target, ignore_index=ignore_index, reduction="sum")
-            dx, dw = torch.autograd.grad(loss, (x, weight))
-        return loss.detach(), dx, dw, None
+    # the autograd function of fusepatch's loop around fla's kernels, with stand-ins for them (fla's contract:
+    # per-token loss and log-sum-exp; the logits overwritten by (softmax - onehot) * dloss, 0 where ignored)
+    def ce_forward(logits, target, ignore_index):
+        lse = logits.logsumexp(-1)
+        picked = logits.gather(1, target.clamp_min(0)[:, None]).squeeze(1)
+        return torch.where(target != ignore_index, lse - picked, 0.0), None, lse, logits.shape[1], 0
+
+    def ce_backward(logits, target, lse, dloss, ignore_index, total_classes, class_start_idx, inplace_backward):
+        probs = (logits - lse[:, None]).exp()
+        probs[torch.arange(len(target)), target.clamp_min(0)] -= 1.0
+        logits.copy_(probs * torch.where(target != ignore_index, dloss, 0.0)[:, None])
+        return logits
 
     torch.manual_seed(0)
     hidden = torch.randn(37, 16, requires_grad=True)
     weight = torch.randn(50, 16, requires_grad=True)
     labels = torch.randint(0, 50, (37,))
     labels[::5] = -100
-    for scale in (1.0, 3.0):  # the loss's gradient 1 (plain training) or not (averaged, scaled)
-        loss = _FlaLinearCrossEntropy.apply(hidden, weight, labels, -100, forward_fn, {"num_chunks": 1})
+    count = (labels != -100).sum().float()
+
+    def loss_fn():
+        return _FlaLinearCrossEntropy.apply(hidden, weight, labels, count, -100, 16, (ce_forward, ce_backward), True)
+
+    for scale in (1.0, 3.0):  # the loss's gradient 1 (plain training: skipped) or not (averaged, scaled)
+        loss = loss_fn()
         got = torch.autograd.grad(loss * scale, (hidden, weight))
-        ref = linear_cross_entropy_reference(hidden, weight, labels, num_items_in_batch=1)
+        ref = linear_cross_entropy_reference(hidden, weight, labels)
         want = torch.autograd.grad(ref * scale, (hidden, weight))
         torch.testing.assert_close(loss, ref.detach())
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
-    loss = _FlaLinearCrossEntropy.apply(hidden, weight, labels, -100, forward_fn, {"num_chunks": 1})
+    loss = loss_fn()
     torch.autograd.grad(loss * 2, (hidden, weight), retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward per forward"):
         torch.autograd.grad(loss * 2, (hidden, weight))

@@ -106,126 +106,161 @@ def test_causal_lm_forward_falls_back_on_cpu_without_the_override():
     assert model(input_ids=ids, labels=ids).logits is not None  # the original forward ran
 
 
-def _stand_in_fla(monkeypatch, fused_linear_cross_entropy_fwd) -> None:
-    """An importable ``fla.modules.fused_linear_cross_entropy.ops`` whose forward function is the one given."""
+def _stand_in_fla(monkeypatch, **functions) -> None:
+    """An importable ``fla.modules.fused_cross_entropy.ops`` holding the functions given (fla's own need a GPU)."""
     import sys
     import types
 
-    package = types.ModuleType("fla.modules.fused_linear_cross_entropy")
-    ops = types.ModuleType("fla.modules.fused_linear_cross_entropy.ops")
-    ops.fused_linear_cross_entropy_fwd = fused_linear_cross_entropy_fwd
+    package = types.ModuleType("fla.modules.fused_cross_entropy")
+    ops = types.ModuleType("fla.modules.fused_cross_entropy.ops")
+    for name, function in functions.items():
+        setattr(ops, name, function)
     package.ops = ops
     for name in ("fla", "fla.modules"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "fla.modules.fused_linear_cross_entropy", package)
-    monkeypatch.setitem(sys.modules, "fla.modules.fused_linear_cross_entropy.ops", ops)
+    monkeypatch.setitem(sys.modules, "fla.modules.fused_cross_entropy", package)
+    monkeypatch.setitem(sys.modules, "fla.modules.fused_cross_entropy.ops", ops)
 
 
-def _fla_contract(x, target, weight, ignore_index, reduction="sum"):
-    """What fla's forward returns: the loss summed ("sum") or over the labels not ignored, at least 1 ("mean"),
-    and its input and weight gradients (no bias)."""
-    x, weight = x.detach().requires_grad_(True), weight.detach().requires_grad_(True)
-    with torch.enable_grad():
-        loss = torch.nn.functional.cross_entropy(
-            (x @ weight.t()).float(), target, ignore_index=ignore_index, reduction="sum"
-        )
-        if reduction == "mean":
-            loss = loss / target.ne(ignore_index).sum().clamp_min(1)
-        dx, dw = torch.autograd.grad(loss, (x, weight))
-    return loss.detach(), dx, dw, None
+class StandInKernels:
+    """fla's two cross-entropy kernels' contract in torch, recording each call's rows and dloss: the forward
+    returns (per-token loss, 0 for ignored labels; z-loss; log-sum-exp; classes; first class), the backward
+    writes ``(softmax - onehot) * dloss`` over the logits in place, 0 for ignored labels."""
+
+    def __init__(self):
+        self.rows: list[int] = []
+        self.dloss: list[float] = []
+
+    def cross_entropy_fwd(self, logits, target, label_smoothing=0.0, logit_scale=1.0, lse_square_scale=0.0,
+                          logit_softcapping=None, ignore_index=-100, process_group=None):  # fmt: skip
+        self.rows.append(logits.shape[0])
+        wide = logits.double()
+        lse = wide.logsumexp(-1)
+        valid = target != ignore_index
+        picked = wide.gather(1, target.clamp_min(0)[:, None]).squeeze(1)
+        loss = torch.where(valid, lse - picked, 0.0).float()
+        return loss, torch.zeros_like(loss), lse.float(), logits.shape[1], 0
+
+    def cross_entropy_bwd(self, logits, target, lse, dloss, label_smoothing=0.0, logit_scale=1.0,
+                          lse_square_scale=0.0, logit_softcapping=None, ignore_index=-100, total_classes=None,
+                          class_start_idx=0, inplace_backward=False):  # fmt: skip
+        assert inplace_backward and dloss.shape == target.shape
+        self.dloss.append(float(dloss[0]))
+        probs = (logits.double() - lse.double()[:, None]).exp()
+        probs[torch.arange(len(target)), target.clamp_min(0)] -= 1.0
+        probs *= torch.where(target != ignore_index, dloss.double(), 0.0)[:, None]
+        logits.copy_(probs)
+        return logits
 
 
-@pytest.mark.parametrize("has_switch", [True, False], ids=["fla>=0.5-signature", "older-signature"])
-def test_fla_adapter_keeps_weight_grad_gemms_in_the_weight_dtype(monkeypatch, has_switch):
-    """fla's default fp32 weight-gradient accumulation runs fp32 GEMMs (measured on the H200: 254 ms against
-    58.6 ms at the 27B shape); the adapter turns it off for half-precision weights, on for fp32 ones, and
-    passes nothing to an fla whose function has no such switch. A stand-in fla records the calls."""
-    calls = []
+def _scale_in_torch(tensor, factor):
+    """fusepatch's scaling kernel's contract (Triton; tested in the interpreter in test_kernels.py)."""
+    return tensor if factor.item() == 1.0 else tensor.mul_(factor.to(tensor.dtype))
 
-    if has_switch:
 
-        def fused_linear_cross_entropy_fwd(x, target, weight, bias=None, ignore_index=-100, num_chunks=8,
-                                           reduction="mean", accumulate_grad_in_fp32=True):  # fmt: skip
-            calls.append(accumulate_grad_in_fp32)
-            return _fla_contract(x, target, weight, ignore_index, reduction)
+def _fla_loop(monkeypatch, mib: int | str | None = None):
+    from fusepatch.kernels import scale
+
+    monkeypatch.setattr(scale, "scale_unless_one_", _scale_in_torch)
+    kernels = StandInKernels()
+    _stand_in_fla(monkeypatch, cross_entropy_fwd=kernels.cross_entropy_fwd, cross_entropy_bwd=kernels.cross_entropy_bwd)
+    if mib is None:
+        monkeypatch.delenv("FUSEPATCH_CE_LOGITS_MIB", raising=False)
     else:
-
-        def fused_linear_cross_entropy_fwd(x, target, weight, bias=None, ignore_index=-100, num_chunks=8,
-                                           reduction="mean"):  # fmt: skip
-            calls.append(None)
-            return _fla_contract(x, target, weight, ignore_index, reduction)
-
-    _stand_in_fla(monkeypatch, fused_linear_cross_entropy_fwd)
-    fn = next(c for c in OPS["linear_cross_entropy"].candidates if c.name == "fla").load()
-    for dtype in (torch.bfloat16, torch.float32):
-        h, w, y = _data(dtype=dtype)
-        torch.testing.assert_close(fn(h, w, y), lce.linear_cross_entropy_reference(h, w, y))
-    assert calls == ([False, True] if has_switch else [None, None])
+        monkeypatch.setenv("FUSEPATCH_CE_LOGITS_MIB", str(mib))
+    return next(c for c in OPS["linear_cross_entropy"].candidates if c.name == "fla").load(), kernels
 
 
-def test_fla_adapter_lets_fla_divide_unless_the_trainer_gives_the_count(monkeypatch):
-    """Without ``num_items_in_batch`` the adapter asks fla for its "mean" (the same divisor as transformers':
-    labels not ignored, at least 1), so the gradients fla writes are final and the loss's backward multiplies
-    by 1 (skipped); with it, fla sums and the adapter divides by the Trainer's count. Both equal the reference."""
-    seen = []
-
-    def fused_linear_cross_entropy_fwd(x, target, weight, bias=None, ignore_index=-100, num_chunks=8, reduction="mean"):
-        seen.append(reduction)
-        return _fla_contract(x, target, weight, ignore_index, reduction)
-
-    _stand_in_fla(monkeypatch, fused_linear_cross_entropy_fwd)
-    fn = next(c for c in OPS["linear_cross_entropy"].candidates if c.name == "fla").load()
-    h, w, y = _data(dtype=torch.float32)
+@pytest.mark.parametrize("num_items", [None, 97])
+@pytest.mark.parametrize("mib", [None, 1], ids=["one-chunk", "two-chunks"])
+def test_fla_loop_matches_the_reference(monkeypatch, mib, num_items):
+    """fusepatch's chunk loop around fla's kernels (stand-ins with their contract): loss and both gradients equal
+    the eager reference with one chunk and with two (1 MiB / (777 x 4 bytes) -> 256-token chunks: 256, 45), each token's gradient divided inside the kernel by the labels not ignored or by the Trainer's
+    ``num_items_in_batch``, and a loss gradient other than 1 (gradient accumulation) scaling both."""
+    fn, kernels = _fla_loop(monkeypatch, mib)
+    h, w, y = _data(dtype=torch.float32)  # fla's kernels: fp32 losses, the GEMMs in the inputs' dtype
     y[::3] = -100
-    torch.testing.assert_close(fn(h, w, y), lce.linear_cross_entropy_reference(h, w, y))
-    y[:] = -100  # nothing to predict: the divisor is 1, not 0
-    torch.testing.assert_close(fn(h, w, y), lce.linear_cross_entropy_reference(h, w, y))
+    got = fn(h, w, y, num_items_in_batch=num_items)
+    want = lce.linear_cross_entropy_reference(h, w, y, num_items_in_batch=num_items)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for scale in (1.0, 0.3):
+        got = fn(h, w, y, num_items_in_batch=num_items)
+        got_grads = torch.autograd.grad(got * scale, (h, w))
+        want_grads = torch.autograd.grad(
+            lce.linear_cross_entropy_reference(h, w, y, num_items_in_batch=num_items) * scale, (h, w)
+        )
+        for a, b in zip(got_grads, want_grads):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert kernels.rows[:2] == ([301, 301] if mib is None else [256, 45])
+    divisor = num_items or int((y != -100).sum())
+    assert kernels.dloss[0] == pytest.approx(1 / divisor)
+
+
+def test_fla_loop_edge_cases(monkeypatch):
+    """No labels to predict (divisor 1, not 0: loss and gradients 0), no tokens at all (a zero weight gradient
+    of the weight's shape), no gradients wanted (no backward kernel runs), bf16 (gradients in the weight's
+    dtype: the GEMMs stay on tensor cores), and a second backward through one forward (refused, naming the fix:
+    the first one scaled the stored gradients in place)."""
+    fn, kernels = _fla_loop(monkeypatch)
     h, w, y = _data(dtype=torch.float32)
-    got = fn(h, w, y, num_items_in_batch=97)
-    torch.testing.assert_close(got, lce.linear_cross_entropy_reference(h, w, y, num_items_in_batch=97))
-    assert seen == ["mean", "mean", "sum"]
+    y[:] = -100
+    out = fn(h, w, y)
+    assert out.item() == 0.0
+    gh, gw = torch.autograd.grad(out, (h, w))
+    assert gh.abs().sum() == 0 and gw.abs().sum() == 0
+    empty = torch.zeros(0, h.shape[1], requires_grad=True)
+    out = fn(empty, w, y[:0])
+    gh, gw = torch.autograd.grad(out, (empty, w))
+    assert out.item() == 0.0 and gh.shape == (0, h.shape[1]) and gw.shape == w.shape and gw.abs().sum() == 0
+    calls = len(kernels.dloss)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(h, w, y), lce.linear_cross_entropy_reference(h, w, y))
+    assert len(kernels.dloss) == calls
+    hb, wb, yb = _data(dtype=torch.bfloat16)
+    out = fn(hb, wb, yb)
+    gh, gw = torch.autograd.grad(out, (hb, wb), retain_graph=True)
+    assert gh.dtype == gw.dtype == torch.bfloat16
+    torch.testing.assert_close(out, lce.linear_cross_entropy_reference(hb, wb, yb), rtol=2e-2, atol=2e-2)
+    with pytest.raises(RuntimeError, match="FUSEPATCH_SKIP=linear_cross_entropy/fla"):
+        torch.autograd.grad(out * 2, (hb, wb))
 
 
-def test_fla_adapter_names_the_fix_when_fla_changes_its_forward(monkeypatch):
-    """fusepatch calls fla's forward function directly (its own backward replaces fla's): an fla whose function
-    lost a parameter fusepatch passes fails to load, naming the fix (a failed load is a fallback with its reason)."""
+def test_fla_chunk_budget_sets_the_chunk_length(monkeypatch):
+    """FUSEPATCH_CE_LOGITS_MIB bounds one chunk's logits: at the 27B shape (4096 tokens, vocab 248320, bf16),
+    1024 MiB (the default) gives 2048-token chunks (2 chunks) where fla's own default makes 8."""
+    assert lce.fla_chunk_tokens(248320, 2, 1024 * 2**20) == 2048
+    assert lce.fla_num_chunks(4096, 248320, 2, 1024 * 2**20) == 2
+    assert lce.fla_num_chunks(4096, 248320, 2, 256 * 2**20) == 8
+    assert lce.fla_num_chunks(4096, 248320, 2, 64 * 2**20) == 32  # 128-token chunks
+    assert lce.fla_num_chunks(5, 248320, 2, 4 * 2**30) == 1
+    assert lce.fla_chunk_tokens(248320, 2, 1) == 1
+    monkeypatch.setenv("FUSEPATCH_CE_LOGITS_MIB", "lots")
+    with pytest.raises(ValueError, match="whole number of MiB"):
+        _fla_loop(monkeypatch, "lots")
+    with pytest.raises(ValueError, match="positive number"):
+        _fla_loop(monkeypatch, 0)
 
-    def fused_linear_cross_entropy_fwd(x, target, weight, ignore_index=-100):
+
+def test_fla_adapter_names_the_fix_when_fla_changes_its_kernels(monkeypatch):
+    """fusepatch calls fla's cross-entropy kernels' Python functions directly: an fla whose function lost a
+    parameter fusepatch passes, or lost the function, fails to load naming the fix (a failed load is a fallback
+    with its reason)."""
+    kernels = StandInKernels()
+
+    def cross_entropy_bwd(logits, target, lse, dloss, ignore_index=-100):
         raise AssertionError("not called")
 
-    _stand_in_fla(monkeypatch, fused_linear_cross_entropy_fwd)
-    with pytest.raises(ImportError, match="FUSEPATCH_SKIP=linear_cross_entropy/fla"):
-        next(c for c in OPS["linear_cross_entropy"].candidates if c.name == "fla").load()
+    _stand_in_fla(monkeypatch, cross_entropy_fwd=kernels.cross_entropy_fwd, cross_entropy_bwd=cross_entropy_bwd)
+    candidate = next(c for c in OPS["linear_cross_entropy"].candidates if c.name == "fla")
+    with pytest.raises(ImportError, match="cross_entropy_bwd lacks .*inplace_backward.*FUSEPATCH_SKIP"):
+        candidate.load()
+    _stand_in_fla(monkeypatch, cross_entropy_bwd=kernels.cross_entropy_bwd)
+    with pytest.raises(ImportError, match="cross_entropy_fwd lacks \\['itself'\\]"):
+        candidate.load()
 
 
 def test_conditional_generation_forward_uses_the_fused_loss(chunked_on_cpu):
     """Qwen3.5 checkpoints load as Qwen3_5ForConditionalGeneration: its text loss goes through the fused loss,
     whatever arguments and output class the installed transformers gives that forward."""
     _fused_loss_matches_the_unpatched_model(tiny_image_text_model(), tiny_image_text_model(), length=29, ignored=4)
-
-
-def test_fla_chunk_budget_sets_num_chunks(monkeypatch):
-    """FUSEPATCH_CE_LOGITS_MIB bounds one chunk's logits: at the 27B shape (4096 tokens, vocab 248320, bf16),
-    1024 MiB (the default) gives 2048-token chunks (2 chunks) where fla's own default makes 8."""
-    assert lce.fla_num_chunks(4096, 248320, 2, 1024 * 2**20) == 2
-    assert lce.fla_num_chunks(4096, 248320, 2, 256 * 2**20) == 8
-    assert lce.fla_num_chunks(4096, 248320, 2, 64 * 2**20) == 32  # 128-token chunks
-    assert lce.fla_num_chunks(5, 248320, 2, 4 * 2**30) == 1
-
-    calls = []
-
-    def fused_linear_cross_entropy_fwd(x, target, weight, bias=None, ignore_index=-100, num_chunks=8, reduction="mean"):
-        calls.append(num_chunks)
-        return _fla_contract(x, target, weight, ignore_index, reduction)
-
-    _stand_in_fla(monkeypatch, fused_linear_cross_entropy_fwd)
-    candidate = next(c for c in OPS["linear_cross_entropy"].candidates if c.name == "fla")
-    h, w, y = _data(tokens=301, vocab=777)
-    monkeypatch.delenv("FUSEPATCH_CE_LOGITS_MIB", raising=False)
-    candidate.load()(h, w, y)  # default 1024 MiB: all 301 tokens in one chunk
-    monkeypatch.setenv("FUSEPATCH_CE_LOGITS_MIB", "1")  # 1 MiB / (777 x 8 bytes) -> 128-token chunks -> 3 chunks
-    candidate.load()(h, w, y)
-    assert calls == [1, 3]
-    monkeypatch.setenv("FUSEPATCH_CE_LOGITS_MIB", "lots")
-    with pytest.raises(ValueError, match="whole number of MiB"):
-        candidate.load()

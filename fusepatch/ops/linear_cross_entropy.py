@@ -95,13 +95,13 @@ DEFAULT_LOGITS_MIB = 1024
 
 
 def fla_chunk_budget() -> int:
-    """``FUSEPATCH_CE_LOGITS_MIB`` (default 1024): the most memory one chunk's logits may take in fla's fused
-    loss. fla splits the tokens into 8 chunks whatever their number (512 tokens at seq 4096): each chunk
-    re-reads and re-writes the whole lm_head weight gradient (2.5 GB at Qwen3.5's 248k x 5120 in bf16) and runs
-    GEMMs with a 512-long inner dimension. Fewer, larger chunks trade logits memory for both: measured on the
-    H200 at the 27B shape (benchmarks/RESULTS.md, loss_bench.py --fla-budgets), fwd+bwd 60.2 ms with fla's 8
-    chunks, 55.0 / 53.7 / 53.0 ms at 512 / 1024 / 2048 MiB, the same peak memory. At long rows a budget also
-    bounds the logits where fla's fixed 8 chunks would grow with the row."""
+    """``FUSEPATCH_CE_LOGITS_MIB`` (default 1024): the most memory one chunk's logits may take in the fla loss
+    loop. fla's own function splits the tokens into 8 chunks whatever their number (512 tokens at seq 4096):
+    each chunk re-reads and re-writes the whole lm_head weight gradient (2.5 GB at Qwen3.5's 248k x 5120 in
+    bf16) and runs GEMMs with a 512-long inner dimension. Fewer, larger chunks trade logits memory for both:
+    measured on the H200 at the 27B shape (benchmarks/RESULTS.md, loss_bench.py --fla-budgets), fwd+bwd 60.2 ms
+    with fla's 8 chunks, 55.0 / 53.7 / 53.0 ms at 512 / 1024 / 2048 MiB, the same peak memory. At long rows a
+    budget also bounds the logits where fla's fixed 8 chunks would grow with the row."""
     value = os.environ.get("FUSEPATCH_CE_LOGITS_MIB", "").strip()
     if not value:
         return DEFAULT_LOGITS_MIB * 2**20
@@ -114,37 +114,75 @@ def fla_chunk_budget() -> int:
     return mib * 2**20
 
 
+def fla_chunk_tokens(vocab: int, element_size: int, budget_bytes: int) -> int:
+    """Tokens per chunk of the fla loss loop: the largest power of two whose ``chunk x vocab`` logits fit in
+    ``budget_bytes`` (at least 1). At the 27B shape (vocab 248,320, bf16) the 1024 MiB default gives 2048."""
+    chunk = max(1, budget_bytes // (vocab * element_size))
+    return 1 << (chunk.bit_length() - 1)
+
+
 def fla_num_chunks(tokens: int, vocab: int, element_size: int, budget_bytes: int) -> int:
-    """fla's ``num_chunks`` that keeps each chunk's ``chunk x vocab`` logits within ``budget_bytes`` (fla rounds
-    the chunk length up to a power of two, so the chunk length asked for is a power of two too)."""
-    per_token = vocab * element_size
-    chunk = max(1, budget_bytes // per_token)
-    chunk = 1 << (chunk.bit_length() - 1)  # a power of two at most the budget
-    return max(1, -(-tokens // chunk))
+    """How many chunks ``tokens`` make at ``fla_chunk_tokens``."""
+    return max(1, -(-tokens // fla_chunk_tokens(vocab, element_size, budget_bytes)))
 
 
 class _FlaLinearCrossEntropy(torch.autograd.Function):
-    """fla's fused forward (loss, and both gradients chunk by chunk), with a backward of fusepatch's own: fla's
-    ``fused_linear_cross_entropy_bwd`` launches a kernel whose element count (tokens x hidden) is a
-    compile-time constant, so packed steps of varying length compile it again almost every step (10 builds in
-    10 steps of the SFT example on the H200: benchmarks/RESULTS.md, session 7)."""
+    """fusepatch's chunk loop around fla's cross-entropy kernels. Per chunk of tokens: the logits (one GEMM),
+    fla's loss/log-sum-exp kernel, fla's logits-gradient kernel written over the logits with every token's
+    gradient already divided by the loss's denominator, then the hidden-state gradient (a GEMM into its rows)
+    and the weight gradient (the first chunk's GEMM writes it, later chunks add to it).
+
+    Why not fla's ``fused_linear_cross_entropy_fwd``: it zero-fills the weight gradient (2.5 GB at the 27B
+    shape) and then adds every chunk into it, the first included (1.56 ms of fill plus a GEMM that reads the
+    zeros back, per step on the H200, session 9); it divides only by its own token count, so the Trainer's
+    ``num_items_in_batch`` needed a pass over both gradients afterwards; and its backward compiles a kernel per
+    token count (10 builds in 10 steps of the SFT example, session 7). Here the backward only scales the stored
+    gradients by the incoming one, and skips that when it is 1 (plain training)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index: int, forward_fn, kwargs):
+    def forward(ctx, hidden, weight, labels, denominator, ignore_index: int, chunk: int, kernels, grad_wanted: bool):
+        ce_forward, ce_backward = kernels
+        # under no_grad (evaluation) needs_input_grad still says True: the caller says whether a backward can come
+        needs_grad = grad_wanted and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         # fla's kernels launch on the current device: make it the inputs' (as fla's own input_guard does)
         on_device = torch.cuda.device(hidden.device) if hidden.device.type == "cuda" else contextlib.nullcontext()
         with on_device:
-            loss, grad_hidden, grad_weight, _ = forward_fn(
-                x=hidden.contiguous(),
-                target=labels.contiguous(),
-                weight=weight.contiguous(),
-                bias=None,
-                ignore_index=ignore_index,
-                **({"reduction": "sum"} | kwargs),
-            )
-        ctx.save_for_backward(grad_hidden, grad_weight)
+            hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
+            tokens = hidden.shape[0]
+            losses = hidden.new_empty(tokens, dtype=torch.float32)
+            inverse = denominator.float().reciprocal().reshape(1)
+            grad_hidden = torch.empty_like(hidden) if needs_grad else None
+            grad_weight = None
+            for start in range(0, tokens, chunk):
+                end = min(start + chunk, tokens)
+                h, y = hidden[start:end], labels[start:end]
+                logits = torch.mm(h, weight.t())
+                loss, _, lse, classes, first_class = ce_forward(logits=logits, target=y, ignore_index=ignore_index)
+                losses[start:end] = loss
+                if not needs_grad:
+                    continue
+                ce_backward(
+                    logits=logits,
+                    target=y,
+                    lse=lse,
+                    dloss=inverse.expand(end - start),
+                    ignore_index=ignore_index,
+                    total_classes=classes,
+                    class_start_idx=first_class,
+                    inplace_backward=True,
+                )
+                torch.mm(logits, weight, out=grad_hidden[start:end])
+                if grad_weight is None:
+                    grad_weight = torch.mm(logits.t(), h)
+                else:
+                    grad_weight.addmm_(logits.t(), h)
+            if needs_grad and grad_weight is None:  # no tokens at all
+                grad_weight = torch.zeros_like(weight)
+            total = losses.sum() / denominator
+        if needs_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.done = False
-        return loss
+        return total
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -158,42 +196,50 @@ class _FlaLinearCrossEntropy(torch.autograd.Function):
         ctx.done = True
         grad_hidden, grad_weight = ctx.saved_tensors
         factor = grad_output.detach().float()
-        return scale_unless_one_(grad_hidden, factor), scale_unless_one_(grad_weight, factor), None, None, None, None
+        grads = scale_unless_one_(grad_hidden, factor), scale_unless_one_(grad_weight, factor)
+        return *grads, None, None, None, None, None, None
+
+
+FLA_KERNELS = {  # fla function -> the parameters fusepatch passes it
+    "cross_entropy_fwd": {"logits", "target", "ignore_index"},
+    "cross_entropy_bwd": {
+        "logits",
+        "target",
+        "lse",
+        "dloss",
+        "ignore_index",
+        "total_classes",
+        "class_start_idx",
+        "inplace_backward",
+    },  # fmt: skip
+}
 
 
 def _load_fla():
     import inspect
 
-    from fla.modules.fused_linear_cross_entropy import ops
+    from fla.modules.fused_cross_entropy import ops
 
-    # fla accumulates the weight gradient in fp32 by default, casting each chunk's bf16 logits-gradient and
-    # hidden states to fp32 first: cuBLAS then runs fp32 SIMT GEMMs (measured on the H200 at the 27B shape:
-    # 222 ms of a 430 ms step). For bf16/fp16 weights fusepatch keeps the GEMMs in the weight's dtype (tensor
-    # cores, fp32 accumulation inside each GEMM, one rounding per chunk).
-    forward_fn = ops.fused_linear_cross_entropy_fwd
-    parameters = inspect.signature(forward_fn).parameters
-    missing = {"x", "target", "weight", "bias", "ignore_index", "reduction", "num_chunks"} - set(parameters)
-    if missing:
-        raise ImportError(
-            f"fla's fused_linear_cross_entropy_fwd lacks {sorted(missing)} (fla-core changed it); fusepatch knows "
-            "fla-core 0.5-0.6's. Fix: pip install 'fla-core>=0.5,<0.7', or FUSEPATCH_SKIP=linear_cross_entropy/fla"
-        )
-    has_switch = "accumulate_grad_in_fp32" in parameters
+    for name, wanted in FLA_KERNELS.items():
+        function = getattr(ops, name, None)
+        missing = wanted - set(inspect.signature(function).parameters) if callable(function) else {"itself"}
+        if missing:
+            raise ImportError(
+                f"fla's {name} lacks {sorted(missing)} (fla-core changed it); fusepatch knows fla-core 0.5-0.6's. "
+                "Fix: pip install 'fla-core>=0.5,<0.7', or FUSEPATCH_SKIP=linear_cross_entropy/fla"
+            )
+    kernels = (ops.cross_entropy_fwd, ops.cross_entropy_bwd)
     budget = fla_chunk_budget()
 
     def linear_cross_entropy_fla(hidden, weight, labels, ignore_index: int = -100, num_items_in_batch=None):
-        kwargs = {"accumulate_grad_in_fp32": weight.dtype == torch.float32} if has_switch else {}
-        kwargs["num_chunks"] = fla_num_chunks(hidden.shape[0], weight.shape[0], hidden.element_size(), budget)
-        if num_items_in_batch is None:
-            # fla's "mean" divides by the same count (labels not ignored, at least 1) inside the kernel that
-            # writes the gradients: the loss's own gradient is then 1 and the backward skips its pass over the
-            # lm_head weight gradient (with "sum" and a division after, that pass scaled 2.5 GB by 1/count:
-            # 4.4 ms of the 27B step on the H200, session 9)
-            return _FlaLinearCrossEntropy.apply(
-                hidden, weight, labels, ignore_index, forward_fn, kwargs | {"reduction": "mean"}
-            )
-        total = _FlaLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, forward_fn, kwargs)
-        return total / _denominator(labels, ignore_index, num_items_in_batch)
+        # the GEMMs run in the weight's dtype (tensor cores for bf16, fp32 accumulation inside each GEMM; fla's
+        # own default accumulates the weight gradient in fp32 SIMT GEMMs: 222 ms of a 430 ms 27B step)
+        chunk = fla_chunk_tokens(weight.shape[0], hidden.element_size(), budget)
+        denominator = _denominator(labels, ignore_index, num_items_in_batch)
+        grad_wanted = torch.is_grad_enabled()
+        return _FlaLinearCrossEntropy.apply(
+            hidden, weight, labels, denominator, ignore_index, chunk, kernels, grad_wanted
+        )
 
     return linear_cross_entropy_fla
 
@@ -220,10 +266,10 @@ LINEAR_CROSS_ENTROPY = Op(
         Candidate(
             name="fla",
             source="pip",
-            requirements=fla_requirements("fla.modules.fused_linear_cross_entropy"),
+            requirements=fla_requirements("fla.modules.fused_cross_entropy"),
             load=_load_fla,
             inputs=InputRule(kernel="fla's fused linear cross-entropy"),
-            provides="fla.modules.fused_linear_cross_entropy.ops.fused_linear_cross_entropy_fwd (fusepatch's backward)",
+            provides="fla.modules.fused_cross_entropy.ops.cross_entropy_fwd/_bwd in fusepatch's chunk loop",
             distribution="fla-core",
         ),
         Candidate(

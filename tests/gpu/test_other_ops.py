@@ -148,10 +148,11 @@ def test_linear_cross_entropy(name, dtype):
 
 
 def test_fla_loss_compiles_nothing_new_for_new_lengths():
-    """fla's own backward compiles a kernel per token count (tokens x hidden is a constexpr); fusepatch's
-    backward for fla's fused loss must not: over packed lengths of a few hundred tokens apart, no Triton kernel
-    of fusepatch's or fla's loss gets a new variant after the first."""
-    from fla.modules.fused_linear_cross_entropy import ops as fla_ops
+    """fla's own fused-loss backward compiles a kernel per token count (tokens x hidden is a constexpr);
+    fusepatch's loop around fla's cross-entropy kernels must not: over packed lengths a few hundred tokens apart
+    (one chunk each, and a loss gradient other than 1 so the scaling runs), neither fusepatch's scaling kernel
+    nor fla's cross-entropy kernels get a new variant after the first length."""
+    from fla.modules.fused_cross_entropy import ops as fla_ops
 
     from fusepatch.kernels import scale
 
@@ -165,7 +166,7 @@ def test_fla_loss_compiles_nothing_new_for_new_lengths():
             (fn(h, w, y) * 0.5).backward()  # a loss gradient other than 1: the scaling runs
 
     def variants():
-        kernels = [scale._scale_unless_one, fla_ops.elementwise_mul_kernel]
+        kernels = [scale._scale_unless_one, fla_ops.cross_entropy_fwd_kernel, fla_ops.cross_entropy_bwd_kernel]
         return [len(k.device_caches[torch.cuda.current_device()][0]) for k in kernels]
 
     steps(LENGTHS[:1])
