@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections import Counter
 
 import torch
 
@@ -61,6 +62,18 @@ def _versions() -> dict:
         except md.PackageNotFoundError:
             found[name] = None
     return found
+
+
+def gpu_time_by_op(events, top: int = 40) -> list[tuple[str, float]]:
+    """GPU time by the aten op that launched it, as "parent op > op | kernel": which calls the copy, fill and
+    reduction kernels of the kernel table come from (kernels launched outside any aten op, Triton's, are not here)."""
+    totals: Counter[str] = Counter()
+    for event in events:
+        if event.device_type == torch.autograd.DeviceType.CPU and event.kernels:
+            parent = event.cpu_parent.name if event.cpu_parent is not None else "-"
+            for launched in event.kernels:
+                totals[f"{parent} > {event.name} | {launched.name[:60]}"] += launched.duration / 1000.0
+    return [(key, round(ms, 3)) for key, ms in totals.most_common(top)]
 
 
 def main() -> int:
@@ -284,6 +297,7 @@ def run(args, seq: int, batch: int) -> dict:
         tflop_per_step=round(flops / 1e12, 2),
         losses=[round(x, 4) for x in losses],
         kernel_ms_total=round(sum(ms for _, ms in profiled.top_kernels), 2),
+        gpu_ms_by_op=gpu_time_by_op(prof.events()),
         top_kernels_ms=profiled.top_kernels[:60],
         forward_ops_by_layer=profiled.ops_by_layer[:15],
         idle_gaps=profiled.idle_gaps,

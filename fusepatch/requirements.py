@@ -189,6 +189,25 @@ class NoKnownIssue:
 
 
 @dataclass(frozen=True)
+class OptIn:
+    """A candidate that pays only for some workloads: off unless the environment variable switches it on (read
+    when the candidate is resolved, like FUSEPATCH_SKIP)."""
+
+    variable: str
+    when: str  # the workload it is for, shown with the reason
+
+    def check(self, env: Environment) -> Verdict:
+        from fusepatch.env import flag_set
+
+        if flag_set(self.variable):
+            return OK
+        return reject(f"off unless {self.variable}=1 (for {self.when})", f"export {self.variable}=1")
+
+    def describe(self) -> str:
+        return f"{self.variable}=1"
+
+
+@dataclass(frozen=True)
 class NotImplementedYet:
     """A real upstream candidate that this fusepatch release does not wire up yet (kept so doctor lists it)."""
 

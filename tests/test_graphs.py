@@ -230,12 +230,24 @@ def test_only_the_inputs_the_backward_reads_are_kept(graphed):
     assert seen[-1] is (not graphed)
 
 
-def test_the_graphed_candidate_comes_first_and_leaves_packed_rows_to_fla():
+def test_the_graphed_candidate_is_opt_in_and_leaves_packed_rows_to_fla(monkeypatch):
+    """fla-graphed comes first but only runs with FUSEPATCH_CUDA_GRAPHS=1 (the graphs' copies cost more GPU time
+    than the launches they save unless the CPU holds the step back); refused, it says how to turn it on."""
+    from fusepatch.env import Environment
     from fusepatch.ops import OPS
 
     candidates = OPS["gated_delta_rule"].candidates
     assert [c.name for c in candidates[:2]] == ["fla-graphed", "fla"]
     assert candidates[0].varlen is False and candidates[1].varlen is True
+    switch = candidates[0].requirements[-1]
+    env = Environment(python="3.12", platform="linux", torch="2.11.0", torch_cuda="13.0", cuda_available=True)
+    monkeypatch.delenv("FUSEPATCH_CUDA_GRAPHS", raising=False)
+    verdict = switch.check(env)
+    assert (
+        not verdict and "FUSEPATCH_CUDA_GRAPHS=1" in verdict.reason and verdict.fix == "export FUSEPATCH_CUDA_GRAPHS=1"
+    )
+    monkeypatch.setenv("FUSEPATCH_CUDA_GRAPHS", "1")
+    assert switch.check(env)
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from fusepatch.ops._common import fla_backward_requirements, planned_hub_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
-from fusepatch.requirements import InputRule
+from fusepatch.requirements import InputRule, OptIn
 
 CHUNK = 64
 
@@ -192,7 +192,10 @@ def _fla_split():
             )
 
     def forward(q, k, v, a, b, A_log, dt_bias):
-        v = v.contiguous()  # saved as fla saves it: its own copy, not a view that keeps the conv output alive
+        # fla's autograd function makes its inputs contiguous (input_guard) and its l2norm views them flat: q, k
+        # and v arrive as views of the conv output when the call runs without graphs. v is saved as fla saves
+        # it: its own copy, not a view that keeps the conv output alive.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         q_n, q_rstd = fla.l2norm_fwd(q)
         k_n, k_rstd = fla.l2norm_fwd(k)
         beta = fla.fused_beta_sigmoid(b, scale=1.0)
@@ -239,6 +242,18 @@ def _fla_split():
 
     # the backward reads a, b, A_log and dt_bias of the inputs; q, k and v reach it through `saved`
     return Split(forward, backward, backward_inputs=(3, 4, 5, 6))
+
+
+# Off by default: the graphs copy every call's inputs, outputs and saved tensors in and out of their static
+# buffers (Memcpy DtoD: 4.3 ms of the 2B-like step, 1.4 ms of the 27B one on the H200), and with the CPU keeping
+# ahead of the GPU that costs more than the launches it saves: in one run of session 10 (benchmarks/RESULTS.md)
+# fla without graphs was faster at both shapes, 205.2 against 208.6 ms (2B-like) and 215.7 against 218.1 ms
+# (27B). They pay where the CPU holds the GPU back: session 9 measured 1.6-3.1 ms of CPU per layer and call in
+# fla's Python, and a 2B-like step at 64% GPU busy without them.
+GRAPHS_SWITCH = OptIn(
+    "FUSEPATCH_CUDA_GRAPHS",
+    "steps the CPU holds back: GPU busy well under 90%, small layers, many ranks per CPU",
+)
 
 
 def _load_fla_graphed():
@@ -305,7 +320,7 @@ GATED_DELTA_RULE = Op(
         Candidate(
             name="fla-graphed",
             source="pip",
-            requirements=fla_backward_requirements("fla.ops.gated_delta_rule"),
+            requirements=fla_backward_requirements("fla.ops.gated_delta_rule") + (GRAPHS_SWITCH,),
             load=_load_fla_graphed,
             inputs=FLA_INPUTS,
             provides="fla.ops.gated_delta_rule.chunk_gated_delta_rule (as 'fla'), replayed from CUDA graphs per shape",

@@ -32,6 +32,7 @@ HYBRID = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
 
 CANDIDATE_CASES = [
     ("qwen3_5_text", "fla"),
+    ("qwen3_5_text", "fla-graphed"),
     ("qwen3_5_text", "fla-gate-outside"),
     ("qwen3_5_moe_text", "fla"),
     ("qwen3_next", "fla"),
@@ -40,7 +41,8 @@ CANDIDATE_CASES = [
 
 @pytest.fixture
 def delta_rule_first(request, monkeypatch):
-    """Put one gated-delta-rule candidate first, so each is tested inside the model."""
+    """Put one gated-delta-rule candidate first, so each is tested inside the model (the opt-in one switched on)."""
+    monkeypatch.setenv("FUSEPATCH_CUDA_GRAPHS", "1")
     op = OPS["gated_delta_rule"]
     first = [c for c in op.candidates if c.name == request.param]
     rest = [c for c in op.candidates if c.name != request.param]
