@@ -51,7 +51,7 @@ def implementations(fla_budgets: list[int] = (), tokens: int = 4096, vocab: int 
         )
         candidate = next(c for c in LINEAR_CROSS_ENTROPY.candidates if c.name == "fla")
         os.environ.pop("FUSEPATCH_CE_LOGITS_MIB", None)
-        found["fusepatch fla (default: GEMMs in bf16, chunk logits <= 1024 MiB)"] = candidate.load()
+        found[f"fusepatch fla (default: GEMMs in bf16, chunk logits <= {DEFAULT_LOGITS_MIB} MiB)"] = candidate.load()
         for mib in fla_budgets:  # FUSEPATCH_CE_LOGITS_MIB: fewer, larger chunks
             os.environ["FUSEPATCH_CE_LOGITS_MIB"] = str(mib)
             found[f"fusepatch fla, chunk logits <= {mib} MiB"] = candidate.load()

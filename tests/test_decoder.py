@@ -181,3 +181,23 @@ def test_torch_compile_through_the_fused_forward(calls):
     got = (loss, logits, {name.removeprefix("_orig_mod."): grad for name, grad in grads.items()})
     assert _in_model(calls), "the compiled model must run the fused op"
     _assert_same(expected, got, exact=False)
+
+
+def test_split_copy_of_the_conv_output():
+    """The Gated DeltaNet layer's q/k/v on the GPU: contiguous copies of the conv output's channel ranges made
+    by one ``split_with_sizes_copy`` (torch's fused CUDA kernel; the composite one here), whose backward is one
+    ``cat``; an output left unused gets zeros. Checked against the views ``torch.split`` gives."""
+    from fusepatch.layers.gated_deltanet import _SplitCopy, split_channels
+
+    x = torch.randn(2, 7, 10, dtype=torch.float64, requires_grad=True)
+    parts = _SplitCopy.apply(x, [3, 3, 4])
+    assert all(p.is_contiguous() for p in parts)
+    for got, want in zip(parts, torch.split(x, [3, 3, 4], dim=-1)):
+        assert torch.equal(got, want)
+    torch.autograd.gradcheck(lambda t: _SplitCopy.apply(t, [3, 3, 4]), (x,))
+    q, _, v = _SplitCopy.apply(x, [3, 3, 4])
+    (grad,) = torch.autograd.grad(q.sum() + 2 * v.sum(), x)
+    assert torch.equal(grad[..., 3:6], torch.zeros_like(grad[..., 3:6])) and torch.equal(
+        grad[..., 6:], 2 + 0 * grad[..., 6:]
+    )
+    assert all(p._base is x for p in split_channels(x, [3, 3, 4]))  # on the CPU: torch.split's views

@@ -125,14 +125,19 @@ def _stand_in_fla(monkeypatch, **functions) -> None:
 class StandInKernels:
     """fla's two cross-entropy kernels' contract in torch, recording each call's rows and dloss: the forward
     returns (per-token loss, 0 for ignored labels; z-loss; log-sum-exp; classes; first class), the backward
-    writes ``(softmax - onehot) * dloss`` over the logits in place, 0 for ignored labels."""
+    writes ``(softmax - onehot) * dloss`` over the logits in place, 0 for ignored labels. Each chunk's logits
+    must be freed before the next chunk's are made (one chunk's logits at a time is the memory bound)."""
 
     def __init__(self):
         self.rows: list[int] = []
         self.dloss: list[float] = []
+        self.previous = None  # the last chunk's logits, weakly: it must be gone when the next chunk starts
 
     def cross_entropy_fwd(self, logits, target, label_smoothing=0.0, logit_scale=1.0, lse_square_scale=0.0,
                           logit_softcapping=None, ignore_index=-100, process_group=None):  # fmt: skip
+        import weakref
+
+        self.previous = weakref.ref(logits)
         self.rows.append(logits.shape[0])
         wide = logits.double()
         lse = wide.logsumexp(-1)
@@ -163,6 +168,14 @@ def _fla_loop(monkeypatch, mib: int | str | None = None):
 
     monkeypatch.setattr(scale, "scale_unless_one_", _scale_in_torch)
     kernels = StandInKernels()
+    plain_mm = torch.mm
+
+    def mm(a, b, **kwargs):  # a new chunk's logits GEMM: the last chunk's logits must be gone by now
+        if b.shape[-1] == 777 and kernels.previous is not None:
+            assert kernels.previous() is None, "two chunks' logits alive at once"
+        return plain_mm(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", mm)
     _stand_in_fla(monkeypatch, cross_entropy_fwd=kernels.cross_entropy_fwd, cross_entropy_bwd=kernels.cross_entropy_bwd)
     if mib is None:
         monkeypatch.delenv("FUSEPATCH_CE_LOGITS_MIB", raising=False)
@@ -176,7 +189,8 @@ def _fla_loop(monkeypatch, mib: int | str | None = None):
 def test_fla_loop_matches_the_reference(monkeypatch, mib, num_items):
     """fusepatch's chunk loop around fla's kernels (stand-ins with their contract): loss and both gradients equal
     the eager reference with one chunk and with two (1 MiB / (777 x 4 bytes) -> 256-token chunks: 256, 45), each token's gradient divided inside the kernel by the labels not ignored or by the Trainer's
-    ``num_items_in_batch``, and a loss gradient other than 1 (gradient accumulation) scaling both."""
+    ``num_items_in_batch``, and a loss gradient other than 1 (gradient accumulation) scaling both; one chunk's
+    logits alive at a time (the next chunk's logits GEMM finds the last one's freed)."""
     fn, kernels = _fla_loop(monkeypatch, mib)
     h, w, y = _data(dtype=torch.float32)  # fla's kernels: fp32 losses, the GEMMs in the inputs' dtype
     y[::3] = -100
@@ -228,7 +242,8 @@ def test_fla_loop_edge_cases(monkeypatch):
 
 def test_fla_chunk_budget_sets_the_chunk_length(monkeypatch):
     """FUSEPATCH_CE_LOGITS_MIB bounds one chunk's logits: at the 27B shape (4096 tokens, vocab 248320, bf16),
-    1024 MiB (the default) gives 2048-token chunks (2 chunks) where fla's own default makes 8."""
+    2048 MiB (the default) gives one 4096-token chunk, 1024 MiB two, where fla's own default makes 8."""
+    assert lce.DEFAULT_LOGITS_MIB == 2048 and lce.fla_chunk_tokens(248320, 2, 2048 * 2**20) == 4096
     assert lce.fla_chunk_tokens(248320, 2, 1024 * 2**20) == 2048
     assert lce.fla_num_chunks(4096, 248320, 2, 1024 * 2**20) == 2
     assert lce.fla_num_chunks(4096, 248320, 2, 256 * 2**20) == 8

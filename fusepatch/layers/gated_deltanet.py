@@ -56,6 +56,32 @@ def _projections(self, hidden_states: torch.Tensor):
     return self.in_proj_qkv(hidden_states), z, self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
 
 
+class _SplitCopy(torch.autograd.Function):
+    """The last dimension split into contiguous tensors by one vectorised kernel (torch's CUDA fast path of
+    ``split_with_sizes_copy``); the backward is one ``cat``, as ``torch.split``'s is."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sizes: list[int]):
+        parts = [x.new_empty(*x.shape[:-1], size) for size in sizes]
+        torch.split_with_sizes_copy(x, sizes, dim=-1, out=parts)
+        return tuple(parts)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return torch.cat(grads, dim=-1), None
+
+
+def split_channels(mixed: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """q, k and v out of the conv output. On the GPU as contiguous copies made in one kernel: the delta-rule
+    kernels copy views to contiguous tensors anyway (fla's input guard), each view on its own with a strided
+    elementwise kernel: 1.2 ms of the 27B step and 3.4 ms of the 2B-like one on the H200 (GPU time by op,
+    benchmarks/RESULTS.md, session 10). Elsewhere (CPU, a non-contiguous conv output), views, as transformers
+    splits."""
+    if mixed.device.type == "cuda" and mixed.is_contiguous():
+        return _SplitCopy.apply(mixed, sizes)
+    return torch.split(mixed, sizes, dim=-1)
+
+
 def gated_deltanet_forward(
     self,
     hidden_states: torch.Tensor,
@@ -92,7 +118,7 @@ def gated_deltanet_forward(
         weight, bias = weight.to(mixed_qkv.dtype), None if bias is None else bias.to(mixed_qkv.dtype)
     mixed_qkv = ops["causal_conv1d"](mixed_qkv, weight, bias, activation="silu", cu_seqlens=cu_seqlens)
     rows, tokens = mixed_qkv.shape[:2]
-    query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    query, key, value = split_channels(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim])
     query = query.reshape(rows, tokens, -1, self.head_k_dim)
     key = key.reshape(rows, tokens, -1, self.head_k_dim)
     value = value.reshape(rows, tokens, -1, self.head_v_dim)

@@ -68,6 +68,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 g = probs.to(hidden.dtype)
                 grad_hidden[start : start + chunk] = g @ weight
                 grad_weight += (g.t() @ h).to(accumulate)
+                del probs, g
+            del logits  # before the next chunk's logits are made: one chunk's at a time
         if needs_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total / denominator
@@ -91,24 +93,27 @@ def linear_cross_entropy_chunked(hidden, weight, labels, ignore_index: int = -10
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, denominator, chunk)
 
 
-DEFAULT_LOGITS_MIB = 1024
+DEFAULT_LOGITS_MIB = 2048
 
 
 def fla_chunk_budget() -> int:
-    """``FUSEPATCH_CE_LOGITS_MIB`` (default 1024): the most memory one chunk's logits may take in the fla loss
-    loop. fla's own function splits the tokens into 8 chunks whatever their number (512 tokens at seq 4096):
-    each chunk re-reads and re-writes the whole lm_head weight gradient (2.5 GB at Qwen3.5's 248k x 5120 in
-    bf16) and runs GEMMs with a 512-long inner dimension. Fewer, larger chunks trade logits memory for both:
-    measured on the H200 at the 27B shape (benchmarks/RESULTS.md, loss_bench.py --fla-budgets), fwd+bwd 60.2 ms
-    with fla's 8 chunks, 55.0 / 53.7 / 53.0 ms at 512 / 1024 / 2048 MiB, the same peak memory. At long rows a
-    budget also bounds the logits where fla's fixed 8 chunks would grow with the row."""
+    """``FUSEPATCH_CE_LOGITS_MIB`` (default 2048): the most memory one chunk's logits may take in the fla loss
+    loop (one chunk's logits live at a time). fla's own function splits the tokens into 8 chunks whatever their
+    number (512 tokens at seq 4096): each chunk re-reads and re-writes the whole lm_head weight gradient (2.5 GB
+    at Qwen3.5's 248k x 5120 in bf16) and runs GEMMs with a 512-long inner dimension. Fewer, larger chunks trade
+    logits memory for both. Measured on the H200 at the 27B shape: the loss alone (loss_bench.py), fwd+bwd 60.2
+    ms with fla's 8 chunks, 55.0 / 53.7 / 53.0 ms at 512 / 1024 / 2048 MiB (session 4); in the training step
+    (session 10) 2048 MiB, one 4096-token chunk, spent 0.9 ms less in the weight-gradient GEMMs than two 2048-token
+    chunks, the same peak memory: at that shape the peak comes at the end of the backward, with every gradient
+    allocated, not at the loss. Where the loss is the peak (small models, long rows: the 2B-like shape), a smaller
+    budget lowers it. At long rows a budget also bounds the logits where fla's fixed 8 chunks would grow."""
     value = os.environ.get("FUSEPATCH_CE_LOGITS_MIB", "").strip()
     if not value:
         return DEFAULT_LOGITS_MIB * 2**20
     try:
         mib = int(value)
     except ValueError as exc:
-        raise ValueError(f"FUSEPATCH_CE_LOGITS_MIB={value!r}: expected a whole number of MiB, e.g. 1024") from exc
+        raise ValueError(f"FUSEPATCH_CE_LOGITS_MIB={value!r}: expected a whole number of MiB, e.g. 2048") from exc
     if mib <= 0:
         raise ValueError(f"FUSEPATCH_CE_LOGITS_MIB={value!r}: expected a positive number of MiB")
     return mib * 2**20
@@ -116,7 +121,7 @@ def fla_chunk_budget() -> int:
 
 def fla_chunk_tokens(vocab: int, element_size: int, budget_bytes: int) -> int:
     """Tokens per chunk of the fla loss loop: the largest power of two whose ``chunk x vocab`` logits fit in
-    ``budget_bytes`` (at least 1). At the 27B shape (vocab 248,320, bf16) the 1024 MiB default gives 2048."""
+    ``budget_bytes`` (at least 1). At the 27B shape (vocab 248,320, bf16) the 2048 MiB default gives 4096."""
     chunk = max(1, budget_bytes // (vocab * element_size))
     return 1 << (chunk.bit_length() - 1)
 
@@ -159,23 +164,25 @@ class _FlaLinearCrossEntropy(torch.autograd.Function):
                 logits = torch.mm(h, weight.t())
                 loss, _, lse, classes, first_class = ce_forward(logits=logits, target=y, ignore_index=ignore_index)
                 losses[start:end] = loss
-                if not needs_grad:
-                    continue
-                ce_backward(
-                    logits=logits,
-                    target=y,
-                    lse=lse,
-                    dloss=inverse.expand(end - start),
-                    ignore_index=ignore_index,
-                    total_classes=classes,
-                    class_start_idx=first_class,
-                    inplace_backward=True,
-                )
-                torch.mm(logits, weight, out=grad_hidden[start:end])
-                if grad_weight is None:
-                    grad_weight = torch.mm(logits.t(), h)
-                else:
-                    grad_weight.addmm_(logits.t(), h)
+                if needs_grad:
+                    ce_backward(
+                        logits=logits,
+                        target=y,
+                        lse=lse,
+                        dloss=inverse.expand(end - start),
+                        ignore_index=ignore_index,
+                        total_classes=classes,
+                        class_start_idx=first_class,
+                        inplace_backward=True,
+                    )
+                    torch.mm(logits, weight, out=grad_hidden[start:end])
+                    if grad_weight is None:
+                        grad_weight = torch.mm(logits.t(), h)
+                    else:
+                        grad_weight.addmm_(logits.t(), h)
+                # freed before the next chunk's GEMM allocates its logits, else two chunks' logits live at once
+                # (fla's loop has that peak: 0.6 GiB over Liger's at the Qwen3-32B shape, session 10)
+                del logits, loss, lse
             if needs_grad and grad_weight is None:  # no tokens at all
                 grad_weight = torch.zeros_like(weight)
             total = losses.sum() / denominator
