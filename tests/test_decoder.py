@@ -201,3 +201,29 @@ def test_split_copy_of_the_conv_output():
         grad[..., 6:], 2 + 0 * grad[..., 6:]
     )
     assert all(p._base is x for p in split_channels(x, [3, 3, 4]))  # on the CPU: torch.split's views
+
+
+@pytest.mark.parametrize("model_type", HYBRID)
+def test_gated_deltanet_with_split_copies_equals_the_unpatched_model(monkeypatch, model_type):
+    """The linear-attention layer with q/k/v as split copies (the GPU path; on the CPU here): the patched model's
+    loss, logits and every gradient equal the unpatched one's (the eager delta rule: fp32 rounding), and the
+    copies were made once per linear-attention layer."""
+    from fusepatch.layers import gated_deltanet
+
+    made = []
+    plain_split = gated_deltanet._SplitCopy.apply
+
+    def counting(mixed, sizes):
+        made.append(tuple(sizes))
+        return plain_split(mixed, sizes)
+
+    monkeypatch.setattr(gated_deltanet, "COPY_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(gated_deltanet._SplitCopy, "apply", counting)
+    model = tiny_model(model_type).train()
+    batch = _batch(model)
+    expected = loss_and_grads(model, **batch)
+    fusepatch.apply(model)
+    got = loss_and_grads(model, **batch)
+    linear = sum(1 for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    assert linear and len(made) == linear
+    _assert_same(expected, got, exact=False)

@@ -56,6 +56,9 @@ def _projections(self, hidden_states: torch.Tensor):
     return self.in_proj_qkv(hidden_states), z, self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
 
 
+COPY_DEVICES = ("cuda",)  # where split_channels copies (the tests add "cpu" to run that path in a model)
+
+
 class _SplitCopy(torch.autograd.Function):
     """The last dimension split into contiguous tensors by one vectorised kernel (torch's CUDA fast path of
     ``split_with_sizes_copy``); the backward is one ``cat``, as ``torch.split``'s is."""
@@ -75,10 +78,11 @@ def split_channels(mixed: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor,
     """q, k and v out of the conv output. On the GPU as contiguous copies made in one kernel: the delta-rule
     kernels copy views to contiguous tensors anyway (fla's input guard), each view on its own with a strided
     elementwise kernel: 1.2 ms of the 27B step and 3.4 ms of the 2B-like one on the H200 (GPU time by op,
-    benchmarks/RESULTS.md, session 10). Elsewhere (CPU, a non-contiguous conv output), views, as transformers
-    splits."""
-    if mixed.device.type == "cuda" and mixed.is_contiguous():
-        return _SplitCopy.apply(mixed, sizes)
+    benchmarks/RESULTS.md, session 10). On the CPU, views, as transformers splits."""
+    if mixed.device.type in COPY_DEVICES:
+        # contiguous first (a no-op for causal-conv1d's output): torch's fused kernel derives its chunk strides
+        # from the sizes (aten/src/ATen/native/cuda/TensorShape.cu), so it is given a row-major input
+        return _SplitCopy.apply(mixed.contiguous(), sizes)
     return torch.split(mixed, sizes, dim=-1)
 
 
