@@ -80,7 +80,7 @@ def examine_op(
         checks_only = static_only or (chosen is not None and not every)
         verdict, _ = evaluate(op, candidate, static, device, dtype, checks_only=checks_only)
         seconds = time.perf_counter() - started
-        status = "ok" if verdict.ok else ("planned" if verdict.planned else "rejected")
+        status = "ok" if verdict.ok else ("planned" if verdict.planned else ("off" if verdict.off else "rejected"))
         if verdict.ok and checks_only and not static_only:
             status = "passes the checks (not self-tested: an earlier candidate is chosen)"
         logger.info("doctor: %s/%s %s (%.1f s)", op.name, candidate.name, status, seconds)
@@ -91,6 +91,7 @@ def examine_op(
                 "provides": candidate.provides,
                 "ok": verdict.ok,
                 "planned": verdict.planned,
+                "off": verdict.off,
                 "reason": verdict.reason,
                 "fix": verdict.fix,
                 "checked": "static" if checks_only or not static.ok else "self-test",
@@ -106,6 +107,7 @@ def examine_op(
             "provides": op.reference.__qualname__,
             "ok": True,
             "planned": False,
+            "off": False,
             "reason": "",
             "fix": "",
             "checked": "reference",
@@ -147,7 +149,9 @@ def diagnose(
                 layer[name] = {"kernel": "eager", "status": "planned"}
     for name in sorted({n for r in rows for n in r.ops}):
         if ops[name]["chosen"] == "eager":
-            wired = [c for c in ops[name]["candidates"] if c["source"] != "eager" and not c["planned"]]
+            wired = [
+                c for c in ops[name]["candidates"] if c["source"] != "eager" and not c["planned"] and not c.get("off")
+            ]
             reasons = "; ".join(f"{c['name']}: {c['reason']}" for c in wired)
             fallbacks.append(f"{name} -> eager ({reasons})")
             for c in wired:
@@ -198,7 +202,7 @@ def render(report: dict) -> str:
         for c in op["candidates"]:
             if c["source"] == "eager":
                 continue
-            status = "ok" if c["ok"] else ("planned" if c["planned"] else "rejected")
+            status = "ok" if c["ok"] else ("planned" if c["planned"] else ("off" if c.get("off") else "rejected"))
             detail = (
                 ""
                 if c["ok"]

@@ -24,6 +24,7 @@ class Verdict:
     reason: str = ""
     fix: str = ""
     planned: bool = False  # refused only because this release does not wire the candidate up yet
+    off: bool = False  # an opt-in candidate the environment has not switched on: not a fallback to fix
 
     def __bool__(self) -> bool:
         return self.ok
@@ -201,7 +202,7 @@ class OptIn:
 
         if flag_set(self.variable):
             return OK
-        return reject(f"off unless {self.variable}=1 (for {self.when})", f"export {self.variable}=1")
+        return Verdict(False, f"off unless {self.variable}=1 (for {self.when})", f"export {self.variable}=1", off=True)
 
     def describe(self) -> str:
         return f"{self.variable}=1"

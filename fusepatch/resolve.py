@@ -44,6 +44,12 @@ class Rejection:
     reason: str
     fix: str = ""
     planned: bool = False
+    off: bool = False  # opt-in and not switched on: listed, but not a reason to fix
+
+    @property
+    def set_aside(self) -> bool:
+        """Planned or switched off: shown by doctor, left out of the fallback reasons and fixes."""
+        return self.planned or self.off
 
     def to_dict(self) -> dict:
         return {
@@ -52,6 +58,7 @@ class Rejection:
             "reason": self.reason,
             "fix": self.fix,
             "planned": self.planned,
+            "off": self.off,
         }
 
 
@@ -81,19 +88,19 @@ class Choice:
         return self.source != "eager"
 
     def primary_rejection(self) -> Rejection:
-        """The rejection worth showing first: a wired-up candidate's, before the planned ones'."""
-        wired = [r for r in self.rejected if not r.planned]
+        """The rejection worth showing first: a wired-up candidate's, before the planned or switched-off ones'."""
+        wired = [r for r in self.rejected if not r.set_aside]
         return (wired or list(self.rejected))[0]
 
     def reason_text(self) -> str:
-        """``fla: <reason>; causal-conv1d: <reason>`` for log lines (planned candidates left out)."""
-        wired = [r for r in self.rejected if not r.planned] or list(self.rejected)
+        """``fla: <reason>; causal-conv1d: <reason>`` for log lines (planned and switched-off candidates left out)."""
+        wired = [r for r in self.rejected if not r.set_aside] or list(self.rejected)
         return "; ".join(f"{r.candidate}: {r.reason}" for r in wired)
 
     def fixes(self) -> list[str]:
         seen: list[str] = []
         for r in self.rejected:
-            if r.planned:
+            if r.set_aside:
                 continue
             if r.fix and r.fix not in seen:
                 seen.append(r.fix)
@@ -200,7 +207,8 @@ def static_verdict(candidate: Candidate, env: Environment) -> tuple[Verdict, Env
         return OK, env
     reason = "; ".join(v.reason for v in failures)
     fix = " && ".join(dict.fromkeys(v.fix for v in failures if v.fix))
-    return Verdict(False, reason, fix, planned=any(v.planned for v in failures)), env
+    planned, off = any(v.planned for v in failures), any(v.off for v in failures)
+    return Verdict(False, reason, fix, planned=planned, off=off), env
 
 
 def evaluate(
@@ -337,7 +345,9 @@ class Dispatch:
             if verdict.ok:
                 chosen, ready = (candidate, fn), time.perf_counter() - start
                 break
-            rejected.append(Rejection(candidate.name, candidate.source, verdict.reason, verdict.fix, verdict.planned))
+            rejected.append(
+                Rejection(candidate.name, candidate.source, verdict.reason, verdict.fix, verdict.planned, verdict.off)
+            )
         if chosen is None:
             eager = self.op.eager
             chosen = (eager, self.op.reference)
