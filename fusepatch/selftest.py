@@ -59,7 +59,14 @@ def _detached(value):
     return value
 
 
-def _forward_backward(fn: Callable, args: tuple, kwargs: dict, cotangent: torch.Tensor | None, outputs: int = 1):
+def _forward_backward(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    cotangent: torch.Tensor | None,
+    outputs: int = 1,
+    generator: torch.Generator | None = None,
+):
     out = fn(*args, **kwargs)
     if isinstance(out, tuple) and outputs > 1:  # several outputs compared as one flat vector
         first = torch.cat([o.reshape(-1) for o in out[:outputs]])
@@ -67,7 +74,10 @@ def _forward_backward(fn: Callable, args: tuple, kwargs: dict, cotangent: torch.
         first = out[0] if isinstance(out, tuple) else out
     leaves = _leaves(args, kwargs)
     if cotangent is None:
-        cotangent = torch.randn_like(first, dtype=torch.float32)
+        # from the self-test's own generator: the global one (CPU or CUDA) belongs to the user, and a self-test
+        # drawing from it changed every random draw after `apply` (seeded data, dropout, LoRA init) from what
+        # the same program gives without fusepatch
+        cotangent = torch.randn(first.shape, generator=generator, dtype=torch.float32).to(first.device)
     grads = torch.autograd.grad(first, leaves, cotangent.to(first.dtype), allow_unused=True) if leaves else ()
     return first.detach(), grads, cotangent
 
@@ -90,7 +100,7 @@ def compare(
     ref_args = tuple(_upcast(a, ref_dtype) for a in args)
     ref_kwargs = {k: _upcast(v, ref_dtype) for k, v in kwargs.items()}
     count = op.selftest.outputs
-    ref_out, ref_grads, cotangent = _forward_backward(op.reference, ref_args, ref_kwargs, None, count)
+    ref_out, ref_grads, cotangent = _forward_backward(op.reference, ref_args, ref_kwargs, None, count, generator)
     args = tuple(_detached(a) for a in args)
     kwargs = {k: _detached(v) for k, v in kwargs.items()}
     out, grads, _ = _forward_backward(fn, args, kwargs, cotangent, count)
