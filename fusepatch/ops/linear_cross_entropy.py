@@ -104,9 +104,10 @@ def fla_chunk_budget() -> int:
     logits memory for both. Measured on the H200 at the 27B shape: the loss alone (loss_bench.py), fwd+bwd 60.2
     ms with fla's 8 chunks, 55.0 / 53.7 / 53.0 ms at 512 / 1024 / 2048 MiB (session 4); in the training step
     (session 10) 2048 MiB, one 4096-token chunk, spent 0.9 ms less in the weight-gradient GEMMs than two 2048-token
-    chunks, the same peak memory: at that shape the peak comes at the end of the backward, with every gradient
-    allocated, not at the loss. Where the loss is the peak (small models, long rows: the 2B-like shape), a smaller
-    budget lowers it. At long rows a budget also bounds the logits where fla's fixed 8 chunks would grow."""
+    chunks, at the same peak memory (there the peak is elsewhere: weights, optimizer state and every gradient at
+    the end of the backward outweigh the activations plus the loss). Where the loss is the peak (the Qwen3-32B
+    shape: its peak moved with the logits kept alive), a smaller budget lowers it. At long rows a budget also
+    bounds the logits where fla's fixed 8 chunks would grow."""
     value = os.environ.get("FUSEPATCH_CE_LOGITS_MIB", "").strip()
     if not value:
         return DEFAULT_LOGITS_MIB * 2**20
