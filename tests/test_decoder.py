@@ -227,3 +227,27 @@ def test_gated_deltanet_with_split_copies_equals_the_unpatched_model(monkeypatch
     linear = sum(1 for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
     assert linear and len(made) == linear
     _assert_same(expected, got, exact=False)
+
+
+def test_split_copies_step_aside_under_torch_compile(monkeypatch):
+    """Under torch.compile the layer splits into views (the compiler fuses the copies itself; an autograd
+    function writing through ``out=`` would break its graph): the compiled split equals the eager one."""
+    from fusepatch.layers import gated_deltanet
+
+    monkeypatch.setattr(gated_deltanet, "COPY_DEVICES", ("cpu", "cuda"))
+    seen = []
+    plain = gated_deltanet._SplitCopy.apply
+    monkeypatch.setattr(gated_deltanet._SplitCopy, "apply", lambda *a: seen.append(1) or plain(*a))
+
+    def three(x):
+        q, k, v = gated_deltanet.split_channels(x, [3, 3, 4])
+        return q * 2 + k, v.sum(-1)
+
+    x = torch.randn(2, 5, 10)
+    expected = three(x)
+    assert seen == [1]  # eager: the copy path
+    torch._dynamo.reset()
+    got = torch.compile(three, backend="eager", fullgraph=True)(x)
+    assert seen == [1]  # compiled: views
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
