@@ -149,9 +149,7 @@ def diagnose(
                 layer[name] = {"kernel": "eager", "status": "planned"}
     for name in sorted({n for r in rows for n in r.ops}):
         if ops[name]["chosen"] == "eager":
-            wired = [
-                c for c in ops[name]["candidates"] if c["source"] != "eager" and not c["planned"] and not c.get("off")
-            ]
+            wired = [c for c in ops[name]["candidates"] if c["source"] != "eager" and not c["planned"] and not c["off"]]
             reasons = "; ".join(f"{c['name']}: {c['reason']}" for c in wired)
             fallbacks.append(f"{name} -> eager ({reasons})")
             for c in wired:
@@ -202,7 +200,7 @@ def render(report: dict) -> str:
         for c in op["candidates"]:
             if c["source"] == "eager":
                 continue
-            status = "ok" if c["ok"] else ("planned" if c["planned"] else ("off" if c.get("off") else "rejected"))
+            status = "ok" if c["ok"] else ("planned" if c["planned"] else ("off" if c["off"] else "rejected"))
             detail = (
                 ""
                 if c["ok"]

@@ -13,7 +13,7 @@ from typing import Protocol
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from fusepatch.env import Environment
+from fusepatch.env import Environment, flag_set
 
 
 @dataclass(frozen=True)
@@ -198,8 +198,6 @@ class OptIn:
     when: str  # the workload it is for, shown with the reason
 
     def check(self, env: Environment) -> Verdict:
-        from fusepatch.env import flag_set
-
         if flag_set(self.variable):
             return OK
         return Verdict(False, f"off unless {self.variable}=1 (for {self.when})", f"export {self.variable}=1", off=True)

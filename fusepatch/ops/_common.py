@@ -55,6 +55,22 @@ def fla_backward_requirements(module: str) -> tuple:
     return fla_requirements(module) + (NoKnownIssue("fla-core"),)
 
 
+def check_fla_signatures(module, needs: dict[str, set[str]], skip: str) -> None:
+    """fusepatch calls these fla functions directly, by keyword: an fla-core whose function lost a parameter
+    fusepatch passes (or lost the function) fails the candidate's load with the fix, instead of a TypeError
+    mid-training. ``skip``: the ``op/candidate`` to name in FUSEPATCH_SKIP."""
+    import inspect
+
+    for name, wanted in needs.items():
+        function = getattr(module, name, None)
+        missing = wanted - set(inspect.signature(function).parameters) if callable(function) else {"itself"}
+        if missing:
+            raise ImportError(
+                f"fla's {name} lacks {sorted(missing)} (fla-core changed it); fusepatch knows fla-core 0.5-0.6's. "
+                f"Fix: pip install 'fla-core>=0.5,<0.7', or FUSEPATCH_SKIP={skip}"
+            )
+
+
 def hub_requirements(repo: str, why: str) -> tuple:
     """A Hub kernel not wired up yet, and why (shown by doctor as ``planned``)."""
     return (

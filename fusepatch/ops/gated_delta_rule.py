@@ -19,7 +19,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from fusepatch.ops._common import fla_backward_requirements, planned_hub_candidate, rand
+from fusepatch.ops._common import check_fla_signatures, fla_backward_requirements, planned_hub_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import InputRule, OptIn
 
@@ -168,8 +168,6 @@ def _fla_split():
     """fla's delta rule (gate, beta sigmoid and q/k L2 norm in kernel) as the two halves its autograd function
     runs, so that the backward graph reads what the forward saved instead of recomputing the forward. Mirrors
     ``ChunkGatedDeltaRuleFunction`` of fla-core 0.5-0.6 for equal-length rows without initial state."""
-    import inspect
-
     from fla.ops.gated_delta_rule import chunk as fla
 
     from fusepatch.graphs import Split
@@ -182,14 +180,7 @@ def _fla_split():
         "fused_beta_sigmoid": {"scale"},
         "fused_beta_sigmoid_bwd": {"scale"},
     }
-    for name, wanted in needs.items():
-        function = getattr(fla, name, None)
-        missing = wanted - set(inspect.signature(function).parameters) if callable(function) else {"itself"}
-        if missing:
-            raise ImportError(
-                f"fla's {name}: {sorted(missing)} missing (fla-core changed it); fusepatch knows fla-core 0.5-0.6's. "
-                "Fix: pip install 'fla-core>=0.5,<0.7', or FUSEPATCH_SKIP=gated_delta_rule/fla-graphed"
-            )
+    check_fla_signatures(fla, needs, "gated_delta_rule/fla-graphed")
 
     def forward(q, k, v, a, b, A_log, dt_bias):
         # fla's autograd function makes its inputs contiguous (input_guard) and its l2norm views them flat: q, k

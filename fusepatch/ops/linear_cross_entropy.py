@@ -17,7 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fusepatch.ops._common import fla_requirements, rand
+from fusepatch.ops._common import check_fla_signatures, fla_requirements, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import InputRule, TorchVersion
 
@@ -224,18 +224,9 @@ FLA_KERNELS = {  # fla function -> the parameters fusepatch passes it
 
 
 def _load_fla():
-    import inspect
-
     from fla.modules.fused_cross_entropy import ops
 
-    for name, wanted in FLA_KERNELS.items():
-        function = getattr(ops, name, None)
-        missing = wanted - set(inspect.signature(function).parameters) if callable(function) else {"itself"}
-        if missing:
-            raise ImportError(
-                f"fla's {name} lacks {sorted(missing)} (fla-core changed it); fusepatch knows fla-core 0.5-0.6's. "
-                "Fix: pip install 'fla-core>=0.5,<0.7', or FUSEPATCH_SKIP=linear_cross_entropy/fla"
-            )
+    check_fla_signatures(ops, FLA_KERNELS, "linear_cross_entropy/fla")
     kernels = (ops.cross_entropy_fwd, ops.cross_entropy_bwd)
     budget = fla_chunk_budget()
 
