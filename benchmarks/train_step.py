@@ -76,6 +76,57 @@ def gpu_time_by_op(events, top: int = 40) -> list[tuple[str, float]]:
     return [(key, round(ms, 3)) for key, ms in totals.most_common(top)]
 
 
+def gpu_idle_by_op(events, top: int = 30) -> dict:
+    """Where the GPU waited inside the profiled step: every gap of at least 1 us between kernels (overlapping
+    kernels merged), summed by step phase (the ``bench:`` ranges of ``step``) and by the innermost CPU op, on any
+    thread, whose span covers the gap's middle, shown with its parent: what the CPU was doing while the GPU had
+    nothing queued. ``lead_ms``: from the step's start to its first kernel."""
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == cuda and not getattr(e, "is_user_annotation", False)
+    )
+    cpu = [e for e in events if e.device_type != cuda]
+    phases = [(e.time_range.start, e.time_range.end, e.name) for e in cpu if e.name.startswith("bench:")]
+    ops = [e for e in cpu if not e.name.startswith("bench:")]
+    if not kernels or not ops:
+        return {}
+    gaps, end = [], None
+    for start, stop in kernels:
+        if end is not None and start - end >= 1.0:
+            gaps.append((end, start))
+        end = stop if end is None else max(end, stop)
+    starts = torch.tensor([e.time_range.start for e in ops], dtype=torch.float64)
+    ends = torch.tensor([e.time_range.end for e in ops], dtype=torch.float64)
+    spans = ends - starts
+    by_op: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    by_phase: Counter[str] = Counter()
+    for begin, stop in gaps:
+        middle, length = (begin + stop) / 2, (stop - begin) / 1000.0
+        covering = (starts <= middle) & (ends >= middle)
+        if bool(covering.any()):
+            index = int(torch.where(covering, spans, torch.full_like(spans, float("inf"))).argmin())
+            event = ops[index]
+            parent = event.cpu_parent.name[:70] if event.cpu_parent is not None else "-"
+            name = f"{parent} > {event.name[:70]}"
+        else:
+            name = "no op (Python between ops)"
+        by_op[name] += length
+        counts[name] += 1
+        phase = next((n for a, b, n in phases if a <= middle <= b and n != "bench:step"), "outside the phases")
+        by_phase[phase] += length
+    step = next(((a, b) for a, b, n in phases if n == "bench:step"), None)
+    return {
+        "gap_ms_total": round(sum(by_op.values()), 3),
+        "gaps": len(gaps),
+        "lead_ms": round((kernels[0][0] - step[0]) / 1000.0, 3) if step else None,
+        "by_phase": {name: round(ms, 3) for name, ms in by_phase.most_common()},
+        "by_op": [[name, round(ms, 3), counts[name]] for name, ms in by_op.most_common(top)],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True, choices=["eager", "hf-fast", "liger", "fusepatch"])
@@ -223,10 +274,15 @@ def run(args, seq: int, batch: int) -> dict:
         if args.packed_docs > 1:
             rows = [packed_positions(length, args.packed_docs, cuts) for _ in range(batch)]
             extra["position_ids"] = torch.stack(rows).to(device)
-        loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        # phase ranges: the profiled step's GPU idle time is attributed to them (gpu_idle_by_op)
+        with torch.profiler.record_function("bench:step"):
+            with torch.profiler.record_function("bench:forward"):
+                loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss
+            with torch.profiler.record_function("bench:backward"):
+                loss.backward()
+            with torch.profiler.record_function("bench:optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
         return loss
 
     first = time.perf_counter()
@@ -301,6 +357,7 @@ def run(args, seq: int, batch: int) -> dict:
         losses=[round(x, 4) for x in losses],
         kernel_ms_total=round(sum(ms for _, ms in profiled.top_kernels), 2),
         gpu_ms_by_op=gpu_time_by_op(prof.events()),
+        gpu_idle=gpu_idle_by_op(prof.events()) if device.type == "cuda" else {},
         top_kernels_ms=profiled.top_kernels[:60],
         forward_ops_by_layer=profiled.ops_by_layer[:15],
         idle_gaps=profiled.idle_gaps,

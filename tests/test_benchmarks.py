@@ -81,3 +81,42 @@ def test_packed_rows_restart_positions_at_every_document(tmp_path):
         assert positions.tolist() == train_step.packed_positions(length, docs, random.Random(0)).tolist()
     result = _train_step_on_cpu(tmp_path, "hf-fast", "--steps", "2", "--warmup", "1", "--packed-docs", "3")
     assert result["packed_docs"] == 3 and len(result["step_ms"]) == 2
+
+
+def test_gpu_idle_is_attributed_to_the_innermost_cpu_op_and_phase():
+    """``gpu_idle_by_op`` on a hand-made trace: two gaps between three kernels (one of them under two
+    overlapping kernels, which count as one busy span), each charged to the shortest CPU op covering its middle
+    and to the ``bench:`` phase it fell in; the lead before the first kernel."""
+    from types import SimpleNamespace as Event
+
+    import torch
+    import train_step
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(name, start, end, device=cpu, parent=None):
+        return Event(name=name, time_range=Event(start=start, end=end), device_type=device, cpu_parent=parent)
+
+    step = event("bench:step", 0, 1000)
+    backward = event("bench:backward", 400, 900)
+    engine = event("autograd::engine::evaluate_function: MmBackward0", 100, 800)
+    launch = event("aten::mm", 550, 650, parent=engine)
+    events = [
+        step,
+        event("bench:forward", 0, 400),
+        backward,
+        engine,
+        launch,
+        event("k1", 10, 200, cuda),
+        event("k2", 150, 300, cuda),  # overlaps k1: one busy span 10-300
+        event("k3", 500, 520, cuda),  # gap 300-500, middle 400: the forward's last instant, under the engine op
+        event("k4", 700, 710, cuda),  # gap 520-700, middle 610: inside aten::mm, in the backward
+    ]
+    idle = train_step.gpu_idle_by_op(events)
+    assert idle["gaps"] == 2 and idle["lead_ms"] == 0.01
+    assert idle["gap_ms_total"] == 0.38
+    assert idle["by_op"] == [
+        ["- > autograd::engine::evaluate_function: MmBackward0", 0.2, 1],
+        ["autograd::engine::evaluate_function: MmBackward0 > aten::mm", 0.18, 1],
+    ]
+    assert idle["by_phase"] == {"bench:forward": 0.2, "bench:backward": 0.18}

@@ -251,3 +251,41 @@ def test_split_copies_step_aside_under_torch_compile(monkeypatch):
     assert seen == [1]  # compiled: views
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_shared_input_projections_and_residual_gemm_equal_the_unpatched_model(
+    monkeypatch, model_type, checkpointing, calls
+):
+    """Every op patched, with the GPU-only projection paths run on the CPU (``projections.DEVICES``): the
+    linear attention's four (Qwen3.5) or two (Qwen3-Next) input projections and every SwiGLU MLP's gate/up
+    through one accumulated input gradient, the dense MLP's down projection adding the residual in its GEMM.
+    Loss, logits and every gradient equal the unpatched model's, and each path ran where it should."""
+    from fusepatch.layers import projections
+    from fusepatch.layers.simple import swiglu_mlp_forward
+
+    monkeypatch.setattr(projections, "DEVICES", ("cpu", "cuda"))
+    shared, residual_gemms = [], []
+    plain_apply, plain_plus = projections._SharedInputLinears.apply, projections.linear_plus
+    monkeypatch.setattr(projections._SharedInputLinears, "apply", lambda *a: shared.append(a[1]) or plain_apply(*a))
+    monkeypatch.setattr(projections, "linear_plus", lambda *a: residual_gemms.append(1) or plain_plus(*a))
+    import fusepatch.layers.simple as simple
+
+    monkeypatch.setattr(simple, "linear_plus", projections.linear_plus)
+    model = tiny_model(model_type).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = _batch(model)
+    expected = loss_and_grads(model, **batch)
+    fusepatch.apply(model)
+    got = loss_and_grads(model, **batch)
+    passes = 2 if checkpointing else 1
+    linear = sum(1 for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    mlps = [m for m in model.modules() if getattr(getattr(m, "_fusepatch", None), "row", None) is not None]
+    mlps = [m for m in mlps if m._fusepatch.row.forward is swiglu_mlp_forward]
+    dense = sum(1 for layer in model.model.layers if layer.mlp in mlps)
+    assert linear + len(mlps) or model_type == "qwen3_moe"  # the one family without a SwiGLU MLP module
+    assert len(shared) == passes * (linear + len(mlps)), (len(shared), linear, len(mlps))
+    assert len(residual_gemms) == passes * dense
+    _assert_same(expected, got, exact=False)

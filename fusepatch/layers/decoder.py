@@ -3,9 +3,10 @@
 transformers' decoder layer computes ``h = residual + attn_out`` and then ``post_attention_layernorm(h)``: two
 passes over the residual stream forward and two backward (the norm's input gradient plus the residual's). The
 fused op does both in one kernel each way. The layer's second add (``h + mlp_out``) feeds the *next* layer's
-norm, across the layer boundary, so it stays an add.
+norm, across the layer boundary; where the MLP is fusepatch's SwiGLU with plain linear layers it is done by the
+down projection's GEMM (``addmm``, see ``projections.linear_plus``), else it stays an add.
 
-The forward below is the layer's own, step for step, with that one change; it runs when the fused op has a
+The forward below is the layer's own, step for step, with those changes; it runs when the fused op has a
 candidate for the layer input's device and dtype. Where the two summands' dtypes differ (autocast over fp32
 weights: an fp32 residual stream, a bf16 attention output) it adds them as transformers does, since the kernel
 takes one dtype. Without a candidate the layer's original forward runs unchanged, so the eager path is
@@ -25,7 +26,7 @@ import inspect
 import torch
 
 from fusepatch.layers.packing import packed_kwargs
-from fusepatch.layers.simple import _eps
+from fusepatch.layers.simple import _eps, swiglu_mlp_plus
 from fusepatch.resolve import dtype_name
 
 ADD_NORM_OPS = ("add_rms_norm", "add_rms_norm_zero_centered")
@@ -109,6 +110,9 @@ def _fused_forward(self, *args, **kwargs) -> torch.Tensor:
     else:
         residual = residual + hidden_states
         hidden_states = norm(residual)
+    fused = swiglu_mlp_plus(self.mlp, hidden_states, residual)  # the add in the down projection's GEMM
+    if fused is not None:
+        return fused
     hidden_states = self.mlp(hidden_states)
     if isinstance(hidden_states, tuple):  # MoE blocks that also return router logits
         hidden_states = hidden_states[0]

@@ -12,6 +12,8 @@ import logging
 
 import torch
 
+from fusepatch.layers.projections import project
+
 logger = logging.getLogger("fusepatch")
 _NOTED: set[str] = set()
 
@@ -44,16 +46,17 @@ def _use_original(self, cache) -> bool:
 
 
 def _projections(self, hidden_states: torch.Tensor):
-    """(mixed_qkv [B, T, conv_dim], z [B, T, Hv, Dv], b [B, T, Hv], a [B, T, Hv]) for either layout."""
+    """(mixed_qkv [B, T, conv_dim], z [B, T, Hv, Dv], b [B, T, Hv], a [B, T, Hv]) for either layout; the
+    projections of the one input through ``project`` (one accumulated input gradient)."""
     if hasattr(self, "in_proj_qkvz"):  # Qwen3-Next: interleaved per key-head group
         query, key, value, z, b, a = self.fix_query_key_value_ordering(
-            self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
+            *project(hidden_states, self.in_proj_qkvz, self.in_proj_ba)
         )
         query, key, value = (x.reshape(x.shape[0], x.shape[1], -1) for x in (query, key, value))
         return torch.cat((query, key, value), dim=-1), z, b, a
     batch, length, _ = hidden_states.shape
-    z = self.in_proj_z(hidden_states).reshape(batch, length, -1, self.head_v_dim)
-    return self.in_proj_qkv(hidden_states), z, self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+    mixed, z, b, a = project(hidden_states, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+    return mixed, z.reshape(batch, length, -1, self.head_v_dim), b, a
 
 
 COPY_DEVICES = ("cuda",)  # where split_channels copies (the tests add "cpu" to run that path in a model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fusepatch.layers.projections import hooked, linear_plus, project
 from fusepatch.resolve import dtype_name
 
 
@@ -19,10 +20,23 @@ def rms_norm_zero_centered_forward(self, hidden_states: torch.Tensor) -> torch.T
     return self._fusepatch.ops["rms_norm_zero_centered"](hidden_states, self.weight, _eps(self))
 
 
-def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+def swiglu_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The MLP ``down(swiglu(gate(x), up(x)))``; with ``residual`` (the decoder layer calls it so, see
+    ``swiglu_mlp_plus``) ``residual + mlp(x)``, the add done by the down projection's GEMM where it can."""
     if getattr(getattr(self, "config", None), "hidden_act", "silu") not in ("silu", "swish"):
-        return self._fusepatch.original(x)  # SwiGLU kernels assume SiLU
-    return self.down_proj(self._fusepatch.ops["swiglu"](self.gate_proj(x), self.up_proj(x)))
+        out = self._fusepatch.original(x)  # SwiGLU kernels assume SiLU
+        return out if residual is None else residual + out
+    act = self._fusepatch.ops["swiglu"](*project(x, self.gate_proj, self.up_proj))
+    return self.down_proj(act) if residual is None else linear_plus(self.down_proj, act, residual)
+
+
+def swiglu_mlp_plus(mlp: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+    """``residual + mlp(x)`` through ``swiglu_mlp_forward`` when ``mlp`` runs it (patched, no hooks to honour);
+    None otherwise (the caller calls the module)."""
+    state = getattr(mlp, "_fusepatch", None)
+    if state is None or state.row.forward is not swiglu_mlp_forward or hooked(mlp):
+        return None
+    return swiglu_mlp_forward(mlp, x, residual)
 
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):

@@ -33,6 +33,26 @@ def test_rms_norms(shape, op, name, dtype):
     _compare(fn, OPS[op].reference, [x, w], dtype, extra=(1e-6,))
 
 
+@DTYPES
+@pytest.mark.parametrize("op", ["rms_norm", "rms_norm_zero_centered"])
+def test_triton_rms_norm_reads_the_query_half_in_place(op, dtype):
+    """Qwen3.5's q_norm input: the query half of ``q_proj``'s output per head, rows ``2 * head_dim`` apart. The
+    kernel reads that view where it lies (no strided copy first), and output and gradients stay exact."""
+    from fusepatch.kernels.rms_norm import _rows
+
+    fn = kernel(op, "triton", dtype)
+    heads, dim = 3, 256
+
+    def query_half(norm):
+        return lambda full, w, eps: norm(torch.chunk(full.view(2, 77, heads, 2 * dim), 2, dim=-1)[0], w, eps)
+
+    full = torch.randn(2, 77, heads * 2 * dim, device="cuda")
+    view = torch.chunk(full.view(2, 77, heads, 2 * dim), 2, dim=-1)[0]
+    assert _rows(view, dim).data_ptr() == full.data_ptr() and _rows(view, dim).stride(0) == 2 * dim
+    w = 0.1 * torch.randn(dim, device="cuda") + (1.0 if op == "rms_norm" else 0.0)
+    _compare(query_half(fn), query_half(OPS[op].reference), [full, w], dtype, extra=(1e-6,))
+
+
 def _variants(jit_function) -> int:
     """How many variants of a Triton kernel this process has compiled for the current GPU."""
     return len(jit_function.device_caches[torch.cuda.current_device()][0])

@@ -1,0 +1,112 @@
+"""Linear projections the fused layers call themselves: several of one input, and the MLP's last one with the
+residual added by the GEMM.
+
+Several projections of one input (the Gated DeltaNet's ``in_proj_qkv/z/b/a``, the MLP's ``gate_proj`` and
+``up_proj``): called one by one, autograd gives each its own input gradient and adds them, one elementwise
+kernel per extra projection over the whole ``[tokens, hidden]`` tensor (0.88 ms of the 27B-shaped step on the
+H200: ``ViewBackward0 > aten::add``, benchmarks/RESULTS.md, session 10). ``project`` computes the same outputs
+with the same kernels and, in its backward, accumulates the input gradient in place through the GEMMs'
+``beta = 1`` (``addmm_``): no add kernels, one buffer.
+
+The MLP's down projection plus the decoder layer's residual (``residual + down_proj(act)``): one
+``addmm(residual, act, W.t())`` instead of a GEMM and an add kernel (each forward, and again in the checkpoint
+recompute). The sum is rounded once, from fp32, instead of twice: within one bf16 ulp of transformers' result.
+
+Both paths take plain ``nn.Linear`` modules only (no subclass such as a LoRA, quantised or FSDP-wrapped layer,
+no hooks), one dtype, outside autocast and ``torch.compile``, on the devices in ``DEVICES``; anything else calls
+the modules as transformers does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.modules import module as _module
+
+DEVICES = ("cuda",)  # where the fused paths run (the tests add "cpu" to run them in a model)
+
+
+def hooked(module: torch.nn.Module) -> bool:
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or getattr(module, "_backward_pre_hooks", None)
+        or _module._global_forward_hooks
+        or _module._global_forward_pre_hooks
+        or _module._global_backward_hooks
+        or getattr(_module, "_global_backward_pre_hooks", None)
+    )
+
+
+def plain_linears(x: torch.Tensor, linears: tuple[torch.nn.Module, ...]) -> bool:
+    """Whether ``linears`` can be computed here instead of through their modules, with the same result."""
+    if x.device.type not in DEVICES or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+        return False
+    for linear in linears:
+        if type(linear) is not torch.nn.Linear or hooked(linear) or linear.weight.dtype != x.dtype:
+            return False
+        if linear.bias is not None and linear.bias.dtype != x.dtype:
+            return False
+    return True
+
+
+class _SharedInputLinears(torch.autograd.Function):
+    """``F.linear(x, w_i, b_i)`` for every i; the backward accumulates ``dx`` through ``addmm_``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, count: int, *params: torch.Tensor | None):
+        weights, biases = params[:count], params[count:]
+        ctx.count, ctx.has_bias = count, tuple(b is not None for b in biases)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, and costs nothing
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        x, *weights = ctx.saved_tensors
+        flat = x.reshape(-1, x.shape[-1])
+        wants_x, wants = ctx.needs_input_grad[0], ctx.needs_input_grad[2:]
+        dx = None
+        dweights: list[torch.Tensor | None] = [None] * ctx.count
+        dbiases: list[torch.Tensor | None] = [None] * ctx.count
+        for i, (grad, weight) in enumerate(zip(grads, weights)):
+            if grad is None:
+                continue
+            grad = grad.reshape(-1, grad.shape[-1])
+            if wants_x:
+                dx = grad.mm(weight) if dx is None else dx.addmm_(grad, weight)
+            if wants[i]:
+                dweights[i] = grad.t().mm(flat)
+            if ctx.has_bias[i] and wants[ctx.count + i]:
+                dbiases[i] = grad.sum(0)
+        if dx is not None:
+            dx = dx.view(x.shape)
+        elif wants_x:
+            dx = torch.zeros_like(x)
+        return dx, None, *dweights, *dbiases
+
+
+def project(x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """``tuple(linear(x) for linear in linears)``, with one accumulated input gradient where it can
+    (``plain_linears``); the modules themselves otherwise, or when no gradient is being recorded."""
+    if len(linears) < 2 or not torch.is_grad_enabled() or not plain_linears(x, linears):
+        return tuple(linear(x) for linear in linears)
+    weights = [linear.weight for linear in linears]
+    biases = [linear.bias for linear in linears]
+    return _SharedInputLinears.apply(x, len(linears), *weights, *biases)
+
+
+def linear_plus(linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + linear(x)`` as one ``addmm`` where it can (bias-free plain ``nn.Linear``, ``residual`` of
+    the output's shape and dtype); as that sum otherwise."""
+    if (
+        linear.bias is None
+        and residual.dtype == x.dtype
+        and residual.shape[:-1] == x.shape[:-1]
+        and residual.shape[-1] == linear.out_features
+        and plain_linears(x, (linear,))
+    ):
+        out = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), linear.weight.t())
+        return out.view(residual.shape)
+    return residual + linear(x)
