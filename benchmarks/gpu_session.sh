@@ -174,7 +174,8 @@ EOF
     steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
     env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS)=" > /tmp/seq/env || true
     # Lanes: "A B / C D + E" runs A then B on GPU 0 beside C then D on GPU 1 (CUDA_VISIBLE_DEVICES), then E on
-    # every GPU once both lanes are done. A step is PHASE[-ARG][@K=V:K=V]: its own environment (sft@NPROC=all:LAYERS=24).
+    # every GPU once both lanes are done ("+ F / G": a next stage with lanes again). A step is
+    # PHASE[-ARG][@K=V:K=V]: its own environment (sft@NPROC=all:LAYERS=24).
     cat > /tmp/seq/run.sh <<'RUN'
 set -f  # steps are split on spaces only: a '*' in FUSEPATCH_SKIP=*/triton is not a file pattern
 set -a; . /tmp/seq/env; set +a; export SEQ_INSTALLED=1
@@ -185,26 +186,29 @@ step() {  # step LANE STEP: its log is named by lane and step, so a step in two 
   env ${extra//:/ } OUT=/tmp/seq/out bash benchmarks/gpu_session.sh ${name%%-*} $(echo "$name" | sed -n 's/^[a-z]*-//p') > "$log" 2>&1
   echo "== [$1] $2 exit $? after $(($(date +%s) - s)) s" >> /tmp/seq/progress
 }
-# Only a word that is exactly "/" or "+" separates: a "+" inside a step (fusepatch+FUSEPATCH_SKIP=...) does not.
-lanes=() lane= after= plus=0
+# Stages: "A / B + C / D + E": each "+" waits for every lane of the stage before it; within a stage, "/"
+# separates lanes (one GPU each), and a stage without "/" runs on every GPU. Only a word that is exactly "/" or
+# "+" separates: a "+" inside a step (fusepatch+FUSEPATCH_SKIP=...) does not.
+stages=() stage=
 for word in $STEPS_ARG; do
-  if [ "$plus" = 1 ]; then after="$after $word"; continue; fi
-  case "$word" in
-    /) lanes+=("$lane"); lane= ;;
-    +) lanes+=("$lane"); lane=; plus=1 ;;
-    *) lane="$lane $word" ;;
-  esac
+  if [ "$word" = "+" ]; then stages+=("$stage"); stage=; else stage="$stage $word"; fi
 done
-[ "$plus" = 0 ] && lanes+=("$lane")
-if [ ${#lanes[@]} -gt 1 ]; then
-  for i in "${!lanes[@]}"; do
-    ( export CUDA_VISIBLE_DEVICES=$i; for w in ${lanes[$i]}; do step "gpu$i" "$w"; done ) &
+stages+=("$stage")
+for st in "${stages[@]}"; do
+  lanes=() lane=
+  for word in $st; do
+    if [ "$word" = "/" ]; then lanes+=("$lane"); lane=; else lane="$lane $word"; fi
   done
-  wait
-else
-  for w in ${lanes[0]}; do step all "$w"; done
-fi
-for w in $after; do step all "$w"; done
+  lanes+=("$lane")
+  if [ ${#lanes[@]} -gt 1 ]; then
+    for i in "${!lanes[@]}"; do
+      ( export CUDA_VISIBLE_DEVICES=$i; for w in ${lanes[$i]}; do step "gpu$i" "$w"; done ) &
+    done
+    wait
+  else
+    for w in ${lanes[0]}; do step all "$w"; done
+  fi
+done
 echo done >> /tmp/seq/progress
 RUN
     (cd /tmp/seq/tree && STEPS_ARG="$steps" setsid nohup bash /tmp/seq/run.sh > /tmp/seq/runner.log 2>&1 < /dev/null &)
