@@ -112,7 +112,12 @@ def test_gpu_idle_is_attributed_to_the_innermost_cpu_op_and_phase():
         event("k3", 500, 520, cuda),  # gap 300-500, middle 400: the forward's last instant, under the engine op
         event("k4", 700, 710, cuda),  # gap 520-700, middle 610: inside aten::mm, in the backward
     ]
+    events.append(event("cudaMemcpyAsync", 560, 600, parent=launch))  # a wait inside the mm (as .item() would)
+    events.append(event("cudaDeviceSynchronize", 1100, 1200))  # after the step: not one of its waits
     idle = train_step.gpu_idle_by_op(events)
+    assert idle["host_waits"] == [
+        ["cudaMemcpyAsync < aten::mm < autograd::engine::evaluate_function: MmBackward0", 1, 0.04]
+    ]
     assert idle["gaps"] == 2 and idle["lead_ms"] == 0.01
     assert idle["gap_ms_total"] == 0.38
     assert idle["by_op"] == [
