@@ -115,8 +115,13 @@ EOF
     PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${LOSS_TIMEOUT:-150} python3 benchmarks/loss_bench.py --shape "${2:-27b}" \
       --json-out "$OUT/loss-${2:-27b}.json" 2>&1 | tee "$OUT/loss-${2:-27b}.md" ;;
   norm)
-    # the RMSNorm candidates alone, fixed and varying row counts (benchmarks/norm_bench.py)
+    # the RMSNorm candidates alone, fixed and varying row counts (benchmarks/norm_bench.py); `norm sweep`:
+    # fusepatch's norm kernels at other launch configurations (benchmarks/norm_sweep.py)
     pipi /tmp/site-fla .whl/fla_core-*.whl 2>/dev/null
+    if [ "${2:-}" = sweep ]; then
+      PYTHONPATH="$PWD" timeout ${NORM_TIMEOUT:-240} python3 benchmarks/norm_sweep.py --json-out "$OUT/norm-sweep.json" 2>&1 | tee "$OUT/norm-sweep.md"
+      exit 0
+    fi
     PYTHONPATH="$PWD:/tmp/site-fla" timeout ${NORM_TIMEOUT:-240} python3 benchmarks/norm_bench.py \
       --json-out "$OUT/norm.json" 2>&1 | tee "$OUT/norm.md" ;;
   sft)

@@ -21,14 +21,16 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor | None) -> torch.Ten
         position_ids = position_ids[0]
     if position_ids.ndim != 2 or position_ids.shape[1] < 2:
         return None
-    restarts = position_ids[:, 1:] == 0
-    if not bool(restarts.any()):
-        return None
+    # One wait for the GPU (nonzero's count), and no host-to-device copy: the end offset is written by a fill
+    # kernel, not copied from a host tensor (a pageable copy waits for the stream too; the H200 trace of
+    # session 11 listed both, plus an `any()` that waited first).
     starts = torch.zeros_like(position_ids, dtype=torch.bool)
     starts[:, 0] = True
-    starts[:, 1:] = restarts
+    starts[:, 1:] = position_ids[:, 1:] == 0
     flat = torch.nonzero(starts.reshape(-1), as_tuple=False).flatten()
-    total = torch.tensor([position_ids.numel()], device=flat.device, dtype=flat.dtype)
+    if flat.numel() == position_ids.shape[0]:  # one document a row: the ordinary batch
+        return None
+    total = flat.new_full((1,), position_ids.numel())
     return torch.cat([flat, total]).to(torch.int32)
 
 
