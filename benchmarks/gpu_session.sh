@@ -40,7 +40,7 @@ case "$phase" in
       rm -rf /tmp/build && mkdir -p /tmp/build && cp -r fusepatch "$sdist" /tmp/build/
       (cd /tmp/build && setsid nohup bash -c "s=\$(date +%s); PYTHONPATH=/tmp/build nice -n 10 python3 -m fusepatch build \
         causal-conv1d --sdist /tmp/build/$(basename "$sdist") --jobs 8 --no-install; \
-        echo \"exit \$? after \$((\$(date +%s) - s)) s\"" > /tmp/build/build.log 2>&1 < /dev/null &)
+        echo \"exit \$? after \$((\$(date +%s) - s)) s\"") > /tmp/build/build.log 2>&1 < /dev/null &
       echo "causal-conv1d build started in the background (log /tmp/build/build.log)"
     fi ;;
   tests)
@@ -216,7 +216,10 @@ for st in "${stages[@]}"; do
 done
 echo done >> /tmp/seq/progress
 RUN
-    (cd /tmp/seq/tree && STEPS_ARG="$steps" setsid nohup bash /tmp/seq/run.sh > /tmp/seq/runner.log 2>&1 < /dev/null &)
+    # The redirections close the whole background job's hold on the caller's output: with them on the runner
+    # alone, the backgrounded `cd && ...` list kept the caller's pipe open until the sequence ended, so
+    # `start ... | tail -1 && poll N` waited for the whole sequence (session 11 lost two calls' output so).
+    (cd /tmp/seq/tree && STEPS_ARG="$steps" setsid nohup bash /tmp/seq/run.sh) > /tmp/seq/runner.log 2>&1 < /dev/null &
     echo "started: $steps" ;;
   poll)
     deadline=$(($(date +%s) + ${2:-560}))
