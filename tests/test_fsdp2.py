@@ -21,8 +21,16 @@ pytestmark = pytest.mark.slow
         ["--checkpointing"],
         ["--checkpointing", "--standin-add-norm"],
         ["--order", "shard-then-patch", "--standin-add-norm"],
+        ["--checkpointing", "--standin-add-norm", "--fused-projections"],
     ],
-    ids=["patch-first", "shard-first", "checkpointing", "checkpointing-fused-decoder", "shard-first-fused-decoder"],
+    ids=[
+        "patch-first",
+        "shard-first",
+        "checkpointing",
+        "checkpointing-fused-decoder",
+        "shard-first-fused-decoder",
+        "checkpointing-fused-decoder-projections",
+    ],
 )
 def test_fsdp2_world_size_2_matches_unsharded_unpatched(tmp_path, extra):
     out = tmp_path / "result.json"
@@ -35,6 +43,8 @@ def test_fsdp2_world_size_2_matches_unsharded_unpatched(tmp_path, extra):
     assert data["worst_grad_rel_err"] < 2e-3, data
     if "--standin-add-norm" in extra:  # 4 decoder layers ran their fused forward (checkpointed: and its recompute)
         assert data["add_norm_calls"] >= (8 if "--checkpointing" in extra else 4), data
+    if "--fused-projections" in extra:  # the GPU-only projection paths ran under FSDP2 (and its recompute)
+        assert data["shared_input_calls"] > 0 and data["residual_gemm_calls"] > 0, data
 
 
 MIXED_PRECISION_WORKER = """

@@ -39,6 +39,27 @@ def _standin_add_norm() -> list:
     return calls
 
 
+def _fused_projections() -> list:
+    """The projections' GPU paths on the CPU too; returns the list each use appends to."""
+    from fusepatch.layers import projections, simple
+
+    seen: list[str] = []
+    projections.DEVICES = ("cpu", "cuda")
+    apply, plus = projections._SharedInputLinears.apply, projections.linear_plus
+
+    def counted_apply(*args):
+        seen.append("shared")
+        return apply(*args)
+
+    def counted_plus(*args):
+        seen.append("residual")
+        return plus(*args)
+
+    projections._SharedInputLinears.apply = counted_apply
+    simple.linear_plus = counted_plus
+    return seen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -49,8 +70,14 @@ def main() -> None:
         action="store_true",
         help="a CPU stand-in kernel for the fused residual add + norm, so the decoder layers take their fused forward",
     )
+    parser.add_argument(
+        "--fused-projections",
+        action="store_true",
+        help="run the GPU-only shared-input projections and residual GEMM (fusepatch.layers.projections) on the CPU",
+    )
     args = parser.parse_args()
     calls = _standin_add_norm() if args.standin_add_norm else []
+    projected = _fused_projections() if args.fused_projections else []
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -104,6 +131,8 @@ def main() -> None:
             "worst_grad_rel_err": worst,
             "gdn_forward_patched": "_fusepatch" in model.model.layers[0].linear_attn.__dict__,
             "add_norm_calls": len(calls),
+            "shared_input_calls": projected.count("shared"),
+            "residual_gemm_calls": projected.count("residual"),
         }
         with open(args.out, "w") as fh:
             json.dump(result, fh)
