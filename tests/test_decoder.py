@@ -289,3 +289,33 @@ def test_shared_input_projections_and_residual_gemm_equal_the_unpatched_model(
     assert len(shared) == passes * (linear + len(mlps)), (len(shared), linear, len(mlps))
     assert len(residual_gemms) == passes * dense
     _assert_same(expected, got, exact=False)
+
+
+def test_residual_gemm_honours_hooks_but_not_profiler_labels(monkeypatch, calls):
+    """The decoder calls its MLP's parts directly for the residual GEMM only when no hook on the MLP would be
+    skipped: a user's forward hook sees the MLP's own output (the module is called); fusepatch's profiler labels
+    are passive (the profiled step runs the same kernels as the timed ones)."""
+    from fusepatch.layers import projections, simple
+    from fusepatch.profile import label_layers
+
+    monkeypatch.setattr(projections, "DEVICES", ("cpu", "cuda"))
+    plus = []
+    real = simple.linear_plus
+    monkeypatch.setattr(simple, "linear_plus", lambda *a: plus.append(1) or real(*a))
+    model = tiny_model("qwen3").train()
+    batch = _batch(model)
+    expected = loss_and_grads(model, **batch)
+    fusepatch.apply(model)
+    layers = model.config.num_hidden_layers
+    with label_layers(model):
+        got = loss_and_grads(model, **batch)
+    assert len(plus) == layers
+    _assert_same(expected, got, exact=False)
+    seen = []
+    mlp = model.model.layers[0].mlp
+    handle = mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    plus.clear()
+    got = loss_and_grads(model, **batch)
+    handle.remove()
+    assert len(plus) == layers - 1 and seen == [(2, 29, model.config.hidden_size)]
+    _assert_same(expected, got, exact=False)

@@ -26,16 +26,27 @@ from torch.nn.modules import module as _module
 DEVICES = ("cuda",)  # where the fused paths run (the tests add "cpu" to run them in a model)
 
 
+def _active(hooks) -> bool:
+    """Whether ``hooks`` (a module's or the global hook dict) holds one that must see the module's call. The
+    profiler labels of ``fusepatch.profile.label_layers`` are marked passive: skipping them only moves the ops
+    into the enclosing label, and honouring them would make the profiled step differ from the timed ones."""
+    return any(not getattr(hook, "_fusepatch_passive", False) for hook in (hooks or {}).values())
+
+
 def hooked(module: torch.nn.Module) -> bool:
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or getattr(module, "_backward_pre_hooks", None)
-        or _module._global_forward_hooks
-        or _module._global_forward_pre_hooks
-        or _module._global_backward_hooks
-        or getattr(_module, "_global_backward_pre_hooks", None)
+    """Whether calling ``module``'s parts directly would skip a hook (its own or a global one)."""
+    return any(
+        _active(hooks)
+        for hooks in (
+            module._forward_hooks,
+            module._forward_pre_hooks,
+            module._backward_hooks,
+            getattr(module, "_backward_pre_hooks", None),
+            _module._global_forward_hooks,
+            _module._global_forward_pre_hooks,
+            _module._global_backward_hooks,
+            getattr(_module, "_global_backward_pre_hooks", None),
+        )
     )
 
 
