@@ -16,6 +16,7 @@ import functools
 import itertools
 import json
 import sys
+import time
 
 import torch
 
@@ -47,6 +48,11 @@ def _grid(dim: int):
 def _time(fn, reps: int) -> float:
     for _ in range(3):
         fn()
+    if not torch.cuda.is_available():  # Triton's CPU interpreter (the test): wall time, for the table's shape only
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) * 1e6 / reps
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
@@ -62,17 +68,18 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     default_blocks, default_steps = rn._blocks, rn.BWD_STEPS
     rows_out = []
     try:
         for site, (heads, dim, zero_centered, gated, add) in SITES.items():
             rows = args.tokens * heads
-            g = torch.Generator(device="cuda").manual_seed(0)
-            x = torch.randn(rows, dim, device="cuda", generator=g).bfloat16()
-            other = torch.randn(rows, dim, device="cuda", generator=g).bfloat16()
-            w = (0.1 * torch.randn(dim, device="cuda", generator=g) + (0.0 if zero_centered else 1.0)).bfloat16()
-            dy = torch.randn(rows, dim, device="cuda", generator=g).bfloat16()
-            dres = torch.randn(rows, dim, device="cuda", generator=g).bfloat16() if add else None
+            g = torch.Generator(device=device).manual_seed(0)
+            x = torch.randn(rows, dim, device=device, generator=g).bfloat16()
+            other = torch.randn(rows, dim, device=device, generator=g).bfloat16()
+            w = (0.1 * torch.randn(dim, device=device, generator=g) + (0.0 if zero_centered else 1.0)).bfloat16()
+            dy = torch.randn(rows, dim, device=device, generator=g).bfloat16()
+            dres = torch.randn(rows, dim, device=device, generator=g).bfloat16() if add else None
             flags = rn._flags(zero_centered, gated, x.dtype, w.dtype)
             z = other if gated else x
             want = default_blocks(dim), default_steps
@@ -114,7 +121,8 @@ def main() -> int:
                 )
     finally:
         rn._blocks, rn.BWD_STEPS = default_blocks, default_steps
-    print(f"{torch.cuda.get_device_name(0)}; bf16, {args.tokens} tokens, CUDA-event time per call (us)")
+    gpu = torch.cuda.get_device_name(0) if device == "cuda" else "CPU (Triton interpreter: times are not GPU times)"
+    print(f"{gpu}; bf16, {args.tokens} tokens, CUDA-event time per call (us)")
     print("| site | rows a tile | warps | backward row blocks | fwd us | bwd us (+ dw sum) | err y / dx / dw |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for site in SITES:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -125,3 +126,24 @@ def test_gpu_idle_is_attributed_to_the_innermost_cpu_op_and_phase():
         ["autograd::engine::evaluate_function: MmBackward0 > aten::mm", 0.18, 1],
     ]
     assert idle["by_phase"] == {"bench:forward": 0.2, "bench:backward": 0.18}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_norm_sweep_runs_every_configuration_in_the_interpreter(tmp_path):
+    """``norm_sweep.py`` under Triton's CPU interpreter at two tokens: every configuration of the grid runs the
+    library's kernels through the module's own ``_blocks`` / ``BWD_STEPS`` and matches the fp64 reference, and
+    the library's default is among them for every site (so the GPU table can rank it)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "sweep.json"
+    script = os.path.join(os.path.dirname(run_all.__file__), "norm_sweep.py")
+    root = os.path.dirname(os.path.dirname(script))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    cmd = [sys.executable, script, "--tokens", "2", "--reps", "1", "--json-out", str(out)]
+    subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=True)
+    rows = json.loads(out.read_text())
+    sites = {row["site"] for row in rows}
+    assert len(sites) == 4 and all(any(r["default"] for r in rows if r["site"] == site) for site in sites)
+    assert max(max(r["err_y"], r["err_dx"], r["err_dw"]) for r in rows) < 2e-2
