@@ -319,3 +319,32 @@ def test_residual_gemm_honours_hooks_but_not_profiler_labels(monkeypatch, calls)
     handle.remove()
     assert len(plus) == layers - 1 and seen == [(2, 29, model.config.hidden_size)]
     _assert_same(expected, got, exact=False)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3"])
+def test_shared_input_projections_under_autocast(monkeypatch, model_type, calls):
+    """Autocast over fp32 weights (the Trainer's bf16): the projections still share one input gradient, cast as
+    autocast casts them. Against the same patched model with the projections called one by one: the same loss
+    and logits, bit for bit, and fp32 gradients that differ by where bf16 rounds the summed input gradient
+    (one rounding per accumulating GEMM instead of one per add); the Gated DeltaNet's decay parameters, whose
+    gradients sum over every token with cancellation, amplify that (the GPU tests' DECAY_TOL, 0.25)."""
+    from fusepatch.layers import projections
+
+    shared = []
+    plain_apply = projections._SharedInputLinears.apply
+    monkeypatch.setattr(projections._SharedInputLinears, "apply", lambda *a: shared.append(a[1]) or plain_apply(*a))
+    model = tiny_model(model_type).train()
+    batch = _batch(model)
+    fusepatch.apply(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_a, logits_a, grads_a = loss_and_grads(model, **batch)
+    assert not shared
+    monkeypatch.setattr(projections, "DEVICES", ("cpu", "cuda"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_b, logits_b, grads_b = loss_and_grads(model, **batch)
+    assert shared, "the shared-input projections must run under autocast"
+    assert torch.equal(loss_a, loss_b) and torch.equal(logits_a, logits_b)
+    for name in grads_a:
+        assert grads_b[name].dtype == torch.float32
+        err = (grads_b[name] - grads_a[name]).norm() / grads_a[name].norm().clamp_min(1e-12)
+        assert err < (0.25 if name.endswith(("A_log", "dt_bias")) else 2e-2), (name, float(err))

@@ -13,8 +13,9 @@ The MLP's down projection plus the decoder layer's residual (``residual + down_p
 recompute). The sum is rounded once, from fp32, instead of twice: within one bf16 ulp of transformers' result.
 
 Both paths take plain ``nn.Linear`` modules only (no subclass such as a LoRA, quantised or FSDP-wrapped layer,
-no hooks), one dtype, outside autocast and ``torch.compile``, on the devices in ``DEVICES``; anything else calls
-the modules as transformers does.
+no hooks), outside ``torch.compile``, on the devices in ``DEVICES``; the projections in one dtype or under
+autocast (cast as autocast casts them), the residual GEMM in one dtype outside autocast (there the residual
+stream is fp32 and the MLP output bf16). Anything else calls the modules as transformers does.
 """
 
 from __future__ import annotations
@@ -50,14 +51,23 @@ def hooked(module: torch.nn.Module) -> bool:
     )
 
 
-def plain_linears(x: torch.Tensor, linears: tuple[torch.nn.Module, ...]) -> bool:
-    """Whether ``linears`` can be computed here instead of through their modules, with the same result."""
-    if x.device.type not in DEVICES or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def plain_linears(x: torch.Tensor, linears: tuple[torch.nn.Module, ...], autocast: bool = False) -> bool:
+    """Whether ``linears`` can be computed here instead of through their modules, with the same result: plain
+    ``nn.Linear`` without hooks, on a device in ``DEVICES``, outside ``torch.compile``; in ``x``'s dtype, or,
+    where the caller casts as autocast would (``autocast=True``), under autocast."""
+    if x.device.type not in DEVICES or torch.compiler.is_compiling():
+        return False
+    if _autocast_dtype(x) is not None and not autocast:
         return False
     for linear in linears:
-        if type(linear) is not torch.nn.Linear or hooked(linear) or linear.weight.dtype != x.dtype:
+        if type(linear) is not torch.nn.Linear or hooked(linear):
             return False
-        if linear.bias is not None and linear.bias.dtype != x.dtype:
+        if _autocast_dtype(x) is None and any(p.dtype != x.dtype for p in linear.parameters(recurse=False)):
             return False
     return True
 
@@ -100,12 +110,19 @@ class _SharedInputLinears(torch.autograd.Function):
 
 def project(x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tensor, ...]:
     """``tuple(linear(x) for linear in linears)``, with one accumulated input gradient where it can
-    (``plain_linears``); the modules themselves otherwise, or when no gradient is being recorded."""
-    if len(linears) < 2 or not torch.is_grad_enabled() or not plain_linears(x, linears):
+    (``plain_linears``); the modules themselves otherwise, or when no gradient is being recorded. Under autocast
+    (the Trainer's bf16 over fp32 weights) the input, weights and biases are cast to autocast's dtype first, as
+    autocast casts them for ``F.linear``; the casts' backward returns the weight gradients in fp32."""
+    if len(linears) < 2 or not torch.is_grad_enabled() or not plain_linears(x, linears, autocast=True):
         return tuple(linear(x) for linear in linears)
     weights = [linear.weight for linear in linears]
     biases = [linear.bias for linear in linears]
-    return _SharedInputLinears.apply(x, len(linears), *weights, *biases)
+    dtype = _autocast_dtype(x)
+    if dtype is None:
+        return _SharedInputLinears.apply(x, len(linears), *weights, *biases)
+    cast = [t.to(dtype) if t is not None and t.is_floating_point() else t for t in (x, *weights, *biases)]
+    with torch.autocast(x.device.type, enabled=False):
+        return _SharedInputLinears.apply(cast[0], len(linears), *cast[1:])
 
 
 def linear_plus(linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
