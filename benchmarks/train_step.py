@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import SHAPES, build_config  # noqa: E402
 
 from fusepatch.compiles import CompileCounter  # noqa: E402
-from fusepatch.profile import flops_per_token, label_layers, summarize  # noqa: E402
+from fusepatch.profile import flops_per_token, host_waits, label_layers, summarize  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # bf16 dense, measured on this workplace's H200s (device KINDS.md)
 
@@ -118,33 +118,14 @@ def gpu_idle_by_op(events, top: int = 30) -> dict:
         phase = next((n for a, b, n in phases if a <= middle <= b and n != "bench:step"), "outside the phases")
         by_phase[phase] += length
     step = next(((a, b) for a, b, n in phases if n == "bench:step"), None)
-    # the host waits of the step (a sync drains the GPU's queue; what the CPU does next shows up as gaps), each
-    # with the chain of ops that made it, innermost first
-    waits: Counter[str] = Counter()
-    waited: Counter[str] = Counter()
-    for event in ops:
-        if event.name in WAITS and (step is None or step[0] <= event.time_range.start <= step[1]):
-            chain, parent = [], event.cpu_parent
-            while parent is not None and len(chain) < 4:
-                if not parent.name.startswith("bench:"):
-                    chain.append(parent.name[:60])
-                parent = parent.cpu_parent
-            key = f"{event.name} < {' < '.join(chain) or '-'}"
-            waits[key] += 1
-            waited[key] += (event.time_range.end - event.time_range.start) / 1000.0
     return {
         "gap_ms_total": round(sum(by_op.values()), 3),
         "gaps": len(gaps),
         "lead_ms": round((kernels[0][0] - step[0]) / 1000.0, 3) if step else None,
         "by_phase": {name: round(ms, 3) for name, ms in by_phase.most_common()},
         "by_op": [[name, round(ms, 3), counts[name]] for name, ms in by_op.most_common(top)],
-        "host_waits": [[name, count, round(waited[name], 3)] for name, count in waits.most_common(top)],
+        "host_waits": host_waits(events, within=step, top=top),
     }
-
-
-# CUDA runtime calls that make the CPU wait for the GPU (a device-to-host copy waits inside cudaMemcpyAsync;
-# the step's final synchronize is outside the ``bench:step`` range)
-WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
 
 
 def main() -> int:

@@ -50,6 +50,8 @@ class StepProfile:
     ops_by_layer: list[tuple[str, int]] = field(default_factory=list)  # forward aten ops per layer class
     # the longest stretches with no kernel running, and the innermost aten op on the CPU during each: (ms, op)
     idle_gaps: list[tuple[float, str]] = field(default_factory=list)
+    # every CUDA call that made the CPU wait for the GPU (a wait empties the GPU's queue): [what, count, ms]
+    host_waits: list[list] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -65,6 +67,8 @@ class StepProfile:
             "gpu_kernels_per_step": self.gpu_kernels,
             "step_time_s": round(self.step_time_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 1),
+            "host_waits_per_step": sum(n for _, n, _ in self.host_waits),
+            "host_wait_ms": round(sum(ms for _, _, ms in self.host_waits), 3),
         }
         if self.gpu_busy_fraction is not None:
             out["gpu_busy_fraction"] = round(self.gpu_busy_fraction, 3)
@@ -87,6 +91,14 @@ class StepProfile:
             text += (
                 f". CPU-bound: the GPU sat idle {1 - self.gpu_busy_fraction:.0%} of the step waiting for the CPU to "
                 f"enqueue work. Most forward ops: {layers}. Check the report for layers that fell back to eager."
+            )
+        waited = sum(ms for _, _, ms in self.host_waits)
+        if waited >= HOST_WAIT_MS:
+            count = sum(n for _, n, _ in self.host_waits)
+            what, n, ms = self.host_waits[0]
+            text += (
+                f". The CPU waited for the GPU {count} times ({waited:.1f} ms), most in {what} ({n}x, {ms:.1f} ms): "
+                "each wait empties the GPU's queue (.item(), .tolist(), printing or branching on a GPU tensor)"
             )
         if self.idle_gaps:
             gaps = ", ".join(f"{ms:.0f} ms in {op}" for ms, op in self.idle_gaps)
@@ -147,6 +159,33 @@ def _busy(kernels) -> float:
 
 # An idle stretch is reported when it is at least this long; shorter ones are launch gaps.
 IDLE_GAP_MS = 5.0
+# Host waits are named in the summary when the step spent at least this long in them.
+HOST_WAIT_MS = 1.0
+# CUDA runtime calls in which the CPU waits for the GPU (a device-to-host copy waits inside cudaMemcpyAsync).
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
+
+
+def host_waits(events, within: tuple[float, float] | None = None, top: int | None = 10) -> list[list]:
+    """The calls in which the CPU waited for the GPU, each as ``[call < its ops, innermost first, count, ms]``,
+    most time first (the ``top`` of them; None: all); ``within``: only those starting in that (start, end) range
+    (profiler microseconds). A wait
+    drains the GPU's queue, and whatever the CPU does next shows up as idle GPU time."""
+    counts: Counter[str] = Counter()
+    waited: Counter[str] = Counter()
+    for event in events:
+        if event.name not in WAITS or event.device_type == torch.autograd.DeviceType.CUDA:
+            continue
+        if within is not None and not within[0] <= event.time_range.start <= within[1]:
+            continue
+        chain, parent = [], event.cpu_parent
+        while parent is not None and len(chain) < 4:
+            if not parent.name.startswith("bench:"):
+                chain.append(parent.name[:60])
+            parent = parent.cpu_parent
+        key = f"{event.name} < {' < '.join(chain) or '-'}"
+        counts[key] += 1
+        waited[key] += (event.time_range.end - event.time_range.start) / 1000.0
+    return [[key, counts[key], round(ms, 3)] for key, ms in waited.most_common(top)]
 
 
 def _idle_gaps(kernels, cpu_ops, top: int) -> list[tuple[float, str]]:
@@ -219,6 +258,7 @@ def summarize(
         top_kernels=[(name, round(ms, 3)) for name, ms in by_kernel.most_common(top)],
         ops_by_layer=by_layer.most_common(top),
         idle_gaps=_idle_gaps(kernels, aten, min(top, 3)) if kernels else [],
+        host_waits=host_waits(events, top=None) if kernels else [],
     )
 
 

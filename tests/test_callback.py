@@ -211,6 +211,36 @@ def test_gpu_annotations_are_not_kernels_and_not_busy_time():
     assert [name for name, _ in profile.top_kernels] == ["gemm_kernel"]
 
 
+def test_host_waits_are_counted_and_named_with_their_ops():
+    """A ``.item()`` in the loss logging (a device-to-host copy that waits inside ``cudaMemcpyAsync``) and a
+    synchronize: the profile lists each with the ops that made it, most waiting first, and the summary names the
+    largest once the step spent at least HOST_WAIT_MS in them."""
+    from torch.autograd import DeviceType
+
+    from fusepatch.profile import HOST_WAIT_MS, summarize
+
+    cpu = DeviceType.CPU
+    item = event("aten::item", 100, 2100, device=cpu)
+    dense = event("aten::_local_scalar_dense", 100, 2100, device=cpu)
+    dense.cpu_parent = item
+    copy = event("cudaMemcpyAsync", 110, 2000, device=cpu)
+    copy.cpu_parent = dense
+    sync = event("cudaStreamSynchronize", 2500, 2600, device=cpu)
+    events = [item, dense, copy, sync, event("gemm_kernel", 0, 1900), event("gemm_kernel", 2050, 3000)]
+    profile = summarize(events, step=2, wall_s=3e-3, tokens=10, flops=None, peak_tflops=None)
+    assert profile.host_waits == [
+        ["cudaMemcpyAsync < aten::_local_scalar_dense < aten::item", 1, 1.89],
+        ["cudaStreamSynchronize < -", 1, 0.1],
+    ]
+    assert 1.99 >= HOST_WAIT_MS
+    assert "The CPU waited for the GPU 2 times (2.0 ms), most in cudaMemcpyAsync < aten::_local_scalar_dense" in (
+        profile.summary()
+    )
+    quiet = summarize(events[:3] + events[4:], step=2, wall_s=3e-3, tokens=10, flops=None, peak_tflops=None)
+    quiet.host_waits = [["cudaStreamSynchronize < -", 1, 0.1]]
+    assert "waited" not in quiet.summary()
+
+
 def _triton_builds(name: str):
     """What Triton does after building a kernel variant: call the post-compile hook, as ``JITFunction._call_hook``
     calls it (a CPU machine cannot build a GPU kernel, so the test makes the call itself)."""
