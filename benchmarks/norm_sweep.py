@@ -21,15 +21,29 @@ import time
 import torch
 
 from fusepatch.kernels import rms_norm as rn
+from fusepatch.ops import OPS
 from fusepatch.ops._common import relative_error
 
-# site: (rows a token, feature size, zero-centered, gated, with the residual add)
+# site: (op, rows a token, feature size)
 SITES = {
-    "decoder norm (5120)": (1, 5120, True, False, False),
-    "decoder add+norm (5120)": (1, 5120, True, False, True),
-    "q/k per head (24 x 256)": (24, 256, True, False, False),
-    "gated, per value head (48 x 128)": (48, 128, False, True, False),
+    "decoder norm (5120)": ("rms_norm_zero_centered", 1, 5120),
+    "decoder add+norm (5120)": ("add_rms_norm_zero_centered", 1, 5120),
+    "q/k per head (24 x 256)": ("rms_norm_zero_centered", 24, 256),
+    "gated, per value head (48 x 128)": ("gated_rms_norm", 48, 128),
 }
+
+
+def _reference(op: str, x, other, w, dy, dres):
+    """The op's own reference in fp64: (y, dx, dw), dx with the residual's gradient where the op returns it."""
+    x64, w64, other64 = x.double().requires_grad_(True), w.double().requires_grad_(True), other.double()
+    if op.startswith("add_"):
+        y, h = OPS[op].reference(x64, other64, w64, 1e-6)
+        dx, dw = torch.autograd.grad((y, h), (x64, w64), (dy.double(), dres.double()))
+        return y.detach(), dx, dw
+    args = (x64, other64, w64) if op == "gated_rms_norm" else (x64, w64)
+    y = OPS[op].reference(*args, 1e-6)
+    dx, dw = torch.autograd.grad(y, (x64, w64), dy.double())
+    return y.detach(), dx, dw
 
 
 def _grid(dim: int):
@@ -72,7 +86,8 @@ def main() -> int:
     default_blocks, default_steps = rn._blocks, rn.BWD_STEPS
     rows_out = []
     try:
-        for site, (heads, dim, zero_centered, gated, add) in SITES.items():
+        for site, (op, heads, dim) in SITES.items():
+            zero_centered, gated, add = "zero_centered" in op, op.startswith("gated"), op.startswith("add_")
             rows = args.tokens * heads
             g = torch.Generator(device=device).manual_seed(0)
             x = torch.randn(rows, dim, device=device, generator=g).bfloat16()
@@ -83,16 +98,7 @@ def main() -> int:
             flags = rn._flags(zero_centered, gated, x.dtype, w.dtype)
             z = other if gated else x
             want = default_blocks(dim), default_steps
-            x64 = x.double().requires_grad_(True)
-            w64 = w.double().requires_grad_(True)
-            h64 = x64 + other.double() if add else x64
-            ref = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-6)
-            ref = ref * (1 + w64) if zero_centered else ref * w64
-            if gated:
-                ref = ref * torch.nn.functional.silu(other.double())
-            ref_dx, ref_dw = torch.autograd.grad(ref, (x64, w64), dy.double())
-            if add:
-                ref_dx = ref_dx + dres.double()
+            ref, ref_dx, ref_dw = _reference(op, x, other, w, dy, dres)
             for block_d, tile, warps, steps in _grid(dim):
                 rn._blocks = lambda d, c=(block_d, tile, warps): c  # noqa: E731
                 rn.BWD_STEPS = steps
@@ -114,7 +120,7 @@ def main() -> int:
                         "default": ((block_d, tile, warps), steps) == want,
                         "fwd_us": round(_time(forward, args.reps), 1),
                         "bwd_us": round(_time(backward, args.reps), 1),
-                        "err_y": relative_error(y, ref.detach()),
+                        "err_y": relative_error(y, ref),
                         "err_dx": relative_error(dx, ref_dx),
                         "err_dw": relative_error(dw, ref_dw),
                     }

@@ -124,7 +124,7 @@ def gpu_idle_by_op(events, top: int = 30) -> dict:
         "lead_ms": round((kernels[0][0] - step[0]) / 1000.0, 3) if step else None,
         "by_phase": {name: round(ms, 3) for name, ms in by_phase.most_common()},
         "by_op": [[name, round(ms, 3), counts[name]] for name, ms in by_op.most_common(top)],
-        "host_waits": host_waits(events, within=step, top=top),
+        "host_waits": host_waits(events, within=step, top=top, skip="bench:"),
     }
 
 

@@ -54,6 +54,14 @@ class StepProfile:
     host_waits: list[list] = field(default_factory=list)
 
     @property
+    def host_wait_count(self) -> int:
+        return sum(n for _, n, _ in self.host_waits)
+
+    @property
+    def host_wait_ms(self) -> float:
+        return sum(ms for _, _, ms in self.host_waits)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.step_time_s if self.step_time_s > 0 else 0.0
 
@@ -67,8 +75,8 @@ class StepProfile:
             "gpu_kernels_per_step": self.gpu_kernels,
             "step_time_s": round(self.step_time_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 1),
-            "host_waits_per_step": sum(n for _, n, _ in self.host_waits),
-            "host_wait_ms": round(sum(ms for _, _, ms in self.host_waits), 3),
+            "host_waits_per_step": self.host_wait_count,
+            "host_wait_ms": round(self.host_wait_ms, 3),
         }
         if self.gpu_busy_fraction is not None:
             out["gpu_busy_fraction"] = round(self.gpu_busy_fraction, 3)
@@ -92,12 +100,11 @@ class StepProfile:
                 f". CPU-bound: the GPU sat idle {1 - self.gpu_busy_fraction:.0%} of the step waiting for the CPU to "
                 f"enqueue work. Most forward ops: {layers}. Check the report for layers that fell back to eager."
             )
-        waited = sum(ms for _, _, ms in self.host_waits)
-        if waited >= HOST_WAIT_MS:
-            count = sum(n for _, n, _ in self.host_waits)
+        if self.host_wait_ms >= HOST_WAIT_MS:
             what, n, ms = self.host_waits[0]
             text += (
-                f". The CPU waited for the GPU {count} times ({waited:.1f} ms), most in {what} ({n}x, {ms:.1f} ms): "
+                f". The CPU waited for the GPU {self.host_wait_count} times ({self.host_wait_ms:.1f} ms), most in "
+                f"{what} ({n}x, {ms:.1f} ms): "
                 "each wait empties the GPU's queue (.item(), .tolist(), printing or branching on a GPU tensor)"
             )
         if self.idle_gaps:
@@ -165,11 +172,13 @@ HOST_WAIT_MS = 1.0
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
 
 
-def host_waits(events, within: tuple[float, float] | None = None, top: int | None = 10) -> list[list]:
+def host_waits(
+    events, within: tuple[float, float] | None = None, top: int | None = 10, skip: str | None = None
+) -> list[list]:
     """The calls in which the CPU waited for the GPU, each as ``[call < its ops, innermost first, count, ms]``,
     most time first (the ``top`` of them; None: all); ``within``: only those starting in that (start, end) range
-    (profiler microseconds). A wait
-    drains the GPU's queue, and whatever the CPU does next shows up as idle GPU time."""
+    (profiler microseconds); ``skip``: a prefix of ranges left out of the chains (a caller's own phase labels).
+    A wait drains the GPU's queue, and whatever the CPU does next shows up as idle GPU time."""
     counts: Counter[str] = Counter()
     waited: Counter[str] = Counter()
     for event in events:
@@ -179,7 +188,7 @@ def host_waits(events, within: tuple[float, float] | None = None, top: int | Non
             continue
         chain, parent = [], event.cpu_parent
         while parent is not None and len(chain) < 4:
-            if not parent.name.startswith("bench:"):
+            if skip is None or not parent.name.startswith(skip):
                 chain.append(parent.name[:60])
             parent = parent.cpu_parent
         key = f"{event.name} < {' < '.join(chain) or '-'}"

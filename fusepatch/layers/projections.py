@@ -62,12 +62,13 @@ def plain_linears(x: torch.Tensor, linears: tuple[torch.nn.Module, ...], autocas
     where the caller casts as autocast would (``autocast=True``), under autocast."""
     if x.device.type not in DEVICES or torch.compiler.is_compiling():
         return False
-    if _autocast_dtype(x) is not None and not autocast:
+    cast = _autocast_dtype(x) is not None
+    if cast and not autocast:
         return False
     for linear in linears:
         if type(linear) is not torch.nn.Linear or hooked(linear):
             return False
-        if _autocast_dtype(x) is None and any(p.dtype != x.dtype for p in linear.parameters(recurse=False)):
+        if not cast and any(p.dtype != x.dtype for p in linear.parameters(recurse=False)):
             return False
     return True
 
