@@ -145,6 +145,14 @@ def fsdp_arguments(model, checkpointing: bool) -> dict:
     }
 
 
+def end_process_group() -> None:
+    """Under torchrun the Trainer (accelerate) starts a process group and leaves it open. Left to the interpreter's
+    shutdown, gloo's worker threads can abort the process (``terminate called without an active exception``, a
+    SIGABRT seen once in CI after a finished run), so the example closes it itself."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="Hub id or path; default: a tiny Qwen3.5 from a config")
@@ -235,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
             apply_patches=not args.no_fusepatch, profile_step=args.profile_step, trace_dir=args.trace_dir
         ),
     )
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        end_process_group()
     metrics = {k: v for entry in trainer.state.log_history for k, v in entry.items() if k.startswith("fusepatch/")}
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     sharded = any(type(m).__name__.startswith("FSDP") for m in trainer.model.modules())
