@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import torch
 
@@ -145,12 +146,21 @@ def fsdp_arguments(model, checkpointing: bool) -> dict:
     }
 
 
-def end_process_group() -> None:
-    """Under torchrun the Trainer (accelerate) starts a process group and leaves it open. Left to the interpreter's
-    shutdown, gloo's worker threads can abort the process (``terminate called without an active exception``, a
-    SIGABRT seen once in CI after a finished run), so the example closes it itself."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+def end_process_group(trainer) -> None:
+    """Close the process group the Trainer (accelerate) opened under torchrun and leaves open.
+
+    Left to the end of the process, a gloo worker thread can still be releasing the last collective's tensors,
+    which takes the GIL, while the main thread, holding the GIL, tears the group down and joins that thread:
+    CI saw a finished two-process run abort at exit (``terminate called without an active exception``) and,
+    here, hang in ``~ProcessGroupGloo`` (1 of 12 runs on two loaded cores, also 1 of 24 with only a barrier
+    first, since the barrier's own work holds the last collective's). So: every rank finishes, the GIL is left
+    free for a moment for gloo's threads to drop what they hold, then the group is closed."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    trainer.accelerator.wait_for_everyone()
+    if torch.distributed.get_backend() == "gloo":
+        time.sleep(0.2)
+    torch.distributed.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,10 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             apply_patches=not args.no_fusepatch, profile_step=args.profile_step, trace_dir=args.trace_dir
         ),
     )
-    try:
-        trainer.train()
-    finally:
-        end_process_group()
+    trainer.train()
+    end_process_group(trainer)
     metrics = {k: v for entry in trainer.state.log_history for k, v in entry.items() if k.startswith("fusepatch/")}
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     sharded = any(type(m).__name__.startswith("FSDP") for m in trainer.model.modules())

@@ -89,4 +89,18 @@ def torchrun(script: str, *args: str, processes: int = 2, **env: str):
         *args,
     ]
     full_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", **env)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=full_env)
+    # A hang (a collective waiting on a dead rank) fails in 4 minutes: each of these runs takes 10-20 s on two
+    # loaded cores, and CI has 20 minutes in all. The ranks are torchrun's children: the whole process group is
+    # killed, so none is left behind holding a core.
+    import signal
+
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            raise AssertionError(f"torchrun {script} did not finish in 240 s; its stderr:\n{stderr[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)

@@ -48,7 +48,7 @@ def test_fsdp2_world_size_2_matches_unsharded_unpatched(tmp_path, extra):
 
 
 MIXED_PRECISION_WORKER = """
-import json, sys
+import json, sys, time
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -71,6 +71,8 @@ loss.backward()
 loss_dtypes = sorted({c.dtype for c in model._fusepatch.ops["linear_cross_entropy"].seen()})
 json.dump({"report_dtype": report.dtype, "param_dtype": str(next(model.parameters()).dtype),
            "loss": float(loss), "loss_dtypes": loss_dtypes}, open(sys.argv[1], "w"))
+dist.barrier()
+time.sleep(0.2)  # gloo's worker threads release the last collectives' tensors (see examples/sft_ultrachat.py)
 dist.destroy_process_group()
 """
 

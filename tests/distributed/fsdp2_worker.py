@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -136,6 +137,10 @@ def main() -> None:
         }
         with open(args.out, "w") as fh:
             json.dump(result, fh)
+    # as examples/sft_ultrachat.py ends: every rank done, the GIL free a moment for gloo's worker threads to
+    # release the last collectives' tensors, then the group closed (see end_process_group there)
+    dist.barrier()
+    time.sleep(0.2)
     dist.destroy_process_group()
 
 
