@@ -31,7 +31,20 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor | None) -> torch.Ten
     if flat.numel() == position_ids.shape[0]:  # one document a row: the ordinary batch
         return None
     total = flat.new_full((1,), position_ids.numel())
-    return torch.cat([flat, total]).to(torch.int32)
+    cu_seqlens = torch.cat([flat, total]).to(torch.int32)
+    # The values on the host too: nonzero's count has just emptied the GPU's queue, so this copy adds no wait
+    # of its own, and kernels that need them on the host (fla's chunk table) need not wait again.
+    setattr(cu_seqlens, _HOST_VALUES, (*flat.tolist(), position_ids.numel()))
+    return cu_seqlens
+
+
+_HOST_VALUES = "_fusepatch_host_values"
+
+
+def host_values(cu_seqlens: torch.Tensor) -> tuple[int, ...] | None:
+    """The values of boundaries that :func:`cu_seqlens_from_position_ids` made, as host integers read in its one
+    wait; ``None`` for boundaries from elsewhere (a caller's ``cu_seq_lens_q``, a copy to another device)."""
+    return getattr(cu_seqlens, _HOST_VALUES, None)
 
 
 _MEMO_ENTRIES = 4  # per slot: the last few calls' tensors (a forward, its recompute, a second replica)

@@ -19,6 +19,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from fusepatch.layers.packing import host_values
 from fusepatch.ops._common import check_fla_signatures, fla_backward_requirements, planned_hub_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import InputRule, OptIn
@@ -138,10 +139,46 @@ def gated_delta_rule_recurrent(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
     return out
 
 
+_CHUNK_TABLE = "_fusepatch_chunk_table"
+
+
+def chunk_table(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor | None:
+    """fla's table of chunks for packed rows, ``[chunks, 2]`` (document, chunk within it), in ``cu_seqlens``'
+    dtype and device, built from the boundaries' host values (``packing.host_values``) and copied without a
+    wait. fla builds it from the GPU tensor (``repeat_interleave`` reads its length on the host): two waits for
+    the GPU per new boundaries on the H200 trace of session 11, mid-forward. Kept on the boundaries tensor, so a
+    forward, its recompute and its backward share it. ``None`` where the host values are not known: fla then
+    builds it itself."""
+    host = host_values(cu_seqlens)
+    if host is None:
+        return None
+    cached = getattr(cu_seqlens, _CHUNK_TABLE, None)
+    if cached is not None and cached[0] == chunk:
+        return cached[1]
+    bounds = torch.tensor(host, dtype=torch.long)
+    counts = (bounds[1:] - bounds[:-1] + chunk - 1) // chunk
+    documents = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    firsts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    table = torch.stack([documents, torch.arange(len(documents)) - firsts], 1).to(cu_seqlens.dtype)
+    if cu_seqlens.is_cuda:
+        table = table.pin_memory().to(cu_seqlens.device, non_blocking=True)
+    else:
+        table = table.to(cu_seqlens.device)
+    setattr(cu_seqlens, _CHUNK_TABLE, (chunk, table))
+    return table
+
+
 def _load_fla(gate_in_kernel: bool):
+    import inspect
+
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    # fla-core 0.6 takes the chunk table; where a release does not, fla builds it (and waits) itself
+    takes_table = "chunk_indices" in inspect.signature(chunk_gated_delta_rule).parameters
+
     def gated_delta_rule_fla(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
+        table = chunk_table(cu_seqlens) if cu_seqlens is not None and takes_table else None
+        extra = {} if table is None else {"chunk_indices": table}
         if gate_in_kernel:
             out, _ = chunk_gated_delta_rule(
                 q,
@@ -155,10 +192,13 @@ def _load_fla(gate_in_kernel: bool):
                 A_log=A_log,
                 dt_bias=dt_bias,
                 cu_seqlens=cu_seqlens,
+                **extra,
             )
         else:
             g, beta = gate_and_beta(a, b, A_log, dt_bias)
-            out, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+            out, _ = chunk_gated_delta_rule(
+                q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **extra
+            )
         return out
 
     return gated_delta_rule_fla

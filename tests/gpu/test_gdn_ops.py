@@ -76,6 +76,38 @@ def test_gated_delta_rule(name, shape, dtype, monkeypatch):
     compare(fn, OPS["gated_delta_rule"].reference, inputs, dtype, TOL[dtype], looser=looser, **kwargs)
 
 
+def test_fla_with_fusepatch_chunk_table_equals_fla_building_its_own():
+    """Boundaries found from ``position_ids`` carry their host values, and the fla candidate hands fla the chunk
+    table built from them (no wait for the GPU). That table must equal fla's own (``prepare_chunk_indices``),
+    and the delta rule's output and every gradient must be what fla gives building it itself: the same bits,
+    or where fla's own two runs differ (atomic sums in its backward), no further off than they are."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from fusepatch.layers.packing import cu_seqlens_from_position_ids, host_values
+    from fusepatch.ops.gated_delta_rule import chunk_table
+
+    fn = kernel("gated_delta_rule", "fla", torch.bfloat16)
+    lengths = [64, 1, 335, 300]
+    position_ids = torch.cat([torch.arange(n, device="cuda") for n in lengths])[None]
+    cu = cu_seqlens_from_position_ids(position_ids)
+    plain = cu.clone()  # the same boundaries without host values: fla builds its table
+    assert host_values(cu) == (0, 64, 65, 400, 700) and host_values(plain) is None
+    assert torch.equal(chunk_table(cu), prepare_chunk_indices(plain, 64))
+
+    inputs = [t.to(torch.bfloat16) if t.ndim > 1 else t for t in _gdn_inputs(700, 2, 4, 64, 64)]
+    grad = torch.randn(1, 700, 4, 64, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for bounds in (cu, plain, plain):
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+        out = fn(*leaves, cu_seqlens=bounds)
+        out.backward(grad)
+        results.append([out.detach().float(), *(t.grad.float() for t in leaves)])
+    names = ["out", "dq", "dk", "dv", "da", "db", "dA_log", "ddt_bias"]
+    for name, with_table, own, again in zip(names, *results):
+        noise = (own - again).abs().max()
+        assert (with_table - own).abs().max() <= 2 * noise, (name, noise)
+
+
 @pytest.mark.parametrize("batch, length", [(1, 301), (3, 200)])
 def test_graphed_delta_rule_replays_fla(batch, length, monkeypatch):
     """fla-graphed runs fla's kernels from CUDA graphs: against fla itself on fresh inputs, for two 'layers'
