@@ -94,7 +94,7 @@ def test_fla_with_fusepatch_chunk_table_equals_fla_building_its_own():
     assert host_values(cu) == (0, 64, 65, 400, 700) and host_values(plain) is None
     assert torch.equal(chunk_table(cu), prepare_chunk_indices(plain, 64))
 
-    inputs = [t.to(torch.bfloat16) if t.ndim > 1 else t for t in _gdn_inputs(700, 2, 4, 64, 64)]
+    inputs = [t.to(torch.bfloat16) for t in _gdn_inputs(700, 2, 4, 64, 64)]  # A_log, dt_bias too, as compare()
     grad = torch.randn(1, 700, 4, 64, device="cuda", dtype=torch.bfloat16)
     results = []
     for bounds in (cu, plain, plain):
