@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_session.sh bench 27b [layers]  # call 3+: the benchmark table for one shape
 #   bash benchmarks/gpu_session.sh loss 27b            # the loss alone (benchmarks/loss_bench.py)
 #   bash benchmarks/gpu_session.sh norm                # the RMSNorm candidates alone (benchmarks/norm_bench.py)
+#   bash benchmarks/gpu_session.sh gemm 27b            # the step's GEMMs alone, each layout (benchmarks/gemm_bench.py)
 #   bash benchmarks/gpu_session.sh sft                 # carry .whl .whl-ex: the SFT example, FSDP2 world size 1
 #                                                      #   (NPROC=all STEPS=30 LAYERS=N: every GPU, issue 7)
 #   bash benchmarks/gpu_session.sh start [STEPS...]    # carry .whl-tl2 .whl .whl-ex: run STEPS (default: bench-27b
@@ -124,6 +125,10 @@ EOF
     fi
     PYTHONPATH="$PWD:/tmp/site-fla" timeout ${NORM_TIMEOUT:-240} python3 benchmarks/norm_bench.py \
       --json-out "$OUT/norm.json" 2>&1 | tee "$OUT/norm.md" ;;
+  gemm)
+    # every GEMM of the step alone, in each formulation (benchmarks/gemm_bench.py): which layouts cuBLAS runs slowly
+    PYTHONPATH="$PWD" timeout ${GEMM_TIMEOUT:-200} python3 benchmarks/gemm_bench.py --shape "${2:-27b}" \
+      --json-out "$OUT/gemm-${2:-27b}.json" 2>&1 | tee "$OUT/gemm-${2:-27b}.md" ;;
   sft)
     # The SFT example at the 27B layer shapes (LAYERS deep), packed ultrachat-format data, FSDP2 world size 1
     # (fully_shard + its activation checkpointing) under torchrun; hf-fast (no fusepatch) then fusepatch.
