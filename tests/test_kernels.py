@@ -263,14 +263,11 @@ LOSS_BACKWARD_SCRIPT = textwrap.dedent(
     labels[::5] = -100
     count = (labels != -100).sum().float()
 
-    def loss_fn(form="strided"):
-        kernels = (ce_forward, ce_backward)
-        return _FlaLinearCrossEntropy.apply(hidden, weight, labels, count, -100, 16, kernels, True, form)
+    def loss_fn():
+        return _FlaLinearCrossEntropy.apply(hidden, weight, labels, count, -100, 16, (ce_forward, ce_backward), True)
 
-    # the loss's gradient 1 (plain training: skipped) or not (averaged, scaled); every weight-gradient layout
-    # (3 chunks of 16 tokens: the first chunk's GEMM and the accumulating ones)
-    for scale, form in ((1.0, "strided"), (3.0, "strided"), (3.0, "input-copied"), (1.0, "both-copied")):
-        loss = loss_fn(form)
+    for scale in (1.0, 3.0):  # the loss's gradient 1 (plain training: skipped) or not (averaged, scaled)
+        loss = loss_fn()
         got = torch.autograd.grad(loss * scale, (hidden, weight))
         ref = linear_cross_entropy_reference(hidden, weight, labels)
         want = torch.autograd.grad(ref * scale, (hidden, weight))

@@ -10,7 +10,7 @@ import torch
 from helpers import grads
 
 import fusepatch
-from fusepatch import selftest, weight_grad
+from fusepatch import selftest
 from fusepatch.ops import OPS
 from fusepatch.ops import linear_cross_entropy as lce
 from fusepatch.requirements import InputRule
@@ -163,7 +163,7 @@ def _scale_in_torch(tensor, factor):
     return tensor if factor.item() == 1.0 else tensor.mul_(factor.to(tensor.dtype))
 
 
-def _fla_loop(monkeypatch, mib: int | str | None = None, form: str | None = None):
+def _fla_loop(monkeypatch, mib: int | str | None = None):
     from fusepatch.kernels import scale
 
     monkeypatch.setattr(scale, "scale_unless_one_", _scale_in_torch)
@@ -181,24 +181,17 @@ def _fla_loop(monkeypatch, mib: int | str | None = None, form: str | None = None
         monkeypatch.delenv("FUSEPATCH_CE_LOGITS_MIB", raising=False)
     else:
         monkeypatch.setenv("FUSEPATCH_CE_LOGITS_MIB", str(mib))
-    if form is None:
-        monkeypatch.delenv("FUSEPATCH_WEIGHT_GRAD", raising=False)
-    else:
-        monkeypatch.setenv("FUSEPATCH_WEIGHT_GRAD", form)
     return next(c for c in OPS["linear_cross_entropy"].candidates if c.name == "fla").load(), kernels
 
 
-@pytest.mark.parametrize("form", [None, *weight_grad.FORMS[1:]])
 @pytest.mark.parametrize("num_items", [None, 97])
 @pytest.mark.parametrize("mib", [None, 1], ids=["one-chunk", "two-chunks"])
-def test_fla_loop_matches_the_reference(monkeypatch, mib, num_items, form):
+def test_fla_loop_matches_the_reference(monkeypatch, mib, num_items):
     """fusepatch's chunk loop around fla's kernels (stand-ins with their contract): loss and both gradients equal
-    the eager reference with one chunk and with two (1 MiB / (777 x 4 bytes) -> 256-token chunks: 256, 45), each
-    token's gradient divided inside the kernel by the labels not ignored or by the Trainer's
+    the eager reference with one chunk and with two (1 MiB / (777 x 4 bytes) -> 256-token chunks: 256, 45), each token's gradient divided inside the kernel by the labels not ignored or by the Trainer's
     ``num_items_in_batch``, and a loss gradient other than 1 (gradient accumulation) scaling both; one chunk's
-    logits alive at a time (the next chunk's logits GEMM finds the last one's freed); every weight-gradient
-    layout (``FUSEPATCH_WEIGHT_GRAD``) gives the same gradients."""
-    fn, kernels = _fla_loop(monkeypatch, mib, form)
+    logits alive at a time (the next chunk's logits GEMM finds the last one's freed)."""
+    fn, kernels = _fla_loop(monkeypatch, mib)
     h, w, y = _data(dtype=torch.float32)  # fla's kernels: fp32 losses, the GEMMs in the inputs' dtype
     y[::3] = -100
     got = fn(h, w, y, num_items_in_batch=num_items)

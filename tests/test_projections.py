@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusepatch import weight_grad
 from fusepatch.layers import projections
 
 
@@ -46,11 +45,8 @@ def _fused(x, linears, cotangents):
     return outs, torch.autograd.grad(loss, inputs, allow_unused=True)
 
 
-@pytest.mark.parametrize("form", weight_grad.FORMS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_project_equals_the_modules_with_one_accumulated_input_gradient(on_cpu, monkeypatch, bias, form):
-    """Every weight-gradient layout (``FUSEPATCH_WEIGHT_GRAD``) gives autograd's gradients."""
-    monkeypatch.setenv("FUSEPATCH_WEIGHT_GRAD", form)
+def test_project_equals_the_modules_with_one_accumulated_input_gradient(on_cpu, bias):
     linears = _linears(5, 7, 2, bias=bias)
     x = torch.randn(3, 4, 6, dtype=torch.float64, requires_grad=True)
     cotangents = [torch.randn(3, 4, n, dtype=torch.float64) for n in (5, 7, 2)]
@@ -179,21 +175,3 @@ def test_project_under_autocast_casts_as_autocast_does(on_cpu, bias):
     for got, want in zip(got_grads, want_grads):
         assert got.dtype == want.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-
-
-def test_weight_grad_layouts(monkeypatch):
-    """FUSEPATCH_WEIGHT_GRAD: a typo names the choices; every layout's operands multiply to ``dy.t() @ x``,
-    token-minor where it says so, and an ``x`` already token-minor is not copied again."""
-    monkeypatch.delenv("FUSEPATCH_WEIGHT_GRAD", raising=False)
-    assert weight_grad.weight_grad_form() == "strided"
-    monkeypatch.setenv("FUSEPATCH_WEIGHT_GRAD", "transposed")
-    with pytest.raises(ValueError, match="strided, input-copied, both-copied"):
-        weight_grad.weight_grad_form()
-    dy, x = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
-    for form in weight_grad.FORMS:
-        a, b = weight_grad.weight_grad_operands(dy, x, form)
-        torch.testing.assert_close(a @ b, dy.t() @ x)
-        assert b.stride() == ((3, 1) if form == "strided" else (1, 6))
-        assert a.stride() == ((6, 1) if form == "both-copied" else (1, 5))
-    minor = weight_grad.token_minor(x)
-    assert weight_grad.weight_grad_operands(dy, minor, "input-copied")[1] is minor

@@ -24,8 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
-from fusepatch.weight_grad import token_minor, weight_grad_form, weight_grad_operands
-
 DEVICES = ("cuda",)  # where the fused paths run (the tests add "cpu" to run them in a model)
 
 
@@ -94,9 +92,6 @@ class _SharedInputLinears(torch.autograd.Function):
         dx = None
         dweights: list[torch.Tensor | None] = [None] * ctx.count
         dbiases: list[torch.Tensor | None] = [None] * ctx.count
-        form = weight_grad_form()  # FUSEPATCH_WEIGHT_GRAD: one token-minor copy of x serves every projection
-        if form != "strided" and any(wants[i] and g is not None for i, g in enumerate(grads)):
-            flat = token_minor(flat)
         for i, (grad, weight) in enumerate(zip(grads, weights)):
             if grad is None:
                 continue
@@ -104,7 +99,7 @@ class _SharedInputLinears(torch.autograd.Function):
             if wants_x:
                 dx = grad.mm(weight) if dx is None else dx.addmm_(grad, weight)
             if wants[i]:
-                dweights[i] = torch.mm(*weight_grad_operands(grad, flat, form))
+                dweights[i] = grad.t().mm(flat)
             if ctx.has_bias[i] and wants[ctx.count + i]:
                 dbiases[i] = grad.sum(0)
         if dx is not None:

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from fusepatch.ops._common import check_fla_signatures, fla_requirements, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import InputRule, TorchVersion
-from fusepatch.weight_grad import weight_grad_form, weight_grad_operands
 
 CHUNK_ELEMENTS = 2**27  # logits per chunk: 128 M fp32 values (512 MiB) whatever the vocabulary
 
@@ -147,9 +146,7 @@ class _FlaLinearCrossEntropy(torch.autograd.Function):
     gradients by the incoming one, and skips that when it is 1 (plain training)."""
 
     @staticmethod
-    def forward(
-        ctx, hidden, weight, labels, denominator, ignore_index: int, chunk: int, kernels, grad_wanted: bool, form: str
-    ):
+    def forward(ctx, hidden, weight, labels, denominator, ignore_index: int, chunk: int, kernels, grad_wanted: bool):
         ce_forward, ce_backward = kernels
         # under no_grad (evaluation) needs_input_grad still says True: the caller says whether a backward can come
         needs_grad = grad_wanted and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
@@ -180,12 +177,10 @@ class _FlaLinearCrossEntropy(torch.autograd.Function):
                         inplace_backward=True,
                     )
                     torch.mm(logits, weight, out=grad_hidden[start:end])
-                    a, b = weight_grad_operands(logits, h, form)  # FUSEPATCH_WEIGHT_GRAD
                     if grad_weight is None:
-                        grad_weight = torch.mm(a, b)
+                        grad_weight = torch.mm(logits.t(), h)
                     else:
-                        grad_weight.addmm_(a, b)
-                    del a, b
+                        grad_weight.addmm_(logits.t(), h)
                 # freed before the next chunk's GEMM allocates its logits, else two chunks' logits live at once
                 # (fla's loop has that peak: 0.6 GiB over Liger's at the Qwen3-32B shape, session 10)
                 del logits, loss, lse
@@ -210,7 +205,7 @@ class _FlaLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         factor = grad_output.detach().float()
         grads = scale_unless_one_(grad_hidden, factor), scale_unless_one_(grad_weight, factor)
-        return *grads, None, None, None, None, None, None, None
+        return *grads, None, None, None, None, None, None
 
 
 FLA_KERNELS = {  # fla function -> the parameters fusepatch passes it
@@ -233,7 +228,7 @@ def _load_fla():
 
     check_fla_signatures(ops, FLA_KERNELS, "linear_cross_entropy/fla")
     kernels = (ops.cross_entropy_fwd, ops.cross_entropy_bwd)
-    budget, form = fla_chunk_budget(), weight_grad_form()
+    budget = fla_chunk_budget()
 
     def linear_cross_entropy_fla(hidden, weight, labels, ignore_index: int = -100, num_items_in_batch=None):
         # the GEMMs run in the weight's dtype (tensor cores for bf16, fp32 accumulation inside each GEMM; fla's
@@ -242,7 +237,7 @@ def _load_fla():
         denominator = _denominator(labels, ignore_index, num_items_in_batch)
         grad_wanted = torch.is_grad_enabled()
         return _FlaLinearCrossEntropy.apply(
-            hidden, weight, labels, denominator, ignore_index, chunk, kernels, grad_wanted, form
+            hidden, weight, labels, denominator, ignore_index, chunk, kernels, grad_wanted
         )
 
     return linear_cross_entropy_fla
