@@ -4,8 +4,8 @@ Op: against the fp64 reference (causal within each document), output and q/k/v g
 and 5e-3 (fp16), at the 27B model's head layout (24 q / 4 kv heads of 256), Qwen3's (16 / 8 of 128) and a plain
 one, over random document lengths with one-token documents among them. Model: a packed batch through a bf16
 mini model routed to the kernel against the same model on transformers' masked sdpa, both measured against
-the fp32 model (the bounds of conftest.py: FACTOR x the masked bf16 error + FLOOR; DECAY_TOL for A_log and
-dt_bias).
+the fp32 model (the bounds of conftest.py: FACTOR x the masked bf16 error + FLOOR; A_log and dt_bias, whose
+gradients are sums that cancel, measured against the size of their terms: ``conftest.outputs_and_decay_scales``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,17 @@ import copy
 
 import pytest
 import torch
-from conftest import DECAY_TOL, FACTOR, FLOOR, MINI, compare, kernel, outputs, record
+from conftest import (
+    FACTOR,
+    FLOOR,
+    MINI,
+    compare,
+    kernel,
+    outputs,
+    outputs_and_decay_scales,
+    record,
+    summand_error,
+)
 
 import fusepatch
 from fusepatch.layers import attention
@@ -55,17 +65,19 @@ def test_packed_model_on_varlen_matches_masked_sdpa(model_type, autocast, monkey
     ids = torch.randint(0, base.config.vocab_size, (1, sum(lengths)), generator=generator).cuda()
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
 
-    def run(dtype, exclude):
+    def run(dtype, exclude, scales=False):
         mixed = autocast and dtype == torch.bfloat16
         model = copy.deepcopy(base).cuda().to(torch.float32 if mixed else dtype)
         fusepatch.apply(model, exclude=exclude, compute_dtype=dtype)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mixed):
+            if scales:
+                return outputs_and_decay_scales(model, ids, position_ids=position_ids)
             return outputs(model, ids, position_ids=position_ids)
 
     calls = []
     real = attention._varlen_attention
     monkeypatch.setattr(attention, "_varlen_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    reference = run(torch.float32, ["varlen_attention"])
+    reference, scales = run(torch.float32, ["varlen_attention"], scales=True)
     masked = run(torch.bfloat16, ["varlen_attention"])
     assert calls == []
     fused = run(torch.bfloat16, [])
@@ -75,13 +87,14 @@ def test_packed_model_on_varlen_matches_masked_sdpa(model_type, autocast, monkey
         name: {"varlen": relative_error(fused[name], ref), "masked": relative_error(masked[name], ref)}
         for name, ref in reference.items()
     }
+    # A_log and dt_bias: their gradients are sums over every token that cancel (relative errors 0.02-0.6 at
+    # layer 0 on either attention path, bf16, between random inputs); bounded against the size of their terms
+    if model_type == "qwen3_5_text":
+        assert len(scales) == 2 * sum(1 for m in base.modules() if hasattr(m, "in_proj_a")) > 0
+    for name, scale in scales.items():
+        errors[name]["varlen_of_terms"] = summand_error(fused[name], reference[name], scale)
+        errors[name]["masked_of_terms"] = summand_error(masked[name], reference[name], scale)
     record(f"varlen-{model_type}{'-autocast' if autocast else ''}", errors)
-    # the decay parameters' gradients (sums over every token with cancellation) get DECAY_TOL, as in conftest.py:
-    # measured without fla (eager delta rule in bf16), dt_bias 0.054 against the masked model's 0.0064
-    decay = ("A_log", "dt_bias")
-    bad = {
-        n: e
-        for n, e in errors.items()
-        if not e["varlen"] <= max(FACTOR * e["masked"] + FLOOR, DECAY_TOL if n.endswith(decay) else 0.0)
-    }
+    key = {name: ("varlen_of_terms", "masked_of_terms") if name in scales else ("varlen", "masked") for name in errors}
+    bad = {n: e for n, e in errors.items() if not e[key[n][0]] <= FACTOR * e[key[n][1]] + FLOOR}
     assert not bad, bad
