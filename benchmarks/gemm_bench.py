@@ -43,6 +43,7 @@ def sites(shape: dict) -> list[tuple[str, int, int, int]]:
             ("gdn in_proj_qkv", h, 2 * key + value, linear),
             ("gdn in_proj_z", h, value, linear),
             ("gdn in_proj_b / a", h, heads, 2 * linear),
+            ("gdn in_proj_b + a joined (fusepatch)", h, 2 * heads, linear),
             ("gdn out_proj", value, h, linear),
             ("attn q_proj (+gate)", h, 2 * q_out, full),
         ]

@@ -285,3 +285,32 @@ LOSS_BACKWARD_SCRIPT = textwrap.dedent(
 
 def test_fused_loss_backward_scales_the_stored_gradients_in_the_interpreter():
     _run_in_interpreter(LOSS_BACKWARD_SCRIPT)
+
+
+SPLIT_SCRIPT = textwrap.dedent(
+    """
+    import pytest
+    import torch
+    from fusepatch.kernels.split import split3
+
+    torch.manual_seed(0)
+    # (leading shape, sizes): the Gated DeltaNet's q/k/v widths, odd widths that straddle column blocks, one row
+    for lead, sizes in (((2, 37), (256, 256, 512)), ((1, 9), (3, 300, 5)), ((1,), (1, 1, 1)), ((3, 5), (0, 7, 9))):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(*lead, sum(sizes)).to(dtype)
+            got = split3(x, list(sizes))
+            for part, want in zip(got, torch.split(x, list(sizes), dim=-1)):
+                assert part.is_contiguous() and torch.equal(part, want)
+    # rows any stride apart (a column slice of a wider tensor), columns contiguous
+    wide = torch.randn(4, 6, 40)
+    for part, want in zip(split3(wide[..., 5:35], [10, 10, 10]), torch.split(wide[..., 5:35], [10, 10, 10], dim=-1)):
+        assert torch.equal(part, want)
+    with pytest.raises(ValueError, match="three sizes"):
+        split3(wide, [10, 10])
+    print("ok")
+    """
+)
+
+
+def test_split3_copies_each_part_contiguous_in_the_interpreter():
+    _run_in_interpreter(SPLIT_SCRIPT)

@@ -12,8 +12,11 @@ import torch
 from fusepatch.layers import projections
 
 
-@pytest.fixture
-def on_cpu(monkeypatch):
+@pytest.fixture(params=[0, 6, 256], ids=["separate", "some-joined", "all-joined"])
+def on_cpu(monkeypatch, request):
+    """The fused path on the CPU, with none, some (those of at most 6 outputs) or all of the tests' bias-free
+    projections (2-7 outputs) joined in one GEMM (``NARROW``)."""
+    monkeypatch.setattr(projections, "NARROW", request.param)
     monkeypatch.setattr(projections, "DEVICES", ("cpu", "cuda"))
     ran = []
     plain = projections._SharedInputLinears.apply
@@ -54,14 +57,19 @@ def test_project_equals_the_modules_with_one_accumulated_input_gradient(on_cpu, 
     got_out, got_grads = _fused(x, linears, cotangents)
     assert on_cpu == [3], "the fused path must run"
     for got, want in zip(got_out, want_out):
-        assert torch.equal(got, want)  # the same F.linear calls
+        if projections.NARROW == 0:
+            assert torch.equal(got, want)  # the same F.linear calls
+        else:  # joined: columns of one wider GEMM, summed in their own order
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert len(got_grads) == len(want_grads)
     for got, want in zip(got_grads, want_grads):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     weights = [linear.weight for linear in linears]
     biases = [linear.bias for linear in linears]
     torch.autograd.gradcheck(
-        lambda t, *p: projections._SharedInputLinears.apply(t, 3, *p, *(biases if bias else [None] * 3)),
+        lambda t, *p: projections._SharedInputLinears.apply(
+            t, 3, projections.narrow_group(linears), *p, *(biases if bias else [None] * 3)
+        ),
         (x, *weights),
     )
 
@@ -175,3 +183,14 @@ def test_project_under_autocast_casts_as_autocast_does(on_cpu, bias):
     for got, want in zip(got_grads, want_grads):
         assert got.dtype == want.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_narrow_group_joins_the_narrow_bias_free_projections(monkeypatch):
+    """Two or more bias-free projections of at most NARROW outputs share one GEMM (the Gated DeltaNet's
+    in_proj_b / in_proj_a); one narrow projection alone, or one with a bias, keeps its own."""
+    qkv, z, b, a = (torch.nn.Linear(64, n, bias=False) for n in (320, 300, 4, 4))
+    assert projections.narrow_group((qkv, z, b, a)) == (2, 3)
+    assert projections.narrow_group((qkv, b)) == ()
+    assert projections.narrow_group((b, torch.nn.Linear(64, 4))) == ()
+    monkeypatch.setattr(projections, "NARROW", 300)
+    assert projections.narrow_group((qkv, z, b, a)) == (1, 2, 3)

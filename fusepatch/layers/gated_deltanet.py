@@ -8,6 +8,7 @@ never copied for grouped value heads (the kernels take them natively), and packe
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -62,12 +63,26 @@ def _projections(self, hidden_states: torch.Tensor):
 COPY_DEVICES = ("cuda",)  # where split_channels copies (the tests add "cpu" to run that path in a model)
 
 
+@functools.cache
+def _triton_split3():
+    """fusepatch's Triton kernel for three parts (``kernels/split.py``: no host wait), where Triton imports."""
+    try:
+        from fusepatch.kernels.split import split3
+    except ImportError:  # no Triton: torch's split_with_sizes_copy
+        return None
+    return split3
+
+
 class _SplitCopy(torch.autograd.Function):
-    """The last dimension split into contiguous tensors by one vectorised kernel (torch's CUDA fast path of
-    ``split_with_sizes_copy``); the backward is one ``cat``, as ``torch.split``'s is."""
+    """The last dimension split into contiguous tensors by one kernel: on CUDA fusepatch's Triton one for three
+    parts (torch's CUDA fast path of ``split_with_sizes_copy`` copies its launch metadata to the GPU and waited
+    for it there), torch's otherwise; the backward is one ``cat``, as ``torch.split``'s is."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, sizes: list[int]):
+        split3 = _triton_split3() if x.is_cuda and len(sizes) == 3 else None
+        if split3 is not None:
+            return split3(x, sizes)
         parts = [x.new_empty(*x.shape[:-1], size) for size in sizes]
         torch.split_with_sizes_copy(x, sizes, dim=-1, out=parts)
         return tuple(parts)

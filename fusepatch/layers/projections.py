@@ -6,7 +6,8 @@ Several projections of one input (the Gated DeltaNet's ``in_proj_qkv/z/b/a``, th
 kernel per extra projection over the whole ``[tokens, hidden]`` tensor (0.88 ms of the 27B-shaped step on the
 H200: ``ViewBackward0 > aten::add``, benchmarks/RESULTS.md, session 10). ``project`` computes the same outputs
 with the same kernels and, in its backward, accumulates the input gradient in place through the GEMMs'
-``beta = 1`` (``addmm_``): no add kernels, one buffer.
+``beta = 1`` (``addmm_``): no add kernels, one buffer. The narrow ones among them (``in_proj_b`` and
+``in_proj_a``, one output per value head) share one GEMM, forward and backward (``narrow_group``).
 
 The MLP's down projection plus the decoder layer's residual (``residual + down_proj(act)``): one
 ``addmm(residual, act, W.t())`` instead of a GEMM and an add kernel (each forward, and again in the checkpoint
@@ -73,57 +74,93 @@ def plain_linears(x: torch.Tensor, linears: tuple[torch.nn.Module, ...], autocas
     return True
 
 
+NARROW = 256  # out_features up to which bias-free projections of one input share one GEMM
+
+
+def narrow_group(linears) -> tuple[int, ...]:
+    """Indices of the bias-free projections with at most ``NARROW`` outputs, when there are two or more: their
+    GEMMs are too narrow to fill the GPU, each costing about what one GEMM of their summed width does (the
+    Gated DeltaNet's ``in_proj_b`` and ``in_proj_a``, 48 outputs each at the 27B shape: 0.04 ms a GEMM, three
+    GEMMs each a layer's step, benchmarks/gemm_bench.py). One GEMM over their concatenated weights (a copy of
+    ``n x hidden`` values a step) computes them together."""
+    group = tuple(i for i, linear in enumerate(linears) if linear.bias is None and linear.out_features <= NARROW)
+    return group if len(group) > 1 else ()
+
+
 class _SharedInputLinears(torch.autograd.Function):
-    """``F.linear(x, w_i, b_i)`` for every i; the backward accumulates ``dx`` through ``addmm_``."""
+    """``F.linear(x, w_i, b_i)`` for every i; the backward accumulates ``dx`` through ``addmm_``. The projections
+    named in ``narrow`` run as one GEMM over their concatenated weights, forward and backward; their outputs are
+    views of its output."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, count: int, *params: torch.Tensor | None):
+    def forward(ctx, x: torch.Tensor, count: int, narrow: tuple[int, ...], *params: torch.Tensor | None):
         weights, biases = params[:count], params[count:]
-        ctx.count, ctx.has_bias = count, tuple(b is not None for b in biases)
+        ctx.count, ctx.narrow, ctx.has_bias = count, narrow, tuple(b is not None for b in biases)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, and costs nothing
-        ctx.save_for_backward(x, *weights)
-        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+        outs = [None if i in narrow else F.linear(x, w, b) for i, (w, b) in enumerate(zip(weights, biases))]
+        joined = None
+        if narrow:
+            joined = torch.cat([weights[i] for i in narrow])
+            sizes = [weights[i].shape[0] for i in narrow]
+            for i, out in zip(narrow, F.linear(x, joined).split(sizes, dim=-1)):
+                outs[i] = out
+        ctx.save_for_backward(x, joined, *weights)
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
-        x, *weights = ctx.saved_tensors
+        x, joined, *weights = ctx.saved_tensors
         flat = x.reshape(-1, x.shape[-1])
-        wants_x, wants = ctx.needs_input_grad[0], ctx.needs_input_grad[2:]
+        wants_x, wants = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
         dx = None
         dweights: list[torch.Tensor | None] = [None] * ctx.count
         dbiases: list[torch.Tensor | None] = [None] * ctx.count
-        for i, (grad, weight) in enumerate(zip(grads, weights)):
+        jobs = [(grad, weight, (i,)) for i, (grad, weight) in enumerate(zip(grads, weights)) if i not in ctx.narrow]
+        if ctx.narrow and any(grads[i] is not None for i in ctx.narrow):
+            parts = [
+                grads[i] if grads[i] is not None else flat.new_zeros(*x.shape[:-1], weights[i].shape[0])
+                for i in ctx.narrow
+            ]
+            jobs.append((torch.cat(parts, dim=-1), joined, ctx.narrow))
+        for grad, weight, owners in jobs:
             if grad is None:
                 continue
             grad = grad.reshape(-1, grad.shape[-1])
             if wants_x:
                 dx = grad.mm(weight) if dx is None else dx.addmm_(grad, weight)
-            if wants[i]:
-                dweights[i] = grad.t().mm(flat)
-            if ctx.has_bias[i] and wants[ctx.count + i]:
-                dbiases[i] = grad.sum(0)
+            if any(wants[i] for i in owners):
+                dweight = grad.t().mm(flat)
+                rows = [weights[i].shape[0] for i in owners]
+                for i, part in zip(owners, dweight.split(rows) if len(owners) > 1 else (dweight,)):
+                    # a narrow weight's gradient is a copy of its rows, not a view of the joined one
+                    if wants[i] and grads[i] is not None:  # an unused output's weight gets no gradient
+                        dweights[i] = part.clone() if len(owners) > 1 else part
+            if len(owners) == 1 and ctx.has_bias[owners[0]] and wants[ctx.count + owners[0]]:
+                dbiases[owners[0]] = grad.sum(0)
         if dx is not None:
             dx = dx.view(x.shape)
         elif wants_x:
             dx = torch.zeros_like(x)
-        return dx, None, *dweights, *dbiases
+        return dx, None, None, *dweights, *dbiases
 
 
 def project(x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tensor, ...]:
     """``tuple(linear(x) for linear in linears)``, with one accumulated input gradient where it can
-    (``plain_linears``); the modules themselves otherwise, or when no gradient is being recorded. Under autocast
-    (the Trainer's bf16 over fp32 weights) the input, weights and biases are cast to autocast's dtype first, as
-    autocast casts them for ``F.linear``; the casts' backward returns the weight gradients in fp32."""
+    (``plain_linears``), the narrow bias-free ones through one GEMM (``narrow_group``); the modules themselves
+    otherwise, or when no gradient is being recorded. Under autocast (the Trainer's bf16 over fp32 weights) the
+    input, weights and biases are cast to autocast's dtype first, as autocast casts them for ``F.linear``; the
+    casts' backward returns the weight gradients in fp32."""
     if len(linears) < 2 or not torch.is_grad_enabled() or not plain_linears(x, linears, autocast=True):
         return tuple(linear(x) for linear in linears)
     weights = [linear.weight for linear in linears]
     biases = [linear.bias for linear in linears]
+    narrow = narrow_group(linears)
     dtype = _autocast_dtype(x)
     if dtype is None:
-        return _SharedInputLinears.apply(x, len(linears), *weights, *biases)
+        return _SharedInputLinears.apply(x, len(linears), narrow, *weights, *biases)
     cast = [t.to(dtype) if t is not None and t.is_floating_point() else t for t in (x, *weights, *biases)]
     with torch.autocast(x.device.type, enabled=False):
-        return _SharedInputLinears.apply(cast[0], len(linears), *cast[1:])
+        return _SharedInputLinears.apply(cast[0], len(linears), narrow, *cast[1:])
 
 
 def linear_plus(linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

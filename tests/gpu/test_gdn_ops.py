@@ -229,3 +229,22 @@ def test_selftests_pass_for_every_installed_gdn_candidate():
             assert result.ok, f"{op}/{candidate.name}: {result.reason}"
             accepted.append(f"{op}/{candidate.name}")
     require(type("V", (), {"ok": bool(accepted), "reason": "no GDN candidate installed"})(), "self-tests")
+
+
+@pytest.mark.parametrize("sizes", [(2048, 2048, 6144), (256, 256, 512), (3, 300, 5)], ids=["27b", "mini", "odd"])
+def test_triton_split_of_the_conv_output(sizes):
+    """q/k/v out of the conv output (fusepatch's Triton split, which replaced torch's ``split_with_sizes_copy``
+    on CUDA): each part contiguous and equal to torch's view, rows a wider stride apart too; the layer's autograd
+    function gives ``cat`` of the gradients."""
+    from fusepatch.layers.gated_deltanet import _SplitCopy
+
+    for dtype in (torch.bfloat16, torch.float32):
+        wide = torch.randn(2, 777, sum(sizes) + 64, device="cuda", dtype=dtype)
+        for x in (wide[..., : sum(sizes)].contiguous(), wide[..., 32 : 32 + sum(sizes)]):
+            parts = _SplitCopy.apply(x, list(sizes))
+            for part, want in zip(parts, torch.split(x, list(sizes), dim=-1)):
+                assert part.is_contiguous() and torch.equal(part, want)
+    x = torch.randn(1, 300, sum(sizes), device="cuda", requires_grad=True)
+    cotangents = [torch.randn(1, 300, n, device="cuda") for n in sizes]
+    (grad,) = torch.autograd.grad(sum((p * c).sum() for p, c in zip(_SplitCopy.apply(x, list(sizes)), cotangents)), x)
+    assert torch.equal(grad, torch.cat(cotangents, dim=-1))
