@@ -203,6 +203,42 @@ def test_split_copy_of_the_conv_output():
     assert all(p._base is x for p in split_channels(x, [3, 3, 4]))  # on the CPU: torch.split's views
 
 
+def test_split_copy_tries_the_triton_split_and_says_once_when_it_fails(monkeypatch, caplog):
+    """Where the Triton split runs it makes the copies; where it fails (a Triton that cannot build kernels here)
+    the copy falls back to torch's op with one warning naming the fix, and does not try it again."""
+    from fusepatch.layers import gated_deltanet
+
+    monkeypatch.setattr(gated_deltanet, "TRITON_SPLIT_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(gated_deltanet, "_NOTED", set())
+    x = torch.randn(2, 7, 10)
+    want = torch.split(x, [3, 3, 4], dim=-1)
+    used = []
+
+    def working(t, sizes):
+        used.append(tuple(sizes))
+        return tuple(p.contiguous() for p in torch.split(t, sizes, dim=-1))
+
+    monkeypatch.setattr(gated_deltanet, "_triton_split3", lambda: working)
+    for got, expected in zip(gated_deltanet._SplitCopy.apply(x, [3, 3, 4]), want):
+        assert torch.equal(got, expected)
+    assert used == [(3, 3, 4)]
+    gated_deltanet._SplitCopy.apply(x, [5, 5])  # two parts: torch's op
+    assert used == [(3, 3, 4)]
+
+    def broken(t, sizes):
+        used.append("broken")
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(gated_deltanet, "_triton_split3", lambda: broken)
+    with caplog.at_level("WARNING", logger="fusepatch"):
+        for _ in range(2):
+            for got, expected in zip(gated_deltanet._SplitCopy.apply(x, [3, 3, 4]), want):
+                assert got.is_contiguous() and torch.equal(got, expected)
+    assert used.count("broken") == 1, "tried once, then torch's op"
+    warnings = [r.getMessage() for r in caplog.records if "Triton q/k/v split failed" in r.getMessage()]
+    assert len(warnings) == 1 and "PTX assembly failed" in warnings[0] and "pip install triton" in warnings[0]
+
+
 @pytest.mark.parametrize("model_type", HYBRID)
 def test_gated_deltanet_with_split_copies_equals_the_unpatched_model(monkeypatch, model_type):
     """The linear-attention layer with q/k/v as split copies (the GPU path; on the CPU here): the patched model's

@@ -61,6 +61,8 @@ def _projections(self, hidden_states: torch.Tensor):
 
 
 COPY_DEVICES = ("cuda",)  # where split_channels copies (the tests add "cpu" to run that path in a model)
+TRITON_SPLIT_DEVICES = ("cuda",)  # where the copy tries fusepatch's Triton split first (the tests add "cpu")
+_SPLIT_FAILED = "triton-split"  # in _NOTED once the Triton split failed here: torch's op from then on
 
 
 @functools.cache
@@ -73,6 +75,32 @@ def _triton_split3():
     return split3
 
 
+def _triton_split(x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...] | None:
+    """The Triton split's parts, or None where it does not run: not three parts, not a device it runs on, no
+    Triton, or a Triton that failed to build or launch it here (a broken install, which the ops' self-tests
+    refuse on their own: the layer must still run). That failure is said once and torch's op is used from then
+    on, never silently."""
+    if len(sizes) != 3 or x.device.type not in TRITON_SPLIT_DEVICES or _SPLIT_FAILED in _NOTED:
+        return None
+    split3 = _triton_split3()
+    if split3 is None:
+        return None
+    try:
+        return split3(x, sizes)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # compile and launch errors of a Triton that cannot build kernels here
+        _NOTED.add(_SPLIT_FAILED)
+        logger.warning(
+            "fusepatch: the Gated DeltaNet's Triton q/k/v split failed here (%s: %s); the layers split with torch's "
+            "split_with_sizes_copy from now on (one wait for the GPU a layer). Fix: install the Triton your torch "
+            "was built with (pip install triton)",
+            type(exc).__name__,
+            exc,
+        )
+        return None
+
+
 class _SplitCopy(torch.autograd.Function):
     """The last dimension split into contiguous tensors by one kernel: on CUDA fusepatch's Triton one for three
     parts (torch's CUDA fast path of ``split_with_sizes_copy`` copies its launch metadata to the GPU and waited
@@ -80,9 +108,9 @@ class _SplitCopy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, sizes: list[int]):
-        split3 = _triton_split3() if x.is_cuda and len(sizes) == 3 else None
-        if split3 is not None:
-            return split3(x, sizes)
+        split = _triton_split(x, sizes)
+        if split is not None:
+            return split
         parts = [x.new_empty(*x.shape[:-1], size) for size in sizes]
         torch.split_with_sizes_copy(x, sizes, dim=-1, out=parts)
         return tuple(parts)
