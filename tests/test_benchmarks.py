@@ -147,3 +147,21 @@ def test_norm_sweep_runs_every_configuration_in_the_interpreter(tmp_path):
     sites = {row["site"] for row in rows}
     assert len(sites) == 4 and all(any(r["default"] for r in rows if r["site"] == site) for site in sites)
     assert max(max(r["err_y"], r["err_dx"], r["err_dw"]) for r in rows) < 2e-2
+
+
+def test_gemm_bench_sites_and_formulations():
+    """The GEMM bench's sites count what fusepatch's step runs (the joined in_proj_b + a, not the separate pair,
+    which is timed for comparison only), and every formulation of a role computes the same matrix."""
+    import torch
+    from gemm_bench import formulations, sites
+    from shapes import SHAPES
+
+    calls = {name: (k, n, c) for name, k, n, c in sites(SHAPES["27b"])}
+    assert calls["gdn in_proj_b + a joined (fusepatch)"] == (5120, 96, 6)
+    assert calls["gdn in_proj_b / a separate (hf; per GEMM, 2 a layer)"][2] == 0
+    assert calls["mlp gate / up"] == (5120, 17408, 16) and calls["lm_head"] == (5120, 248320, 1)
+    x, w, dy = (torch.randn(*s, dtype=torch.float64) for s in ((64, 32), (48, 32), (64, 48)))
+    for forms in formulations(x, w, dy).values():
+        first = next(iter(forms.values()))()
+        for fn in forms.values():
+            torch.testing.assert_close(fn(), first)
