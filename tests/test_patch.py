@@ -138,7 +138,11 @@ def test_report_table_and_json():
     ops = {op["op"]: op for op in layers["Qwen3_5MoeGatedDeltaNet"]["ops"]}
     assert set(ops) == {"causal_conv1d", "gated_delta_rule", "gated_rms_norm"}
     assert ops["gated_delta_rule"]["chosen"] == "eager"
-    assert {r["candidate"] for r in ops["gated_delta_rule"]["rejected"]} >= {"fla", "fla-gate-outside"}
+    assert {r["candidate"] for r in ops["gated_delta_rule"]["rejected"]} >= {
+        "fla-saved-states",
+        "fla",
+        "fla-gate-outside",
+    }
     assert [op["op"] for op in layers["Qwen3_5MoeExperts"]["ops"]] == ["moe_experts"]
     assert fusepatch.report(model).patched == report.newly_patched
 

@@ -304,6 +304,12 @@ def _load_fla_graphed():
     return gated_delta_rule_fla_graphed
 
 
+def _load_fla_saved_states():
+    from fusepatch.ops import fla_saved_states
+
+    return fla_saved_states.load()
+
+
 def _selftest_inputs(device, dtype, generator, packed=True, dims=None):
     # Odd length, grouped value heads; packed: a row of three documents. Head sizes: the layer's when known.
     dims = dims or {}
@@ -357,6 +363,18 @@ GATED_DELTA_RULE = Op(
             provides="fla.ops.gated_delta_rule.chunk_gated_delta_rule (as 'fla'), replayed from CUDA graphs per shape",
             distribution="fla-core",
             varlen=False,  # packed rows: new boundaries every step, and fla reads them on the CPU
+        ),
+        Candidate(
+            name="fla-saved-states",
+            source="pip",
+            requirements=fla_backward_requirements("fla.ops.gated_delta_rule"),
+            load=_load_fla_saved_states,
+            inputs=FLA_INPUTS,
+            provides=(
+                "fla's chunked delta rule kernels (fla.ops.gated_delta_rule.chunk), the chunk states kept from the "
+                "forward instead of recomputed in the backward"
+            ),
+            distribution="fla-core",
         ),
         Candidate(
             name="fla",

@@ -56,7 +56,7 @@ GDN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", ["fla-graphed", "fla", "fla-gate-outside"])
+@pytest.mark.parametrize("name", ["fla-graphed", "fla-saved-states", "fla", "fla-gate-outside"])
 @pytest.mark.parametrize("shape, dtype", GDN_CASES)
 def test_gated_delta_rule(name, shape, dtype, monkeypatch):
     monkeypatch.setenv("FUSEPATCH_CUDA_GRAPHS", "1")  # fla-graphed is opt-in
@@ -106,6 +106,41 @@ def test_fla_with_fusepatch_chunk_table_equals_fla_building_its_own():
     for name, with_table, own, again in zip(names, *results):
         noise = (own - again).abs().max()
         assert (with_table - own).abs().max() <= 2 * noise, (name, noise)
+
+
+@pytest.mark.parametrize(
+    "batch, length, bounds",
+    [(1, 301, None), (3, 200, None), (1, 700, [0, 64, 65, 400, 700])],
+    ids=["1x301", "3x200", "packed"],
+)
+def test_saved_states_equal_fla(batch, length, bounds):
+    """fla-saved-states runs fla's kernels in fla's order on the same inputs and keeps the forward's WY keys, chunk
+    states and corrected values instead of recomputing them in the backward (the same kernels on the same inputs):
+    the output and every gradient must be fla's bit for bit, or where fla's own two runs differ (atomic sums in
+    its backward), no further off than they are. q, k and v are views of one conv output, as the layer without
+    the Triton split passes them; packed rows include a one-token document. The fp64 reference check is
+    test_gated_delta_rule[...fla-saved-states]."""
+    saved = kernel("gated_delta_rule", "fla-saved-states", torch.bfloat16)
+    plain = kernel("gated_delta_rule", "fla", torch.bfloat16)
+    hk, hv, d = 2, 4, 64
+    mixed = torch.randn(batch, length, (2 * hk + hv) * d, device="cuda")
+    a, b = torch.randn(batch, length, hv, device="cuda"), torch.randn(batch, length, hv, device="cuda")
+    A_log, dt_bias = torch.empty(hv, device="cuda").uniform_(1, 16).log(), torch.randn(hv, device="cuda")
+    leaves = [t.to(torch.bfloat16) for t in (mixed, a, b, A_log, dt_bias)]
+    kwargs = {"cu_seqlens": torch.tensor(bounds, device="cuda", dtype=torch.int32)} if bounds else {}
+    cot = torch.randn(batch, length, hv, d, device="cuda", dtype=torch.bfloat16)
+
+    def run(fn):
+        x = [t.detach().clone().requires_grad_(True) for t in leaves]
+        q, k, v = torch.split(x[0], [hk * d, hk * d, hv * d], dim=-1)
+        shape = (batch, length)
+        out = fn(q.reshape(*shape, hk, d), k.reshape(*shape, hk, d), v.reshape(*shape, hv, d), *x[1:], **kwargs)
+        return [out.detach().float(), *(g.float() for g in torch.autograd.grad(out, x, cot))]
+
+    names = ["out", "d_mixed", "da", "db", "dA_log", "ddt_bias"]
+    for name, got, own, again in zip(names, run(saved), run(plain), run(plain)):
+        noise = (own - again).abs().max()
+        assert (got - own).abs().max() <= 2 * noise, (name, (got - own).abs().max().item(), noise.item())
 
 
 @pytest.mark.parametrize("batch, length", [(1, 301), (3, 200)])

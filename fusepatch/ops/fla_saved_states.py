@@ -1,0 +1,121 @@
+"""fla's chunked gated delta rule with its chunk states kept from the forward for the backward.
+
+fla's own autograd function saves only its inputs and the WY matrix ``A``, and its backward first recomputes the
+WY keys ``w`` (``recompute_w_u_fwd``) and then the per-chunk states ``h`` and corrected values ``v_new`` (a
+sequential scan over the chunks, ``chunk_gated_delta_rule_fwd_h``) before it starts on the gradients. Here the
+forward keeps ``w``, ``h`` and ``v_new`` (at the Qwen3.5-27B layer shape, 4096 tokens: 50 + 101 + 50 MB a layer in
+bf16) and the backward starts on the gradients at once. The kernels, their order and their inputs are fla's
+(fla-core 0.5-0.6, equal-length and packed rows, no carried state), so the results are fla's: the forward
+output bit for bit, the gradients to fla's own run-to-run noise (its backward sums with atomics).
+
+Under activation checkpointing the kept tensors live only from a layer's recomputed forward to its backward.
+``FUSEPATCH_SKIP=gated_delta_rule/fla-saved-states`` picks fla's own function, which recomputes them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusepatch.ops._common import check_fla_signatures
+
+CHUNK = 64
+SKIP = "gated_delta_rule/fla-saved-states"
+
+# fla's functions called here and every keyword fusepatch passes them (tests/test_fla_saved_states.py checks
+# the table against the calls): check_fla_signatures refuses an fla-core that lost one
+NEEDS = {
+    "gdn_gate_chunk_cumsum": {"g", "A_log", "dt_bias", "scale", "chunk_size", "cu_seqlens", "chunk_indices"},
+    "chunk_gated_delta_rule_fwd_intra": {"k", "v", "g", "beta", "cu_seqlens", "chunk_indices", "chunk_size"},
+    "chunk_gated_delta_rule_fwd_h": {
+        *("k", "w", "u", "g", "initial_state", "output_final_state", "chunk_size", "cu_seqlens", "chunk_indices")
+    },
+    "chunk_fwd_o": {"q", "k", "v", "h", "g", "scale", "cu_seqlens", "chunk_indices", "chunk_size"},
+    "chunk_bwd_dv_local": {"q", "k", "g", "do", "scale", "cu_seqlens", "chunk_indices", "chunk_size"},
+    "chunk_gated_delta_rule_bwd_dhu": {
+        *("q", "k", "w", "g", "h0", "dht", "do", "dv", "scale", "chunk_size", "cu_seqlens", "chunk_indices")
+    },
+    "chunk_bwd_dqkwg": {
+        *("q", "k", "v", "w", "g", "h", "dv", "do", "dh", "scale", "chunk_size", "cu_seqlens", "chunk_indices")
+    },
+    "prepare_wy_repr_bwd": {"k", "v", "beta", "g", "A", "dw", "du", "cu_seqlens", "chunk_indices"},
+    "chunk_local_cumsum": {"g", "chunk_size", "reverse", "cu_seqlens", "chunk_indices"},
+    "gdn_gate_bwd": {"g", "A_log", "dt_bias", "dyg"},
+    "l2norm_fwd": set(),
+    "l2norm_bwd": set(),
+    "fused_beta_sigmoid": {"scale"},
+    "fused_beta_sigmoid_bwd": {"scale"},
+}
+
+
+def load():
+    """The op function (``gated_delta_rule`` signature), after checking fla's functions take what is passed."""
+    from fla.ops.gated_delta_rule import chunk as fla
+    from fla.ops.utils.constant import RCP_LN2
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from fusepatch.ops.gated_delta_rule import chunk_table
+
+    check_fla_signatures(fla, NEEDS, SKIP)
+
+    class SavedStates(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cuda")
+        def forward(ctx, q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices):
+            places = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+            with torch.cuda.device(q.device):
+                q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
+                q_n, q_rstd = fla.l2norm_fwd(q)
+                k_n, k_rstd = fla.l2norm_fwd(k)
+                beta = fla.fused_beta_sigmoid(b, scale=1.0)
+                # the decay, cumulated within each chunk, in log2 space (fla's kernels use exp2)
+                g = fla.gdn_gate_chunk_cumsum(
+                    g=a, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2, chunk_size=CHUNK, **places
+                )
+                w, u, A = fla.chunk_gated_delta_rule_fwd_intra(k=k_n, v=v, g=g, beta=beta, chunk_size=CHUNK, **places)
+                h, v_new, _ = fla.chunk_gated_delta_rule_fwd_h(
+                    k=k_n, w=w, u=u, g=g, initial_state=None, output_final_state=False, chunk_size=CHUNK, **places
+                )
+                del u  # only the scan reads it; v_new is what the output and the backward read
+                scale = k.shape[-1] ** -0.5
+                o = fla.chunk_fwd_o(q=q_n, k=k_n, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK, **places)
+            ctx.save_for_backward(q_n, q_rstd, k_n, k_rstd, v, a, b, A_log, dt_bias, g, beta, A, w, h, v_new)
+            ctx.places = places
+            ctx.scale = scale
+            return o.to(q.dtype)
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="cuda")
+        def backward(ctx, do):
+            q_n, q_rstd, k_n, k_rstd, v, a, b, A_log, dt_bias, g, beta, A, w, h, v_new = ctx.saved_tensors
+            places, scale = ctx.places, ctx.scale
+            with torch.cuda.device(do.device):
+                do = do.contiguous()
+                dv = fla.chunk_bwd_dv_local(q=q_n, k=k_n, g=g, do=do, scale=scale, chunk_size=CHUNK, **places)
+                dh, _, dv = fla.chunk_gated_delta_rule_bwd_dhu(
+                    q=q_n, k=k_n, w=w, g=g, h0=None, dht=None, do=do, dv=dv, scale=scale, chunk_size=CHUNK, **places
+                )
+                dq, dk, dw, dg = fla.chunk_bwd_dqkwg(
+                    q=q_n, k=k_n, v=v_new, w=w, g=g, h=h, dv=dv, do=do, dh=dh, scale=scale, chunk_size=CHUNK, **places
+                )
+                del dh
+                dk2, dv, db, dg2 = fla.prepare_wy_repr_bwd(k=k_n, v=v, beta=beta, g=g, A=A, dw=dw, du=dv, **places)
+                dk.add_(dk2)
+                dg.add_(dg2)
+                dg = fla.chunk_local_cumsum(dg, chunk_size=CHUNK, reverse=True, **places)
+                da, dA_log, ddt_bias = fla.gdn_gate_bwd(g=a, A_log=A_log, dt_bias=dt_bias, dyg=dg)
+                dq = fla.l2norm_bwd(q_n, q_rstd, dq)
+                dk = fla.l2norm_bwd(k_n, k_rstd, dk)
+                db = fla.fused_beta_sigmoid_bwd(b, db, scale=1.0)
+            grads = (dq, dk, dv, da, db, dA_log, ddt_bias)
+            dtypes = (q_n.dtype, k_n.dtype, v.dtype, a.dtype, b.dtype, A_log.dtype, dt_bias.dtype)
+            return (*(d.to(dtype) for d, dtype in zip(grads, dtypes)), None, None)
+
+    def gated_delta_rule_fla_saved_states(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
+        table = None
+        if cu_seqlens is not None:
+            table = chunk_table(cu_seqlens)
+            if table is None:  # boundaries without host values: fla's own table (it reads them on the host)
+                table = prepare_chunk_indices(cu_seqlens, CHUNK)
+        return SavedStates.apply(q, k, v, a, b, A_log, dt_bias, cu_seqlens, table)
+
+    return gated_delta_rule_fla_saved_states
