@@ -113,7 +113,7 @@ EOF
     # the loss alone at a shape's real sizes: eager logits vs the fused candidates vs Liger
     need_tilelang
     pipi /tmp/site-fla .whl/fla_core-*.whl .whl/liger_kernel-*.whl 2>/dev/null
-    PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${LOSS_TIMEOUT:-150} python3 benchmarks/loss_bench.py --shape "${2:-27b}" \
+    PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${LOSS_TIMEOUT:-150} python3 benchmarks/loss_bench.py --shape "${2:-27b}" --kernels \
       --json-out "$OUT/loss-${2:-27b}.json" 2>&1 | tee "$OUT/loss-${2:-27b}.md" ;;
   norm)
     # the RMSNorm candidates alone, fixed and varying row counts (benchmarks/norm_bench.py); `norm sweep`:

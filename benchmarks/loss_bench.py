@@ -35,6 +35,12 @@ def implementations(fla_budgets: list[int] = (), tokens: int = 4096, vocab: int 
     # eager: transformers' path (full logits in the model dtype, upcast, mean over the labelled tokens)
     found = {"eager (full logits)": eager, "fusepatch torch-chunked": linear_cross_entropy_chunked}
     try:
+        candidate = next(c for c in LINEAR_CROSS_ENTROPY.candidates if c.name == "triton")
+        os.environ.pop("FUSEPATCH_CE_LOGITS_MIB", None)
+        found[f"fusepatch triton (its own kernel, chunk logits <= {DEFAULT_LOGITS_MIB} MiB)"] = candidate.load()
+    except ImportError as exc:
+        print(f"triton not importable: {exc}", file=sys.stderr)
+    try:
         from fla.modules.fused_linear_cross_entropy import fused_linear_cross_entropy_loss
 
         found["fla, fp32 weight-grad accumulation (fla's default)"] = lambda h, w, y: fused_linear_cross_entropy_loss(
@@ -71,6 +77,64 @@ def implementations(fla_budgets: list[int] = (), tokens: int = 4096, vocab: int 
     return found
 
 
+def kernel_rows(tokens: int, vocab: int, steps: int) -> list[dict]:
+    """The cross-entropy kernels alone on one chunk's bf16 logits (what the loop runs between its GEMMs): fla's
+    forward, its forward + backward, fusepatch's kernel without and with the gradient, and the latter at other
+    launch configurations (BLOCK, warps). CUDA events around ``steps`` back-to-back calls; the gradient is written
+    over the logits in place, so later calls read gradients (timing does not depend on the values)."""
+    from fusepatch.kernels import cross_entropy as own
+
+    logits = torch.randn(tokens, vocab, device="cuda", dtype=torch.bfloat16)
+    target = torch.randint(0, vocab, (tokens,), device="cuda")
+    target[::11] = -100
+    inverse = torch.full((1,), 1 / tokens, device="cuda")
+    calls = {}
+    try:
+        from fla.modules.fused_cross_entropy import ops
+
+        def fla_both():
+            _, _, lse, classes, first = ops.cross_entropy_fwd(logits=logits, target=target, ignore_index=-100)
+            ops.cross_entropy_bwd(
+                logits=logits, target=target, lse=lse, dloss=inverse.expand(tokens), ignore_index=-100,
+                total_classes=classes, class_start_idx=first, inplace_backward=True,
+            )  # fmt: skip
+
+        calls["fla forward"] = lambda: ops.cross_entropy_fwd(logits=logits, target=target, ignore_index=-100)
+        calls["fla forward + backward"] = fla_both
+    except ImportError as exc:
+        print(f"fla not importable: {exc}", file=sys.stderr)
+    default = (own.BLOCK, own.WARPS)
+    for block, warps in [default, (2048, 4), (4096, 4), (8192, 8), (8192, 16), (16384, 16)]:
+        tag = "default" if (block, warps) == default else f"BLOCK {block}, {warps} warps"
+        for grad in (False, True):
+
+            def run(block=block, warps=warps, grad=grad):
+                own.BLOCK, own.WARPS = block, warps
+                try:
+                    own.cross_entropy_(logits, target, inverse, -100, grad)
+                finally:
+                    own.BLOCK, own.WARPS = default
+
+            calls[f"fusepatch {'loss + gradient' if grad else 'loss'} ({tag})"] = run
+    rows = []
+    bytes_read = logits.numel() * logits.element_size()
+    for name, fn in calls.items():
+        try:
+            fn()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end) / steps
+            rows.append({"kernels": name, "ms": round(ms, 3), "logits GB/s read once": round(bytes_read / ms / 1e6)})
+        except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is a row
+            rows.append({"kernels": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="27b")
@@ -83,6 +147,7 @@ def main() -> int:
         default="512,1024,2048",
         help="FUSEPATCH_CE_LOGITS_MIB values to measure (MiB, comma-separated)",
     )
+    parser.add_argument("--kernels", action="store_true", help="also time the cross-entropy kernels alone")
     args = parser.parse_args()
     budgets = [int(x) for x in args.fla_budgets.split(",") if x.strip()]
     config = build_config(args.shape, 1).get_text_config()
@@ -145,6 +210,16 @@ def main() -> int:
                 f"| {r['impl']} | {r['median_ms']} | {r['extra_peak_gib']} | {r['err_loss']:.3g} | "
                 f"{r['err_dhidden']:.1e} | {r['err_dweight']:.1e} |"
             )
+    if args.kernels:
+        del hidden, weight, reference
+        torch.cuda.empty_cache()
+        kernels = kernel_rows(args.tokens, vocab, args.steps)
+        print(f"\nthe cross-entropy kernels alone, {args.tokens} x {vocab} bf16 logits, {args.steps} calls each")
+        print("| kernels | ms a call | logits read once, GB/s |")
+        print("| --- | ---: | ---: |")
+        for r in kernels:
+            print(f"| {r['kernels']} | {r.get('ms', r.get('error'))} | {r.get('logits GB/s read once', '')} |")
+        rows.append({"kernels": kernels})
     if args.json_out:
         with open(args.json_out, "w") as fh:
             json.dump(rows, fh, indent=2)

@@ -228,7 +228,8 @@ LOSS_BACKWARD_SCRIPT = textwrap.dedent(
     import pytest
     import torch
     from fusepatch.kernels.scale import scale_unless_one_
-    from fusepatch.ops.linear_cross_entropy import _FlaLinearCrossEntropy, linear_cross_entropy_reference
+    from fusepatch.kernels.cross_entropy import cross_entropy_
+    from fusepatch.ops.linear_cross_entropy import _LinearCrossEntropyLoop, linear_cross_entropy_reference
 
     # the kernel: scales in place by a device scalar, leaves the tensor alone when it is 1, any length
     for n in (1, 4095, 4097, 10001, 40961):  # 40961: more blocks than programs, each program strides
@@ -243,19 +244,7 @@ LOSS_BACKWARD_SCRIPT = textwrap.dedent(
             before = x.clone()
             assert torch.equal(scale_unless_one_(x, torch.tensor(1.0)), before)
 
-    # the autograd function of fusepatch's loop around fla's kernels, with stand-ins for them (fla's contract:
-    # per-token loss and log-sum-exp; the logits overwritten by (softmax - onehot) * dloss, 0 where ignored)
-    def ce_forward(logits, target, ignore_index):
-        lse = logits.logsumexp(-1)
-        picked = logits.gather(1, target.clamp_min(0)[:, None]).squeeze(1)
-        return torch.where(target != ignore_index, lse - picked, 0.0), None, lse, logits.shape[1], 0
-
-    def ce_backward(logits, target, lse, dloss, ignore_index, total_classes, class_start_idx, inplace_backward):
-        probs = (logits - lse[:, None]).exp()
-        probs[torch.arange(len(target)), target.clamp_min(0)] -= 1.0
-        logits.copy_(probs * torch.where(target != ignore_index, dloss, 0.0)[:, None])
-        return logits
-
+    # fusepatch's chunk loop (3 chunks of 16 tokens) around its own cross-entropy kernel
     torch.manual_seed(0)
     hidden = torch.randn(37, 16, requires_grad=True)
     weight = torch.randn(50, 16, requires_grad=True)
@@ -264,7 +253,7 @@ LOSS_BACKWARD_SCRIPT = textwrap.dedent(
     count = (labels != -100).sum().float()
 
     def loss_fn():
-        return _FlaLinearCrossEntropy.apply(hidden, weight, labels, count, -100, 16, (ce_forward, ce_backward), True)
+        return _LinearCrossEntropyLoop.apply(hidden, weight, labels, count, -100, 16, cross_entropy_, True)
 
     for scale in (1.0, 3.0):  # the loss's gradient 1 (plain training: skipped) or not (averaged, scaled)
         loss = loss_fn()
@@ -285,6 +274,47 @@ LOSS_BACKWARD_SCRIPT = textwrap.dedent(
 
 def test_fused_loss_backward_scales_the_stored_gradients_in_the_interpreter():
     _run_in_interpreter(LOSS_BACKWARD_SCRIPT)
+
+
+CROSS_ENTROPY_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from fusepatch.kernels.cross_entropy import BLOCK, cross_entropy_
+    from fusepatch.ops._common import relative_error
+
+    torch.manual_seed(0)
+    # vocabularies under one block, one past a block, several blocks with a ragged last one; rows of ignored
+    # labels; logits with a large offset (the running maximum must keep exp in range); fp32 and bf16
+    for vocab in (50, BLOCK + 1, 2 * BLOCK + 777):
+        # fp32: the log-sum-exp of logits near 200 carries fp32 rounding (~1e-5) into every probability
+        for dtype, tol in ((torch.float32, 3e-5), (torch.bfloat16, 1e-2)):
+            logits = (torch.randn(7, vocab) * 4 + torch.arange(7)[:, None] * 30.0).to(dtype)
+            target = torch.randint(0, vocab, (7,))
+            target[2] = -100
+            target[4] = vocab - 1  # the last column, in the ragged block
+            wide = logits.double()
+            lse = wide.logsumexp(-1)
+            picked = wide.gather(1, target.clamp_min(0)[:, None]).squeeze(1)
+            valid = target != -100
+            want_loss = torch.where(valid, lse - picked, 0.0)
+            inverse = torch.tensor([1 / 6])
+            want_grad = (wide - lse[:, None]).exp()
+            want_grad[torch.arange(7), target.clamp_min(0)] -= 1.0
+            want_grad *= torch.where(valid, 1 / 6, 0.0)[:, None]
+            loss = cross_entropy_(logits.clone(), target, inverse, -100, False)
+            assert loss.dtype == torch.float32 and relative_error(loss, want_loss) < 1e-6, (vocab, dtype)
+            grad = logits.clone()
+            loss = cross_entropy_(grad, target, inverse, -100, True)
+            assert relative_error(loss, want_loss) < 1e-6, (vocab, dtype)
+            assert grad.dtype == dtype and relative_error(grad, want_grad) < tol, (vocab, dtype)
+            assert grad[2].abs().sum() == 0  # an ignored row: zero gradient
+    print("ok")
+    """
+)
+
+
+def test_cross_entropy_kernel_matches_the_reference_in_the_interpreter():
+    _run_in_interpreter(CROSS_ENTROPY_SCRIPT)
 
 
 SPLIT_SCRIPT = textwrap.dedent(

@@ -17,7 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fusepatch.ops._common import check_fla_signatures, fla_requirements, rand
+from fusepatch.ops._common import check_fla_signatures, fla_requirements, own_triton_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import InputRule, TorchVersion
 
@@ -132,11 +132,12 @@ def fla_num_chunks(tokens: int, vocab: int, element_size: int, budget_bytes: int
     return max(1, -(-tokens // fla_chunk_tokens(vocab, element_size, budget_bytes)))
 
 
-class _FlaLinearCrossEntropy(torch.autograd.Function):
-    """fusepatch's chunk loop around fla's cross-entropy kernels. Per chunk of tokens: the logits (one GEMM),
-    fla's loss/log-sum-exp kernel, fla's logits-gradient kernel written over the logits with every token's
-    gradient already divided by the loss's denominator, then the hidden-state gradient (a GEMM into its rows)
-    and the weight gradient (the first chunk's GEMM writes it, later chunks add to it).
+class _LinearCrossEntropyLoop(torch.autograd.Function):
+    """fusepatch's chunk loop around a cross-entropy kernel. Per chunk of tokens: the logits (one GEMM), the
+    kernel's per-token losses with the logits' gradient written over them, every token's gradient already divided
+    by the loss's denominator, then the hidden-state gradient (a GEMM into its rows) and the weight gradient (the
+    first chunk's GEMM writes it, later chunks add to it). ``ce(logits, target, inverse, ignore_index, grad)``
+    is the kernel: fusepatch's (kernels/cross_entropy.py, one launch) or fla's two functions (``_fla_ce``).
 
     Why not fla's ``fused_linear_cross_entropy_fwd``: it zero-fills the weight gradient (2.5 GB at the 27B
     shape) and then adds every chunk into it, the first included (1.56 ms of fill plus a GEMM that reads the
@@ -146,11 +147,10 @@ class _FlaLinearCrossEntropy(torch.autograd.Function):
     gradients by the incoming one, and skips that when it is 1 (plain training)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, denominator, ignore_index: int, chunk: int, kernels, grad_wanted: bool):
-        ce_forward, ce_backward = kernels
+    def forward(ctx, hidden, weight, labels, denominator, ignore_index: int, chunk: int, ce, grad_wanted: bool):
         # under no_grad (evaluation) needs_input_grad still says True: the caller says whether a backward can come
         needs_grad = grad_wanted and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
-        # fla's kernels launch on the current device: make it the inputs' (as fla's own input_guard does)
+        # the kernels launch on the current device: make it the inputs' (as fla's own input_guard does)
         on_device = torch.cuda.device(hidden.device) if hidden.device.type == "cuda" else contextlib.nullcontext()
         with on_device:
             hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
@@ -163,19 +163,8 @@ class _FlaLinearCrossEntropy(torch.autograd.Function):
                 end = min(start + chunk, tokens)
                 h, y = hidden[start:end], labels[start:end]
                 logits = torch.mm(h, weight.t())
-                loss, _, lse, classes, first_class = ce_forward(logits=logits, target=y, ignore_index=ignore_index)
-                losses[start:end] = loss
-                if needs_grad:
-                    ce_backward(
-                        logits=logits,
-                        target=y,
-                        lse=lse,
-                        dloss=inverse.expand(end - start),
-                        ignore_index=ignore_index,
-                        total_classes=classes,
-                        class_start_idx=first_class,
-                        inplace_backward=True,
-                    )
+                losses[start:end] = ce(logits, y, inverse, ignore_index, needs_grad)
+                if needs_grad:  # the logits now hold their gradient
                     torch.mm(logits, weight, out=grad_hidden[start:end])
                     if grad_weight is None:
                         grad_weight = torch.mm(logits.t(), h)
@@ -183,7 +172,7 @@ class _FlaLinearCrossEntropy(torch.autograd.Function):
                         grad_weight.addmm_(logits.t(), h)
                 # freed before the next chunk's GEMM allocates its logits, else two chunks' logits live at once
                 # (fla's loop has that peak: 0.6 GiB over Liger's at the Qwen3-32B shape, session 10)
-                del logits, loss, lse
+                del logits
             if needs_grad and grad_weight is None:  # no tokens at all
                 grad_weight = torch.zeros_like(weight)
             total = losses.sum() / denominator
@@ -198,14 +187,33 @@ class _FlaLinearCrossEntropy(torch.autograd.Function):
 
         if ctx.done:  # the stored gradients were scaled in place by the first backward
             raise RuntimeError(
-                "fusepatch's fused linear cross-entropy (fla) supports one backward per forward; for a second "
-                "backward through the same graph set FUSEPATCH_SKIP=linear_cross_entropy/fla"
+                "fusepatch's fused linear cross-entropy supports one backward per forward (the first scales its "
+                "stored gradients in place); for a second backward through the same graph set "
+                f"FUSEPATCH_SKIP={LOOP_SKIP} (the torch-chunked loss keeps them)"
             )
         ctx.done = True
         grad_hidden, grad_weight = ctx.saved_tensors
         factor = grad_output.detach().float()
         grads = scale_unless_one_(grad_hidden, factor), scale_unless_one_(grad_weight, factor)
         return *grads, None, None, None, None, None, None
+
+
+LOOP_SKIP = "linear_cross_entropy/triton,linear_cross_entropy/fla"  # every candidate that runs the loop
+
+
+def _loop(ce):
+    """The op function: the chunk loop around ``ce`` (chunk length from FUSEPATCH_CE_LOGITS_MIB, read once)."""
+    budget = fla_chunk_budget()
+
+    def linear_cross_entropy_loop(hidden, weight, labels, ignore_index: int = -100, num_items_in_batch=None):
+        # the GEMMs run in the weight's dtype (tensor cores for bf16, fp32 accumulation inside each GEMM; fla's
+        # own default accumulates the weight gradient in fp32 SIMT GEMMs: 222 ms of a 430 ms 27B step)
+        chunk = fla_chunk_tokens(weight.shape[0], hidden.element_size(), budget)
+        denominator = _denominator(labels, ignore_index, num_items_in_batch)
+        grad_wanted = torch.is_grad_enabled()
+        return _LinearCrossEntropyLoop.apply(hidden, weight, labels, denominator, ignore_index, chunk, ce, grad_wanted)
+
+    return linear_cross_entropy_loop
 
 
 FLA_KERNELS = {  # fla function -> the parameters fusepatch passes it
@@ -227,20 +235,30 @@ def _load_fla():
     from fla.modules.fused_cross_entropy import ops
 
     check_fla_signatures(ops, FLA_KERNELS, "linear_cross_entropy/fla")
-    kernels = (ops.cross_entropy_fwd, ops.cross_entropy_bwd)
-    budget = fla_chunk_budget()
+    ce_forward, ce_backward = ops.cross_entropy_fwd, ops.cross_entropy_bwd
 
-    def linear_cross_entropy_fla(hidden, weight, labels, ignore_index: int = -100, num_items_in_batch=None):
-        # the GEMMs run in the weight's dtype (tensor cores for bf16, fp32 accumulation inside each GEMM; fla's
-        # own default accumulates the weight gradient in fp32 SIMT GEMMs: 222 ms of a 430 ms 27B step)
-        chunk = fla_chunk_tokens(weight.shape[0], hidden.element_size(), budget)
-        denominator = _denominator(labels, ignore_index, num_items_in_batch)
-        grad_wanted = torch.is_grad_enabled()
-        return _FlaLinearCrossEntropy.apply(
-            hidden, weight, labels, denominator, ignore_index, chunk, kernels, grad_wanted
-        )
+    def fla_ce(logits, target, inverse, ignore_index: int, grad: bool):
+        loss, _, lse, classes, first_class = ce_forward(logits=logits, target=target, ignore_index=ignore_index)
+        if grad:
+            ce_backward(
+                logits=logits,
+                target=target,
+                lse=lse,
+                dloss=inverse.expand(logits.shape[0]),
+                ignore_index=ignore_index,
+                total_classes=classes,
+                class_start_idx=first_class,
+                inplace_backward=True,
+            )
+        return loss
 
-    return linear_cross_entropy_fla
+    return _loop(fla_ce)
+
+
+def _load_triton():
+    from fusepatch.kernels.cross_entropy import cross_entropy_
+
+    return _loop(cross_entropy_)
 
 
 def _inputs(device, dtype, generator, packed=False, dims=None):
@@ -262,6 +280,11 @@ LINEAR_CROSS_ENTROPY = Op(
     summary="lm_head + cross-entropy without materialising the tokens x vocab logits",
     reference=linear_cross_entropy_reference,
     candidates=(
+        own_triton_candidate(
+            _load_triton,
+            "fusepatch's fused linear cross-entropy",
+            "fusepatch.kernels.cross_entropy (loss and logits gradient in one kernel) in fusepatch's chunk loop",
+        ),
         Candidate(
             name="fla",
             source="pip",

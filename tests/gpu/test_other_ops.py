@@ -155,10 +155,10 @@ def test_swiglu(name, dtype):
 
 
 @DTYPES
-@pytest.mark.parametrize("name", ["fla", "torch-chunked"])
-def test_linear_cross_entropy(name, dtype):
+@pytest.mark.parametrize("name", ["triton", "fla", "torch-chunked"])
+@pytest.mark.parametrize("tokens, hidden, vocab", [(2049, 1024, 32003), (300, 512, 248320)], ids=["32k", "qwen3_5"])
+def test_linear_cross_entropy(name, dtype, tokens, hidden, vocab):
     fn = kernel("linear_cross_entropy", name, dtype)
-    tokens, hidden, vocab = 2049, 1024, 32003
     h = torch.randn(tokens, hidden, device="cuda")
     w = torch.randn(vocab, hidden, device="cuda") * hidden**-0.5
     y = torch.randint(0, vocab, (tokens,), device="cuda")
@@ -167,16 +167,21 @@ def test_linear_cross_entropy(name, dtype):
     _compare(fn, OPS["linear_cross_entropy"].reference, [h, w, y], dtype, num_items_in_batch=items)
 
 
-def test_fla_loss_compiles_nothing_new_for_new_lengths():
+@pytest.mark.parametrize("name", ["triton", "fla"])
+def test_fused_loss_compiles_nothing_new_for_new_lengths(name):
     """fla's own fused-loss backward compiles a kernel per token count (tokens x hidden is a constexpr);
-    fusepatch's loop around fla's cross-entropy kernels must not: over packed lengths a few hundred tokens apart
-    (one chunk each, and a loss gradient other than 1 so the scaling runs), neither fusepatch's scaling kernel
-    nor fla's cross-entropy kernels get a new variant after the first length."""
-    from fla.modules.fused_cross_entropy import ops as fla_ops
+    fusepatch's loop must not, around fla's cross-entropy kernels or its own: over packed lengths a few hundred
+    tokens apart (one chunk each, and a loss gradient other than 1 so the scaling runs), neither fusepatch's
+    scaling kernel nor the cross-entropy kernels get a new variant after the first length."""
+    from fusepatch.kernels import cross_entropy, scale
 
-    from fusepatch.kernels import scale
+    fn = kernel("linear_cross_entropy", name, torch.bfloat16)
+    if name == "fla":
+        from fla.modules.fused_cross_entropy import ops as fla_ops
 
-    fn = kernel("linear_cross_entropy", "fla", torch.bfloat16)
+        watched = [scale._scale_unless_one, fla_ops.cross_entropy_fwd_kernel, fla_ops.cross_entropy_bwd_kernel]
+    else:
+        watched = [scale._scale_unless_one, cross_entropy._cross_entropy]
     w = (torch.randn(32003, 1024, device="cuda") * 1024**-0.5).to(torch.bfloat16).requires_grad_(True)
 
     def steps(lengths):
@@ -186,8 +191,7 @@ def test_fla_loss_compiles_nothing_new_for_new_lengths():
             (fn(h, w, y) * 0.5).backward()  # a loss gradient other than 1: the scaling runs
 
     def variants():
-        kernels = [scale._scale_unless_one, fla_ops.cross_entropy_fwd_kernel, fla_ops.cross_entropy_bwd_kernel]
-        return [len(k.device_caches[torch.cuda.current_device()][0]) for k in kernels]
+        return [len(k.device_caches[torch.cuda.current_device()][0]) for k in watched]
 
     steps(LENGTHS[:1])
     before = variants()
