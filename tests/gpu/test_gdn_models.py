@@ -31,10 +31,12 @@ pytestmark = pytest.mark.gpu
 HYBRID = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
 
 CANDIDATE_CASES = [
+    ("qwen3_5_text", "fla-saved-states"),
     ("qwen3_5_text", "fla"),
     ("qwen3_5_text", "fla-graphed"),
     ("qwen3_5_text", "fla-gate-outside"),
-    ("qwen3_5_moe_text", "fla"),
+    ("qwen3_5_moe_text", "fla-saved-states"),
+    ("qwen3_next", "fla-saved-states"),
     ("qwen3_next", "fla"),
 ]
 
