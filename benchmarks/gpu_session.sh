@@ -190,7 +190,8 @@ EOF
 set -f  # steps are split on spaces only: a '*' in FUSEPATCH_SKIP=*/triton is not a file pattern
 set -a; . /tmp/seq/env; set +a; export SEQ_INSTALLED=1
 step() {  # step LANE STEP: its log is named by lane and step, so a step in two lanes keeps both logs
-  local name=${2%%@*} extra=${2#*@} s=$(date +%s) log=/tmp/seq/$1-$(echo "$2" | tr -c 'A-Za-z0-9.\n-' _).log
+  local name=${2%%@*} extra=${2#*@} s=$(date +%s) log=/tmp/seq/$1-$(echo "$2" | tr -c 'A-Za-z0-9.\n-' _ | cut -c1-150).log
+  # (cut: a step with several test ids made a name over the file system's 255 bytes, and the step never ran)
   [ "$extra" = "$2" ] && extra=
   echo "== [$1] $2 started $(date +%T)" >> /tmp/seq/progress
   env ${extra//:/ } OUT=/tmp/seq/out bash benchmarks/gpu_session.sh ${name%%-*} $(echo "$name" | sed -n 's/^[a-z]*-//p') > "$log" 2>&1

@@ -103,17 +103,24 @@ def kernel_rows(tokens: int, vocab: int, steps: int) -> list[dict]:
         calls["fla forward + backward"] = fla_both
     except ImportError as exc:
         print(f"fla not importable: {exc}", file=sys.stderr)
-    default = (own.BLOCK, own.WARPS)
-    for block, warps in [default, (2048, 4), (4096, 4), (8192, 8), (8192, 16), (16384, 16)]:
-        tag = "default" if (block, warps) == default else f"BLOCK {block}, {warps} warps"
+    names = ("BLOCK", "WARPS", "GRAD_BLOCK", "GRAD_WARPS")
+    default = tuple(getattr(own, n) for n in names)
+    variants = [default, (4096, 8, 4096, 8), (2048, 4, 2048, 4), (4096, 4, 4096, 4), (4096, 4, 8192, 8),
+                (4096, 4, 8192, 16), (4096, 4, 16384, 16)]  # fmt: skip
+    for variant in variants:
+        tag = "default" if variant == default else ", ".join(f"{n} {v}" for n, v in zip(names, variant))
         for grad in (False, True):
+            if not grad and variant[:2] == default[:2] and variant != default:
+                continue  # the loss pass alone at the default's settings: timed once
 
-            def run(block=block, warps=warps, grad=grad):
-                own.BLOCK, own.WARPS = block, warps
+            def run(variant=variant, grad=grad):
+                for name, value in zip(names, variant):
+                    setattr(own, name, value)
                 try:
                     own.cross_entropy_(logits, target, inverse, -100, grad)
                 finally:
-                    own.BLOCK, own.WARPS = default
+                    for name, value in zip(names, default):
+                        setattr(own, name, value)
 
             calls[f"fusepatch {'loss + gradient' if grad else 'loss'} ({tag})"] = run
     rows = []

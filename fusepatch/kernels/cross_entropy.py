@@ -1,14 +1,17 @@
-"""Cross-entropy over one chunk's logits, loss and logits gradient in one kernel, the gradient written in place.
+"""Cross-entropy over one chunk's logits: the per-token loss, then the logits gradient written in place.
 
 The fused linear cross-entropy (ops/linear_cross_entropy.py) makes a chunk's logits with one GEMM and needs,
 per token, the loss and ``(softmax - onehot) / denominator`` in place of the logits for the two gradient GEMMs.
-fla's kernels take three launches (a forward that loads 64k logits at once per program, a reduction over a
-row's blocks, the backward): on the H200 at the 27B shape (4096 x 248,320 bf16 logits, 2 GB) the forward took
-1.05 ms (1.9 TB/s) and the backward 0.83 ms (session 10's profile). Here one program per token streams its row twice: an online
-log-sum-exp (a running maximum and sum, block by block), then the gradient, stored over the logits. Rows
-of ignored labels get loss 0 and a zero gradient.
+Two kernels: ``_loss``, one program per token streaming its row once (an online log-sum-exp), and
+``_gradient``, one program per block of a row. Rows of ignored labels get loss 0 and a zero gradient.
 
-The denominator arrives as its reciprocal in a one-element tensor on the GPU (no host sync). The kernel is
+Measured on the H200 at the 27B shape (4096 x 248,320 bf16 logits, 2 GB; ``loss_bench.py --kernels``,
+session 14): fla's forward (a program loads 64k logits at once, then a reduction kernel) 0.807 ms, its forward
++ backward 1.942 ms; ``_loss`` alone 0.605 ms (3.4 TB/s). A first version computed the gradient in the same
+program, streaming the row a second time: 2.609 ms with the loss, its loop of loads and stores to the same
+addresses running at a third of the bandwidth, so the gradient has its own grid.
+
+The denominator arrives as its reciprocal in a one-element tensor on the GPU (no host sync). The kernels are
 compiled per vocabulary size (a model has one); the token count is the grid, so a new length compiles nothing.
 """
 
@@ -18,18 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 4096
-WARPS = 8
+BLOCK, WARPS = 4096, 4  # the loss pass: 0.605 ms at the 27B shape (8 warps 0.661, 2048 / 4 warps 0.663)
+GRAD_BLOCK, GRAD_WARPS = 4096, 8  # the gradient pass: one block of one row per program
 
 
 @triton.jit(do_not_specialize=["stride"])
-def _cross_entropy(
-    logits, target, inverse, loss, stride, ignore_index, VOCAB: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr
-):
+def _loss(logits, target, loss, lse_out, stride, ignore_index, VOCAB: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per token: the log-sum-exp of its row (a running maximum and sum, one exp per logit) and its
+    loss, 0 for an ignored label."""
     row = tl.program_id(0).to(tl.int64)
     start = logits + row * stride
     lanes = tl.arange(0, BLOCK)
-    # pass 1: the running maximum and the sum of exp(x - maximum), one block at a time (one exp per logit)
     top = float("-inf")
     total = 0.0
     for first in range(0, VOCAB, BLOCK):
@@ -39,20 +41,26 @@ def _cross_entropy(
         total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), 0)
         top = new_top
     lse = top + tl.log(total)
-
     label = tl.load(target + row).to(tl.int64)
     valid = label != ignore_index
     picked = tl.load(start + tl.where(valid, label, 0)).to(tl.float32)
     tl.store(loss + row, tl.where(valid, lse - picked, 0.0))
-    if GRAD:
-        # pass 2: (softmax - onehot) / denominator over the logits, in their dtype; zeros for an ignored label
-        scale = tl.where(valid, tl.load(inverse).to(tl.float32), 0.0)
-        for first in range(0, VOCAB, BLOCK):
-            columns = first + lanes
-            inside = columns < VOCAB
-            x = tl.load(start + columns, mask=inside, other=0.0).to(tl.float32)
-            grad = tl.exp(x - lse) - tl.where(columns == label, 1.0, 0.0)
-            tl.store(start + columns, (grad * scale).to(logits.dtype.element_ty), mask=inside)
+    tl.store(lse_out + row, lse)
+
+
+@triton.jit(do_not_specialize=["stride"])
+def _gradient(logits, target, lse, inverse, stride, ignore_index, VOCAB: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per block of one token's row: ``(softmax - onehot) * inverse`` over the logits, in their
+    dtype; zeros for an ignored label."""
+    row = tl.program_id(1).to(tl.int64)
+    columns = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = columns < VOCAB
+    label = tl.load(target + row).to(tl.int64)
+    scale = tl.where(label != ignore_index, tl.load(inverse).to(tl.float32), 0.0)
+    pointers = logits + row * stride + columns
+    x = tl.load(pointers, mask=inside, other=0.0).to(tl.float32)
+    grad = tl.exp(x - tl.load(lse + row)) - tl.where(columns == label, 1.0, 0.0)
+    tl.store(pointers, (grad * scale).to(logits.dtype.element_ty), mask=inside)
 
 
 def cross_entropy_(
@@ -65,17 +73,15 @@ def cross_entropy_(
         raise ValueError("cross_entropy_: the logits' rows must be contiguous (the gradient is written over them)")
     rows, vocab = logits.shape
     loss = torch.empty(rows, device=logits.device, dtype=torch.float32)
-    if rows:
-        _cross_entropy[(rows,)](
-            logits,
-            target,
-            inverse.reshape(1),
-            loss,
-            logits.stride(0),
-            ignore_index,
-            VOCAB=vocab,
-            GRAD=grad,
-            BLOCK=BLOCK,
-            num_warps=WARPS,
-        )
+    if not rows:
+        return loss
+    lse = torch.empty(rows, device=logits.device, dtype=torch.float32)
+    stride = logits.stride(0)
+    _loss[(rows,)](logits, target, loss, lse, stride, ignore_index, VOCAB=vocab, BLOCK=BLOCK, num_warps=WARPS)
+    if grad:
+        grid = (triton.cdiv(vocab, GRAD_BLOCK), rows)
+        _gradient[grid](
+            logits, target, lse, inverse.reshape(1), stride, ignore_index,
+            VOCAB=vocab, BLOCK=GRAD_BLOCK, num_warps=GRAD_WARPS,
+        )  # fmt: skip
     return loss
