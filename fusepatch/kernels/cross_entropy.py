@@ -6,10 +6,12 @@ Two kernels: ``_loss``, one program per token streaming its row once (an online 
 ``_gradient``, one program per block of a row. Rows of ignored labels get loss 0 and a zero gradient.
 
 Measured on the H200 at the 27B shape (4096 x 248,320 bf16 logits, 2 GB; ``loss_bench.py --kernels``,
-session 14): fla's forward (a program loads 64k logits at once, then a reduction kernel) 0.807 ms, its forward
-+ backward 1.942 ms; ``_loss`` alone 0.605 ms (3.4 TB/s). A first version computed the gradient in the same
-program, streaming the row a second time: 2.609 ms with the loss, its loop of loads and stores to the same
-addresses running at a third of the bandwidth, so the gradient has its own grid.
+session 14, two runs): fla's forward (a program loads 64k logits at once, then a reduction kernel) 0.786-0.807
+ms, its forward + backward 1.934-1.942 ms; ``_loss`` alone 0.605-0.666 ms (~3.2 TB/s); both kernels 1.922 ms at
+the launch settings below, 1.924 at 2048 / 4 warps for both, 2.364 at 4096 / 8 warps for the gradient. The
+gradient's in-place read and write (4 GB) is the floor: ~1.26 ms here. A first version computed the gradient
+in the loss kernel's program, streaming the row a second time: 2.609 ms for both, its loop of loads and stores
+to the same addresses running at a third of the bandwidth.
 
 The denominator arrives as its reciprocal in a one-element tensor on the GPU (no host sync). The kernels are
 compiled per vocabulary size (a model has one); the token count is the grid, so a new length compiles nothing.
@@ -21,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK, WARPS = 4096, 4  # the loss pass: 0.605 ms at the 27B shape (8 warps 0.661, 2048 / 4 warps 0.663)
-GRAD_BLOCK, GRAD_WARPS = 4096, 8  # the gradient pass: one block of one row per program
+BLOCK, WARPS = 4096, 4  # the loss kernel: one program per row (0.605 ms at the 27B shape; 8 warps 0.658-0.661)
+GRAD_BLOCK, GRAD_WARPS = 8192, 16  # the gradient kernel: one block of one row per program (see above)
 
 
 @triton.jit(do_not_specialize=["stride"])

@@ -181,7 +181,7 @@ def test_fused_loss_compiles_nothing_new_for_new_lengths(name):
 
         watched = [scale._scale_unless_one, fla_ops.cross_entropy_fwd_kernel, fla_ops.cross_entropy_bwd_kernel]
     else:
-        watched = [scale._scale_unless_one, cross_entropy._cross_entropy]
+        watched = [scale._scale_unless_one, cross_entropy._loss, cross_entropy._gradient]
     w = (torch.randn(32003, 1024, device="cuda") * 1024**-0.5).to(torch.bfloat16).requires_grad_(True)
 
     def steps(lengths):
