@@ -110,6 +110,8 @@ def load():
             dtypes = (q_n.dtype, k_n.dtype, v.dtype, a.dtype, b.dtype, A_log.dtype, dt_bias.dtype)
             return (*(d.to(dtype) for d, dtype in zip(grads, dtypes)), None, None)
 
+    # as fla's own function: torch.compile runs it as it is, without tracing into fla's Python (a graph break)
+    @torch.compiler.disable
     def gated_delta_rule_fla_saved_states(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
         table = None
         if cu_seqlens is not None:
