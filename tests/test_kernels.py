@@ -344,3 +344,40 @@ SPLIT_SCRIPT = textwrap.dedent(
 
 def test_split3_copies_each_part_contiguous_in_the_interpreter():
     _run_in_interpreter(SPLIT_SCRIPT)
+
+
+L2NORM_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from fusepatch.kernels.l2norm import l2norm_bwd_grouped
+    from fusepatch.ops._common import relative_error
+
+    torch.manual_seed(0)
+    # (batch, tokens, key heads, value heads per key head, head size): grouped 3, none, odd sizes
+    for b, t, hk, g, k in ((1, 37, 2, 3, 64), (2, 5, 3, 1, 40), (1, 3, 1, 2, 7)):
+        for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+            x = torch.randn(b, t, hk, k, dtype=torch.float64, requires_grad=True)
+            y = x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+            rstd = torch.rsqrt((x.detach() ** 2).sum(-1) + 1e-6).float()
+            grad, extra = torch.randn(b, t, hk * g, k, dtype=torch.float64), torch.randn(b, t, hk * g, k, dtype=torch.float64)
+            for second in (None, extra):
+                total = grad if second is None else grad + second
+                want, = torch.autograd.grad(y, x, total.view(b, t, hk, g, k).sum(3), retain_graph=True)
+                got = l2norm_bwd_grouped(y.detach().to(dtype), rstd, grad.to(dtype), None if second is None else second.to(dtype))
+                assert got.dtype == dtype and got.shape == x.shape
+                assert relative_error(got, want) < tol, (b, t, hk, g, k, dtype, relative_error(got, want))
+    try:
+        l2norm_bwd_grouped(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3), torch.zeros(1, 2, 4, 8))
+    except ValueError as exc:
+        assert "does not group" in str(exc)
+    else:
+        raise AssertionError("4 value heads onto 3 key heads was accepted")
+    print("ok")
+    """
+)
+
+
+def test_grouped_l2norm_backward_matches_autograd_in_the_interpreter():
+    """The Gated DeltaNet's q/k L2-norm backward with the sum over grouped value heads (and a second gradient)
+    folded in, against autograd through the L2 norm in fp64."""
+    _run_in_interpreter(L2NORM_SCRIPT)

@@ -158,7 +158,7 @@ def test_doctor_recommendations_for_the_h200_stack():
     assert "runs eager" in recommendations(cpu_env())[0]
 
 
-@pytest.mark.parametrize("name", ["fla-saved-states", "fla", "fla-gate-outside"])
+@pytest.mark.parametrize("name", ["fla-saved-states", "fla-saved-states-grouped", "fla", "fla-gate-outside"])
 def test_fla_delta_rule_refuses_fp32_with_the_measured_reason(name):
     """fp32 through fla's delta rule was measured 4-30% off in the decay gradients on the H200 (tests/gpu checks
     it still is); the checker refuses it before loading anything and names the dtype that works."""

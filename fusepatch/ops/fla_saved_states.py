@@ -14,12 +14,15 @@ Under activation checkpointing the kept tensors live only from a layer's recompu
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from fusepatch.ops._common import check_fla_signatures
 
 CHUNK = 64
 SKIP = "gated_delta_rule/fla-saved-states"
+SKIP_GROUPED = "gated_delta_rule/fla-saved-states-grouped"
 
 # fla's functions called here and every keyword fusepatch passes them (tests/test_fla_saved_states.py checks
 # the table against the calls): check_fla_signatures refuses an fla-core that lost one
@@ -47,22 +50,36 @@ NEEDS = {
 }
 
 
-def load():
-    """The op function (``gated_delta_rule`` signature), after checking fla's functions take what is passed."""
+def _on(device: torch.device):
+    """fla's kernels launch on the current CUDA device: make it the tensors' (as fla's own input_guard does)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def load(grouped: bool = False):
+    """The op function (``gated_delta_rule`` signature), after checking fla's functions take what is passed.
+
+    ``grouped``: fla's two backward kernels that produce q/k gradients per value head (``chunk_bwd_dqkwg``,
+    ``prepare_wy_repr_bwd``) get q and k expanded to the value heads, so that fla sums nothing in torch, and
+    fusepatch's L2-norm backward sums the groups (and adds the two k gradients) in one kernel
+    (kernels/l2norm.py). The expansion costs two copies a layer; the three torch sums and the add it removes
+    took 1.09 ms of a 27B step on the H200 (session 14). Not measured in a step yet: a candidate after the
+    default until it is."""
     from fla.ops.gated_delta_rule import chunk as fla
     from fla.ops.utils.constant import RCP_LN2
     from fla.ops.utils.index import prepare_chunk_indices
 
     from fusepatch.ops.gated_delta_rule import chunk_table
 
-    check_fla_signatures(fla, NEEDS, SKIP)
+    check_fla_signatures(fla, NEEDS, SKIP_GROUPED if grouped else SKIP)
+    if grouped:
+        from fusepatch.kernels.l2norm import l2norm_bwd_grouped
 
     class SavedStates(torch.autograd.Function):
         @staticmethod
         @torch.amp.custom_fwd(device_type="cuda")
         def forward(ctx, q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices):
             places = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-            with torch.cuda.device(q.device):
+            with _on(q.device):
                 q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
                 q_n, q_rstd = fla.l2norm_fwd(q)
                 k_n, k_rstd = fla.l2norm_fwd(k)
@@ -88,23 +105,32 @@ def load():
         def backward(ctx, do):
             q_n, q_rstd, k_n, k_rstd, v, a, b, A_log, dt_bias, g, beta, A, w, h, v_new = ctx.saved_tensors
             places, scale = ctx.places, ctx.scale
-            with torch.cuda.device(do.device):
+            with _on(do.device):
                 do = do.contiguous()
                 dv = fla.chunk_bwd_dv_local(q=q_n, k=k_n, g=g, do=do, scale=scale, chunk_size=CHUNK, **places)
                 dh, _, dv = fla.chunk_gated_delta_rule_bwd_dhu(
                     q=q_n, k=k_n, w=w, g=g, h0=None, dht=None, do=do, dv=dv, scale=scale, chunk_size=CHUNK, **places
                 )
+                q_e, k_e = q_n, k_n
+                if grouped:  # q and k per value head: fla's kernels then give their gradients unsummed
+                    groups = v.shape[-2] // q_n.shape[-2]
+                    q_e, k_e = (t.repeat_interleave(groups, dim=-2) for t in (q_n, k_n))
                 dq, dk, dw, dg = fla.chunk_bwd_dqkwg(
-                    q=q_n, k=k_n, v=v_new, w=w, g=g, h=h, dv=dv, do=do, dh=dh, scale=scale, chunk_size=CHUNK, **places
+                    q=q_e, k=k_e, v=v_new, w=w, g=g, h=h, dv=dv, do=do, dh=dh, scale=scale, chunk_size=CHUNK, **places
                 )
-                del dh
-                dk2, dv, db, dg2 = fla.prepare_wy_repr_bwd(k=k_n, v=v, beta=beta, g=g, A=A, dw=dw, du=dv, **places)
-                dk.add_(dk2)
+                del dh, q_e
+                dk2, dv, db, dg2 = fla.prepare_wy_repr_bwd(k=k_e, v=v, beta=beta, g=g, A=A, dw=dw, du=dv, **places)
+                del k_e
                 dg.add_(dg2)
                 dg = fla.chunk_local_cumsum(dg, chunk_size=CHUNK, reverse=True, **places)
                 da, dA_log, ddt_bias = fla.gdn_gate_bwd(g=a, A_log=A_log, dt_bias=dt_bias, dyg=dg)
-                dq = fla.l2norm_bwd(q_n, q_rstd, dq)
-                dk = fla.l2norm_bwd(k_n, k_rstd, dk)
+                if grouped:
+                    dq = l2norm_bwd_grouped(q_n, q_rstd, dq)
+                    dk = l2norm_bwd_grouped(k_n, k_rstd, dk, dk2)
+                else:
+                    dk.add_(dk2)
+                    dq = fla.l2norm_bwd(q_n, q_rstd, dq)
+                    dk = fla.l2norm_bwd(k_n, k_rstd, dk)
                 db = fla.fused_beta_sigmoid_bwd(b, db, scale=1.0)
             grads = (dq, dk, dv, da, db, dA_log, ddt_bias)
             dtypes = (q_n.dtype, k_n.dtype, v.dtype, a.dtype, b.dtype, A_log.dtype, dt_bias.dtype)

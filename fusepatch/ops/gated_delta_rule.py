@@ -304,10 +304,10 @@ def _load_fla_graphed():
     return gated_delta_rule_fla_graphed
 
 
-def _load_fla_saved_states():
+def _load_fla_saved_states(grouped: bool = False):
     from fusepatch.ops import fla_saved_states
 
-    return fla_saved_states.load()
+    return fla_saved_states.load(grouped)
 
 
 def _selftest_inputs(device, dtype, generator, packed=True, dims=None):
@@ -373,6 +373,18 @@ GATED_DELTA_RULE = Op(
             provides=(
                 "fla's chunked delta rule kernels (fla.ops.gated_delta_rule.chunk), the chunk states kept from the "
                 "forward instead of recomputed in the backward"
+            ),
+            distribution="fla-core",
+        ),
+        Candidate(
+            name="fla-saved-states-grouped",
+            source="pip",
+            requirements=fla_backward_requirements("fla.ops.gated_delta_rule"),  # Triton >= 3.3 among them
+            load=lambda: _load_fla_saved_states(grouped=True),
+            inputs=FLA_INPUTS,
+            provides=(
+                "fla-saved-states with the q/k gradients' sums over grouped value heads done in fusepatch's L2-norm "
+                "backward kernel (fusepatch.kernels.l2norm) instead of torch sums inside fla"
             ),
             distribution="fla-core",
         ),

@@ -32,6 +32,7 @@ HYBRID = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
 
 CANDIDATE_CASES = [
     ("qwen3_5_text", "fla-saved-states"),
+    ("qwen3_5_text", "fla-saved-states-grouped"),
     ("qwen3_5_text", "fla"),
     ("qwen3_5_text", "fla-graphed"),
     ("qwen3_5_text", "fla-gate-outside"),
