@@ -196,7 +196,7 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
 """
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("packed", [False, True, "from-position-ids"], ids=["dense", "packed", "host-values"])
 def test_builtin_hub_causal_conv1d_candidate_adapts_the_hub_entry_point(tmp_path, monkeypatch, packed):
     """The registry's kernels-community/causal-conv1d candidate, loaded from a local directory (offline), maps
     the op's channels-last call and packed boundaries (cu_seqlens -> seq_idx) onto the Hub kernel's API."""
@@ -208,8 +208,20 @@ def test_builtin_hub_causal_conv1d_candidate_adapts_the_hub_entry_point(tmp_path
     fn = candidate.load()
     x, weight = torch.randn(1, 50, 12, dtype=torch.float64), torch.randn(12, 4, dtype=torch.float64)
     cu = torch.tensor([0, 17, 18, 50], dtype=torch.int32) if packed else None
+    if packed == "from-position-ids":  # boundaries that carry their host values: seq_idx built on the host, kept
+        from fusepatch.layers.packing import cu_seqlens_from_position_ids, host_values
+
+        cu = cu_seqlens_from_position_ids(torch.cat([torch.arange(n) for n in (17, 1, 32)])[None])
+        assert host_values(cu) == (0, 17, 18, 50)
     expected = op.reference(x, weight, None, activation="silu", cu_seqlens=cu)
     torch.testing.assert_close(fn(x, weight, None, activation="silu", cu_seqlens=cu), expected)
+    if packed:
+        from fusepatch.ops.causal_conv1d import sequence_index
+
+        seq_idx = sequence_index(cu, 50, x.device)
+        assert seq_idx.tolist() == [[0] * 17 + [1] + [2] * 32] and seq_idx.dtype == torch.int32
+        # kept on boundaries with host values (every layer's call shares it), built again for the others
+        assert (sequence_index(cu, 50, x.device) is seq_idx) == (packed == "from-position-ids")
     # on this CPU machine the checks refuse it before any load, with the reason
     verdict, _ = fusepatch.resolve.static_verdict(candidate, fusepatch.env.capture(refresh=True))
     assert not verdict.ok and "CPU-only" in verdict.reason

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fusepatch.hub import HubKernel, hub_candidate
+from fusepatch.layers.packing import host_values
 from fusepatch.ops._common import CAUSAL_CONV1D_FIX, fla_requirements, package_requirements, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import CudaDevice, InputRule
@@ -19,6 +20,33 @@ def document_starts(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """For every position of a packed row, the index where its document starts."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     return torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=total)
+
+
+_SEQ_IDX = "_fusepatch_seq_idx"
+
+
+def sequence_index(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> torch.Tensor:
+    """causal-conv1d's ``seq_idx``, ``[1, total]`` int32: every position's document number. From the boundaries'
+    host values where they are known (``packing.host_values``): built on the host, copied to the GPU without a wait,
+    and kept on the boundaries tensor, so the layers of a forward, its recompute and its backward share one (else
+    every layer's call ran five small GPU kernels to make it, in the packed forward that the CPU holds back).
+    Other boundaries (a caller's ``cu_seq_lens_q``): built on the GPU from the tensor, without a wait."""
+    host = host_values(cu_seqlens)
+    if host is None or host[-1] != total:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device)
+        ids = torch.arange(len(lengths), device=device, dtype=torch.int32)
+        return torch.repeat_interleave(ids, lengths, output_size=total)[None]
+    cached = getattr(cu_seqlens, _SEQ_IDX, None)
+    if cached is not None and cached.device == device:
+        return cached
+    lengths = torch.tensor(host).diff()
+    ids = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)[None]
+    if device.type == "cuda":
+        ids = ids.pin_memory().to(device, non_blocking=True)
+    else:
+        ids = ids.to(device)
+    setattr(cu_seqlens, _SEQ_IDX, ids)
+    return ids
 
 
 def causal_conv1d_reference(
@@ -63,9 +91,7 @@ def _causal_conv1d_adapter(causal_conv1d_fn):
         if cu_seqlens is not None:
             if x.shape[0] != 1:
                 raise ValueError(f"packed inputs (cu_seqlens) need batch size 1, got {x.shape[0]}")
-            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(x.device)
-            ids = torch.arange(len(lengths), device=x.device, dtype=torch.int32)
-            seq_idx = torch.repeat_interleave(ids, lengths, output_size=x.shape[1])[None]
+            seq_idx = sequence_index(cu_seqlens, x.shape[1], x.device)
         # [B, T, D] contiguous -> a [B, D, T] view with stride(1) == 1: the channel-last layout seq_idx needs.
         out = causal_conv1d_fn(x.transpose(1, 2), weight, bias, seq_idx=seq_idx, activation=activation)
         return out.transpose(1, 2)
