@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,28 @@ def host_values(cu_seqlens: torch.Tensor) -> tuple[int, ...] | None:
     """The values of boundaries that :func:`cu_seqlens_from_position_ids` made, as host integers read in its one
     wait; ``None`` for boundaries from elsewhere (a caller's ``cu_seq_lens_q``, a copy to another device)."""
     return getattr(cu_seqlens, _HOST_VALUES, None)
+
+
+_HOST_BUILT = "_fusepatch_host_built"
+
+
+def host_built(
+    cu_seqlens: torch.Tensor, key: str, build: Callable[[tuple[int, ...]], torch.Tensor], device: torch.device
+) -> torch.Tensor | None:
+    """A tensor a kernel needs, derived from the boundaries: ``build(host_values)`` on the host, copied to
+    ``device`` without a wait (from pinned memory), and kept on the boundaries tensor under ``key``, so the
+    layers of a forward, its recompute and its backward share one. ``None`` where the host values are not known
+    (the caller then derives it from the GPU tensor)."""
+    host = host_values(cu_seqlens)
+    if host is None:
+        return None
+    kept = cu_seqlens.__dict__.setdefault(_HOST_BUILT, {})
+    tensor = kept.get((key, device))
+    if tensor is None:
+        tensor = build(host)
+        tensor = tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
+        kept[(key, device)] = tensor
+    return tensor
 
 
 _MEMO_ENTRIES = 4  # per slot: the last few calls' tensors (a forward, its recompute, a second replica)

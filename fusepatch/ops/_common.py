@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from fusepatch.ops.base import Candidate
@@ -89,6 +91,12 @@ def planned_hub_candidate(repo: str, why: str, provides: str = "") -> Candidate:
 
 def planned(what: str) -> tuple:
     return (NotImplementedYet(what),)
+
+
+def on_device(device: torch.device):
+    """Kernels (fla's, Triton's) launch on the current CUDA device: a context making it ``device``'s (as fla's own
+    input_guard does); nothing off CUDA."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def rand(shape, device, dtype, generator, *, scale: float = 1.0, grad: bool = True) -> torch.Tensor:

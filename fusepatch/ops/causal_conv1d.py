@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fusepatch.hub import HubKernel, hub_candidate
-from fusepatch.layers.packing import host_values
+from fusepatch.layers.packing import host_built, host_values
 from fusepatch.ops._common import CAUSAL_CONV1D_FIX, fla_requirements, package_requirements, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import CudaDevice, InputRule
@@ -22,31 +22,23 @@ def document_starts(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=total)
 
 
-_SEQ_IDX = "_fusepatch_seq_idx"
+def _document_numbers(host: tuple[int, ...]) -> torch.Tensor:
+    lengths = torch.tensor(host).diff()
+    return torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)[None]
 
 
 def sequence_index(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> torch.Tensor:
     """causal-conv1d's ``seq_idx``, ``[1, total]`` int32: every position's document number. From the boundaries'
-    host values where they are known (``packing.host_values``): built on the host, copied to the GPU without a wait,
-    and kept on the boundaries tensor, so the layers of a forward, its recompute and its backward share one (else
-    every layer's call ran five small GPU kernels to make it, in the packed forward that the CPU holds back).
-    Other boundaries (a caller's ``cu_seq_lens_q``): built on the GPU from the tensor, without a wait."""
+    host values where they are known (``packing.host_built``: built on the host, copied without a wait, shared by
+    the layers of a forward, its recompute and its backward; else every layer's call ran five small GPU kernels to
+    make it, in the packed forward that the CPU holds back). Other boundaries (a caller's ``cu_seq_lens_q``):
+    built on the GPU from the tensor, without a wait."""
     host = host_values(cu_seqlens)
-    if host is None or host[-1] != total:
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device)
-        ids = torch.arange(len(lengths), device=device, dtype=torch.int32)
-        return torch.repeat_interleave(ids, lengths, output_size=total)[None]
-    cached = getattr(cu_seqlens, _SEQ_IDX, None)
-    if cached is not None and cached.device == device:
-        return cached
-    lengths = torch.tensor(host).diff()
-    ids = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)[None]
-    if device.type == "cuda":
-        ids = ids.pin_memory().to(device, non_blocking=True)
-    else:
-        ids = ids.to(device)
-    setattr(cu_seqlens, _SEQ_IDX, ids)
-    return ids
+    if host is not None and host[-1] == total:
+        return host_built(cu_seqlens, "seq_idx", _document_numbers, device)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device)
+    ids = torch.arange(len(lengths), device=device, dtype=torch.int32)
+    return torch.repeat_interleave(ids, lengths, output_size=total)[None]
 
 
 def causal_conv1d_reference(

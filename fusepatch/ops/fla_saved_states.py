@@ -14,11 +14,9 @@ Under activation checkpointing the kept tensors live only from a layer's recompu
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from fusepatch.ops._common import check_fla_signatures
+from fusepatch.ops._common import check_fla_signatures, on_device
 
 CHUNK = 64
 SKIP = "gated_delta_rule/fla-saved-states"
@@ -50,11 +48,6 @@ NEEDS = {
 }
 
 
-def _on(device: torch.device):
-    """fla's kernels launch on the current CUDA device: make it the tensors' (as fla's own input_guard does)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 def load(grouped: bool = False):
     """The op function (``gated_delta_rule`` signature), after checking fla's functions take what is passed.
 
@@ -79,7 +72,7 @@ def load(grouped: bool = False):
         @torch.amp.custom_fwd(device_type="cuda")
         def forward(ctx, q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices):
             places = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-            with _on(q.device):
+            with on_device(q.device):
                 q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
                 q_n, q_rstd = fla.l2norm_fwd(q)
                 k_n, k_rstd = fla.l2norm_fwd(k)
@@ -105,7 +98,7 @@ def load(grouped: bool = False):
         def backward(ctx, do):
             q_n, q_rstd, k_n, k_rstd, v, a, b, A_log, dt_bias, g, beta, A, w, h, v_new = ctx.saved_tensors
             places, scale = ctx.places, ctx.scale
-            with _on(do.device):
+            with on_device(do.device):
                 do = do.contiguous()
                 dv = fla.chunk_bwd_dv_local(q=q_n, k=k_n, g=g, do=do, scale=scale, chunk_size=CHUNK, **places)
                 dh, _, dv = fla.chunk_gated_delta_rule_bwd_dhu(

@@ -19,7 +19,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from fusepatch.layers.packing import host_values
+from fusepatch.layers.packing import host_built
 from fusepatch.ops._common import check_fla_signatures, fla_backward_requirements, planned_hub_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import InputRule, OptIn
@@ -139,33 +139,21 @@ def gated_delta_rule_recurrent(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
     return out
 
 
-_CHUNK_TABLE = "_fusepatch_chunk_table"
-
-
 def chunk_table(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor | None:
     """fla's table of chunks for packed rows, ``[chunks, 2]`` (document, chunk within it), in ``cu_seqlens``'
-    dtype and device, built from the boundaries' host values (``packing.host_values``) and copied without a
-    wait. fla builds it from the GPU tensor (``repeat_interleave`` reads its length on the host): two waits for
-    the GPU per new boundaries on the H200 trace of session 11, mid-forward. Kept on the boundaries tensor, so a
-    forward, its recompute and its backward share it. ``None`` where the host values are not known: fla then
-    builds it itself."""
-    host = host_values(cu_seqlens)
-    if host is None:
-        return None
-    cached = getattr(cu_seqlens, _CHUNK_TABLE, None)
-    if cached is not None and cached[0] == chunk:
-        return cached[1]
-    bounds = torch.tensor(host, dtype=torch.long)
-    counts = (bounds[1:] - bounds[:-1] + chunk - 1) // chunk
-    documents = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    firsts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-    table = torch.stack([documents, torch.arange(len(documents)) - firsts], 1).to(cu_seqlens.dtype)
-    if cu_seqlens.is_cuda:
-        table = table.pin_memory().to(cu_seqlens.device, non_blocking=True)
-    else:
-        table = table.to(cu_seqlens.device)
-    setattr(cu_seqlens, _CHUNK_TABLE, (chunk, table))
-    return table
+    dtype and device, built from the boundaries' host values and copied without a wait (``packing.host_built``).
+    fla builds it from the GPU tensor (``repeat_interleave`` reads its length on the host): two waits for the GPU
+    per new boundaries on the H200 trace of session 11, mid-forward. ``None`` where the host values are not
+    known: fla then builds it itself."""
+
+    def build(host: tuple[int, ...]) -> torch.Tensor:
+        bounds = torch.tensor(host, dtype=torch.long)
+        counts = (bounds[1:] - bounds[:-1] + chunk - 1) // chunk
+        documents = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        firsts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        return torch.stack([documents, torch.arange(len(documents)) - firsts], 1).to(cu_seqlens.dtype)
+
+    return host_built(cu_seqlens, f"chunk_table/{chunk}", build, cu_seqlens.device)
 
 
 def _load_fla(gate_in_kernel: bool):

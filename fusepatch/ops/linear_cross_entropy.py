@@ -11,13 +11,12 @@ when given (the Trainer's gradient-accumulation normaliser) and by their count o
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 import torch.nn.functional as F
 
-from fusepatch.ops._common import check_fla_signatures, fla_requirements, own_triton_candidate, rand
+from fusepatch.ops._common import check_fla_signatures, fla_requirements, on_device, own_triton_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import InputRule, TorchVersion
 
@@ -150,9 +149,7 @@ class _LinearCrossEntropyLoop(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, denominator, ignore_index: int, chunk: int, ce, grad_wanted: bool):
         # under no_grad (evaluation) needs_input_grad still says True: the caller says whether a backward can come
         needs_grad = grad_wanted and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
-        # the kernels launch on the current device: make it the inputs' (as fla's own input_guard does)
-        on_device = torch.cuda.device(hidden.device) if hidden.device.type == "cuda" else contextlib.nullcontext()
-        with on_device:
+        with on_device(hidden.device):
             hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
             tokens = hidden.shape[0]
             losses = hidden.new_empty(tokens, dtype=torch.float32)
