@@ -35,6 +35,7 @@ from collections import Counter
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_clocks import ClockSampler  # noqa: E402
 from shapes import SHAPES, build_config  # noqa: E402
 
 from fusepatch.compiles import CompileCounter  # noqa: E402
@@ -256,6 +257,13 @@ def run(args, seq: int, batch: int) -> dict:
     if args.config == "fusepatch":
         import fusepatch
 
+        if os.environ.get("BENCH_PLAIN_PROJECTIONS"):
+            # an A/B knob of the benchmark only: the shared-input projections (one accumulated input gradient)
+            # and the residual GEMM off, every projection through its module as in hf-fast (session 15: the
+            # same GEMM kernels took ~3.5% longer in fusepatch's step than in hf-fast's; is it these?)
+            import fusepatch.layers.projections as projections
+
+            projections.DEVICES = ()
         start = time.perf_counter()
         report = fusepatch.apply(model)
         info["apply_s"] = round(time.perf_counter() - start, 1)  # loads + self-tests: first-use compiles
@@ -300,16 +308,19 @@ def run(args, seq: int, batch: int) -> dict:
     times, losses = [], []
     builds = CompileCounter()  # Triton kernels built (compiled or loaded from disk) during the timed steps
     builds.install()
+    clocks = ClockSampler(device)  # the SM clock and power over the timed steps (gpu_clocks.py says why)
     try:
-        for length in lengths:
-            sync()
-            start = time.perf_counter()
-            loss = step(length)
-            sync()
-            times.append(time.perf_counter() - start)
-            losses.append(float(loss.detach()))
+        with clocks:
+            for length in lengths:
+                sync()
+                start = time.perf_counter()
+                loss = step(length)
+                sync()
+                times.append(time.perf_counter() - start)
+                losses.append(float(loss.detach()))
     finally:
         builds.remove()
+    info["gpu_clocks"] = clocks.summary()
     info["triton_builds"] = sum(builds.counts.values())
     info["triton_builds_by_kernel"] = dict(builds.counts.most_common(6))
     median = statistics.median(times)

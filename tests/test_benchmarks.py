@@ -165,3 +165,53 @@ def test_gemm_bench_sites_and_formulations():
         first = next(iter(forms.values()))()
         for fn in forms.values():
             torch.testing.assert_close(fn(), first)
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch, lines: str, refuse_reasons: bool = False) -> None:
+    """An ``nvidia-smi`` on PATH that prints ``lines`` (and, asked for the clock-event reasons, exits 2 when
+    ``refuse_reasons``, as a driver without those fields does)."""
+    script = tmp_path / "nvidia-smi"
+    refuse = 'case "$*" in *clocks_event_reasons*) echo "Field not valid"; exit 2;; esac\n' if refuse_reasons else ""
+    script.write_text(f"#!/bin/sh\n{refuse}cat <<'END'\n{lines}\nEND\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_clock_sampler_reads_clock_power_and_reasons(tmp_path, monkeypatch):
+    import gpu_clocks
+    import torch
+
+    monkeypatch.setattr(gpu_clocks, "_gpu_id", lambda device: "GPU-fake")
+    _fake_nvidia_smi(
+        tmp_path,
+        monkeypatch,
+        "1980, 650.5, 61, Not Active, Not Active, Not Active\n1755, 700.1, 63, Active, Not Active, Not Active\n"
+        "1830, 690.0, 62, Active, Not Active, Not Active\n[N/A], [N/A], 62, Active, Not Active, Not Active",
+    )
+    with gpu_clocks.ClockSampler(torch.device("cuda", 0), interval_ms=5) as clocks:
+        clocks._proc.wait(timeout=30)  # the fake prints its lines and exits; the real one runs until stopped
+    summary = clocks.summary()
+    assert summary["samples"] == 3  # the [N/A] line is dropped
+    assert summary["sm_mhz_median"] == 1830 and summary["sm_mhz_min"] == 1755
+    assert summary["power_w_median"] == 690.0 and summary["power_w_max"] == 700.1
+    assert summary["temp_c_max"] == 63
+    assert summary["reasons_active"] == {"sw_power_cap": 2}
+
+
+def test_clock_sampler_falls_back_to_the_basic_fields_and_says_when_it_cannot_sample(tmp_path, monkeypatch):
+    import gpu_clocks
+    import torch
+
+    monkeypatch.setattr(gpu_clocks, "_gpu_id", lambda device: "GPU-fake")
+    _fake_nvidia_smi(tmp_path, monkeypatch, "1500, 400, 50", refuse_reasons=True)
+    with gpu_clocks.ClockSampler(torch.device("cuda", 0)) as clocks:
+        clocks._proc.wait(timeout=30)
+    assert clocks.fields == gpu_clocks.BASIC
+    assert clocks.summary()["sm_mhz_median"] == 1500 and clocks.summary()["reasons_active"] == {}
+    with gpu_clocks.ClockSampler(torch.device("cpu")) as off:
+        pass
+    assert "not a CUDA device" in off.summary()["error"]
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    with gpu_clocks.ClockSampler(torch.device("cuda", 0)) as missing:
+        pass
+    assert missing.summary()["error"].startswith("nvidia-smi")
