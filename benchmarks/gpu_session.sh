@@ -107,7 +107,7 @@ EOF
     pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl .whl/liger_kernel-*.whl 2>/dev/null
     # VARY=F: every timed step its own length in [seq*(1-F), seq] (train_step.py --vary-seq), its own files;
     # DOCS=K: K documents packed in every row (--packed-docs: transformers' block mask, fusepatch's varlen route)
-    name=bench-$shape${VARY:+-vary$VARY}${DOCS:+-docs$DOCS}
+    name=bench-$shape${VARY:+-vary$VARY}${DOCS:+-docs$DOCS}${TAG:+-$TAG}  # TAG: a second table of one shape in a sequence
     timeout ${RUN_TIMEOUT:-3000} python3 benchmarks/run_all.py --shape "$shape" ${layers:+--layers $layers} --site-fla /tmp/site-fla --site-tl /tmp/site-tl \
       --workdir "/tmp/$name" --out "$OUT/$name.json" --timeout ${BENCH_TIMEOUT:-400} ${VARY:+--vary-seq $VARY} ${DOCS:+--packed-docs $DOCS} \
       --configs "${CONFIGS:-hf-fast,fusepatch,liger,eager,fusepatch-no-tilelang,hf-fast-no-tilelang}" 2>&1 | tee "$OUT/$name.md"
