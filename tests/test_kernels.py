@@ -381,3 +381,37 @@ def test_grouped_l2norm_backward_matches_autograd_in_the_interpreter():
     """The Gated DeltaNet's q/k L2-norm backward with the sum over grouped value heads (and a second gradient)
     folded in, against autograd through the L2 norm in fp64."""
     _run_in_interpreter(L2NORM_SCRIPT)
+
+
+REPEAT_HEADS_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from fusepatch.kernels.heads import repeat_heads
+
+    torch.manual_seed(0)
+    # (shape, groups): the 27B delta rule's q/k heads (16 -> 48), attention's k/v (4 -> 24), odd sizes, a head
+    # dim that is no power of two, one group (a plain copy), a non-contiguous input
+    cases = [((2, 5, 4, 128), 3), ((7, 4, 256), 6), ((3, 1, 2, 40), 5), ((1, 3, 2, 8), 1), ((1,1), 4)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape, groups in cases:
+            x = torch.randn(shape).to(dtype)
+            out = repeat_heads(x, groups)
+            assert out.is_contiguous() and out.dtype == dtype
+            assert torch.equal(out, x.repeat_interleave(groups, dim=-2)), (shape, groups)
+    x = torch.randn(6, 5, 3, 16).transpose(0, 1)
+    assert torch.equal(repeat_heads(x, 2), x.repeat_interleave(2, dim=-2))
+    assert repeat_heads(torch.randn(0, 2, 8), 3).shape == (0, 6, 8)
+    for bad, groups in ((torch.randn(4), 2), (torch.randn(2, 3), 0)):
+        try:
+            repeat_heads(bad, groups)
+        except ValueError as err:
+            assert "repeat_heads" in str(err)
+        else:
+            raise AssertionError(f"no error for {tuple(bad.shape)}, groups {groups}")
+    print("ok")
+    """
+)
+
+
+def test_repeat_heads_equals_repeat_interleave_in_the_interpreter():
+    _run_in_interpreter(REPEAT_HEADS_SCRIPT)

@@ -86,9 +86,16 @@ def _fake_varlen(signature: str, calls: list):
 def test_adapter_computes_the_op_on_every_torch_signature(signature):
     calls: list = []
     fn = torch_varlen_adapter(_fake_varlen(signature, calls))
-    q, k, v = (torch.randn(sum(LENGTHS), h, 16, dtype=torch.float64) for h in (4, 2, 2))
+    q, k, v = (torch.randn(sum(LENGTHS), h, 16, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
     out = fn(q, k, v, _cu(LENGTHS), max(LENGTHS), 0.7)
-    torch.testing.assert_close(out, _per_document(q, k, v, LENGTHS, 0.7))
+    expected = _per_document(q, k, v, LENGTHS, 0.7)
+    torch.testing.assert_close(out, expected)
+    # the k/v heads repeated for a torch without enable_gqa: their gradients sum each group back
+    cotangent = torch.randn_like(out)
+    for got, want in zip(
+        torch.autograd.grad(out, (q, k, v), cotangent), torch.autograd.grad(expected, (q, k, v), cotangent)
+    ):
+        torch.testing.assert_close(got, want)
     assert len(calls) == 1
     if signature == "window_size+gqa":
         assert calls[0]["enable_gqa"] and calls[0]["scale"] == 0.7

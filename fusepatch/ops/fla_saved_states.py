@@ -54,9 +54,10 @@ def load(grouped: bool = False):
     ``grouped``: fla's two backward kernels that produce q/k gradients per value head (``chunk_bwd_dqkwg``,
     ``prepare_wy_repr_bwd``) get q and k expanded to the value heads, so that fla sums nothing in torch, and
     fusepatch's L2-norm backward sums the groups (and adds the two k gradients) in one kernel
-    (kernels/l2norm.py). The expansion costs two copies a layer; the three torch sums and the add it removes
-    took 1.09 ms of a 27B step on the H200 (session 14). Not measured in a step yet: a candidate after the
-    default until it is."""
+    (kernels/l2norm.py). The expansion costs two copies a layer (kernels/heads.py); the three torch sums, fla's
+    L2-norm backward and the add it replaces took 1.29 ms of a 27B step on the H200 (session 15). Measured
+    there with torch's ``repeat_interleave`` for the copies (0.81 ms): 0.13 ms less in all; the Triton copy is
+    new since."""
     from fla.ops.gated_delta_rule import chunk as fla
     from fla.ops.utils.constant import RCP_LN2
     from fla.ops.utils.index import prepare_chunk_indices
@@ -65,6 +66,7 @@ def load(grouped: bool = False):
 
     check_fla_signatures(fla, NEEDS, SKIP_GROUPED if grouped else SKIP)
     if grouped:
+        from fusepatch.kernels.heads import repeat_heads
         from fusepatch.kernels.l2norm import l2norm_bwd_grouped
 
     class SavedStates(torch.autograd.Function):
@@ -107,7 +109,7 @@ def load(grouped: bool = False):
                 q_e, k_e = q_n, k_n
                 if grouped:  # q and k per value head: fla's kernels then give their gradients unsummed
                     groups = v.shape[-2] // q_n.shape[-2]
-                    q_e, k_e = (t.repeat_interleave(groups, dim=-2) for t in (q_n, k_n))
+                    q_e, k_e = (repeat_heads(t, groups) for t in (q_n, k_n))
                 dq, dk, dw, dg = fla.chunk_bwd_dqkwg(
                     q=q_e, k=k_e, v=v_new, w=w, g=g, h=h, dv=dv, do=do, dh=dh, scale=scale, chunk_size=CHUNK, **places
                 )

@@ -174,6 +174,21 @@ def test_grouped_l2norm_backward(shape):
     assert relative_error(got, want) <= 2e-2, relative_error(got, want)
 
 
+@pytest.mark.parametrize(
+    "shape, groups",
+    [((1, 4096, 16, 128), 3), ((4096, 4, 256), 6), ((2, 77, 3, 40), 5)],
+    ids=["27b-qk", "27b-kv", "odd"],
+)
+def test_repeat_heads_equals_repeat_interleave(shape, groups):
+    """The grouped delta rule's q/k expansion (kernels/heads.py), compiled: bit for bit torch's
+    ``repeat_interleave`` (a copy), bf16 and fp32, at the 27B shapes and odd ones."""
+    from fusepatch.kernels.heads import repeat_heads
+
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(shape, device="cuda", dtype=dtype)
+        assert torch.equal(repeat_heads(x, groups), x.repeat_interleave(groups, dim=-2))
+
+
 @pytest.mark.parametrize("batch, length", [(1, 301), (3, 200)])
 def test_graphed_delta_rule_replays_fla(batch, length, monkeypatch):
     """fla-graphed runs fla's kernels from CUDA graphs: against fla itself on fresh inputs, for two 'layers'
