@@ -57,7 +57,11 @@ def host_built(
     """A tensor a kernel needs, derived from the boundaries: ``build(host_values)`` on the host, copied to
     ``device`` without a wait (from pinned memory), and kept on the boundaries tensor under ``key``, so the
     layers of a forward, its recompute and its backward share one. ``None`` where the host values are not known
-    (the caller then derives it from the GPU tensor)."""
+    (the caller then derives it from the GPU tensor).
+
+    The builders use NumPy, not torch: torch's CPU ``repeat_interleave`` opens an OpenMP parallel region even for
+    eight documents, and in the packed 27B-shaped step on the H200 the GPU sat idle inside those host calls, 9-19
+    ms a step (one gap of 15.5 ms; benchmarks/RESULTS.md, session 15); NumPy's ``repeat`` is single-threaded."""
     host = host_values(cu_seqlens)
     if host is None:
         return None

@@ -23,8 +23,10 @@ def document_starts(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def _document_numbers(host: tuple[int, ...]) -> torch.Tensor:
-    lengths = torch.tensor(host).diff()
-    return torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)[None]
+    import numpy as np  # packing.host_built says why not torch
+
+    lengths = np.diff(np.asarray(host, dtype=np.int64))
+    return torch.from_numpy(np.repeat(np.arange(len(lengths), dtype=np.int32), lengths))[None]
 
 
 def sequence_index(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> torch.Tensor:

@@ -147,11 +147,13 @@ def chunk_table(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor | 
     known: fla then builds it itself."""
 
     def build(host: tuple[int, ...]) -> torch.Tensor:
-        bounds = torch.tensor(host, dtype=torch.long)
-        counts = (bounds[1:] - bounds[:-1] + chunk - 1) // chunk
-        documents = torch.repeat_interleave(torch.arange(len(counts)), counts)
-        firsts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-        return torch.stack([documents, torch.arange(len(documents)) - firsts], 1).to(cu_seqlens.dtype)
+        import numpy as np  # packing.host_built says why not torch
+
+        counts = (np.diff(np.asarray(host, dtype=np.int64)) + chunk - 1) // chunk
+        documents = np.repeat(np.arange(len(counts)), counts)
+        firsts = np.repeat(np.cumsum(counts) - counts, counts)
+        table = np.stack([documents, np.arange(len(documents)) - firsts], 1)
+        return torch.from_numpy(table).to(cu_seqlens.dtype)
 
     return host_built(cu_seqlens, f"chunk_table/{chunk}", build, cu_seqlens.device)
 
