@@ -63,7 +63,7 @@ def test_list_shows_the_registry():
     text = _run("list").stdout
     assert (
         "Qwen3_5GatedDeltaNet" in text
-        and "gated_delta_rule [fla-graphed > fla-saved-states > fla-saved-states-grouped > fla > fla-gate-outside > hub:kernels-community/fla"
+        and "gated_delta_rule [fla-graphed > fla-saved-states-grouped > fla-saved-states > fla > fla-gate-outside > hub:kernels-community/fla"
         in text
     )
     data = json.loads(_run("list", "--json").stdout)

@@ -237,7 +237,7 @@ def test_the_graphed_candidate_is_opt_in_and_leaves_packed_rows_to_fla(monkeypat
     from fusepatch.ops import OPS
 
     candidates = OPS["gated_delta_rule"].candidates
-    assert [c.name for c in candidates[:4]] == ["fla-graphed", "fla-saved-states", "fla-saved-states-grouped", "fla"]
+    assert [c.name for c in candidates[:4]] == ["fla-graphed", "fla-saved-states-grouped", "fla-saved-states", "fla"]
     assert candidates[0].varlen is False and all(c.varlen for c in candidates[1:4])
     switch = candidates[0].requirements[-1]
     env = Environment(python="3.12", platform="linux", torch="2.11.0", torch_cuda="13.0", cuda_available=True)

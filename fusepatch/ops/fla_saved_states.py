@@ -9,7 +9,8 @@ bf16) and the backward starts on the gradients at once. The kernels, their order
 output bit for bit, the gradients to fla's own run-to-run noise (its backward sums with atomics).
 
 Under activation checkpointing the kept tensors live only from a layer's recomputed forward to its backward.
-``FUSEPATCH_SKIP=gated_delta_rule/fla-saved-states`` picks fla's own function, which recomputes them.
+The default is the grouped variant (``load(grouped=True)``, below); ``FUSEPATCH_SKIP=gated_delta_rule/fla-saved-states-grouped``
+picks the plain one, and skipping both (comma-separated) picks fla's own function, which recomputes them.
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ def load(grouped: bool = False):
     ``grouped``: fla's two backward kernels that produce q/k gradients per value head (``chunk_bwd_dqkwg``,
     ``prepare_wy_repr_bwd``) get q and k expanded to the value heads, so that fla sums nothing in torch, and
     fusepatch's L2-norm backward sums the groups (and adds the two k gradients) in one kernel
-    (kernels/l2norm.py). The expansion costs two copies a layer (kernels/heads.py); the three torch sums, fla's
-    L2-norm backward and the add it replaces took 1.29 ms of a 27B step on the H200 (session 15). Measured
-    there with torch's ``repeat_interleave`` for the copies (0.81 ms): 0.13 ms less in all; the Triton copy is
-    new since."""
+    (kernels/l2norm.py). The expansion costs two copies a layer (kernels/heads.py, 0.20 ms a 27B-shaped step on
+    the H200); the three torch sums, fla's L2-norm backward and the add it replaces took 1.14 ms there: 0.59 ms
+    less GPU time a step, the same peak memory (session 15). Without grouping (as many key as value heads) there
+    is nothing to expand: only the L2-norm backward and the add are fused."""
     from fla.ops.gated_delta_rule import chunk as fla
     from fla.ops.utils.constant import RCP_LN2
     from fla.ops.utils.index import prepare_chunk_indices
@@ -107,8 +108,8 @@ def load(grouped: bool = False):
                     q=q_n, k=k_n, w=w, g=g, h0=None, dht=None, do=do, dv=dv, scale=scale, chunk_size=CHUNK, **places
                 )
                 q_e, k_e = q_n, k_n
-                if grouped:  # q and k per value head: fla's kernels then give their gradients unsummed
-                    groups = v.shape[-2] // q_n.shape[-2]
+                groups = v.shape[-2] // q_n.shape[-2]
+                if grouped and groups > 1:  # q and k per value head: fla's kernels give their gradients unsummed
                     q_e, k_e = (repeat_heads(t, groups) for t in (q_n, k_n))
                 dq, dk, dw, dg = fla.chunk_bwd_dqkwg(
                     q=q_e, k=k_e, v=v_new, w=w, g=g, h=h, dv=dv, do=do, dh=dh, scale=scale, chunk_size=CHUNK, **places

@@ -355,6 +355,19 @@ GATED_DELTA_RULE = Op(
             varlen=False,  # packed rows: new boundaries every step, and fla reads them on the CPU
         ),
         Candidate(
+            name="fla-saved-states-grouped",
+            source="pip",
+            requirements=fla_backward_requirements("fla.ops.gated_delta_rule"),  # Triton >= 3.3 among them
+            load=lambda: _load_fla_saved_states(grouped=True),
+            inputs=FLA_INPUTS,
+            provides=(
+                "fla-saved-states with the q/k gradients' sums over grouped value heads done in fusepatch's L2-norm "
+                "backward kernel (fusepatch.kernels.l2norm) instead of torch sums inside fla: 0.6 ms less GPU time "
+                "a 27B-shaped step on the H200 (benchmarks/RESULTS.md, session 15)"
+            ),
+            distribution="fla-core",
+        ),
+        Candidate(
             name="fla-saved-states",
             source="pip",
             requirements=fla_backward_requirements("fla.ops.gated_delta_rule"),
@@ -363,18 +376,6 @@ GATED_DELTA_RULE = Op(
             provides=(
                 "fla's chunked delta rule kernels (fla.ops.gated_delta_rule.chunk), the chunk states kept from the "
                 "forward instead of recomputed in the backward"
-            ),
-            distribution="fla-core",
-        ),
-        Candidate(
-            name="fla-saved-states-grouped",
-            source="pip",
-            requirements=fla_backward_requirements("fla.ops.gated_delta_rule"),  # Triton >= 3.3 among them
-            load=lambda: _load_fla_saved_states(grouped=True),
-            inputs=FLA_INPUTS,
-            provides=(
-                "fla-saved-states with the q/k gradients' sums over grouped value heads done in fusepatch's L2-norm "
-                "backward kernel (fusepatch.kernels.l2norm) instead of torch sums inside fla"
             ),
             distribution="fla-core",
         ),

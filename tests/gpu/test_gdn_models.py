@@ -37,7 +37,9 @@ CANDIDATE_CASES = [
     ("qwen3_5_text", "fla-graphed"),
     ("qwen3_5_text", "fla-gate-outside"),
     ("qwen3_5_moe_text", "fla-saved-states"),
+    ("qwen3_5_moe_text", "fla-saved-states-grouped"),
     ("qwen3_next", "fla-saved-states"),
+    ("qwen3_next", "fla-saved-states-grouped"),
     ("qwen3_next", "fla"),
 ]
 
