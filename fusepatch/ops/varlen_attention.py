@@ -41,10 +41,10 @@ def varlen_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale=None):
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``x.repeat_interleave(groups, dim=1)`` for ``[T, H, D]``, as a broadcast view copied by ``reshape``. In the
-    packed 27B-shaped step on the H200 (torch 2.11) the GPU sat idle inside the four k/v ``repeat_interleave``
-    calls (9.8 ms a step, one gap of 6.1 ms; benchmarks/RESULTS.md, session 15); there torch computes an index
-    tensor for it. The view's copy needs no index; autograd sums the groups as before."""
+    """``x.repeat_interleave(groups, dim=1)`` for ``[T, H, D]``: the same copy, from a broadcast view, with no
+    repeats tensor behind it; autograd sums the groups back. (Session 15 first blamed these calls for the idle
+    GPU time that the packed step showed under ``repeat_interleave``; it was the host-side builds of
+    ``packing.host_built``. This form stayed: it does the same work with less.)"""
     tokens, heads, dim = x.shape
     return x[:, :, None].expand(tokens, heads, groups, dim).reshape(tokens, heads * groups, dim)
 
