@@ -80,8 +80,8 @@ def gpu_time_by_op(events, top: int = 40) -> list[tuple[str, float]]:
 def gpu_idle_by_op(events, top: int = 30) -> dict:
     """Where the GPU waited inside the profiled step: every gap of at least 1 us between kernels (overlapping
     kernels merged), summed by step phase (the ``bench:`` ranges of ``step``) and by the innermost CPU op, on any
-    thread, whose span covers the gap's middle, shown with its parent: what the CPU was doing while the GPU had
-    nothing queued. ``lead_ms``: from the step's start to its first kernel."""
+    thread, whose span covers the gap's middle, shown with up to three callers: what the CPU was doing while the GPU
+    had nothing queued. ``lead_ms``: from the step's start to its first kernel."""
     cuda = torch.autograd.DeviceType.CUDA
     kernels = sorted(
         (e.time_range.start, e.time_range.end)
@@ -109,9 +109,15 @@ def gpu_idle_by_op(events, top: int = 30) -> dict:
         covering = (starts <= middle) & (ends >= middle)
         if bool(covering.any()):
             index = int(torch.where(covering, spans, torch.full_like(spans, float("inf"))).argmin())
-            event = ops[index]
-            parent = event.cpu_parent.name[:70] if event.cpu_parent is not None else "-"
-            name = f"{parent} > {event.name[:70]}"
+            event, chain = ops[index], []
+            # three callers up (session 15 read a CPU repeat_interleave in a host-side build as a GPU one in the
+            # attention, from "repeat_interleave > repeat_interleave" alone)
+            parent = event.cpu_parent
+            while parent is not None and len(chain) < 3:
+                if not parent.name.startswith("bench:"):
+                    chain.insert(0, parent.name[:60])
+                parent = parent.cpu_parent
+            name = " > ".join([*(chain or ["-"]), event.name[:70]])
         else:
             name = "no op (Python between ops)"
         by_op[name] += length

@@ -100,12 +100,14 @@ def test_gpu_idle_is_attributed_to_the_innermost_cpu_op_and_phase():
 
     step = event("bench:step", 0, 1000)
     backward = event("bench:backward", 400, 900)
-    engine = event("autograd::engine::evaluate_function: MmBackward0", 100, 800)
+    layer = event("fusepatch::Qwen3_5GatedDeltaNet", 90, 850, parent=backward)  # a bench: caller is left out
+    engine = event("autograd::engine::evaluate_function: MmBackward0", 100, 800, parent=layer)
     launch = event("aten::mm", 550, 650, parent=engine)
     events = [
         step,
         event("bench:forward", 0, 400),
         backward,
+        layer,
         engine,
         launch,
         event("k1", 10, 200, cuda),
@@ -117,13 +119,18 @@ def test_gpu_idle_is_attributed_to_the_innermost_cpu_op_and_phase():
     events.append(event("cudaDeviceSynchronize", 1100, 1200))  # after the step: not one of its waits
     idle = train_step.gpu_idle_by_op(events)
     assert idle["host_waits"] == [
-        ["cudaMemcpyAsync < aten::mm < autograd::engine::evaluate_function: MmBackward0", 1, 0.04]
+        [
+            "cudaMemcpyAsync < aten::mm < autograd::engine::evaluate_function: MmBackward0 < "
+            "fusepatch::Qwen3_5GatedDeltaNet",
+            1,
+            0.04,
+        ]
     ]
     assert idle["gaps"] == 2 and idle["lead_ms"] == 0.01
     assert idle["gap_ms_total"] == 0.38
-    assert idle["by_op"] == [
-        ["- > autograd::engine::evaluate_function: MmBackward0", 0.2, 1],
-        ["autograd::engine::evaluate_function: MmBackward0 > aten::mm", 0.18, 1],
+    assert idle["by_op"] == [  # the innermost op with its callers (up to three), outermost first
+        ["fusepatch::Qwen3_5GatedDeltaNet > autograd::engine::evaluate_function: MmBackward0", 0.2, 1],
+        ["fusepatch::Qwen3_5GatedDeltaNet > autograd::engine::evaluate_function: MmBackward0 > aten::mm", 0.18, 1],
     ]
     assert idle["by_phase"] == {"bench:forward": 0.2, "bench:backward": 0.18}
 
