@@ -1,8 +1,9 @@
 """Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next linear attention) for training and prefill.
 
 The flow is transformers' (projections, conv + SiLU, gated delta rule, gated RMSNorm, out projection), with
-three differences: every op goes through a per-call dispatcher (fused on GPU, eager elsewhere), q/k are
-never copied for grouped value heads (the kernels take them natively), and packed documents are exact
+three differences: every op goes through a per-call dispatcher (fused on GPU, eager elsewhere), q/k are not
+copied for grouped value heads in the forward (the kernels take them natively; the default delta rule's backward
+expands them once, ops/fla_saved_states.py), and packed documents are exact
 (``cu_seqlens`` reaches the conv and the recurrence). With a cache (generation) the original forward runs.
 """
 
