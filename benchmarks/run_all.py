@@ -78,6 +78,8 @@ def run_one(label: str, args) -> dict:
         cmd += ["--vary-seq", str(args.vary_seq)]
     if args.packed_docs:
         cmd += ["--packed-docs", str(args.packed_docs)]
+    if getattr(args, "prompt", 0.0):
+        cmd += ["--prompt", str(args.prompt)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if os.path.exists(out):
@@ -132,6 +134,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--packed-docs", type=int, default=0, help="K documents of random lengths in every row (train_step.py)"
+    )
+    parser.add_argument(
+        "--prompt", type=float, default=0.0, help="the first F of every row's labels -100 (train_step.py)"
     )
     parser.add_argument("--timeout", type=int, default=300)
     parser.add_argument("--workdir", default=".")

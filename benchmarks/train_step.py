@@ -14,6 +14,9 @@ every configuration), as packed rows of a fine-tuning run have: a kernel that co
 shows up in the step times (the fixed-length tables cannot show it; RESULTS.md, session 6). tokens/s is then
 all timed tokens over all timed step time, and the slowest step is reported beside the median.
 
+``--prompt F`` sets the first F of every row's labels to -100 (chat SFT's masked prompt: fusepatch's loss then
+runs on the labelled rows only; transformers' runs on every row).
+
 ``--packed-docs K`` packs every row with K documents of random lengths (``position_ids`` restarting at 0, new
 cut points every step, the same for every configuration), as padding-free SFT batches are: transformers then
 builds a block-causal mask for sdpa, and fusepatch routes full attention to its varlen kernel.
@@ -148,6 +151,9 @@ def main() -> int:
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--vary-seq", type=float, default=0.0, help="each timed step's length from [seq*(1-F), seq]")
     parser.add_argument("--packed-docs", type=int, default=0, help="K documents of random lengths in every row")
+    parser.add_argument(
+        "--prompt", type=float, default=0.0, help="the first F of every row's labels -100, as chat SFT masks prompts"
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
@@ -285,6 +291,10 @@ def run(args, seq: int, batch: int) -> dict:
 
     def step(length: int = seq):
         ids = torch.randint(0, config.vocab_size, (batch, length), device=device)
+        labels = ids
+        if args.prompt:  # the same positions for every configuration
+            labels = ids.clone()
+            labels[:, : int(args.prompt * length)] = -100
         extra = {}
         if args.packed_docs > 1:
             rows = [packed_positions(length, args.packed_docs, cuts) for _ in range(batch)]
@@ -292,7 +302,7 @@ def run(args, seq: int, batch: int) -> dict:
         # phase ranges: the profiled step's GPU idle time is attributed to them (gpu_idle_by_op)
         with torch.profiler.record_function("bench:step"):
             with torch.profiler.record_function("bench:forward"):
-                loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss
+                loss = model(input_ids=ids, labels=labels, use_cache=False, **extra).loss
             with torch.profiler.record_function("bench:backward"):
                 loss.backward()
             with torch.profiler.record_function("bench:optimizer"):
@@ -335,6 +345,8 @@ def run(args, seq: int, batch: int) -> dict:
         info.update(lengths=lengths, max_step_ms=round(max(times) * 1000, 2))
     if args.packed_docs > 1:
         info["packed_docs"] = args.packed_docs
+    if args.prompt:
+        info["prompt"] = args.prompt
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":

@@ -222,3 +222,14 @@ def test_clock_sampler_falls_back_to_the_basic_fields_and_says_when_it_cannot_sa
     with gpu_clocks.ClockSampler(torch.device("cuda", 0)) as missing:
         pass
     assert missing.summary()["error"].startswith("nvidia-smi")
+
+
+def test_prompt_masked_labels_reach_the_model(tmp_path):
+    """``--prompt F``: the first F of every row's labels are -100 (the same for every configuration), so a
+    table can show the fused loss running on the labelled rows only; the loss differs from the unmasked run's."""
+    import math
+
+    masked = _train_step_on_cpu(tmp_path, "fusepatch", "--steps", "1", "--warmup", "0", "--prompt", "0.5")
+    plain = _train_step_on_cpu(tmp_path, "fusepatch", "--steps", "1", "--warmup", "0")
+    assert masked["prompt"] == 0.5 and "prompt" not in plain
+    assert math.isfinite(masked["losses"][0]) and masked["losses"][0] != plain["losses"][0]

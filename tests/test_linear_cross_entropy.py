@@ -279,3 +279,59 @@ def test_conditional_generation_forward_uses_the_fused_loss(chunked_on_cpu):
     """Qwen3.5 checkpoints load as Qwen3_5ForConditionalGeneration: its text loss goes through the fused loss,
     whatever arguments and output class the installed transformers gives that forward."""
     _fused_loss_matches_the_unpatched_model(tiny_image_text_model(), tiny_image_text_model(), length=29, ignored=4)
+
+
+def test_labelled_rows_selects_the_labelled_rows_in_order(monkeypatch):
+    """``LabelledRows``: the labelled rows of hidden and labels, in their order, when at least ``MIN_DROPPED`` of
+    the rows are ignored; everything untouched below that, when nothing is labelled, and while compiling. The
+    loss over the selected rows and its gradient equal the loss over all rows."""
+    from fusepatch.layers import labelled_rows
+    from fusepatch.layers.labelled_rows import LabelledRows
+
+    h, w, y = _data(tokens=64)  # every 5th label ignored: 13 of 64
+    rows = LabelledRows(y.view(2, 32))
+    assert rows.kept() == 51
+    flat, labels = rows.select(h)
+    keep = (y != -100).nonzero().flatten()
+    assert torch.equal(labels, y[keep]) and torch.equal(flat, h[keep])
+    full = lce.linear_cross_entropy_reference(h, w, y)
+    part = lce.linear_cross_entropy_reference(flat, w, labels)
+    torch.testing.assert_close(part, full, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(part, (h, w)), torch.autograd.grad(full, (h, w))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    few = y.clone()
+    few[few == -100] = 1
+    few[0] = -100  # 1 of 64 ignored: below MIN_DROPPED, not worth a copy
+    rows = LabelledRows(few)
+    assert rows.kept() is None and rows.select(h)[0] is h
+    rows = LabelledRows(torch.full_like(y, -100))  # nothing labelled: the loss is 0 over all rows, as before
+    assert rows.kept() is None and rows.select(h)[0] is h
+    monkeypatch.setattr(labelled_rows.torch.compiler, "is_compiling", lambda: True)
+    rows = LabelledRows(y)  # a traced graph keeps every row (no data-dependent shapes)
+    assert rows.kept() is None and rows.select(h)[0] is h
+
+
+def test_causal_lm_loss_runs_on_the_labelled_rows_only(chunked_on_cpu, monkeypatch):
+    """A prompt-masked batch: the patched model's loss op gets the labelled rows only, and loss and every
+    gradient match the unpatched model on the same labels (``_fused_loss_matches_the_unpatched_model``)."""
+    seen = []
+    op = OPS["linear_cross_entropy"]
+    chunked = op.candidates[0]
+
+    def load():
+        fn = chunked.load()
+
+        def spy(hidden, weight, labels, **kwargs):
+            seen.append(hidden.shape[0])
+            return fn(hidden, weight, labels, **kwargs)
+
+        return spy
+
+    monkeypatch.setitem(
+        OPS, "linear_cross_entropy", dataclasses.replace(op, candidates=(dataclasses.replace(chunked, load=load),))
+    )
+    selftest.clear_cache()
+    _fused_loss_matches_the_unpatched_model(tiny_model("qwen3"), tiny_model("qwen3"), length=33, ignored=20)
+    # 2 rows of 33: 19 prompt labels and the last position ignored in each, 26 rows left; the self-test's own
+    # calls (fresh random inputs) come first
+    assert 26 in seen and 66 not in seen[-3:], seen

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from fusepatch.layers.labelled_rows import LabelledRows
 from fusepatch.resolve import autocast_dtype, dtype_name
 
 
@@ -41,10 +42,10 @@ def causal_lm_forward(
     reference = input_ids if input_ids is not None else inputs_embeds
     if reference is None or not _fuses_loss(self, dispatch, labels, logits_to_keep, reference.device.type):
         return state.original(**inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
-    shift_labels = kwargs.pop("shift_labels", None)
+    rows = LabelledRows(_shifted(labels, kwargs.pop("shift_labels", None)))  # counted ahead of the forward
     outputs = self.model(**inputs, **kwargs)
     hidden = outputs.last_hidden_state
-    loss = _fused_loss(dispatch, hidden, self.lm_head.weight, labels, shift_labels, kwargs.get("num_items_in_batch"))
+    loss = _fused_loss(dispatch, hidden, self.lm_head.weight, rows, kwargs.get("num_items_in_batch"))
     logits = self.lm_head(hidden) if return_logits else None
     return CausalLMOutputWithPast(
         loss=loss,
@@ -91,22 +92,24 @@ def _fuses_loss(self, dispatch, labels, logits_to_keep, device_type: str) -> boo
     )
 
 
-def _fused_loss(dispatch, hidden, weight, labels, shift_labels, num_items_in_batch):
+def _shifted(labels: torch.Tensor, shift_labels: torch.Tensor | None) -> torch.Tensor:
+    """The label each position predicts: token t+1 at position t, nothing (-100) at the last; or the caller's."""
+    if shift_labels is not None:
+        return shift_labels
+    return F.pad(labels, (0, 1), value=-100)[..., 1:]
+
+
+def _fused_loss(dispatch, hidden, weight, rows: LabelledRows, num_items_in_batch):
     """transformers' causal-LM loss (labels shifted by one, -100 ignored, summed over ``num_items_in_batch``
-    when the Trainer gives it) through the fused linear cross-entropy. Under autocast the hidden states and the
-    weight are cast to autocast's dtype first (differentiably, as autocast casts them for ``lm_head``) and the
-    kernel runs with autocast off: it gets exactly the dtype it was chosen and self-tested for."""
-    if shift_labels is None:  # predict token t+1 at position t; the last position predicts nothing
-        shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
-    shift_labels = shift_labels.to(hidden.device)
+    when the Trainer gives it) through the fused linear cross-entropy, over the labelled rows only where many are
+    ignored (layers/labelled_rows.py). Under autocast the hidden states and the weight are cast to autocast's
+    dtype first (differentiably, as autocast casts them for ``lm_head``) and the kernel runs with autocast off: it
+    gets exactly the dtype it was chosen and self-tested for."""
+    flat, labels = rows.select(hidden.reshape(-1, hidden.shape[-1]))
     dtype = _loss_dtype(weight)
     with torch.autocast(weight.device.type, enabled=False):
         return dispatch(
-            hidden.reshape(-1, hidden.shape[-1]).to(dtype),
-            weight.to(dtype),
-            shift_labels.reshape(-1),
-            ignore_index=-100,
-            num_items_in_batch=num_items_in_batch,
+            flat.to(dtype), weight.to(dtype), labels, ignore_index=-100, num_items_in_batch=num_items_in_batch
         )
 
 
@@ -122,7 +125,7 @@ def conditional_generation_forward(self, *args, labels=None, logits_to_keep=0, *
     weight = self.lm_head.weight
     if not _fuses_loss(self, dispatch, labels, logits_to_keep, weight.device.type):
         return state.original(*args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
-    shift_labels = kwargs.pop("shift_labels", None)
+    rows = LabelledRows(_shifted(labels, kwargs.pop("shift_labels", None)))  # counted ahead of the forward
     captured = []
 
     def keep(module, inputs, output):
@@ -135,7 +138,7 @@ def conditional_generation_forward(self, *args, labels=None, logits_to_keep=0, *
     finally:
         handle.remove()
     hidden = captured[-1]
-    loss = _fused_loss(dispatch, hidden, weight, labels, shift_labels, kwargs.get("num_items_in_batch"))
+    loss = _fused_loss(dispatch, hidden, weight, rows, kwargs.get("num_items_in_batch"))
     logits = self.lm_head(hidden) if return_logits else None
     # the same output class, rebuilt so that loss comes first (outputs[0], as transformers orders it)
     return type(outputs)(**{**dict(outputs.items()), "loss": loss, "logits": logits})

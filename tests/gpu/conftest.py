@@ -90,10 +90,13 @@ def eager(model):
     return model
 
 
-def outputs(model, ids, **kwargs) -> dict:
-    """Loss, logits and every parameter gradient (fp32 copies) of one forward + backward."""
+def outputs(model, ids, labels=None, **kwargs) -> dict:
+    """Loss, logits and every parameter gradient (fp32 copies) of one forward + backward (labels: ``ids``)."""
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids, use_cache=False, return_logits=True, **kwargs)  # fused loss: ask for logits
+    labels = ids if labels is None else labels
+    out = model(
+        input_ids=ids, labels=labels, use_cache=False, return_logits=True, **kwargs
+    )  # fused loss: ask for logits
     out.loss.backward()
     grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
     return {"loss": out.loss.float(), "logits": out.logits.float(), **grads}
@@ -138,9 +141,10 @@ def summand_error(got, ref, scale) -> float:
     return ((got.double() - ref.double()).norm() / scale.norm().clamp_min(1e-30)).item()
 
 
-def compare_models(model_type: str, length: int = 301) -> tuple[dict, dict, dict]:
+def compare_models(model_type: str, length: int = 301, prompt: int = 0) -> tuple[dict, dict, dict]:
     """Errors against the fp32 eager mini model of ``model_type``: ``{quantity: {fp32, bf16, eager_bf16}}``,
-    plus the kernels chosen per op at fp32 and bf16 (first patched layer that has the op)."""
+    plus the kernels chosen per op at fp32 and bf16 (first patched layer that has the op). ``prompt``: the first
+    so many labels of every row are -100, as chat SFT masks the prompt."""
     import copy
 
     import torch
@@ -151,13 +155,15 @@ def compare_models(model_type: str, length: int = 301) -> tuple[dict, dict, dict
 
     base = tiny_model(model_type, **MINI)
     ids = torch.randint(0, base.config.vocab_size, (2, length), device="cuda")
-    reference = outputs(eager(copy.deepcopy(base).cuda()), ids)
-    eager16 = outputs(eager(copy.deepcopy(base).cuda().to(torch.bfloat16)), ids)
+    labels = ids.clone()
+    labels[:, :prompt] = -100
+    reference = outputs(eager(copy.deepcopy(base).cuda()), ids, labels)
+    eager16 = outputs(eager(copy.deepcopy(base).cuda().to(torch.bfloat16)), ids, labels)
     fused, kernels = {}, {}
     for dtype in (torch.float32, torch.bfloat16):
         model = copy.deepcopy(base).cuda().to(dtype)
         report = fusepatch.apply(model)
-        fused[dtype] = outputs(model, ids)
+        fused[dtype] = outputs(model, ids, labels)
         kernels[str(dtype)[6:]] = {c.op: c.chosen for layer in reversed(report.layers) for c in layer.choices}
     errors = {
         name: {

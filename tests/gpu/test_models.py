@@ -27,3 +27,28 @@ def test_thirty_training_steps_track_the_eager_loss_curve(model_type):
     assert eager_curve[-1] < eager_curve[0] - 0.5  # it learns (tokens drawn from a 64-token subset)
     gaps = [abs(a - b) / a for a, b in zip(eager_curve, fused_curve)]
     assert max(gaps) < 0.03, list(zip(eager_curve, fused_curve))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2_moe"])
+def test_prompt_masked_labels_run_the_loss_on_the_labelled_rows(model_type, monkeypatch):
+    """Chat-SFT labels (the first 120 of every 301 labels -100): the fused loss gets the labelled rows only
+    (layers/labelled_rows.py), and loss, logits and every gradient stay within the mini-model bounds against the
+    fp32 eager model on the same labels."""
+    from fusepatch.layers import labelled_rows
+
+    seen = []
+    select = labelled_rows.LabelledRows.select
+
+    def spy(self, hidden):
+        out = select(self, hidden)
+        seen.append((hidden.shape[0], out[0].shape[0]))
+        return out
+
+    monkeypatch.setattr(labelled_rows.LabelledRows, "select", spy)
+    errors, kernels32, kernels16 = compare_models(model_type, prompt=120)
+    record(f"{model_type}-prompt", {"kernels_fp32": kernels32, "kernels_bf16": kernels16, "errors": errors})
+    assert kernels16["linear_cross_entropy"] != "eager", kernels16
+    # 2 rows x 301 positions: 2 x 120 prompt labels and each row's last position are ignored
+    assert (602, 602 - 2 * 119 - 2) in seen, seen
+    failures = model_failures(errors)
+    assert not failures, f"kernels fp32 {kernels32} bf16 {kernels16}; errors against fp32 eager: {failures}"
