@@ -24,8 +24,8 @@ MIN_DROPPED = 1 / 32  # fraction of ignored rows from which the loss runs on the
 
 
 class LabelledRows:
-    """Built from the flattened shifted labels before the model's forward; ``select(hidden, labels)`` after it
-    returns the labelled rows of both (or both unchanged, see ``MIN_DROPPED``)."""
+    """Built from the shifted labels before the model's forward; ``select(hidden)`` after it returns the labelled
+    rows of the flattened hidden state and of the labels (or every row, see ``MIN_DROPPED``)."""
 
     def __init__(self, shift_labels: torch.Tensor):
         self.labels = shift_labels.reshape(-1)
