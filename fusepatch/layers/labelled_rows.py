@@ -3,8 +3,8 @@
 A fine-tuning batch labels only what the model should learn to write: chat SFT sets the prompt's and the
 template's tokens to -100 (the SFT example keeps the assistant's), packed rows add one -100 at every document
 boundary. transformers computes the ``lm_head`` GEMMs and the cross-entropy for every row anyway and multiplies
-the ignored ones by zero; at Qwen3.5's 248k vocabulary that is three GEMMs of ``rows x 248,320 x hidden`` (39 ms of
-the 27B-shaped step's 212 on the H200 for 4096 rows, benchmarks/RESULTS.md). Here the loss gets the labelled rows
+the ignored ones by zero; at Qwen3.5's 248k vocabulary that is three GEMMs of ``rows x 248,320 x hidden`` (13.2-13.7
+ms each in the 27B-shaped step on the H200 at 4096 rows, benchmarks/RESULTS.md session 13). Here the loss gets the labelled rows
 only (``index_select``; autograd scatters their gradient back, zeros elsewhere): the same loss and gradients,
 the ignored rows' work skipped.
 
