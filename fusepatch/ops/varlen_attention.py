@@ -40,15 +40,6 @@ def varlen_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale=None):
     return out[0].transpose(0, 1)
 
 
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``x.repeat_interleave(groups, dim=1)`` for ``[T, H, D]``: the same copy, from a broadcast view, with no
-    repeats tensor behind it; autograd sums the groups back. (Session 15 first blamed these calls for the idle
-    GPU time that the packed step showed under ``repeat_interleave``; it was the host-side builds of
-    ``packing.host_built``. This form stayed: it does the same work with less.)"""
-    tokens, heads, dim = x.shape
-    return x[:, :, None].expand(tokens, heads, groups, dim).reshape(tokens, heads * groups, dim)
-
-
 def torch_varlen_adapter(varlen_attn):
     """The op's signature over ``torch.nn.attention.varlen.varlen_attn``, whose keywords moved between torch
     releases: causality was ``is_causal=True`` and became ``window_size=(-1, 0)``; ``scale`` and
@@ -73,7 +64,7 @@ def torch_varlen_adapter(varlen_attn):
                 extra["enable_gqa"] = True
             else:
                 groups = q.shape[1] // k.shape[1]
-                k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         if scale is not None:
             if takes_scale:
                 extra["scale"] = scale
