@@ -78,7 +78,7 @@ def run_one(label: str, args) -> dict:
         cmd += ["--vary-seq", str(args.vary_seq)]
     if args.packed_docs:
         cmd += ["--packed-docs", str(args.packed_docs)]
-    if getattr(args, "prompt", 0.0):
+    if args.prompt:
         cmd += ["--prompt", str(args.prompt)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)

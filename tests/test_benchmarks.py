@@ -61,7 +61,7 @@ def test_a_label_with_a_slash_gets_its_own_files(tmp_path):
 
     args = argparse.Namespace(
         shape="tiny", steps=1, warmup=0, timeout=300, workdir=str(tmp_path), site_fla="", site_tl="", layers=None,
-        checkpointing=False, vary_seq=0.0, packed_docs=0,
+        checkpointing=False, vary_seq=0.0, packed_docs=0, prompt=0.0,
     )  # fmt: skip
     result = run_all.run_one("eager+FUSEPATCH_SKIP=rms_norm/triton", args)
     assert result["config"] == "eager+FUSEPATCH_SKIP=rms_norm/triton"
