@@ -80,11 +80,13 @@ def gpu_time_by_op(events, top: int = 40) -> list[tuple[str, float]]:
     return [(key, round(ms, 3)) for key, ms in totals.most_common(top)]
 
 
-def gpu_idle_by_op(events, top: int = 30) -> dict:
+def gpu_idle_by_op(events, top: int = 30, longest_gaps: int = 40) -> dict:
     """Where the GPU waited inside the profiled step: every gap of at least 1 us between kernels (overlapping
     kernels merged), summed by step phase (the ``bench:`` ranges of ``step``) and by the innermost CPU op, on any
     thread, whose span covers the gap's middle, shown with up to three callers: what the CPU was doing while the GPU
-    had nothing queued. ``lead_ms``: from the step's start to its first kernel."""
+    had nothing queued. ``lead_ms``: from the step's start to its first kernel. ``longest``: the longest gaps in
+    step order, [ms from the step's start, us, op]; ``by_window_ms``: idle time per 10 ms of the step. Together they
+    say whether the GPU starves once (the step's start, a wait) or all along (a CPU slower than the kernels)."""
     cuda = torch.autograd.DeviceType.CUDA
     kernels = sorted(
         (e.time_range.start, e.time_range.end)
@@ -107,6 +109,10 @@ def gpu_idle_by_op(events, top: int = 30) -> dict:
     by_op: Counter[str] = Counter()
     counts: Counter[str] = Counter()
     by_phase: Counter[str] = Counter()
+    step = next(((a, b) for a, b, n in phases if n == "bench:step"), None)
+    origin = step[0] if step else kernels[0][0]
+    windows: Counter[int] = Counter()
+    named = []
     for begin, stop in gaps:
         middle, length = (begin + stop) / 2, (stop - begin) / 1000.0
         covering = (starts <= middle) & (ends >= middle)
@@ -125,15 +131,19 @@ def gpu_idle_by_op(events, top: int = 30) -> dict:
             name = "no op (Python between ops)"
         by_op[name] += length
         counts[name] += 1
+        windows[int((begin - origin) // 10_000)] += length
+        named.append((stop - begin, begin, name))
         phase = next((n for a, b, n in phases if a <= middle <= b and n != "bench:step"), "outside the phases")
         by_phase[phase] += length
-    step = next(((a, b) for a, b, n in phases if n == "bench:step"), None)
+    longest = sorted(sorted(named, reverse=True)[:longest_gaps], key=lambda g: g[1])
     return {
         "gap_ms_total": round(sum(by_op.values()), 3),
         "gaps": len(gaps),
         "lead_ms": round((kernels[0][0] - step[0]) / 1000.0, 3) if step else None,
         "by_phase": {name: round(ms, 3) for name, ms in by_phase.most_common()},
         "by_op": [[name, round(ms, 3), counts[name]] for name, ms in by_op.most_common(top)],
+        "longest": [[round((begin - origin) / 1000.0, 3), round(us, 1), name] for us, begin, name in longest],
+        "by_window_ms": {f"{10 * w}-{10 * w + 10}": round(ms, 3) for w, ms in sorted(windows.items())},
         "host_waits": host_waits(events, within=step, top=top, skip="bench:"),
     }
 

@@ -133,6 +133,12 @@ def test_gpu_idle_is_attributed_to_the_innermost_cpu_op_and_phase():
         ["fusepatch::Qwen3_5GatedDeltaNet > autograd::engine::evaluate_function: MmBackward0 > aten::mm", 0.18, 1],
     ]
     assert idle["by_phase"] == {"bench:forward": 0.2, "bench:backward": 0.18}
+    assert idle["longest"] == [  # step order, ms from the step's start
+        [0.3, 200.0, "fusepatch::Qwen3_5GatedDeltaNet > autograd::engine::evaluate_function: MmBackward0"],
+        [0.52, 180.0, "fusepatch::Qwen3_5GatedDeltaNet > autograd::engine::evaluate_function: MmBackward0 > aten::mm"],
+    ]
+    assert idle["by_window_ms"] == {"0-10": 0.38}
+    assert train_step.gpu_idle_by_op(events, longest_gaps=1)["longest"] == [idle["longest"][0]]
 
 
 @pytest.mark.slow
