@@ -96,14 +96,21 @@ def run_one(label: str, args) -> dict:
 def table(results: list[dict], baseline: str = "hf-fast") -> str:
     base = next((r for r in results if r.get("config") == baseline and "error" not in r), None)
     lines = [
-        "| config | tokens/s | vs hf-fast | median step ms | slowest step ms | peak GiB | peak reserved GiB | aten ops/step | GPU kernels/step | GPU busy | MFU | SM MHz / W (median) | note |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| config | tokens/s | vs hf-fast | median step ms | slowest step ms | back-to-back tokens/s | vs hf-fast | back-to-back median ms | peak GiB | peak reserved GiB | aten ops/step | GPU kernels/step | GPU busy | MFU | SM MHz / W (median) | note |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['config']} | - | - | - | - | - | - | - | - | - | - | - | fails: {r['error'][:160]} |")
+            lines.append(
+                f"| {r['config']} | - | - | - | - | - | - | - | - | - | - | - | - | - | - | fails: {r['error'][:160]} |"
+            )
             continue
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        b2b, b2b_ratio = "-", "-"
+        if "b2b_tokens_per_s" in r:  # the same steps with no host wait between them (train_step.back_to_back)
+            b2b = f"{r['b2b_tokens_per_s']:,.0f}"
+            if base and "b2b_tokens_per_s" in base:
+                b2b_ratio = f"{r['b2b_tokens_per_s'] / base['b2b_tokens_per_s']:.3f}x"
         notes = list(r.get("fallbacks", [])[:2])
         if r.get("triton_builds"):  # kernels built during the timed steps: each one cost a compile or a load
             kernels = ", ".join(f"{k} {n}" for k, n in r.get("triton_builds_by_kernel", {}).items())
@@ -113,7 +120,7 @@ def table(results: list[dict], baseline: str = "hf-fast") -> str:
         power = f"{clocks['sm_mhz_median']:.0f} / {clocks['power_w_median']:.0f}" if "sm_mhz_median" in clocks else "-"
         lines.append(
             f"| {r['config']} | {r['tokens_per_s']:,.0f} | {ratio} | {r['median_step_ms']} | "
-            f"{r.get('max_step_ms', max(r.get('step_ms') or [0]))} | {r['peak_mem_gib']} | {r.get('peak_reserved_gib', '-')} | "
+            f"{r.get('max_step_ms', max(r.get('step_ms') or [0]))} | {b2b} | {b2b_ratio} | {r.get('b2b_median_step_ms', '-')} | {r['peak_mem_gib']} | {r.get('peak_reserved_gib', '-')} | "
             f"{r['aten_ops_per_step']:,} | {r['gpu_kernels_per_step']:,} | {r['gpu_busy_fraction']:.2f} | {r['mfu']:.2f} | {power} | {note} |"
         )
     return "\n".join(lines)

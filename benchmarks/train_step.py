@@ -80,6 +80,36 @@ def gpu_time_by_op(events, top: int = 40) -> list[tuple[str, float]]:
     return [(key, round(ms, 3)) for key, ms in totals.most_common(top)]
 
 
+def back_to_back(step, lengths: list[int], batch: int, sync) -> dict:
+    """The same steps again with no host wait between them, as a training loop runs them (the Trainer reads no
+    value of the GPU between steps unless it logs): each step's time from CUDA events recorded between steps,
+    i.e. from the GPU finishing the step before to it finishing this one. The timed loop above waits for the GPU
+    before and after every step, so each of its steps starts on an empty queue and the GPU idles while the CPU
+    queues the step's first kernels; here the CPU queues the next step while the GPU still runs the optimizer,
+    unless a read of the GPU inside the forward (a ``.item()``, a ``nonzero``) makes it wait for everything
+    queued. One step first, untimed: it starts from an empty queue as the synced ones do."""
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(lengths) + 2)]
+    losses = []
+    sync()
+    marks[0].record()
+    step(lengths[0])
+    for mark, length in zip(marks[1:], lengths):
+        mark.record()
+        losses.append(step(length).detach())
+    marks[-1].record()
+    sync()
+    times = [marks[i].elapsed_time(marks[i + 1]) / 1000.0 for i in range(1, len(marks) - 1)]
+    median = statistics.median(times)
+    return {
+        "b2b_step_ms": [round(t * 1000, 2) for t in times],
+        "b2b_median_step_ms": round(median * 1000, 2),
+        # tokens over the steps' summed time (one length: the same as tokens over the median, within noise)
+        "b2b_tokens_per_s": round(batch * sum(lengths) / sum(times), 1),
+        "b2b_median_tokens_per_s": round(batch * statistics.median(lengths) / median, 1),
+        "b2b_losses": [round(float(x), 4) for x in losses],
+    }
+
+
 def gpu_idle_by_op(events, top: int = 30, longest_gaps: int = 40) -> dict:
     """Where the GPU waited inside the profiled step: every gap of at least 1 us between kernels (overlapping
     kernels merged), summed by step phase (the ``bench:`` ranges of ``step``) and by the innermost CPU op, on any
@@ -286,6 +316,12 @@ def run(args, seq: int, batch: int) -> dict:
             import fusepatch.layers.projections as projections
 
             projections.DEVICES = ()
+        if os.environ.get("BENCH_KEEP_SYNCS"):
+            # an A/B knob of the benchmark only: the forward's packed-rows checks read the GPU as before
+            # (transformers' `.all()`, fusepatch's `nonzero`), for batches given no positions (layers/positions.py)
+            import fusepatch.layers.positions as positions
+
+            positions.ENABLED = False
         start = time.perf_counter()
         report = fusepatch.apply(model)
         info["apply_s"] = round(time.perf_counter() - start, 1)  # loads + self-tests: first-use compiles
@@ -347,6 +383,8 @@ def run(args, seq: int, batch: int) -> dict:
     finally:
         builds.remove()
     info["gpu_clocks"] = clocks.summary()
+    if device.type == "cuda":
+        info.update(back_to_back(step, lengths, batch, sync))
     info["triton_builds"] = sum(builds.counts.values())
     info["triton_builds_by_kernel"] = dict(builds.counts.most_common(6))
     median = statistics.median(times)

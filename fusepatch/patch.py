@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fusepatch.env import capture, flag_set
+from fusepatch.layers.positions import install_packed_check
 from fusepatch.ops import OPS
 from fusepatch.registry import Row, known_model_types, rows_for
 from fusepatch.report import LayerReport, PatchReport
@@ -227,6 +228,7 @@ def apply(
         for dispatch in row_dispatches.values():
             dispatch.announce = True
     if newly:
+        install_packed_check()  # plain positions skip transformers' packed-rows read (layers/positions.py)
         for line in report.log_lines():
             logger.warning(line)
     logger.info("fusepatch: %s", message or f"patched {newly} modules, {len(report.fused_ops)} ops fused")

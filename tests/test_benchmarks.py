@@ -239,3 +239,40 @@ def test_prompt_masked_labels_reach_the_model(tmp_path):
     plain = _train_step_on_cpu(tmp_path, "fusepatch", "--steps", "1", "--warmup", "0")
     assert masked["prompt"] == 0.5 and "prompt" not in plain
     assert math.isfinite(masked["losses"][0]) and masked["losses"][0] != plain["losses"][0]
+
+
+def test_back_to_back_times_each_step_between_the_events_around_it(monkeypatch):
+    """``back_to_back``: one untimed step first, then each step's time is the span between the events recorded
+    before it and after it (GPU time, here a fake clock that each step advances by its length in ms); no wait
+    between steps (``sync`` only before and after); tokens/s over the summed time; the table's columns."""
+    import torch
+    import train_step
+
+    clock = {"ms": 0.0}
+    syncs = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            self.at = clock["ms"]
+
+        def elapsed_time(self, other):
+            return other.at - self.at
+
+    def step(length):
+        clock["ms"] += length  # a step of `length` tokens takes `length` ms of GPU time
+        return torch.tensor(float(length))
+
+    monkeypatch.setattr(train_step.torch.cuda, "Event", Event)
+    result = train_step.back_to_back(step, [100, 300, 200], batch=2, sync=lambda: syncs.append(clock["ms"]))
+    assert syncs == [0.0, 700.0]  # before the untimed first step and after the last: none between steps
+    assert result["b2b_step_ms"] == [100.0, 300.0, 200.0] and result["b2b_median_step_ms"] == 200.0
+    assert result["b2b_tokens_per_s"] == round(2 * 600 / 0.6, 1) and result["b2b_losses"] == [100.0, 300.0, 200.0]
+    base = {"config": "hf-fast", "tokens_per_s": 1.0, "median_step_ms": 1, "step_ms": [1], "peak_mem_gib": 1,
+            "aten_ops_per_step": 1, "gpu_kernels_per_step": 1, "gpu_busy_fraction": 1.0, "mfu": 0.5,
+            "b2b_tokens_per_s": 1000.0, "b2b_median_step_ms": 2}  # fmt: skip
+    row = run_all.table([base, base | {"config": "fusepatch"} | result]).splitlines()[-1]
+    assert "| 2,000 | 2.000x | 200.0 |" in row

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fusepatch.layers.labelled_rows import LabelledRows
+from fusepatch.layers.positions import plain_positions, wants_plain_positions
 from fusepatch.resolve import autocast_dtype, dtype_name
 
 
@@ -42,6 +43,9 @@ def causal_lm_forward(
     reference = input_ids if input_ids is not None else inputs_embeds
     if reference is None or not _fuses_loss(self, dispatch, labels, logits_to_keep, reference.device.type):
         return state.original(**inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    if wants_plain_positions(position_ids, attention_mask, past_key_values, kwargs, reference):
+        # the positions transformers would build, known to hold one document a row: no read of the GPU to find out
+        inputs["position_ids"] = plain_positions(reference.shape[0], reference.shape[1], reference.device)
     rows = LabelledRows(_shifted(labels, kwargs.pop("shift_labels", None)))  # counted ahead of the forward
     outputs = self.model(**inputs, **kwargs)
     hidden = outputs.last_hidden_state

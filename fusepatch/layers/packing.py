@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fusepatch.layers.positions import is_plain
+
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor | None) -> torch.Tensor | None:
     """Document boundaries of a padding-free batch, over the batch flattened to one row.
@@ -104,8 +106,9 @@ def _once_per_call(slot: str, tensors: tuple[torch.Tensor, ...], compute):
 
 
 def boundaries_for_call(position_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """``cu_seqlens_from_position_ids``, computed once per ``position_ids`` tensor (see ``_once_per_call``)."""
-    if position_ids is None:
+    """``cu_seqlens_from_position_ids``, computed once per ``position_ids`` tensor (see ``_once_per_call``); no
+    read of the GPU at all for the positions the fused forward made (layers/positions.py)."""
+    if position_ids is None or is_plain(position_ids):
         return None
     return _once_per_call("boundaries", (position_ids,), lambda: cu_seqlens_from_position_ids(position_ids))
 

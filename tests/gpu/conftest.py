@@ -232,3 +232,36 @@ def loss_curves(model_type: str, steps: int = 30) -> tuple[list[float], list[flo
             losses.append(loss.item())
         curves.append(losses)
     return curves[0], curves[1]
+
+
+def forward_syncs(model_type: str) -> tuple[str | None, str | None]:
+    """The patched bf16 mini model's forward with labels under torch's sync debug mode ("error": every call that
+    waits for the GPU raises): ``(what a plain batch's forward raised, what the same batch with the caller's own
+    positions raised)``, ``None`` where nothing waited. The first forward and backward run before, unguarded
+    (self-tests, compiles)."""
+    import torch
+
+    import fusepatch
+    from fusepatch.tiny import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model(model_type, **MINI).cuda().to(torch.bfloat16)
+    fusepatch.apply(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 301), device="cuda")
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    torch.cuda.synchronize()
+    own = torch.arange(301, device="cuda")[None].expand(2, -1).clone()
+    raised = []
+    for extra in ({}, {"position_ids": own}):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss
+        except RuntimeError as exc:
+            raised.append(str(exc).splitlines()[0])
+        else:
+            raised.append(None)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        if raised[-1] is None:
+            loss.backward()
+    return raised[0], raised[1]

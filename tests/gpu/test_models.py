@@ -5,7 +5,7 @@ fused norms, SwiGLU, MoE experts and the fused loss inside a mini model, against
 from __future__ import annotations
 
 import pytest
-from conftest import compare_models, loss_curves, model_failures, record
+from conftest import compare_models, forward_syncs, loss_curves, model_failures, record
 
 pytestmark = pytest.mark.gpu
 FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "qwen2_moe"]
@@ -52,3 +52,13 @@ def test_prompt_masked_labels_run_the_loss_on_the_labelled_rows(model_type, monk
     assert (602, 602 - 2 * 119 - 2) in seen, seen
     failures = model_failures(errors)
     assert not failures, f"kernels fp32 {kernels32} bf16 {kernels16}; errors against fp32 eager: {failures}"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2_moe"])
+def test_forward_of_a_plain_batch_waits_for_nothing(model_type):
+    """Labels and nothing else (no positions, mask or cache): the patched forward makes no call that waits for the
+    GPU (layers/positions.py), so a training loop queues the next step behind the optimizer. The same batch with
+    the caller's own positions makes transformers' packed-rows check wait: the guard sees real waits."""
+    plain, own = forward_syncs(model_type)
+    assert plain is None, plain
+    assert own is not None and "synchroniz" in own, own

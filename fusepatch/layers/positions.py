@@ -1,0 +1,87 @@
+"""Plain positions: a batch with no ``position_ids``, no ``attention_mask`` and no cache holds one document a row
+at positions ``0..T-1``, and fusepatch knows it without asking the GPU.
+
+transformers builds those positions itself and then checks them for packed documents
+(``masking_utils.find_packed_sequence_indices``: ``.all()`` read on the host), and fusepatch's decoder layers looked
+for document starts (a ``nonzero``). Each read waits for the GPU to finish everything queued before it. In a
+training loop that does not wait between steps, the forward's first wait also waits for the previous step's
+optimizer, and the GPU then idles while the CPU refills the queue: on the H200 the 27B-shaped step idled 6.4 ms
+in its first 10 ms (benchmarks/RESULTS.md, session 16).
+
+So the fused causal-LM forward builds the positions transformers would build, marks the tensor, and both checks
+answer "not packed" for it and every view of it, without a read. A tensor changed in place since (its version
+counter moved) or any other tensor gets the checks as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+ENABLED = True  # off: the checks read the GPU as before (benchmarks: BENCH_KEEP_SYNCS=1 for an A/B row)
+_MARK = "_fusepatch_plain_positions"
+
+
+def plain_positions(batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """``[batch, length]`` positions ``0..length-1`` in every row (a view of one ``arange``), marked plain."""
+    base = torch.arange(length, device=device)
+    setattr(base, _MARK, base._version)
+    return base.unsqueeze(0).expand(batch, length)
+
+
+def is_plain(positions: torch.Tensor | None) -> bool:
+    """Whether ``positions`` is (a view of) a tensor made by :func:`plain_positions`, unchanged since. A view with
+    unit stride along the sequence holds consecutive positions, as the tensor does: no document starts inside it,
+    which is what both checks would find."""
+    if not ENABLED or positions is None or not isinstance(positions, torch.Tensor):
+        return False
+    if torch.compiler.is_compiling():  # traced graphs keep transformers' own checks (it skips them there too)
+        return False
+    if positions.ndim == 0 or positions.stride(-1) != 1:  # a strided view (every other position) is not 0, 1, 2..
+        return False
+    root = positions if positions._base is None else positions._base
+    mark = getattr(root, _MARK, None)
+    return mark is not None and mark == root._version
+
+
+def wants_plain_positions(
+    position_ids, attention_mask, past_key_values, kwargs: dict, reference: torch.Tensor | None
+) -> bool:
+    """Whether a causal-LM call may get :func:`plain_positions`: nothing that says otherwise was given (positions,
+    a mask, a cache or cache positions, precomputed varlen boundaries)."""
+    return (
+        ENABLED
+        and position_ids is None
+        and attention_mask is None
+        and past_key_values is None
+        and reference is not None
+        and reference.ndim >= 2
+        and all(kwargs.get(name) is None for name in ("cache", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k"))
+    )
+
+
+_install_lock = threading.Lock()
+
+
+def install_packed_check() -> None:
+    """Wrap transformers' ``find_packed_sequence_indices`` so that plain positions skip its read of the GPU
+    (``None``: not packed, what it returns for them). Idempotent; other positions go to the original."""
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:  # a transformers without it has no such check to skip
+        return
+    with _install_lock:
+        original = getattr(masking, "find_packed_sequence_indices", None)
+        if original is None or getattr(original, "_fusepatch_original", None) is not None:
+            return
+
+        @functools.wraps(original)
+        def find_packed_sequence_indices(position_ids: torch.Tensor):
+            if is_plain(position_ids):
+                return None
+            return find_packed_sequence_indices._fusepatch_original(position_ids)
+
+        find_packed_sequence_indices._fusepatch_original = original
+        masking.find_packed_sequence_indices = find_packed_sequence_indices
