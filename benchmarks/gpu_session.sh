@@ -129,6 +129,12 @@ EOF
     fi
     PYTHONPATH="$PWD:/tmp/site-fla" timeout ${NORM_TIMEOUT:-240} python3 benchmarks/norm_bench.py \
       --json-out "$OUT/norm.json" 2>&1 | tee "$OUT/norm.md" ;;
+  dqkwg)
+    # fla's TileLang q/k/w/g-gradient kernel at other tilings, alone at the 27B shape (benchmarks/dqkwg_bench.py)
+    need_tilelang
+    pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl 2>/dev/null
+    PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${DQKWG_TIMEOUT:-300} python3 benchmarks/dqkwg_bench.py \
+      --json-out "$OUT/dqkwg.json" 2>&1 | tee "$OUT/dqkwg.md" ;;
   gemm)
     # every GEMM of the step alone, in each formulation (benchmarks/gemm_bench.py): which layouts cuBLAS runs slowly
     PYTHONPATH="$PWD" timeout ${GEMM_TIMEOUT:-200} python3 benchmarks/gemm_bench.py --shape "${2:-27b}" \

@@ -257,7 +257,12 @@ def forward_syncs(model_type: str) -> tuple[str | None, str | None]:
         try:
             loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss
         except RuntimeError as exc:
-            raised.append(str(exc).splitlines()[0])
+            import traceback
+
+            # where: the innermost frames of the library code that made the call
+            frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
+            where = " < ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in frames[-4:][::-1])
+            raised.append(f"{str(exc).splitlines()[0]} at {where}")
         else:
             raised.append(None)
         finally:
