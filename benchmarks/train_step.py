@@ -322,6 +322,11 @@ def run(args, seq: int, batch: int) -> dict:
             import fusepatch.layers.positions as positions
 
             positions.ENABLED = False
+        if os.environ.get("BENCH_FLA_DQKWG"):
+            # an A/B knob of the benchmark only: the delta rule's q/k/w/g gradients at fla's own tiling
+            import fusepatch.ops.dqkwg as dqkwg
+
+            dqkwg.ENABLED = False
         start = time.perf_counter()
         report = fusepatch.apply(model)
         info["apply_s"] = round(time.perf_counter() - start, 1)  # loads + self-tests: first-use compiles

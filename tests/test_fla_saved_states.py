@@ -20,13 +20,18 @@ def _fla_calls() -> dict[str, set[str]]:
     boundaries and the chunk table)."""
     calls: dict[str, set[str]] = {}
     for node in ast.walk(ast.parse(inspect.getsource(fla_saved_states))):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            owner = node.func.value
-            if isinstance(owner, ast.Name) and owner.id == "fla":
-                names = {k.arg for k in node.keywords if k.arg} | (
-                    {"cu_seqlens", "chunk_indices"} if any(k.arg is None for k in node.keywords) else set()
-                )
-                calls.setdefault(node.func.attr, set()).update(names)
+        if not isinstance(node, ast.Call):
+            continue
+        func, name = node.func, None
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "fla":
+            name = func.attr
+        elif isinstance(func, ast.Name) and func.id in fla_saved_states.NEEDS:
+            name = func.id  # a local stand-in that passes the keywords on to fla's (ops/dqkwg.py)
+        if name is not None:
+            names = {k.arg for k in node.keywords if k.arg} | (
+                {"cu_seqlens", "chunk_indices"} if any(k.arg is None for k in node.keywords) else set()
+            )
+            calls.setdefault(name, set()).update(names)
     return calls
 
 

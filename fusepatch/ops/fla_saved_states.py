@@ -66,6 +66,9 @@ def load(grouped: bool = False):
     from fusepatch.ops.gated_delta_rule import chunk_table
 
     check_fla_signatures(fla, NEEDS, SKIP_GROUPED if grouped else SKIP)
+    from fusepatch.ops.dqkwg import load as load_dqkwg
+
+    chunk_bwd_dqkwg = load_dqkwg(fla.chunk_bwd_dqkwg)  # fla's TileLang kernel with one K block where it runs
     if grouped:
         from fusepatch.kernels.heads import repeat_heads
         from fusepatch.kernels.l2norm import l2norm_bwd_grouped
@@ -111,7 +114,7 @@ def load(grouped: bool = False):
                 groups = v.shape[-2] // q_n.shape[-2]
                 if grouped and groups > 1:  # q and k per value head: fla's kernels give their gradients unsummed
                     q_e, k_e = (repeat_heads(t, groups) for t in (q_n, k_n))
-                dq, dk, dw, dg = fla.chunk_bwd_dqkwg(
+                dq, dk, dw, dg = chunk_bwd_dqkwg(
                     q=q_e, k=k_e, v=v_new, w=w, g=g, h=h, dv=dv, do=do, dh=dh, scale=scale, chunk_size=CHUNK, **places
                 )
                 del dh, q_e

@@ -260,7 +260,8 @@ def forward_syncs(model_type: str) -> tuple[str | None, str | None]:
             import traceback
 
             # where: the innermost frames of the library code that made the call
-            frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
+            torch_dir = os.path.dirname(torch.__file__)  # torch's own frames; transformers' and fla's stay
+            frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(torch_dir)]
             where = " < ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in frames[-4:][::-1])
             raised.append(f"{str(exc).splitlines()[0]} at {where}")
         else:
