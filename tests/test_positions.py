@@ -90,3 +90,25 @@ def test_forward_without_positions_reads_nothing_back_and_matches_transformers(
     assert reads["packed"] > 0, reads  # transformers' check, once per mask kind of the family
     if model_type in ("qwen3_5_text", "qwen3_next"):  # hybrid layers look for boundaries (on CPU too)
         assert reads["boundaries"] == 1, reads
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3"])
+def test_forward_of_a_plain_batch_runs_no_op_that_reads_the_gpu(chunked_on_cpu, model_type):  # noqa: F811
+    """The CPU stand-in for tests/gpu's sync-debug test: in the patched forward of a plain batch (sdpa attention,
+    labels only) no op runs that would wait for a GPU (``nonzero``, ``all``/``any`` read back, ``item``), except
+    the one scalar read of the labelled-rows count, which reads pinned host memory behind an event on a GPU
+    (layers/labelled_rows.py). The caller's own positions bring transformers' packed-rows check back."""
+    model = tiny_model(model_type, attn_implementation="sdpa")
+    fusepatch.apply(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 19))
+    model(input_ids=ids, labels=ids, use_cache=False)
+
+    def host_reads(**extra) -> list[str]:
+        with torch.profiler.profile() as prof:
+            model(input_ids=ids, labels=ids, use_cache=False, **extra)
+        reads = ("aten::nonzero", "aten::is_nonzero", "aten::all", "aten::any", "aten::_local_scalar_dense")
+        return [e.name for e in prof.events() if e.name in reads]
+
+    assert host_reads() == ["aten::_local_scalar_dense"]
+    own = host_reads(position_ids=torch.arange(19)[None].expand(2, -1).clone())
+    assert "aten::is_nonzero" in own and "aten::all" in own, own

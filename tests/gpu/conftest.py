@@ -238,14 +238,16 @@ def forward_syncs(model_type: str) -> tuple[str | None, str | None]:
     """The patched bf16 mini model's forward with labels under torch's sync debug mode ("error": every call that
     waits for the GPU raises): ``(what a plain batch's forward raised, what the same batch with the caller's own
     positions raised)``, ``None`` where nothing waited. The first forward and backward run before, unguarded
-    (self-tests, compiles)."""
+    (self-tests, compiles). sdpa attention, as the benchmarks and real models use: with eager attention
+    transformers builds a float mask from a scalar it copies to the GPU (masking_utils ``eager_mask``), a wait of
+    its own that the first GPU run of this test found (session 16)."""
     import torch
 
     import fusepatch
     from fusepatch.tiny import tiny_model
 
     torch.manual_seed(0)
-    model = tiny_model(model_type, **MINI).cuda().to(torch.bfloat16)
+    model = tiny_model(model_type, attn_implementation="sdpa", **MINI).cuda().to(torch.bfloat16)
     fusepatch.apply(model)
     ids = torch.randint(0, model.config.vocab_size, (2, 301), device="cuda")
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
