@@ -35,3 +35,19 @@ def _seed_per_test(request):
 
         torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     yield
+
+
+@pytest.fixture
+def chunked_on_cpu(monkeypatch):
+    """The fused causal-LM loss on CPU: the GPU-only ``torch-chunked`` candidate let accept CPU tensors, alone."""
+    import dataclasses
+
+    from fusepatch import selftest
+    from fusepatch.ops import OPS
+    from fusepatch.requirements import InputRule
+
+    op = OPS["linear_cross_entropy"]
+    chunked = next(c for c in op.candidates if c.name == "torch-chunked")
+    cpu = dataclasses.replace(chunked, inputs=InputRule(devices=("cpu", "cuda"), kernel="chunked CE"))
+    monkeypatch.setitem(OPS, "linear_cross_entropy", dataclasses.replace(op, candidates=(cpu,)))
+    selftest.clear_cache()

@@ -13,7 +13,6 @@ import fusepatch
 from fusepatch import selftest
 from fusepatch.ops import OPS
 from fusepatch.ops import linear_cross_entropy as lce
-from fusepatch.requirements import InputRule
 from fusepatch.tiny import tiny_image_text_model, tiny_model
 
 
@@ -49,15 +48,6 @@ def test_chunked_without_gradients_and_all_ignored():
     assert out.item() == 0.0
     gh, gw = torch.autograd.grad(out, (h, w))
     assert gh.abs().sum() == 0 and gw.abs().sum() == 0
-
-
-@pytest.fixture
-def chunked_on_cpu(monkeypatch):
-    op = OPS["linear_cross_entropy"]
-    chunked = next(c for c in op.candidates if c.name == "torch-chunked")
-    cpu = dataclasses.replace(chunked, inputs=InputRule(devices=("cpu", "cuda"), kernel="chunked CE"))
-    monkeypatch.setitem(OPS, "linear_cross_entropy", dataclasses.replace(op, candidates=(cpu,)))
-    selftest.clear_cache()
 
 
 def _fused_loss_matches_the_unpatched_model(reference, model, *, length: int, ignored: int) -> None:

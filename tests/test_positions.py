@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers.masking_utils as masking
+from helpers import grads
 
 import fusepatch
 from fusepatch.layers import packing, positions
 from fusepatch.layers.positions import install_packed_check, is_plain, plain_positions
 from fusepatch.tiny import tiny_model
-from tests.helpers import grads
-from tests.test_linear_cross_entropy import chunked_on_cpu  # noqa: F401 - the fused loss on CPU (a fixture)
 
 
 def test_plain_positions_and_their_views_are_plain_until_changed():
@@ -48,11 +47,7 @@ def test_packed_check_skips_plain_positions_only():
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next", "qwen3", "qwen2_moe"])
-def test_forward_without_positions_reads_nothing_back_and_matches_transformers(
-    chunked_on_cpu,  # noqa: F811
-    monkeypatch,
-    model_type,
-):
+def test_forward_without_positions_reads_nothing_back_and_matches_transformers(chunked_on_cpu, monkeypatch, model_type):
     """The patched forward with labels and nothing else: neither transformers' packed check nor fusepatch's
     boundary search runs (each reads the GPU), and the loss and every gradient equal the unpatched model's."""
     torch.manual_seed(0)
@@ -93,7 +88,7 @@ def test_forward_without_positions_reads_nothing_back_and_matches_transformers(
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3"])
-def test_forward_of_a_plain_batch_runs_no_op_that_reads_the_gpu(chunked_on_cpu, model_type):  # noqa: F811
+def test_forward_of_a_plain_batch_runs_no_op_that_reads_the_gpu(chunked_on_cpu, model_type):
     """The CPU stand-in for tests/gpu's sync-debug test: in the patched forward of a plain batch (sdpa attention,
     labels only) no op runs that would wait for a GPU (``nonzero``, ``all``/``any`` read back, ``item``), except
     the one scalar read of the labelled-rows count, which reads pinned host memory behind an event on a GPU
