@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from gemm_bench import time_ms  # the CUDA-event median the other benchmarks use
 
 
 def inputs(tokens: int = 4096, heads: int = 48, dim: int = 128, chunk: int = 64, seed: int = 0) -> dict:
@@ -73,20 +73,6 @@ def fla_default(x: dict):
     return run
 
 
-def timed(run, reps: int = 40) -> float:
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json-out", default=None)
@@ -105,7 +91,9 @@ def main() -> int:
                 float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
                 for a, b in zip(out, reference)
             ]
-            rows.append({"variant": name, "ms": round(timed(run), 4), "max_rel_diff_dq_dk_dw_dg": diffs})
+            rows.append(
+                {"variant": name, "ms": round(time_ms(run, warmup=3, repeat=40), 4), "max_rel_diff_dq_dk_dw_dg": diffs}
+            )
         except Exception as exc:  # noqa: BLE001 - a tiling TileLang cannot build is a result
             rows.append({"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
         print(json.dumps(rows[-1]), flush=True)

@@ -25,6 +25,7 @@ builds a block-causal mask for sdpa, and fusepatch routes full attention to its 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -78,6 +79,20 @@ def gpu_time_by_op(events, top: int = 40) -> list[tuple[str, float]]:
             for launched in event.kernels:
                 totals[f"{parent} > {event.name} | {launched.name[:60]}"] += launched.duration / 1000.0
     return [(key, round(ms, 3)) for key, ms in totals.most_common(top)]
+
+
+# A/B knobs of the benchmark only, each turning one fusepatch mechanism off for a comparison row: environment
+# variable -> (module, attribute, value set before apply).
+AB_KNOBS = {
+    # the shared-input projections (one accumulated input gradient) and the residual GEMM off, every projection
+    # through its module as in hf-fast (session 15: the same GEMM kernels took ~3.5% longer in fusepatch's step)
+    "BENCH_PLAIN_PROJECTIONS": ("fusepatch.layers.projections", "DEVICES", ()),
+    # the forward's packed-rows checks read the GPU as before (transformers' `.all()`, fusepatch's `nonzero`), for
+    # batches given no positions (layers/positions.py)
+    "BENCH_KEEP_SYNCS": ("fusepatch.layers.positions", "ENABLED", False),
+    # the delta rule's q/k/w/g gradients at fla's own tiling (ops/dqkwg.py)
+    "BENCH_FLA_DQKWG": ("fusepatch.ops.dqkwg", "ENABLED", False),
+}
 
 
 def back_to_back(step, lengths: list[int], batch: int, sync) -> dict:
@@ -309,24 +324,9 @@ def run(args, seq: int, batch: int) -> dict:
     if args.config == "fusepatch":
         import fusepatch
 
-        if os.environ.get("BENCH_PLAIN_PROJECTIONS"):
-            # an A/B knob of the benchmark only: the shared-input projections (one accumulated input gradient)
-            # and the residual GEMM off, every projection through its module as in hf-fast (session 15: the
-            # same GEMM kernels took ~3.5% longer in fusepatch's step than in hf-fast's; is it these?)
-            import fusepatch.layers.projections as projections
-
-            projections.DEVICES = ()
-        if os.environ.get("BENCH_KEEP_SYNCS"):
-            # an A/B knob of the benchmark only: the forward's packed-rows checks read the GPU as before
-            # (transformers' `.all()`, fusepatch's `nonzero`), for batches given no positions (layers/positions.py)
-            import fusepatch.layers.positions as positions
-
-            positions.ENABLED = False
-        if os.environ.get("BENCH_FLA_DQKWG"):
-            # an A/B knob of the benchmark only: the delta rule's q/k/w/g gradients at fla's own tiling
-            import fusepatch.ops.dqkwg as dqkwg
-
-            dqkwg.ENABLED = False
+        for knob, (module, attribute, value) in AB_KNOBS.items():
+            if os.environ.get(knob):
+                setattr(importlib.import_module(module), attribute, value)
         start = time.perf_counter()
         report = fusepatch.apply(model)
         info["apply_s"] = round(time.perf_counter() - start, 1)  # loads + self-tests: first-use compiles

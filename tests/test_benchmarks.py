@@ -276,3 +276,13 @@ def test_back_to_back_times_each_step_between_the_events_around_it(monkeypatch):
             "b2b_tokens_per_s": 1000.0, "b2b_median_step_ms": 2}  # fmt: skip
     row = run_all.table([base, base | {"config": "fusepatch"} | result]).splitlines()[-1]
     assert "| 2,000 | 2.000x | 200.0 |" in row
+
+
+def test_every_ab_knob_names_an_attribute_that_exists():
+    """``train_step.AB_KNOBS``: a renamed module or flag would leave a knob setting an attribute nothing reads."""
+    import importlib
+
+    import train_step
+
+    for knob, (module, attribute, _) in train_step.AB_KNOBS.items():
+        assert hasattr(importlib.import_module(module), attribute), knob

@@ -35,7 +35,7 @@ def is_plain(positions: torch.Tensor | None) -> bool:
     """Whether ``positions`` is (a view of) a tensor made by :func:`plain_positions`, unchanged since. A view with
     unit stride along the sequence holds consecutive positions, as the tensor does: no document starts inside it,
     which is what both checks would find."""
-    if not ENABLED or positions is None or not isinstance(positions, torch.Tensor):
+    if not ENABLED or not isinstance(positions, torch.Tensor):
         return False
     if torch.compiler.is_compiling():  # traced graphs keep transformers' own checks (it skips them there too)
         return False

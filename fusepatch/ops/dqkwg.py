@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from fusepatch.resolve import dtype_name
+
 logger = logging.getLogger("fusepatch")
 
 ENABLED = True  # off: fla's own tiling (benchmarks: BENCH_FLA_DQKWG=1 for an A/B row)
@@ -29,7 +31,7 @@ _BUILDER_ARGS = {
     *("B", "H", "HV", "K", "V", "BT", "BK", "BV", "NK", "hD1", "hD2", "dtype_str"),
     *("USE_G", "USE_DW", "STATE_V_FIRST", "IS_VARLEN", "num_warps"),
 }
-_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _builder() -> tuple[Callable, object] | None:
@@ -86,7 +88,7 @@ def load(fla_dqkwg: Callable) -> Callable:
         h_flat, dh_flat = (t.reshape(-1, t.shape[-2], t.shape[-1]) for t in (h, dh))
         kernel = build(
             B=batch, H=heads, HV=value_heads, K=dim_k, V=dim_v, BT=chunk, BK=BLOCK_K, BV=BLOCK_V, NK=1,
-            hD1=h_flat.shape[-2], hD2=h_flat.shape[-1], dtype_str=_DTYPES[q.dtype], USE_G=True, USE_DW=True,
+            hD1=h_flat.shape[-2], hD2=h_flat.shape[-1], dtype_str=dtype_name(q.dtype), USE_G=True, USE_DW=True,
             STATE_V_FIRST=False, IS_VARLEN=varlen, num_warps=WARPS,
         )  # fmt: skip
         # per value head; one K block: the gate gradient needs no sum over blocks
