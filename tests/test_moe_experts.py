@@ -48,6 +48,27 @@ def test_an_expert_without_tokens():
     )
 
 
+def test_grouped_experts_read_nothing_back():
+    """The CPU stand-in for tests/gpu's sync test of the MoE families: no op that waits for a GPU (a scalar read,
+    ``nonzero``, or ``bincount``, whose CUDA kernel reads its input's maximum back), dropped slot included. torch's
+    CPU ``grouped_mm`` reads each group's offset inside its own loop; its CUDA kernel takes them on the device, so
+    reads under it are not counted."""
+    h, index, weights, gate_up, down = _inputs()
+    with torch.profiler.profile() as prof:
+        moe_experts_grouped(h, index, weights, gate_up, down).sum().backward()
+
+    def under_grouped_mm(event) -> bool:
+        while event is not None:
+            if event.name == "aten::_grouped_mm":
+                return True
+            event = event.cpu_parent
+        return False
+
+    reads = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::is_nonzero", "aten::bincount"}
+    found = [e.name for e in prof.events() if e.name in reads and not under_grouped_mm(e)]
+    assert not found, found
+
+
 @pytest.fixture
 def grouped_on_cpu(monkeypatch):
     op = OPS["moe_experts"]

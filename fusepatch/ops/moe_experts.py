@@ -39,17 +39,24 @@ def _grouped_mm():
 
 
 def moe_experts_grouped(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
-    """Tokens sorted by expert, then one grouped GEMM for all gate/up projections and one for all down ones."""
+    """Tokens sorted by expert, then one grouped GEMM for all gate/up projections and one for all down ones.
+
+    Nothing here reads the GPU: a training loop queues the next step behind this one. So every slot is computed,
+    a dropped one (index equal to the expert count, as expert parallelism marks experts of another rank) in the
+    last expert's group, and its rows are zeroed before the weighting, which gives it no output and no gradient.
+    Counting the kept slots to slice them off (``int(keep.sum())``) and ``bincount`` (which reads its input's
+    maximum back) each waited for the GPU once per MoE layer (tests/gpu's sync test, session 17)."""
     grouped_mm = _grouped_mm()
     experts = gate_up_proj.shape[0]
     flat = top_k_index.reshape(-1)
-    keep = flat < experts  # an index equal to the expert count marks a dropped slot
-    order = torch.argsort(torch.where(keep, flat, experts), stable=True)[: int(keep.sum())]
+    keep = flat < experts
+    expert, order = torch.sort(torch.where(keep, flat, experts - 1), stable=True)
     token = order // top_k_index.shape[1]
-    offsets = torch.bincount(flat[order], minlength=experts).cumsum(0).to(torch.int32)
+    # group ends: how many slots go to experts 0..e (bincount's cumsum, without its host read)
+    offsets = torch.searchsorted(expert, torch.arange(experts, device=expert.device), right=True).to(torch.int32)
     gate, up = grouped_mm(hidden[token], gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
     out = grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offsets)
-    out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
+    out = torch.where(keep[order, None], out, 0) * top_k_weights.reshape(-1)[order, None].to(out.dtype)
     return torch.zeros_like(hidden).index_add_(0, token, out.to(hidden.dtype))
 
 
