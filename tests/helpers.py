@@ -10,6 +10,10 @@ H200 = GPU("NVIDIA H200", (9, 0))
 A100 = GPU("NVIDIA A100-SXM4-80GB", (8, 0))
 T4 = GPU("Tesla T4", (7, 5))
 
+# ops that read a GPU tensor's value on the host, so wait for the GPU (``item`` reads through ``_local_scalar_dense``):
+# the CPU stand-ins of tests/gpu's sync-debug tests look for them in a profile
+HOST_READS = ("aten::nonzero", "aten::is_nonzero", "aten::all", "aten::any", "aten::_local_scalar_dense")
+
 
 def gpu_env(gpu: GPU = H200, **overrides) -> Environment:
     """The H200 test machine's stack by default: torch 2.11 / CUDA 13, Triton 3.6, fla 0.6, causal-conv1d 1.7."""
