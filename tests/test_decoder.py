@@ -299,6 +299,7 @@ def test_shared_input_projections_and_residual_gemm_equal_the_unpatched_model(
     through one accumulated input gradient, the dense MLP's down projection adding the residual in its GEMM.
     Loss, logits and every gradient equal the unpatched model's, and each path ran where it should."""
     from fusepatch.layers import projections
+    from fusepatch.layers.attention import gated_attention_forward
     from fusepatch.layers.simple import swiglu_mlp_forward
 
     monkeypatch.setattr(projections, "DEVICES", ("cpu", "cuda"))
@@ -321,8 +322,10 @@ def test_shared_input_projections_and_residual_gemm_equal_the_unpatched_model(
     mlps = [m for m in model.modules() if getattr(getattr(m, "_fusepatch", None), "row", None) is not None]
     mlps = [m for m in mlps if m._fusepatch.row.forward is swiglu_mlp_forward]
     dense = sum(1 for layer in model.model.layers if layer.mlp in mlps)
+    gated = [m for m in model.modules() if getattr(getattr(m, "_fusepatch", None), "row", None) is not None]
+    gated = sum(1 for m in gated if m._fusepatch.row.forward is gated_attention_forward)  # q/k/v (test_attention_gate)
     assert linear + len(mlps) or model_type == "qwen3_moe"  # the one family without a SwiGLU MLP module
-    assert len(shared) == passes * (linear + len(mlps)), (len(shared), linear, len(mlps))
+    assert len(shared) == passes * (linear + len(mlps) + gated), (len(shared), linear, len(mlps), gated)
     assert len(residual_gemms) == passes * dense
     _assert_same(expected, got, exact=False)
 

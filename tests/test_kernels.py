@@ -415,3 +415,47 @@ REPEAT_HEADS_SCRIPT = textwrap.dedent(
 
 def test_repeat_heads_equals_repeat_interleave_in_the_interpreter():
     _run_in_interpreter(REPEAT_HEADS_SCRIPT)
+
+
+GATE_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from fusepatch.kernels.gate import sigmoid_gate
+    from fusepatch.ops._common import relative_error
+    from fusepatch.ops.attention_gate import attention_gate_reference
+
+    torch.manual_seed(0)
+    # (batch, tokens, heads, head dim): a power-of-two head dim, an odd one, one token
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        for b, t, h, d in ((2, 37, 3, 64), (1, 5, 4, 40), (1, 1, 2, 256)):
+            # the gate as the attention makes it: the second half of each head's [2 x head dim] projection
+            joint = (torch.randn(b, t, h, 2 * d) * 2).to(dtype).requires_grad_(True)
+            query, gate = torch.chunk(joint, 2, dim=-1)
+            assert not gate.is_contiguous()
+            attn = torch.randn(b, t, h * d).to(dtype).requires_grad_(True)
+            out = sigmoid_gate(attn, gate)
+            j64, a64 = (x.detach().double().requires_grad_(True) for x in (joint, attn))
+            ref = attention_gate_reference(a64, torch.chunk(j64, 2, dim=-1)[1])
+            cot = torch.randn_like(ref)
+            grads = torch.autograd.grad(out, (attn, joint), cot.to(dtype))
+            ref_grads = torch.autograd.grad(ref, (a64, j64), cot)
+            errors = [relative_error(out, ref)] + [relative_error(x, y) for x, y in zip(grads, ref_grads)]
+            assert out.dtype == dtype and out.shape == attn.shape
+            assert max(errors) < tol, (dtype, (b, t, h, d), errors)
+            # the query half gets no gradient from the gate
+            assert grads[1][..., :d].abs().max() == 0
+            # a contiguous gate gives the same result as the strided one
+            assert torch.equal(sigmoid_gate(attn, gate.contiguous()), out)
+    try:
+        sigmoid_gate(torch.randn(2, 3, 8), torch.randn(2, 3, 2, 4).bfloat16())
+    except ValueError as exc:
+        assert "do not pair" in str(exc)
+    else:
+        raise AssertionError("mixed dtypes were accepted")
+    print("ok")
+    """
+)
+
+
+def test_attention_gate_kernel_matches_the_reference_in_the_interpreter():
+    _run_in_interpreter(GATE_SCRIPT)

@@ -21,6 +21,7 @@ attention weights.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import sys
 import threading
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from fusepatch.layers.packing import boundaries_for_call, mask_plan
+from fusepatch.layers.projections import project
 from fusepatch.ops.rotary import unsupported
 from fusepatch.resolve import Dispatch, autocast_dtype, dtype_name
 
@@ -171,20 +173,108 @@ def _route(self, args: tuple, kwargs: dict) -> _Route | None:
     )
 
 
-def attention_forward(self, *args, **kwargs):
-    """The attention layer's own forward, with the fused rotary and, for packed rows, the varlen kernel."""
+def _with_bindings(self, args: tuple, kwargs: dict, body):
+    """``body(module)`` with the layer's modeling module's rotary (and, for a packed call, its attention
+    interfaces) bound to fusepatch's dispatch for the call."""
     state = self._fusepatch
     module = sys.modules[type(self).__module__]
     route = _route(self, args, kwargs)
     wrappers = {ROTARY: _dispatching, INTERFACES: _RoutingInterfaces} if route is not None else {ROTARY: _dispatching}
     bound = [name for name, wrap in wrappers.items() if _bind(module, name, wrap)]
     if not bound:
-        return state.original(*args, **kwargs)
+        return body(module)
     outer = getattr(_local, "dispatch", None), getattr(_local, "route", None)
     _local.dispatch, _local.route = state.ops.get("rotary"), route
     try:
-        return state.original(*args, **kwargs)
+        return body(module)
     finally:
         _local.dispatch, _local.route = outer
         for name in bound:
             _unbind(module, name)
+
+
+def attention_forward(self, *args, **kwargs):
+    """The attention layer's own forward, with the fused rotary and, for packed rows, the varlen kernel."""
+    return _with_bindings(self, args, kwargs, lambda module: self._fusepatch.original(*args, **kwargs))
+
+
+_GATED_POSITIONAL = ("hidden_states", "position_embeddings", "attention_mask", "cache")
+_CACHE_NAMES = ("cache", "past_key_values")
+_cache_kwargs: dict[type, bool] = {}  # layer class -> its forward hands the attention kwargs to cache.update
+
+
+def _gated_call(self, args: tuple, kwargs: dict) -> dict | None:
+    """The call's arguments by name when fusepatch's gated forward computes it as transformers' would (nothing
+    positional beyond the four named ones, ``q_proj`` twice as wide as the heads); None otherwise."""
+    if len(args) > len(_GATED_POSITIONAL):
+        return None
+    named = dict(zip(_GATED_POSITIONAL, args), **kwargs)
+    if "hidden_states" not in named or "position_embeddings" not in named or "layer_past" in named:
+        return None
+    heads, dim = self.config.num_attention_heads, getattr(self, "head_dim", None)
+    if dim is None or getattr(self.q_proj, "out_features", None) != 2 * heads * dim:
+        return None
+    return named
+
+
+def _update_cache(self, cache, key: torch.Tensor, value: torch.Tensor, extra: dict):
+    """``cache.update`` as the layer's release calls it: transformers 5.17 passes the layer index only; later
+    releases (whose forward names the argument ``cache``) also hand it the attention kwargs."""
+    cls = type(self)
+    if cls not in _cache_kwargs:
+        _cache_kwargs[cls] = "cache" in inspect.signature(self._fusepatch.original).parameters
+    if _cache_kwargs[cls]:
+        return cache.update(key, value, self.layer_idx, kwargs=extra)
+    return cache.update(key, value, self.layer_idx)
+
+
+def gated_attention_forward(self, *args, **kwargs):
+    """Qwen3.5 / Qwen3-Next gated full attention: transformers' forward, step for step, with q/k/v projected
+    through ``project`` (one accumulated input gradient), the gate half of ``q_proj``'s output left in place and
+    the output gate ``attn * sigmoid(gate)`` through the ``attention_gate`` op; rotary and packed rows as
+    ``attention_forward``. A call this forward does not take runs transformers' forward with those bindings."""
+    named = _gated_call(self, args, kwargs)
+    if named is None:
+        return attention_forward(self, *args, **kwargs)
+
+    def body(module):
+        hidden_states = named.pop("hidden_states")
+        cos, sin = named.pop("position_embeddings")
+        attention_mask = named.pop("attention_mask", None)
+        cache = next((c for c in (named.pop(n, None) for n in _CACHE_NAMES) if c is not None), None)
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        joint, key, value = project(hidden_states, self.q_proj, self.k_proj, self.v_proj)
+        query, gate = torch.chunk(joint.view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
+        query = self.q_norm(query).transpose(1, 2)
+        key = self.k_norm(key.view(hidden_shape)).transpose(1, 2)
+        value = value.view(hidden_shape).transpose(1, 2)
+        query, key = module.apply_rotary_pos_emb(query, key, cos, sin)
+        if cache is not None:
+            key, value = _update_cache(self, cache, key, value, named)
+        interface = getattr(module, INTERFACES).get_interface(
+            self.config._attn_implementation, module.eager_attention_forward
+        )
+        attn_output, attn_weights = interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **named,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1)
+        return self.o_proj(_gate(self, attn_output, gate)), attn_weights
+
+    return _with_bindings(self, args, kwargs, body)
+
+
+def _gate(self, attn_output: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``attn_output * sigmoid(gate)`` through the op where it takes the call (one dtype), as transformers
+    computes it otherwise."""
+    dispatch = self._fusepatch.ops.get("attention_gate")
+    if dispatch is not None and attn_output.dtype == gate.dtype:
+        return dispatch(attn_output.contiguous(), gate)
+    return attn_output.contiguous() * torch.sigmoid(gate.reshape(attn_output.shape))

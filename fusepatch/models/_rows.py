@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fusepatch.layers.attention import attention_forward
+from fusepatch.layers.attention import attention_forward, gated_attention_forward
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward
 from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
 from fusepatch.layers.gated_deltanet import gated_deltanet_forward
@@ -16,9 +16,11 @@ from fusepatch.registry import Row
 
 GDN_OPS = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm")
 ATTENTION_OPS = ("rotary", "varlen_attention")
+GATED_ATTENTION_OPS = ("rotary", "attention_gate", "varlen_attention")
 
 __all__ = [
     "ATTENTION_OPS",
+    "GATED_ATTENTION_OPS",
     "GDN_OPS",
     "Row",
     "attention_forward",
@@ -26,6 +28,7 @@ __all__ = [
     "conditional_generation_forward",
     "decoder_layer_forward",
     "experts_forward",
+    "gated_attention_forward",
     "gated_deltanet_forward",
     "hybrid_decoder_layer_forward",
     "rms_norm_forward",

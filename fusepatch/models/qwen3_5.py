@@ -1,13 +1,13 @@
 """Qwen3.5 and Qwen3.5-MoE: hybrid Gated DeltaNet (3 of 4 layers) + gated full attention, zero-centered norms."""
 
 from fusepatch.models._rows import (
-    ATTENTION_OPS,
+    GATED_ATTENTION_OPS,
     GDN_OPS,
     Row,
-    attention_forward,
     causal_lm_forward,
     conditional_generation_forward,
     experts_forward,
+    gated_attention_forward,
     gated_deltanet_forward,
     hybrid_decoder_layer_forward,
     rms_norm_zero_centered_forward,
@@ -32,7 +32,14 @@ ROWS = [
     ),
     Row(DENSE, DENSE_MODULE, "Qwen3_5RMSNorm", ("rms_norm_zero_centered",), rms_norm_zero_centered_forward),
     Row(DENSE, DENSE_MODULE, "Qwen3_5MLP", ("swiglu",), swiglu_mlp_forward),
-    Row(DENSE, DENSE_MODULE, "Qwen3_5Attention", ATTENTION_OPS, attention_forward, note="gated full attention"),
+    Row(
+        DENSE,
+        DENSE_MODULE,
+        "Qwen3_5Attention",
+        GATED_ATTENTION_OPS,
+        gated_attention_forward,
+        note="gated full attention",
+    ),
     Row(DENSE, DENSE_MODULE, "Qwen3_5ForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(
         DENSE,
@@ -54,7 +61,14 @@ ROWS = [
     Row(MOE, MOE_MODULE, "Qwen3_5MoeRMSNorm", ("rms_norm_zero_centered",), rms_norm_zero_centered_forward),
     Row(MOE, MOE_MODULE, "Qwen3_5MoeMLP", ("swiglu",), swiglu_mlp_forward, note="shared expert"),
     Row(MOE, MOE_MODULE, "Qwen3_5MoeExperts", ("moe_experts",), experts_forward),
-    Row(MOE, MOE_MODULE, "Qwen3_5MoeAttention", ATTENTION_OPS, attention_forward, note="gated full attention"),
+    Row(
+        MOE,
+        MOE_MODULE,
+        "Qwen3_5MoeAttention",
+        GATED_ATTENTION_OPS,
+        gated_attention_forward,
+        note="gated full attention",
+    ),
     Row(MOE, MOE_MODULE, "Qwen3_5MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(
         MOE,

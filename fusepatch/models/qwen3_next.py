@@ -1,12 +1,12 @@
 """Qwen3-Next: hybrid Gated DeltaNet + gated attention, MoE, zero-centered norms."""
 
 from fusepatch.models._rows import (
-    ATTENTION_OPS,
+    GATED_ATTENTION_OPS,
     GDN_OPS,
     Row,
-    attention_forward,
     causal_lm_forward,
     experts_forward,
+    gated_attention_forward,
     gated_deltanet_forward,
     hybrid_decoder_layer_forward,
     rms_norm_zero_centered_forward,
@@ -29,6 +29,6 @@ ROWS = [
     Row(TYPES, MODULE, "Qwen3NextRMSNorm", ("rms_norm_zero_centered",), rms_norm_zero_centered_forward),
     Row(TYPES, MODULE, "Qwen3NextMLP", ("swiglu",), swiglu_mlp_forward, note="dense and shared-expert MLP"),
     Row(TYPES, MODULE, "Qwen3NextExperts", ("moe_experts",), experts_forward),
-    Row(TYPES, MODULE, "Qwen3NextAttention", ATTENTION_OPS, attention_forward, note="gated full attention"),
+    Row(TYPES, MODULE, "Qwen3NextAttention", GATED_ATTENTION_OPS, gated_attention_forward, note="gated full attention"),
     Row(TYPES, MODULE, "Qwen3NextForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
 ]

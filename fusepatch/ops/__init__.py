@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fusepatch.ops.attention_gate import ATTENTION_GATE
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.ops.causal_conv1d import CAUSAL_CONV1D
 from fusepatch.ops.gated_delta_rule import GATED_DELTA_RULE
@@ -30,6 +31,7 @@ OPS: dict[str, Op] = {
         ADD_RMS_NORM_ZERO_CENTERED,
         SWIGLU,
         ROTARY,
+        ATTENTION_GATE,
         VARLEN_ATTENTION,
         LINEAR_CROSS_ENTROPY,
         MOE_EXPERTS,

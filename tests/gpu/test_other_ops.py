@@ -1,4 +1,4 @@
-"""Norms, SwiGLU and the fused linear cross-entropy on a real GPU, against an fp64 reference on fresh inputs.
+"""Norms, SwiGLU, the attention output gate and the fused linear cross-entropy on a real GPU, against an fp64 reference on fresh inputs.
 
 Tolerances (relative error of the output and of every input gradient): bf16 2e-2, fp32 1e-3 (Triton's tf32
 dots in fla's fused cross-entropy); the norms and SwiGLU are elementwise, far inside them.
@@ -152,6 +152,25 @@ def test_swiglu(name, dtype):
         [torch.randn(4, 333, 1536, device="cuda"), torch.randn(4, 333, 1536, device="cuda")],
         dtype,
     )
+
+
+@DTYPES
+@pytest.mark.parametrize("heads, dim", [(24, 256), (16, 128), (3, 80)], ids=["27b", "next", "odd"])
+def test_attention_gate_reads_the_gate_half_in_place(heads, dim, dtype):
+    """Qwen3.5 / Qwen3-Next's output gate: the gate half of ``q_proj``'s output per head, rows ``2 * head_dim``
+    apart, read where it lies (no copy); the query half gets a zero gradient from it."""
+    from fusepatch.kernels.gate import _rows_of
+
+    fn = kernel("attention_gate", "triton", dtype)
+
+    def gate_half(op):
+        return lambda attn, joint: op(attn, torch.chunk(joint.view(2, 333, heads, 2 * dim), 2, dim=-1)[1])
+
+    joint = 2 * torch.randn(2, 333, heads * 2 * dim, device="cuda")
+    view = torch.chunk(joint.view(2, 333, heads, 2 * dim), 2, dim=-1)[1]
+    assert _rows_of(view).data_ptr() == view.data_ptr() and _rows_of(view).stride(0) == 2 * dim
+    attn = torch.randn(2, 333, heads * dim, device="cuda")
+    _compare(gate_half(fn), gate_half(OPS["attention_gate"].reference), [attn, joint], dtype)
 
 
 @DTYPES
