@@ -26,7 +26,11 @@ def _inputs(tokens=53, experts=6, hidden=24, inter=16, top_k=2):
     return h, index, weights, gate_up, down
 
 
-def test_grouped_experts_match_the_loop():
+@pytest.mark.parametrize("permute", [True, False], ids=["permutations", "scatter (the benchmark's A/B row)"])
+def test_grouped_experts_match_the_loop(monkeypatch, permute):
+    from fusepatch.ops import moe_experts
+
+    monkeypatch.setattr(moe_experts, "PERMUTE", permute)
     h, index, weights, gate_up, down = _inputs()
     leaves = (h, weights, gate_up, down)
     ref = moe_experts_reference(h, index, weights, gate_up, down)
@@ -67,6 +71,30 @@ def test_grouped_experts_read_nothing_back():
     reads = {*HOST_READS, "aten::item", "aten::bincount"}
     found = [e.name for e in prof.events() if e.name in reads and not under_grouped_mm(e)]
     assert not found, found
+
+
+def test_grouped_experts_move_rows_by_permutation_only():
+    """One sort a call (the slots by expert), and no accumulating ``index_put_`` (autograd's backward of a
+    gather by token, which sorts its indices again on CUDA): the token gather's backward and the output's
+    combination are permutations plus a sum over each token's slots."""
+    h, index, weights, gate_up, down = _inputs()
+    with torch.profiler.profile() as prof:
+        moe_experts_grouped(h, index, weights, gate_up, down).sum().backward()
+    names = [e.name for e in prof.events()]
+    assert names.count("aten::sort") == 1, names.count("aten::sort")
+    assert not [n for n in names if n.startswith(("aten::index_put", "aten::_index_put"))]
+
+
+def test_grouped_experts_bf16_sum_each_token_in_fp32():
+    """bf16: each token's slots are summed once in fp32 and rounded once; against the fp64 loop, the output within
+    bf16 rounding. (Run to run equality matters on CUDA, where the accumulating scatter it replaces used atomics:
+    tests/gpu/test_other_ops.py checks it there.)"""
+    h, index, weights, gate_up, down = _inputs()
+    args = [t.detach().bfloat16() if t.is_floating_point() else t for t in (h, index, weights, gate_up, down)]
+    first = moe_experts_grouped(*args)
+    assert torch.equal(first, moe_experts_grouped(*args))
+    ref = moe_experts_reference(*[t.double() if t.is_floating_point() else t for t in args])
+    assert (first.double() - ref).norm() / ref.norm() < 1e-2
 
 
 @pytest.fixture

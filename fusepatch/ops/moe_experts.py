@@ -38,26 +38,69 @@ def _grouped_mm():
     return fn
 
 
+class _GatherSlots(torch.autograd.Function):
+    """Each token's row once per slot, in the slots' sorted order: ``hidden[order // top_k]``. Its backward
+    puts the rows back in slot order (``inverse``, a permutation) and sums each token's ``top_k`` rows, in fp32
+    inside the sum, the same way every run. Autograd's own backward of that gather is an accumulating
+    ``index_put_``, which on CUDA sorts the indices first (several launches a layer, host work to queue them)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return hidden.index_select(0, order // top_k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        rows = grad.index_select(0, inverse)
+        return rows.view(-1, ctx.top_k, rows.shape[-1]).sum(1), None, None, None
+
+
+PERMUTE = True  # rows moved by permutations (below); False: gathered by token, combined by index_add_
+
+
+def _scatter_path(hidden, order, keep, top_k_weights, offsets, gate_up_proj, down_proj, top_k):
+    grouped_mm = _grouped_mm()
+    token = order // top_k
+    gate, up = grouped_mm(hidden[token], gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    out = grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offsets)
+    out = torch.where(keep[order, None], out, 0) * top_k_weights.reshape(-1)[order, None].to(out.dtype)
+    return torch.zeros_like(hidden).index_add_(0, token, out.to(hidden.dtype))
+
+
 def moe_experts_grouped(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
-    """Tokens sorted by expert, then one grouped GEMM for all gate/up projections and one for all down ones.
+    """Slots sorted by expert, then one grouped GEMM for all gate/up projections and one for all down ones.
 
     Nothing here reads the GPU: a training loop queues the next step behind this one. So every slot is computed,
     a dropped one (index equal to the expert count, as expert parallelism marks experts of another rank) in the
     last expert's group, and its rows are zeroed before the weighting, which gives it no output and no gradient.
     Counting the kept slots to slice them off (``int(keep.sum())``) and ``bincount`` (which reads its input's
-    maximum back) each waited for the GPU once per MoE layer (tests/gpu's sync test, session 17)."""
+    maximum back) each waited for the GPU once per MoE layer (tests/gpu's sync test, session 17).
+
+    Rows move by permutations only (``index_select`` with the sort's order and its inverse), and each token sums
+    its ``top_k`` outputs, forward and backward, with ``sum`` (fp32 inside, as transformers' grouped_mm experts
+    do): no accumulating scatter, so no sort-based ``index_put_`` in the backward and no bf16 atomics (run-to-run
+    differences) in the forward."""
     grouped_mm = _grouped_mm()
     experts = gate_up_proj.shape[0]
+    top_k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
     keep = flat < experts
     expert, order = torch.sort(torch.where(keep, flat, experts - 1), stable=True)
-    token = order // top_k_index.shape[1]
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     # group ends: how many slots go to experts 0..e (bincount's cumsum, without its host read)
     offsets = torch.searchsorted(expert, torch.arange(experts, device=expert.device), right=True).to(torch.int32)
-    gate, up = grouped_mm(hidden[token], gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    if not PERMUTE:  # the benchmark's A/B row (BENCH_MOE_SCATTER): the path until session 18
+        return _scatter_path(hidden, order, keep, top_k_weights, offsets, gate_up_proj, down_proj, top_k)
+    rows = _GatherSlots.apply(hidden, order, inverse, top_k)
+    gate, up = grouped_mm(rows, gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
     out = grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offsets)
-    out = torch.where(keep[order, None], out, 0) * top_k_weights.reshape(-1)[order, None].to(out.dtype)
-    return torch.zeros_like(hidden).index_add_(0, token, out.to(hidden.dtype))
+    weights = top_k_weights.reshape(-1).index_select(0, order)[:, None].to(out.dtype)
+    out = torch.where(keep.index_select(0, order)[:, None], out, 0) * weights
+    # back to slot order (a permutation: its backward gathers), then each token's top_k rows summed
+    out = out.index_select(0, inverse).view(-1, top_k, out.shape[-1]).sum(1)
+    return out.to(hidden.dtype)
 
 
 def _inputs(device, dtype, generator, packed=False, dims=None):

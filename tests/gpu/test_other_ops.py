@@ -231,6 +231,28 @@ def test_moe_experts_grouped(dtype):
     _compare(fn, OPS["moe_experts"].reference, [h, index, weights, gate_up, down], dtype)
 
 
+def test_moe_experts_grouped_repeats_itself_bit_for_bit():
+    """bf16, tokens in 8 experts each: the output and every gradient the same on a second run (each token's
+    slots are summed by ``sum``, rows moved by permutations; an accumulating scatter's atomics made the order of
+    the bf16 adds vary)."""
+    fn = kernel("moe_experts", "torch-grouped-mm", torch.bfloat16)
+    tokens, experts, hidden, inter, top_k = 2048, 64, 512, 256, 8
+    h = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    index = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).cuda()
+    weights = torch.rand(tokens, top_k, device="cuda").softmax(-1).bfloat16().requires_grad_(True)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") * hidden**-0.5).bfloat16().requires_grad_(True)
+    down = (torch.randn(experts, hidden, inter, device="cuda") * inter**-0.5).bfloat16().requires_grad_(True)
+    cot = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        out = fn(h, index, weights, gate_up, down)
+        return out, *torch.autograd.grad(out, (h, weights, gate_up, down), cot)
+
+    first, second = run(), run()
+    for name, a, b in zip(("out", "dh", "dweights", "dgate_up", "ddown"), first, second):
+        assert torch.equal(a, b), name
+
+
 @DTYPES
 @pytest.mark.parametrize(
     "batch, hq, hk, tokens, dim, rot",
