@@ -74,15 +74,18 @@ def test_grouped_experts_read_nothing_back():
 
 
 def test_grouped_experts_move_rows_by_permutation_only():
-    """One sort a call (the slots by expert), and no accumulating ``index_put_`` (autograd's backward of a
-    gather by token, which sorts its indices again on CUDA): the token gather's backward and the output's
-    combination are permutations plus a sum over each token's slots."""
+    """One sort a call (the slots by expert), no accumulating ``index_put_`` (autograd's backward of a gather by
+    token, which sorts its indices again on CUDA) and no ``index_add_`` over the rows (atomics on CUDA): the rows
+    move by gathers, forward and backward, and each token's slots are summed."""
     h, index, weights, gate_up, down = _inputs()
-    with torch.profiler.profile() as prof:
+    with torch.profiler.profile(record_shapes=True) as prof:
         moe_experts_grouped(h, index, weights, gate_up, down).sum().backward()
     names = [e.name for e in prof.events()]
     assert names.count("aten::sort") == 1, names.count("aten::sort")
     assert not [n for n in names if n.startswith(("aten::index_put", "aten::_index_put"))]
+    # the one scatter left: the routing weights' gradient (one value a slot), through a permutation
+    adds = [e for e in prof.events() if e.name == "aten::index_add_"]
+    assert len(adds) == 1, [e.input_shapes for e in adds]
 
 
 def test_grouped_experts_bf16_sum_each_token_in_fp32():
