@@ -16,6 +16,12 @@ cuDNN planning anew for every new row length. When the mask is exactly causal wi
 else (``packing.mask_plan``: no padding, no window, no cache), ``sdpa`` is answered with a varlen kernel over
 the boundaries instead (op ``varlen_attention``). Eager attention stays eager: it is what users pick to see
 attention weights.
+
+The gated attention of Qwen3.5 and Qwen3-Next is the one forward fusepatch runs itself
+(``gated_attention_forward``): its output gate is a strided copy, a sigmoid and a multiply written inline, with no
+module-level name to bind. The forward repeats transformers' steps in their order (both supported releases' are the
+same but for the cache argument, ``past_key_values`` in 5.17, ``cache`` later, and what ``cache.update`` is
+given); test_attention_gate.py holds it to transformers' own forward on each release CI runs.
 """
 
 from __future__ import annotations
