@@ -55,6 +55,12 @@ def cpu_env(**overrides) -> Environment:
     return Environment(**base)
 
 
+def lm_batch(model, batch: int = 2, length: int = 29) -> dict[str, torch.Tensor]:
+    """Random token ids of ``model``'s vocabulary as both input and labels (a causal-LM training batch)."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, length))
+    return {"input_ids": ids, "labels": ids}
+
+
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 

@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import loss_and_grads
+from helpers import lm_batch, loss_and_grads
 
 import fusepatch
 from fusepatch import selftest
@@ -48,11 +48,6 @@ def gates(monkeypatch):
     selftest.clear_cache()
 
 
-def _batch(model, batch=2, length=29):
-    ids = torch.randint(0, model.config.vocab_size, (batch, length))
-    return {"input_ids": ids, "labels": ids}
-
-
 def _full_attention_layers(model) -> int:
     return sum(1 for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "q_norm"))
 
@@ -77,7 +72,7 @@ def test_gated_attention_forward_equals_the_layer_transformers_ships(model_type,
     model = tiny_model(model_type, attn_implementation=implementation).train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    batch = _batch(model)
+    batch = lm_batch(model)
     expected = loss_and_grads(model, **batch)
     shared = []
     plain_apply = projections._SharedInputLinears.apply

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import loss_and_grads
+from helpers import lm_batch, loss_and_grads
 
 import fusepatch
 from fusepatch import selftest
@@ -46,11 +46,6 @@ def calls(monkeypatch):
     selftest.clear_cache()
 
 
-def _batch(model, batch=2, length=29):
-    ids = torch.randint(0, model.config.vocab_size, (batch, length))
-    return {"input_ids": ids, "labels": ids}
-
-
 def _in_model(calls: list[tuple]) -> list[tuple]:
     """The stand-in's calls from the model's layers (the self-test calls it too, on its own inputs)."""
     return [call for call in calls if call[2][:2] == (2, 29)]
@@ -73,7 +68,7 @@ def _assert_same(a, b, exact: bool):
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_fused_residual_forward_equals_the_layer_transformers_ships(model_type, calls):
     model = tiny_model(model_type).train()
-    batch = _batch(model)
+    batch = lm_batch(model)
     expected = loss_and_grads(model, **batch)
     report = fusepatch.apply(model, ops=ADD_OPS)
     decoder = next(layer for layer in report.layers if layer.layer.endswith("DecoderLayer"))
@@ -95,7 +90,7 @@ def test_fused_residual_forward_under_activation_checkpointing(model_type, calls
     plain = tiny_model(model_type).train()
     checkpointed = tiny_model(model_type).train()
     checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    batch = _batch(plain)
+    batch = lm_batch(plain)
     expected = loss_and_grads(plain, **batch)
     fusepatch.apply(checkpointed, ops=ADD_OPS)
     got = loss_and_grads(checkpointed, **batch)
@@ -140,7 +135,7 @@ def test_mixed_dtypes_under_autocast_take_the_plain_add(calls):
     """Autocast over fp32 weights: the residual stream stays fp32 while the attention output is bf16, so the add
     promotes to fp32 in transformers' layer. The fused op needs one dtype: the layer keeps transformers' add."""
     model = tiny_model("qwen3").train()
-    batch = _batch(model)
+    batch = lm_batch(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = loss_and_grads(model, **batch)
     fusepatch.apply(model, ops=ADD_OPS)
@@ -165,7 +160,7 @@ def test_without_a_fused_candidate_the_original_forward_runs(monkeypatch):
     fusepatch.apply(model)
     monkeypatch.setattr(type(layer), "forward", spy)
     layer._fusepatch.original = spy.__get__(layer)
-    model(**_batch(model))
+    model(**lm_batch(model))
     assert entered
 
 
@@ -173,7 +168,7 @@ def test_without_a_fused_candidate_the_original_forward_runs(monkeypatch):
 def test_torch_compile_through_the_fused_forward(calls):
     """torch.compile of a model whose decoder layers take the fused forward: same loss and gradients."""
     model = tiny_model("qwen3_5_text").train()
-    batch = _batch(model)
+    batch = lm_batch(model)
     expected = loss_and_grads(model, **batch)
     fusepatch.apply(model, ops=ADD_OPS)
     compiled = torch.compile(model)
@@ -256,7 +251,7 @@ def test_gated_deltanet_with_split_copies_equals_the_unpatched_model(monkeypatch
     monkeypatch.setattr(gated_deltanet, "COPY_DEVICES", ("cpu", "cuda"))
     monkeypatch.setattr(gated_deltanet._SplitCopy, "apply", counting)
     model = tiny_model(model_type).train()
-    batch = _batch(model)
+    batch = lm_batch(model)
     expected = loss_and_grads(model, **batch)
     fusepatch.apply(model)
     got = loss_and_grads(model, **batch)
@@ -313,7 +308,7 @@ def test_shared_input_projections_and_residual_gemm_equal_the_unpatched_model(
     model = tiny_model(model_type).train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    batch = _batch(model)
+    batch = lm_batch(model)
     expected = loss_and_grads(model, **batch)
     fusepatch.apply(model)
     got = loss_and_grads(model, **batch)
@@ -342,7 +337,7 @@ def test_residual_gemm_honours_hooks_but_not_profiler_labels(monkeypatch, calls)
     real = simple.linear_plus
     monkeypatch.setattr(simple, "linear_plus", lambda *a: plus.append(1) or real(*a))
     model = tiny_model("qwen3").train()
-    batch = _batch(model)
+    batch = lm_batch(model)
     expected = loss_and_grads(model, **batch)
     fusepatch.apply(model)
     layers = model.config.num_hidden_layers
@@ -373,7 +368,7 @@ def test_shared_input_projections_under_autocast(monkeypatch, model_type, calls)
     plain_apply = projections._SharedInputLinears.apply
     monkeypatch.setattr(projections._SharedInputLinears, "apply", lambda *a: shared.append(a[1]) or plain_apply(*a))
     model = tiny_model(model_type).train()
-    batch = _batch(model)
+    batch = lm_batch(model)
     fusepatch.apply(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss_a, logits_a, grads_a = loss_and_grads(model, **batch)

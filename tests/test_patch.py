@@ -7,17 +7,12 @@ import logging
 
 import pytest
 import torch
-from helpers import loss_and_grads
+from helpers import lm_batch, loss_and_grads
 
 import fusepatch
 from fusepatch.tiny import FAMILIES, tiny_model
 
 FAMILY_NAMES = sorted(FAMILIES)
-
-
-def _batch(model, batch=2, length=37):
-    ids = torch.randint(0, model.config.vocab_size, (batch, length))
-    return {"input_ids": ids, "labels": ids}
 
 
 def _forwards(model):
@@ -27,7 +22,7 @@ def _forwards(model):
 @pytest.mark.parametrize("model_type", FAMILY_NAMES)
 def test_apply_revert_keeps_outputs_gradients_and_structure(model_type):
     model = tiny_model(model_type)
-    batch = _batch(model)
+    batch = lm_batch(model, length=37)
     state_before = {k: v.clone() for k, v in model.state_dict().items()}
     tree_before = [(n, type(m)) for n, m in model.named_modules()]
     params_before = [n for n, _ in model.named_parameters()]
