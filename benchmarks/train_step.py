@@ -92,9 +92,6 @@ AB_KNOBS = {
     "BENCH_KEEP_SYNCS": ("fusepatch.layers.positions", "ENABLED", False),
     # the delta rule's q/k/w/g gradients at fla's own tiling (ops/dqkwg.py)
     "BENCH_FLA_DQKWG": ("fusepatch.ops.dqkwg", "ENABLED", False),
-    # the MoE experts as until session 18: rows gathered by token (a sort-based index_put_ in the backward),
-    # outputs combined by an atomic index_add_ (ops/moe_experts.py)
-    "BENCH_MOE_SCATTER": ("fusepatch.ops.moe_experts", "PERMUTE", False),
 }
 
 

@@ -26,11 +26,7 @@ def _inputs(tokens=53, experts=6, hidden=24, inter=16, top_k=2):
     return h, index, weights, gate_up, down
 
 
-@pytest.mark.parametrize("permute", [True, False], ids=["permutations", "scatter (the benchmark's A/B row)"])
-def test_grouped_experts_match_the_loop(monkeypatch, permute):
-    from fusepatch.ops import moe_experts
-
-    monkeypatch.setattr(moe_experts, "PERMUTE", permute)
+def test_grouped_experts_match_the_loop():
     h, index, weights, gate_up, down = _inputs()
     leaves = (h, weights, gate_up, down)
     ref = moe_experts_reference(h, index, weights, gate_up, down)

@@ -54,7 +54,8 @@ class _Regroup(torch.autograd.Function):
     each other's transpose. Left to autograd, the gather by token's backward is an accumulating ``index_put_``,
     which on CUDA sorts its indices first (several launches a layer), and the combination's is an atomic
     ``index_add_`` over every slot after a copy of the sum's expanded gradient: 4.6 + 1.5 ms a step at the MoE
-    shape on the H200 (session 18), where a gather of the same rows took 0.4."""
+    shape on the H200 (session 18). The gathers take 2.0 ms of that step all told; its kernels 113.3 ms against
+    118.8 with the scatters (session 19, benchmarks/RESULTS.md)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int, to_tokens: bool):
@@ -67,18 +68,6 @@ class _Regroup(torch.autograd.Function):
         order, inverse = ctx.saved_tensors
         regrouped = _to_slots(grad, order, ctx.top_k) if ctx.to_tokens else _to_tokens(grad, inverse, ctx.top_k)
         return regrouped, None, None, None, None
-
-
-PERMUTE = True  # rows moved by permutations (below); False: gathered by token, combined by index_add_
-
-
-def _scatter_path(hidden, order, keep, top_k_weights, offsets, gate_up_proj, down_proj, top_k):
-    grouped_mm = _grouped_mm()
-    token = order // top_k
-    gate, up = grouped_mm(hidden[token], gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-    out = grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offsets)
-    out = torch.where(keep[order, None], out, 0) * top_k_weights.reshape(-1)[order, None].to(out.dtype)
-    return torch.zeros_like(hidden).index_add_(0, token, out.to(hidden.dtype))
 
 
 def moe_experts_grouped(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
@@ -103,8 +92,6 @@ def moe_experts_grouped(hidden, top_k_index, top_k_weights, gate_up_proj, down_p
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     # group ends: how many slots go to experts 0..e (bincount's cumsum, without its host read)
     offsets = torch.searchsorted(expert, torch.arange(experts, device=expert.device), right=True).to(torch.int32)
-    if not PERMUTE:  # the benchmark's A/B row (BENCH_MOE_SCATTER): the path until session 18
-        return _scatter_path(hidden, order, keep, top_k_weights, offsets, gate_up_proj, down_proj, top_k)
     rows = _Regroup.apply(hidden, order, inverse, top_k, False)
     gate, up = grouped_mm(rows, gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
     out = grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offsets)
