@@ -25,6 +25,7 @@ builds a block-causal mask for sdpa, and fusepatch routes full attention to its 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -93,6 +94,51 @@ AB_KNOBS = {
     # the delta rule's q/k/w/g gradients at fla's own tiling (ops/dqkwg.py)
     "BENCH_FLA_DQKWG": ("fusepatch.ops.dqkwg", "ENABLED", False),
 }
+
+
+class HostPauses:
+    """What else stalls the host during the timed steps: Python's garbage collections (count and time by
+    generation, from ``gc.callbacks``) and the CUDA caching allocator's device allocations (``cudaMalloc`` calls,
+    and retries that free cached blocks, which waits for the GPU). In a steady state both should be ~0 a step; a
+    step that still allocates device memory, or collects generation 2, pays it while the GPU may be waiting."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.collections = Counter()
+        self.seconds = Counter()
+        self._started = 0.0
+        self._before: dict = {}
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.collections[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._started
+
+    def _allocator(self) -> dict:
+        if self.device.type != "cuda":
+            return {}
+        stats = torch.cuda.memory_stats(self.device)
+        return {key: stats.get(key, 0) for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
+    def __enter__(self) -> HostPauses:
+        self._before = self._allocator()
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+        after = self._allocator()
+        self.allocator = {key: after[key] - self._before[key] for key in after}
+
+    def summary(self, steps: int) -> dict:
+        return {
+            "gc_collections": {str(g): n for g, n in sorted(self.collections.items())},
+            "gc_ms": {str(g): round(s * 1000, 2) for g, s in sorted(self.seconds.items())},
+            "allocator_over_timed_steps": self.allocator,
+            "timed_steps": steps,
+        }
 
 
 def back_to_back(step, lengths: list[int], batch: int, sync) -> dict:
@@ -376,8 +422,9 @@ def run(args, seq: int, batch: int) -> dict:
     builds = CompileCounter()  # Triton kernels built (compiled or loaded from disk) during the timed steps
     builds.install()
     clocks = ClockSampler(device)  # the SM clock and power over the timed steps (gpu_clocks.py says why)
+    pauses = HostPauses(device)
     try:
-        with clocks:
+        with clocks, pauses:
             for length in lengths:
                 sync()
                 start = time.perf_counter()
@@ -388,6 +435,7 @@ def run(args, seq: int, batch: int) -> dict:
     finally:
         builds.remove()
     info["gpu_clocks"] = clocks.summary()
+    info["host_pauses"] = pauses.summary(len(lengths))
     if device.type == "cuda":
         info.update(back_to_back(step, lengths, batch, sync))
     info["triton_builds"] = sum(builds.counts.values())

@@ -51,6 +51,10 @@ def test_varying_lengths_give_every_timed_step_its_own_size(tmp_path):
         abs(result["tokens_per_s"] - result["batch"] * sum(result["lengths"]) / seconds) < 0.01 * result["tokens_per_s"]
     )
     assert result["max_step_ms"] == max(result["step_ms"])
+    # host pauses over the timed steps: collections counted with their time (none on the allocator without CUDA)
+    pauses = result["host_pauses"]
+    assert pauses["timed_steps"] == 3 and pauses["allocator_over_timed_steps"] == {}
+    assert set(pauses["gc_collections"]) == set(pauses["gc_ms"])
     row = run_all.table([result | {"config": "fusepatch"}]).splitlines()[-1]
     assert f"| {result['median_step_ms']} | {result['max_step_ms']} |" in row
 
