@@ -141,14 +141,14 @@ class HostPauses:
         }
 
 
-def back_to_back(step, lengths: list[int], batch: int, sync) -> dict:
-    """The same steps again with no host wait between them, as a training loop runs them (the Trainer reads no
-    value of the GPU between steps unless it logs): each step's time from CUDA events recorded between steps,
-    i.e. from the GPU finishing the step before to it finishing this one. The timed loop above waits for the GPU
-    before and after every step, so each of its steps starts on an empty queue and the GPU idles while the CPU
-    queues the step's first kernels; here the CPU queues the next step while the GPU still runs the optimizer,
-    unless a read of the GPU inside the forward (a ``.item()``, a ``nonzero``) makes it wait for everything
-    queued. One step first, untimed: it starts from an empty queue as the synced ones do."""
+def back_to_back(step, lengths: list[int], batch: int, sync, prefix: str = "b2b") -> dict:
+    """The same steps again with no host wait between them: each step's time from CUDA events recorded between
+    steps, i.e. from the GPU finishing the step before to it finishing this one. The timed loop above waits for
+    the GPU before and after every step, so each of its steps starts on an empty queue and the GPU idles while
+    the CPU queues the step's first kernels; here the CPU queues the next step while the GPU still runs this one,
+    unless a read of the GPU inside the step (a ``.item()``, a ``nonzero``) makes it wait for everything queued.
+    One step first, untimed: it starts from an empty queue as the synced ones do. ``trainer_loop`` passes a step
+    that waits where transformers' Trainer waits."""
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(lengths) + 2)]
     losses = []
     sync()
@@ -162,13 +162,23 @@ def back_to_back(step, lengths: list[int], batch: int, sync) -> dict:
     times = [marks[i].elapsed_time(marks[i + 1]) / 1000.0 for i in range(1, len(marks) - 1)]
     median = statistics.median(times)
     return {
-        "b2b_step_ms": [round(t * 1000, 2) for t in times],
-        "b2b_median_step_ms": round(median * 1000, 2),
+        f"{prefix}_step_ms": [round(t * 1000, 2) for t in times],
+        f"{prefix}_median_step_ms": round(median * 1000, 2),
         # tokens over the steps' summed time (one length: the same as tokens over the median, within noise)
-        "b2b_tokens_per_s": round(batch * sum(lengths) / sum(times), 1),
-        "b2b_median_tokens_per_s": round(batch * statistics.median(lengths) / median, 1),
-        "b2b_losses": [round(float(x), 4) for x in losses],
+        f"{prefix}_tokens_per_s": round(batch * sum(lengths) / sum(times), 1),
+        f"{prefix}_median_tokens_per_s": round(batch * statistics.median(lengths) / median, 1),
+        f"{prefix}_losses": [round(float(x), 4) for x in losses],
     }
+
+
+def trainer_loop(step, lengths: list[int], batch: int, sync) -> dict:
+    """The same steps with the one host wait transformers' Trainer makes in each (5.17 and 5.24 alike): after
+    ``training_step`` (forward and backward queued) its ``logging_nan_inf_filter``, on by default, tests the loss
+    with ``torch.isnan(loss) or torch.isinf(loss)``, which waits for the backward to finish; the optimizer step
+    and the next step's forward are queued after that, so the next step's first launches overlap the optimizer's
+    GPU time. The synced timing hides nothing of a step's start, back to back hides it behind the whole previous
+    step; this is the loop users of the Trainer run."""
+    return back_to_back(lambda length: step(length, wait_after_backward=True), lengths, batch, sync, "trainer")
 
 
 def gpu_idle_by_op(events, top: int = 30, longest_gaps: int = 40) -> dict:
@@ -386,7 +396,7 @@ def run(args, seq: int, batch: int) -> dict:
 
     cuts = random.Random(4321)  # document boundaries of packed rows, the same for every configuration
 
-    def step(length: int = seq):
+    def step(length: int = seq, wait_after_backward: bool = False):
         ids = torch.randint(0, config.vocab_size, (batch, length), device=device)
         labels = ids
         if args.prompt:  # the same positions for every configuration
@@ -402,6 +412,9 @@ def run(args, seq: int, batch: int) -> dict:
                 loss = model(input_ids=ids, labels=labels, use_cache=False, **extra).loss
             with torch.profiler.record_function("bench:backward"):
                 loss.backward()
+            if wait_after_backward:  # as the Trainer's NaN/inf filter does (trainer_loop)
+                detached = loss.detach()
+                bool(torch.isnan(detached) or torch.isinf(detached))
             with torch.profiler.record_function("bench:optimizer"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -438,6 +451,7 @@ def run(args, seq: int, batch: int) -> dict:
     info["host_pauses"] = pauses.summary(len(lengths))
     if device.type == "cuda":
         info.update(back_to_back(step, lengths, batch, sync))
+        info.update(trainer_loop(step, lengths, batch, sync))
     info["triton_builds"] = sum(builds.counts.values())
     info["triton_builds_by_kernel"] = dict(builds.counts.most_common(6))
     median = statistics.median(times)

@@ -282,6 +282,44 @@ def test_back_to_back_times_each_step_between_the_events_around_it(monkeypatch):
     assert "| 2,000 | 2.000x | 200.0 |" in row
 
 
+def test_trainer_loop_times_steps_that_wait_after_the_backward(monkeypatch):
+    """``trainer_loop``: the back-to-back timing of steps told to wait after their backward (where the Trainer's
+    NaN/inf filter waits), its own keys, and its own table columns beside the back-to-back ones."""
+    import torch
+    import train_step
+
+    calls = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = len(calls)
+
+        def elapsed_time(self, other):
+            return (other.at - self.at) * 100.0
+
+    def step(length, wait_after_backward=False):
+        calls.append((length, wait_after_backward))
+        return torch.tensor(1.0)
+
+    monkeypatch.setattr(train_step.torch.cuda, "Event", Event)
+    result = train_step.trainer_loop(step, [10, 10], batch=1, sync=lambda: None)
+    assert calls == [(10, True)] * 3  # the untimed first step waits too
+    assert result["trainer_step_ms"] == [100.0, 100.0] and result["trainer_tokens_per_s"] == 100.0
+    assert not any(key.startswith("b2b") for key in result)
+    base = {"config": "hf-fast", "tokens_per_s": 1.0, "median_step_ms": 1, "step_ms": [1], "peak_mem_gib": 1,
+            "aten_ops_per_step": 1, "gpu_kernels_per_step": 1, "gpu_busy_fraction": 1.0, "mfu": 0.5,
+            "b2b_tokens_per_s": 50.0, "b2b_median_step_ms": 2, "trainer_tokens_per_s": 80.0,
+            "trainer_median_step_ms": 3}  # fmt: skip
+    lines = run_all.table([base, base | {"config": "fusepatch"} | result]).splitlines()
+    assert lines[0].count("|") == lines[1].count("|") == lines[-1].count("|")
+    assert "| 50 | 1.000x | 2 | 100 | 1.250x | 100.0 |" in lines[-1]
+    failed = run_all.table([base, {"config": "liger", "error": "boom"}]).splitlines()[-1]
+    assert failed.count("|") == lines[0].count("|")
+
+
 def test_every_ab_knob_names_an_attribute_that_exists():
     """``train_step.AB_KNOBS``: a renamed module or flag would leave a knob setting an attribute nothing reads."""
     import importlib
