@@ -27,7 +27,6 @@ given); test_attention_gate.py holds it to transformers' own forward on each rel
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import sys
 import threading
@@ -37,6 +36,7 @@ import torch
 
 from fusepatch.layers.packing import boundaries_for_call, mask_plan
 from fusepatch.layers.projections import project
+from fusepatch.layers.signature import CACHE_NAMES, forward_parameters
 from fusepatch.ops.rotary import unsupported
 from fusepatch.resolve import Dispatch, autocast_dtype, dtype_name
 
@@ -150,7 +150,7 @@ def _route(self, args: tuple, kwargs: dict) -> _Route | None:
         return None
     if getattr(self.config, "_attn_implementation", None) != "sdpa":
         return None
-    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+    if any(kwargs.get(name) is not None for name in CACHE_NAMES):
         return None
     if self.training and getattr(self, "attention_dropout", 0.0):
         return None
@@ -205,8 +205,6 @@ def attention_forward(self, *args, **kwargs):
 
 
 _GATED_POSITIONAL = ("hidden_states", "position_embeddings", "attention_mask", "cache")
-_CACHE_NAMES = ("cache", "past_key_values")
-_cache_kwargs: dict[type, bool] = {}  # layer class -> its forward hands the attention kwargs to cache.update
 
 
 def _gated_call(self, args: tuple, kwargs: dict) -> dict | None:
@@ -226,10 +224,7 @@ def _gated_call(self, args: tuple, kwargs: dict) -> dict | None:
 def _update_cache(self, cache, key: torch.Tensor, value: torch.Tensor, extra: dict):
     """``cache.update`` as the layer's release calls it: transformers 5.17 passes the layer index only; later
     releases (whose forward names the argument ``cache``) also hand it the attention kwargs."""
-    cls = type(self)
-    if cls not in _cache_kwargs:
-        _cache_kwargs[cls] = "cache" in inspect.signature(self._fusepatch.original).parameters
-    if _cache_kwargs[cls]:
+    if "cache" in forward_parameters(type(self)):
         return cache.update(key, value, self.layer_idx, kwargs=extra)
     return cache.update(key, value, self.layer_idx)
 
@@ -247,7 +242,7 @@ def gated_attention_forward(self, *args, **kwargs):
         hidden_states = named.pop("hidden_states")
         cos, sin = named.pop("position_embeddings")
         attention_mask = named.pop("attention_mask", None)
-        cache = next((c for c in (named.pop(n, None) for n in _CACHE_NAMES) if c is not None), None)
+        cache = next((c for c in (named.pop(n, None) for n in CACHE_NAMES) if c is not None), None)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         joint, key, value = project(hidden_states, self.q_proj, self.k_proj, self.v_proj)

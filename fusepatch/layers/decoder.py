@@ -21,32 +21,19 @@ instance forward replaces, so it checkpoints itself the same way).
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 
 from fusepatch.layers.packing import packed_kwargs
+from fusepatch.layers.signature import CACHE_NAMES, forward_parameters
 from fusepatch.layers.simple import _eps, swiglu_mlp_plus
 from fusepatch.resolve import dtype_name
 
 ADD_NORM_OPS = ("add_rms_norm", "add_rms_norm_zero_centered")
-_CACHE_NAMES = ("cache", "past_key_values")
 
 
-# Per-class memos as plain dicts, not functools.cache: torch.compile traces through a cache wrapper (and warns),
-# and would re-read the signature on every trace.
-_PARAMETERS: dict[type, tuple[str, ...]] = {}
+# A per-class memo as a plain dict, not functools.cache: torch.compile traces through a cache wrapper (and warns).
 _CHECKPOINTS_IN_FORWARD: dict[type, bool] = {}
-
-
-def _parameters(cls: type) -> tuple[str, ...]:
-    """The named parameters of ``cls.forward`` after ``self`` (not ``*args`` / ``**kwargs``)."""
-    found = _PARAMETERS.get(cls)
-    if found is None:
-        variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-        parameters = list(inspect.signature(cls.forward).parameters.values())[1:]
-        found = _PARAMETERS[cls] = tuple(p.name for p in parameters if p.kind not in variadic)
-    return found
 
 
 def _checkpoints_in_forward(cls: type) -> bool:
@@ -68,7 +55,7 @@ def _checkpoints_in_forward(cls: type) -> bool:
 
 def _bind(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict, dict]:
     """Split a call into (hidden_states, the layer's named parameters, the extra ``**kwargs``)."""
-    names = _parameters(type(self))
+    names = forward_parameters(type(self))
     named = dict(zip(names, args))
     extra = {}
     for key, value in kwargs.items():
@@ -84,8 +71,8 @@ def _mixer(self, hidden_states: torch.Tensor, named: dict, extra: dict) -> torch
     """The token mixer, called as the layer's own forward calls it."""
     linear = getattr(self, "linear_attn", None)
     if linear is not None and getattr(self, "block_type", "linear_attention") == "linear_attention":
-        cache = next((named[n] for n in _CACHE_NAMES if n in named), None)
-        cache_name = "cache_params" if "cache_params" in _parameters(type(linear)) else "cache"
+        cache = next((named[n] for n in CACHE_NAMES if n in named), None)
+        cache_name = "cache_params" if "cache_params" in forward_parameters(type(linear)) else "cache"
         return linear(
             hidden_states=hidden_states,
             attention_mask=named.get("attention_mask"),
@@ -125,7 +112,7 @@ def _add_norm_op(self) -> str:
 
 def _wants_fused(self, args: tuple, kwargs: dict) -> bool:
     """Whether the fused op has a kernel for this call's device and dtype (decided on the layer's input)."""
-    hidden_states = args[0] if args else kwargs.get(_parameters(type(self))[0])
+    hidden_states = args[0] if args else kwargs.get(forward_parameters(type(self))[0])
     if not isinstance(hidden_states, torch.Tensor) or not hidden_states.is_floating_point():
         return False
     if not all(hasattr(self, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")):
