@@ -198,13 +198,13 @@ RMS_NORM_SCRIPT = textwrap.dedent(
     assert torch.equal(rms_norm(q, w, 1e-6), rms_norm(q.contiguous(), w, 1e-6))
     # Qwen3.5's q_norm input: the query half of q_proj's output per head (rows 2 x head_dim apart) is read where
     # it lies, not copied; output and gradients as its contiguous copy's, and nothing reaches the gate half
-    from fusepatch.kernels.rms_norm import _rows
+    from fusepatch.kernels.rows import as_rows
 
     for fn, reference, shift in forms:
         full = torch.randn(2, 5, 3, 2 * 48, requires_grad=True)
         w = (torch.randn(48) * 0.1 + shift).requires_grad_(True)
         query = torch.chunk(full, 2, dim=-1)[0]
-        assert _rows(query, 48).data_ptr() == full.data_ptr() and _rows(query, 48).stride(0) == 96
+        assert as_rows(query, 48).data_ptr() == full.data_ptr() and as_rows(query, 48).stride(0) == 96
         out = fn(query, w, 1e-6)
         leaves = [query.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)]
         ref = reference(leaves[0], leaves[1], 1e-6)

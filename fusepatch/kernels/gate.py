@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusepatch.kernels.rows import as_rows
+
 ELEMENTS = 4096  # per program: rows x head_dim (a memory-bound pass; one fixed launch configuration)
 WARPS = 4
 
@@ -46,18 +48,6 @@ def _gate_bwd(
     tl.store(grad_gate + at, (dy * a * s * (1.0 - s)).to(grad_gate.dtype.element_ty), mask=mask)
 
 
-def _rows_of(gate: torch.Tensor) -> torch.Tensor:
-    """``gate`` ``[.., heads, head_dim]`` as ``[rows, head_dim]`` without a copy where its rows are evenly strided
-    (the gate half of the joint projection is), contiguous otherwise."""
-    dim = gate.shape[-1]
-    if gate.stride(-1) == 1:
-        try:
-            return gate.view(-1, dim)
-        except RuntimeError:  # rows not evenly strided
-            pass
-    return gate.contiguous().view(-1, dim)
-
-
 def _launch(rows: int, dim: int) -> tuple[tuple[int], int, int]:
     block_d = triton.next_power_of_2(dim)
     block_r = max(1, ELEMENTS // block_d)
@@ -74,7 +64,7 @@ class _SigmoidGate(torch.autograd.Function):
                 "do not pair (same dtype; attention [.., heads x head_dim], gate [.., heads, head_dim])"
             )
         attn = attn.contiguous()
-        rows_gate = _rows_of(gate)
+        rows_gate = as_rows(gate, dim)
         out = torch.empty_like(attn)
         rows = rows_gate.shape[0]
         if rows:

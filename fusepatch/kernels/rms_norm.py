@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusepatch.kernels.rows import as_rows
+
 
 @triton.jit(do_not_specialize=["rows"])
 def _rms_norm_fwd(
@@ -217,16 +219,6 @@ def _norm_backward(flat, weight, rstd, z, grad, flags, dres=None):
     return dx, (dz if flags["GATED"] else None), partial.sum(0).to(weight.dtype)
 
 
-def _rows(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x`` as ``[rows, dim]``: a view where the rows are evenly spaced with contiguous columns (the query half
-    of Qwen3.5's ``q_proj`` output, every row ``2 * head_dim`` apart, which ``.contiguous()`` copied with a
-    strided kernel: 0.56 ms of the 27B-shaped step with the gate's copy), a contiguous copy otherwise."""
-    flat = x.reshape(-1, dim)
-    if flat.stride(-1) != 1 or flat.stride(0) < dim:
-        flat = flat.contiguous()
-    return flat
-
-
 def _check(x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor | None, what: str) -> int:
     dim = x.shape[-1]
     if weight.shape != (dim,):
@@ -249,7 +241,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps: float, zero_centered: bool, gate=None) -> torch.Tensor:
         dim = _check(x, weight, gate, "gate")
-        flat = _rows(x, dim)
+        flat = as_rows(x, dim)
         weight = weight.contiguous()
         z = flat if gate is None else gate.reshape(-1, dim).contiguous()
         ctx.flags = _flags(zero_centered, gate is not None, x.dtype, weight.dtype)

@@ -38,7 +38,7 @@ def test_rms_norms(shape, op, name, dtype):
 def test_triton_rms_norm_reads_the_query_half_in_place(op, dtype):
     """Qwen3.5's q_norm input: the query half of ``q_proj``'s output per head, rows ``2 * head_dim`` apart. The
     kernel reads that view where it lies (no strided copy first), and output and gradients stay exact."""
-    from fusepatch.kernels.rms_norm import _rows
+    from fusepatch.kernels.rows import as_rows
 
     fn = kernel(op, "triton", dtype)
     heads, dim = 3, 256
@@ -48,7 +48,7 @@ def test_triton_rms_norm_reads_the_query_half_in_place(op, dtype):
 
     full = torch.randn(2, 77, heads * 2 * dim, device="cuda")
     view = torch.chunk(full.view(2, 77, heads, 2 * dim), 2, dim=-1)[0]
-    assert _rows(view, dim).data_ptr() == full.data_ptr() and _rows(view, dim).stride(0) == 2 * dim
+    assert as_rows(view, dim).data_ptr() == full.data_ptr() and as_rows(view, dim).stride(0) == 2 * dim
     w = 0.1 * torch.randn(dim, device="cuda") + (1.0 if op == "rms_norm" else 0.0)
     _compare(query_half(fn), query_half(OPS[op].reference), [full, w], dtype, extra=(1e-6,))
 
@@ -159,7 +159,7 @@ def test_swiglu(name, dtype):
 def test_attention_gate_reads_the_gate_half_in_place(heads, dim, dtype):
     """Qwen3.5 / Qwen3-Next's output gate: the gate half of ``q_proj``'s output per head, rows ``2 * head_dim``
     apart, read where it lies (no copy); the query half gets a zero gradient from it."""
-    from fusepatch.kernels.gate import _rows_of
+    from fusepatch.kernels.rows import as_rows
 
     fn = kernel("attention_gate", "triton", dtype)
 
@@ -168,7 +168,7 @@ def test_attention_gate_reads_the_gate_half_in_place(heads, dim, dtype):
 
     joint = 2 * torch.randn(2, 333, heads * 2 * dim, device="cuda")
     view = torch.chunk(joint.view(2, 333, heads, 2 * dim), 2, dim=-1)[1]
-    assert _rows_of(view).data_ptr() == view.data_ptr() and _rows_of(view).stride(0) == 2 * dim
+    assert as_rows(view, dim).data_ptr() == view.data_ptr() and as_rows(view, dim).stride(0) == 2 * dim
     attn = torch.randn(2, 333, heads * dim, device="cuda")
     _compare(gate_half(fn), gate_half(OPS["attention_gate"].reference), [attn, joint], dtype)
 
