@@ -72,6 +72,22 @@ def loss_and_grads(model, **batch):
     return out.loss.detach(), out.logits.detach(), grads(model)
 
 
+def assert_same_training(a, b, exact: bool = False):
+    """Two ``loss_and_grads`` results: bit for bit (``exact``) or within the CPU tolerances of the fused paths'
+    tests (loss 1e-5, logits 1e-4, every gradient 1e-3 relative)."""
+    (loss_a, logits_a, grads_a), (loss_b, logits_b, grads_b) = a, b
+    assert grads_a.keys() == grads_b.keys()
+    if exact:
+        assert torch.equal(loss_a, loss_b) and torch.equal(logits_a, logits_b)
+        for name in grads_a:
+            assert torch.equal(grads_a[name], grads_b[name]), name
+        return
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits_b, logits_a, rtol=1e-4, atol=1e-5)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
 def free_port() -> int:
     """A TCP port nobody listens on, for a torchrun rendezvous."""
     import socket

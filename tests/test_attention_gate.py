@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import lm_batch, loss_and_grads
+from helpers import assert_same_training, lm_batch, loss_and_grads
 
 import fusepatch
 from fusepatch import selftest
@@ -56,15 +56,6 @@ def _in_model(seen: list[tuple]) -> list[tuple]:
     return [call for call in seen if call[0][:2] == (2, 29)]  # the self-test calls it on its own inputs too
 
 
-def _assert_close(a, b):
-    (loss_a, logits_a, grads_a), (loss_b, logits_b, grads_b) = a, b
-    assert grads_a.keys() == grads_b.keys()
-    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(logits_b, logits_a, rtol=1e-4, atol=1e-5)
-    for name in grads_a:
-        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-3, atol=1e-5, msg=name)
-
-
 @pytest.mark.parametrize("model_type", GATED)
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
@@ -92,7 +83,7 @@ def test_gated_attention_forward_equals_the_layer_transformers_ships(model_type,
         # the gate half of q_proj's output, as a view: its heads 2 x head_dim apart, no copy made
         assert shape == (2, 29, heads, dim) and stride[-2:] == (2 * dim, 1) and not contiguous
     assert shared.count(3) == passes * layers, "q/k/v through the shared-input projections in each gated layer"
-    _assert_close(expected, got)
+    assert_same_training(expected, got)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import lm_batch, loss_and_grads
+from helpers import assert_same_training, lm_batch, loss_and_grads
 
 import fusepatch
 from fusepatch import selftest
@@ -51,20 +51,6 @@ def _in_model(calls: list[tuple]) -> list[tuple]:
     return [call for call in calls if call[2][:2] == (2, 29)]
 
 
-def _assert_same(a, b, exact: bool):
-    (loss_a, logits_a, grads_a), (loss_b, logits_b, grads_b) = a, b
-    assert grads_a.keys() == grads_b.keys()
-    if exact:
-        assert torch.equal(loss_a, loss_b) and torch.equal(logits_a, logits_b)
-        for name in grads_a:
-            assert torch.equal(grads_a[name], grads_b[name]), name
-        return
-    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(logits_b, logits_a, rtol=1e-4, atol=1e-5)
-    for name in grads_a:
-        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-3, atol=1e-5, msg=name)
-
-
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_fused_residual_forward_equals_the_layer_transformers_ships(model_type, calls):
     model = tiny_model(model_type).train()
@@ -82,7 +68,7 @@ def test_fused_residual_forward_equals_the_layer_transformers_ships(model_type, 
     # Only the add-norm op has a (stand-in) kernel, so the fused forward repeats transformers' arithmetic and
     # must agree bit for bit; in hybrid models the linear attention's eager path is fusepatch's chunked delta
     # rule, which agrees to fp32 rounding (test_patch.py).
-    _assert_same(expected, got, exact=model_type not in HYBRID)
+    assert_same_training(expected, got, exact=model_type not in HYBRID)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next", "qwen3_moe"])
@@ -96,7 +82,7 @@ def test_fused_residual_forward_under_activation_checkpointing(model_type, calls
     got = loss_and_grads(checkpointed, **batch)
     layers = plain.config.num_hidden_layers
     assert len(_in_model(calls)) == 2 * layers, "forward + the backward's recompute, once per layer each"
-    _assert_same(expected, got, exact=model_type not in HYBRID)
+    assert_same_training(expected, got, exact=model_type not in HYBRID)
 
 
 @pytest.mark.parametrize("model_type", HYBRID)
@@ -142,7 +128,7 @@ def test_mixed_dtypes_under_autocast_take_the_plain_add(calls):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = loss_and_grads(model, **batch)
     assert not _in_model(calls), "no fused call on mixed dtypes"
-    _assert_same(expected, got, exact=True)
+    assert_same_training(expected, got, exact=True)
 
 
 def test_without_a_fused_candidate_the_original_forward_runs(monkeypatch):
@@ -175,7 +161,7 @@ def test_torch_compile_through_the_fused_forward(calls):
     loss, logits, grads = loss_and_grads(compiled, **batch)
     got = (loss, logits, {name.removeprefix("_orig_mod."): grad for name, grad in grads.items()})
     assert _in_model(calls), "the compiled model must run the fused op"
-    _assert_same(expected, got, exact=False)
+    assert_same_training(expected, got, exact=False)
 
 
 def test_split_copy_of_the_conv_output():
@@ -257,7 +243,7 @@ def test_gated_deltanet_with_split_copies_equals_the_unpatched_model(monkeypatch
     got = loss_and_grads(model, **batch)
     linear = sum(1 for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
     assert linear and len(made) == linear
-    _assert_same(expected, got, exact=False)
+    assert_same_training(expected, got, exact=False)
 
 
 def test_split_copies_step_aside_under_torch_compile(monkeypatch):
@@ -314,15 +300,15 @@ def test_shared_input_projections_and_residual_gemm_equal_the_unpatched_model(
     got = loss_and_grads(model, **batch)
     passes = 2 if checkpointing else 1
     linear = sum(1 for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
-    mlps = [m for m in model.modules() if getattr(getattr(m, "_fusepatch", None), "row", None) is not None]
-    mlps = [m for m in mlps if m._fusepatch.row.forward is swiglu_mlp_forward]
+    patched = [m for m in model.modules() if getattr(getattr(m, "_fusepatch", None), "row", None) is not None]
+    mlps = [m for m in patched if m._fusepatch.row.forward is swiglu_mlp_forward]
     dense = sum(1 for layer in model.model.layers if layer.mlp in mlps)
-    gated = [m for m in model.modules() if getattr(getattr(m, "_fusepatch", None), "row", None) is not None]
-    gated = sum(1 for m in gated if m._fusepatch.row.forward is gated_attention_forward)  # q/k/v (test_attention_gate)
+    # the gated attention's q/k/v (test_attention_gate.py)
+    gated = sum(1 for m in patched if m._fusepatch.row.forward is gated_attention_forward)
     assert linear + len(mlps) or model_type == "qwen3_moe"  # the one family without a SwiGLU MLP module
     assert len(shared) == passes * (linear + len(mlps) + gated), (len(shared), linear, len(mlps), gated)
     assert len(residual_gemms) == passes * dense
-    _assert_same(expected, got, exact=False)
+    assert_same_training(expected, got, exact=False)
 
 
 def test_residual_gemm_honours_hooks_but_not_profiler_labels(monkeypatch, calls):
@@ -344,7 +330,7 @@ def test_residual_gemm_honours_hooks_but_not_profiler_labels(monkeypatch, calls)
     with label_layers(model):
         got = loss_and_grads(model, **batch)
     assert len(plus) == layers
-    _assert_same(expected, got, exact=False)
+    assert_same_training(expected, got, exact=False)
     seen = []
     mlp = model.model.layers[0].mlp
     handle = mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape))
@@ -352,7 +338,7 @@ def test_residual_gemm_honours_hooks_but_not_profiler_labels(monkeypatch, calls)
     got = loss_and_grads(model, **batch)
     handle.remove()
     assert len(plus) == layers - 1 and seen == [(2, 29, model.config.hidden_size)]
-    _assert_same(expected, got, exact=False)
+    assert_same_training(expected, got, exact=False)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3"])
