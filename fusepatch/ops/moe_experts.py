@@ -38,9 +38,10 @@ def _grouped_mm():
     return fn
 
 
-def _to_slots(hidden: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Each token's row once per slot, in the slots' sorted order (``order``: the sort's permutation)."""
-    return hidden.index_select(0, order // top_k)
+def _to_slots(hidden: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """Each slot's token row in the slots' sorted order (``source``: the row of each sorted slot; the row past the
+    last token, a zero row appended here, for a dropped slot)."""
+    return torch.cat((hidden, hidden.new_zeros(1, hidden.shape[-1]))).index_select(0, source)
 
 
 def _to_tokens(rows: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -51,22 +52,23 @@ def _to_tokens(rows: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.T
 
 class _Regroup(torch.autograd.Function):
     """``_to_slots`` (``to_tokens`` False) or ``_to_tokens`` (True); the backward is the other one, as the two are
-    each other's transpose. Left to autograd, the gather by token's backward is an accumulating ``index_put_``,
+    each other's transpose (a dropped slot's row, zero forward, gets an exactly zero gradient: see
+    ``moe_experts_grouped``). Left to autograd, the gather by token's backward is an accumulating ``index_put_``,
     which on CUDA sorts its indices first (several launches a layer), and the combination's is an atomic
     ``index_add_`` over every slot after a copy of the sum's expanded gradient: 4.6 + 1.5 ms a step at the MoE
     shape on the H200 (session 18). The gathers take 2.0 ms of that step all told; its kernels 113.3 ms against
     118.8 with the scatters (session 19, benchmarks/RESULTS.md)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int, to_tokens: bool):
-        ctx.save_for_backward(order, inverse)
+    def forward(ctx, x: torch.Tensor, source: torch.Tensor, inverse: torch.Tensor, top_k: int, to_tokens: bool):
+        ctx.save_for_backward(source, inverse)
         ctx.top_k, ctx.to_tokens = top_k, to_tokens
-        return _to_tokens(x, inverse, top_k) if to_tokens else _to_slots(x, order, top_k)
+        return _to_tokens(x, inverse, top_k) if to_tokens else _to_slots(x, source)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        order, inverse = ctx.saved_tensors
-        regrouped = _to_slots(grad, order, ctx.top_k) if ctx.to_tokens else _to_tokens(grad, inverse, ctx.top_k)
+        source, inverse = ctx.saved_tensors
+        regrouped = _to_slots(grad, source) if ctx.to_tokens else _to_tokens(grad, inverse, ctx.top_k)
         return regrouped, None, None, None, None
 
 
@@ -75,7 +77,9 @@ def moe_experts_grouped(hidden, top_k_index, top_k_weights, gate_up_proj, down_p
 
     Nothing here reads the GPU: a training loop queues the next step behind this one. So every slot is computed,
     a dropped one (index equal to the expert count, as expert parallelism marks experts of another rank) in the
-    last expert's group, and its rows are zeroed before the weighting, which gives it no output and no gradient.
+    last expert's group, on a zero row instead of its token's: its output is exactly zero, and so is every
+    gradient through it (to the experts, the token and its weight), without a pass over every slot's row to mask
+    it, and a non-finite token row cannot reach the last expert's gradient through a slot routed elsewhere.
     Counting the kept slots to slice them off (``int(keep.sum())``) and ``bincount`` (which reads its input's
     maximum back) each waited for the GPU once per MoE layer (tests/gpu's sync test, session 17).
 
@@ -85,19 +89,20 @@ def moe_experts_grouped(hidden, top_k_index, top_k_weights, gate_up_proj, down_p
     atomics (run-to-run differences) in either direction."""
     grouped_mm = _grouped_mm()
     experts = gate_up_proj.shape[0]
-    top_k = top_k_index.shape[1]
+    tokens, top_k = top_k_index.shape
     flat = top_k_index.reshape(-1)
     keep = flat < experts
     expert, order = torch.sort(torch.where(keep, flat, experts - 1), stable=True)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    # each sorted slot's row: its token's, or the zero row appended after the last token for a dropped slot
+    source = torch.where(keep, torch.arange(flat.numel(), device=flat.device) // top_k, tokens).index_select(0, order)
     # group ends: how many slots go to experts 0..e (bincount's cumsum, without its host read)
     offsets = torch.searchsorted(expert, torch.arange(experts, device=expert.device), right=True).to(torch.int32)
-    rows = _Regroup.apply(hidden, order, inverse, top_k, False)
+    rows = _Regroup.apply(hidden, source, inverse, top_k, False)
     gate, up = grouped_mm(rows, gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
     out = grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offsets)
-    weights = top_k_weights.reshape(-1).index_select(0, order)[:, None].to(out.dtype)
-    out = torch.where(keep.index_select(0, order)[:, None], out, 0) * weights
-    return _Regroup.apply(out, order, inverse, top_k, True).to(hidden.dtype)
+    out = out * top_k_weights.reshape(-1).index_select(0, order)[:, None].to(out.dtype)
+    return _Regroup.apply(out, source, inverse, top_k, True).to(hidden.dtype)
 
 
 def _inputs(device, dtype, generator, packed=False, dims=None):

@@ -225,6 +225,8 @@ def test_moe_experts_grouped(dtype):
     h = torch.randn(tokens, hidden, device="cuda")
     index = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).cuda()
     index[3, 0] = experts  # a dropped slot (expert parallelism's mark): no output, no gradient
+    index[5] = experts  # every slot of token 5 dropped, and its row not finite: it reaches no expert
+    h[5] = float("nan")
     weights = torch.rand(tokens, top_k, device="cuda").softmax(-1)
     gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda") * hidden**-0.5
     down = torch.randn(experts, hidden, inter, device="cuda") * inter**-0.5
