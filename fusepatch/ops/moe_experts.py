@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusepatch.ops._common import planned_hub_candidate, rand
+from fusepatch.ops._common import TRITON_FIX, planned_hub_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
-from fusepatch.requirements import CudaDevice, InputRule, MinCapability, TorchVersion
+from fusepatch.requirements import CudaDevice, DistributionVersion, Importable, InputRule, MinCapability, TorchVersion
 
 
 def moe_experts_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
@@ -29,6 +29,13 @@ def moe_experts_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down
         y = F.linear(F.silu(gate) * up, down_proj[expert]) * top_k_weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
+
+
+def weighted_swiglu_reference(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The experts' activation scaled by each slot's routing weight: ``silu(gate) * up * weight`` per row of
+    ``gate_up`` (``[slots, 2 x inter]``, gate half first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up * weight[:, None]
 
 
 def _grouped_mm():
@@ -72,8 +79,12 @@ class _Regroup(torch.autograd.Function):
         return regrouped, None, None, None, None
 
 
-def moe_experts_grouped(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
-    """Slots sorted by expert, then one grouped GEMM for all gate/up projections and one for all down ones.
+def moe_experts_grouped(
+    hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation=weighted_swiglu_reference
+):
+    """Slots sorted by expert, then one grouped GEMM for all gate/up projections and one for all down ones;
+    ``activation(gate_up, weights)`` between them, which applies the routing weights too (the down projection is
+    linear in its input: the weight scales the ``inter``-wide activation, not the ``hidden``-wide output).
 
     Nothing here reads the GPU: a training loop queues the next step behind this one. So every slot is computed,
     a dropped one (index equal to the expert count, as expert parallelism marks experts of another rank) in the
@@ -99,10 +110,19 @@ def moe_experts_grouped(hidden, top_k_index, top_k_weights, gate_up_proj, down_p
     # group ends: how many slots go to experts 0..e (bincount's cumsum, without its host read)
     offsets = torch.searchsorted(expert, torch.arange(experts, device=expert.device), right=True).to(torch.int32)
     rows = _Regroup.apply(hidden, source, inverse, top_k, False)
-    gate, up = grouped_mm(rows, gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-    out = grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offsets)
-    out = out * top_k_weights.reshape(-1).index_select(0, order)[:, None].to(out.dtype)
+    gate_up = grouped_mm(rows, gate_up_proj.transpose(1, 2), offs=offsets)
+    act = activation(gate_up, top_k_weights.reshape(-1).index_select(0, order).to(gate_up.dtype))
+    out = grouped_mm(act, down_proj.transpose(1, 2), offs=offsets)
     return _Regroup.apply(out, source, inverse, top_k, True).to(hidden.dtype)
+
+
+def _load_triton():
+    from fusepatch.kernels.moe_swiglu import weighted_swiglu
+
+    def moe_experts_grouped_triton(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
+        return moe_experts_grouped(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, weighted_swiglu)
+
+    return moe_experts_grouped_triton
 
 
 def _inputs(device, dtype, generator, packed=False, dims=None):
@@ -129,6 +149,30 @@ MOE_EXPERTS = Op(
     summary="MoE experts as two grouped GEMMs instead of a Python loop over experts",
     reference=moe_experts_reference,
     candidates=(
+        # the same GEMMs with fusepatch's Triton activation between them (one kernel each way, the routing weight
+        # and its gradient inside); the plain one after it, for a torch without Triton
+        Candidate(
+            name="grouped-mm-triton",
+            source="pip",
+            requirements=(
+                CudaDevice(),
+                MinCapability((8, 0), "torch's grouped_mm"),
+                TorchVersion(">=2.9"),
+                DistributionVersion("triton", ">=3.0", TRITON_FIX),
+                Importable("triton", "triton", TRITON_FIX),
+            ),
+            load=_load_triton,
+            inputs=InputRule(
+                devices=("cuda",),
+                dtypes=("bfloat16", "float32"),
+                kernel="torch's grouped_mm with fusepatch's Triton weighted SwiGLU",
+            ),
+            provides=(
+                "fusepatch.ops.moe_experts.moe_experts_grouped (torch grouped_mm) with "
+                "fusepatch.kernels.moe_swiglu.weighted_swiglu between the GEMMs (fixed launch configuration)"
+            ),
+            distribution="torch",
+        ),
         Candidate(
             name="torch-grouped-mm",
             source="pip",

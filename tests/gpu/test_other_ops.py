@@ -218,9 +218,13 @@ def test_fused_loss_compiles_nothing_new_for_new_lengths(name):
     assert variants() == before
 
 
+MOE_CANDIDATES = pytest.mark.parametrize("candidate", ["grouped-mm-triton", "torch-grouped-mm"])
+
+
 @DTYPES
-def test_moe_experts_grouped(dtype):
-    fn = kernel("moe_experts", "torch-grouped-mm", dtype)
+@MOE_CANDIDATES
+def test_moe_experts_grouped(dtype, candidate):
+    fn = kernel("moe_experts", candidate, dtype)
     tokens, experts, hidden, inter, top_k = 1031, 16, 1024, 512, 4
     h = torch.randn(tokens, hidden, device="cuda")
     index = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).cuda()
@@ -233,11 +237,12 @@ def test_moe_experts_grouped(dtype):
     _compare(fn, OPS["moe_experts"].reference, [h, index, weights, gate_up, down], dtype)
 
 
-def test_moe_experts_grouped_repeats_itself_bit_for_bit():
+@MOE_CANDIDATES
+def test_moe_experts_grouped_repeats_itself_bit_for_bit(candidate):
     """bf16, tokens in 8 experts each: the output and every gradient the same on a second run (each token's
     slots are summed by ``sum``, rows moved by permutations; an accumulating scatter's atomics made the order of
-    the bf16 adds vary)."""
-    fn = kernel("moe_experts", "torch-grouped-mm", torch.bfloat16)
+    the bf16 adds vary; the Triton activation sums each routing weight's gradient in one program)."""
+    fn = kernel("moe_experts", candidate, torch.bfloat16)
     tokens, experts, hidden, inter, top_k = 2048, 64, 512, 256, 8
     h = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     index = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).cuda()
