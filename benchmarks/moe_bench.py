@@ -78,8 +78,11 @@ def main() -> int:
     for candidate in OPS["moe_experts"].candidates:
         try:
             fn = candidate.load()
-        except Exception as exc:  # a planned or unavailable candidate: listed, not timed
+        except Exception as exc:  # an unavailable candidate: listed, not timed
             results[candidate.name] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+            continue
+        if fn is None:  # a planned candidate (nothing to load yet)
+            results[candidate.name] = {"error": "planned"}
             continue
         times = time_candidate(fn, tensors, args.warmup, args.steps)
         results[candidate.name] = {"median_ms": round(statistics.median(times), 3), "ms": [round(t, 3) for t in times]}
