@@ -130,3 +130,22 @@ def torchrun(script: str, *args: str, processes: int = 2, **env: str):
             stdout, stderr = process.communicate()
             raise AssertionError(f"torchrun {script} did not finish in 240 s; its stderr:\n{stderr[-3000:]}") from None
     return subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
+
+
+def errors_against_fp64(fn, reference, args, dtype, extra=(), **kwargs) -> dict[str, float]:
+    """``fn`` on ``args`` cast to ``dtype`` against ``reference`` on fp64 copies, under one random cotangent: the
+    relative error of the output (``out``) and of every float input's gradient (``d<index>``). Integer arguments
+    (labels, expert indices) pass through."""
+    from fusepatch.ops._common import relative_error
+
+    floats = [i for i, a in enumerate(args) if a.is_floating_point()]
+    leaves = {i: args[i].detach().clone().requires_grad_(True) for i in floats}
+    ref_leaves = {i: args[i].detach().double().requires_grad_(True) for i in floats}
+    out = fn(*[leaves[i].to(dtype) if i in leaves else a for i, a in enumerate(args)], *extra, **kwargs)
+    ref = reference(*[ref_leaves.get(i, a) for i, a in enumerate(args)], *extra, **kwargs)
+    cot = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, list(leaves.values()), cot.to(out.dtype))
+    ref_grads = torch.autograd.grad(ref, list(ref_leaves.values()), cot)
+    errors = {"out": relative_error(out, ref)}
+    errors |= {f"d{i}": relative_error(g, r) for i, g, r in zip(floats, grads, ref_grads)}
+    return errors

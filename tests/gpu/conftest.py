@@ -34,21 +34,10 @@ def compare(fn, reference, args, dtype, tol: float, extra=(), looser=None, **kwa
     """``fn`` on ``args`` cast to ``dtype`` against ``reference`` on fp64 copies: the output and every float
     input's gradient (``d<index>``) within ``tol``, or ``looser[name]`` for the quantities named there. Integer
     arguments (labels, expert indices) pass through."""
-    import torch
-
-    from fusepatch.ops._common import relative_error
+    from helpers import errors_against_fp64
 
     looser = looser or {}
-    floats = [i for i, a in enumerate(args) if a.is_floating_point()]
-    leaves = {i: args[i].detach().clone().requires_grad_(True) for i in floats}
-    ref_leaves = {i: args[i].detach().double().requires_grad_(True) for i in floats}
-    out = fn(*[leaves[i].to(dtype) if i in leaves else a for i, a in enumerate(args)], *extra, **kwargs)
-    ref = reference(*[ref_leaves.get(i, a) for i, a in enumerate(args)], *extra, **kwargs)
-    cot = torch.randn_like(ref)
-    grads = torch.autograd.grad(out, list(leaves.values()), cot.to(out.dtype))
-    ref_grads = torch.autograd.grad(ref, list(ref_leaves.values()), cot)
-    errors = {"out": relative_error(out, ref)}
-    errors |= {f"d{i}": relative_error(g, r) for i, g, r in zip(floats, grads, ref_grads)}
+    errors = errors_against_fp64(fn, reference, args, dtype, extra, **kwargs)
     record(os.environ.get("PYTEST_CURRENT_TEST", "op").split(" ")[0], {"tol": tol, "looser": looser, "errors": errors})
     bad = {k: v for k, v in errors.items() if not v <= looser.get(k, tol)}
     assert not bad, f"errors over {tol}: {bad} (all: {errors})"
