@@ -144,6 +144,10 @@ def _dims(module) -> dict[str, int]:
     return {"experts": experts, "hidden": hidden, "inter": two_inter // 2}
 
 
+# torch's grouped_mm: sm_80+ from torch 2.9/2.10 (Hopper only before), bf16 on the GPU; both candidates' GEMMs
+GROUPED_MM = (CudaDevice(), MinCapability((8, 0), "torch's grouped_mm"), TorchVersion(">=2.9"))
+GROUPED_MM_DTYPES = ("bfloat16", "float32")
+
 MOE_EXPERTS = Op(
     name="moe_experts",
     summary="MoE experts as two grouped GEMMs instead of a Python loop over experts",
@@ -155,16 +159,14 @@ MOE_EXPERTS = Op(
             name="grouped-mm-triton",
             source="pip",
             requirements=(
-                CudaDevice(),
-                MinCapability((8, 0), "torch's grouped_mm"),
-                TorchVersion(">=2.9"),
+                *GROUPED_MM,
                 DistributionVersion("triton", ">=3.0", TRITON_FIX),
                 Importable("triton", "triton", TRITON_FIX),
             ),
             load=_load_triton,
             inputs=InputRule(
                 devices=("cuda",),
-                dtypes=("bfloat16", "float32"),
+                dtypes=GROUPED_MM_DTYPES,
                 kernel="torch's grouped_mm with fusepatch's Triton weighted SwiGLU",
             ),
             provides=(
@@ -176,10 +178,9 @@ MOE_EXPERTS = Op(
         Candidate(
             name="torch-grouped-mm",
             source="pip",
-            # torch's grouped_mm: sm_80+ from torch 2.9/2.10 (Hopper only before), bf16 on the GPU
-            requirements=(CudaDevice(), MinCapability((8, 0), "torch's grouped_mm"), TorchVersion(">=2.9")),
+            requirements=GROUPED_MM,
             load=lambda: moe_experts_grouped,
-            inputs=InputRule(devices=("cuda",), dtypes=("bfloat16", "float32"), kernel="torch's grouped_mm"),
+            inputs=InputRule(devices=("cuda",), dtypes=GROUPED_MM_DTYPES, kernel="torch's grouped_mm"),
             provides="fusepatch.ops.moe_experts.moe_experts_grouped (torch grouped_mm)",
             distribution="torch",
         ),
