@@ -105,8 +105,8 @@ def moe_experts_grouped(
     keep = flat < experts
     expert, order = torch.sort(torch.where(keep, flat, experts - 1), stable=True)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    # each sorted slot's row: its token's, or the zero row appended after the last token for a dropped slot
-    source = torch.where(keep, torch.arange(flat.numel(), device=flat.device) // top_k, tokens).index_select(0, order)
+    # each sorted slot's row: its token's (slot // top_k), or the zero row appended after the last token if dropped
+    source = torch.where(keep.index_select(0, order), order // top_k, tokens)
     # group ends: how many slots go to experts 0..e (bincount's cumsum, without its host read)
     offsets = torch.searchsorted(expert, torch.arange(experts, device=expert.device), right=True).to(torch.int32)
     rows = _Regroup.apply(hidden, source, inverse, top_k, False)
