@@ -18,22 +18,37 @@ import torch
 import triton
 import triton.language as tl
 
+from fusepatch.kernels.swiglu import swiglu_grads
+
 TILE = 4096  # elements of a row block per loop step: rows x columns
 WARPS = 4
 
 
 @triton.jit
-def _weighted_swiglu_fwd(gate_up, weight, out, rows, inter, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+def _rows(weight, rows, BLOCK_R: tl.constexpr):
+    """This program's block of rows: their indices (int64 for the offsets), which exist, their routing weights."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = r < rows
-    r64 = r.to(tl.int64)
-    w = tl.load(weight + r, mask=live, other=0.0).to(tl.float32)
+    return r, r.to(tl.int64), live, tl.load(weight + r, mask=live, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _halves(gate_up, r64, live, start, inter, BLOCK_I: tl.constexpr):
+    """One column block of the rows' gate and up halves (fp32), where they lie in the ``[rows, 2 x inter]`` GEMM
+    output, with the block's columns, mask and gate offsets."""
+    c = start + tl.arange(0, BLOCK_I)
+    mask = live[:, None] & (c < inter)[None, :]
+    at = r64[:, None] * (2 * inter) + c[None, :]
+    g = tl.load(gate_up + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_up + at + inter, mask=mask, other=0.0).to(tl.float32)
+    return g, u, c, mask, at
+
+
+@triton.jit
+def _weighted_swiglu_fwd(gate_up, weight, out, rows, inter, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+    r, r64, live, w = _rows(weight, rows, BLOCK_R)
     for start in range(0, inter, BLOCK_I):
-        c = start + tl.arange(0, BLOCK_I)
-        mask = live[:, None] & (c < inter)[None, :]
-        at = r64[:, None] * (2 * inter) + c[None, :]
-        g = tl.load(gate_up + at, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gate_up + at + inter, mask=mask, other=0.0).to(tl.float32)
+        g, u, c, mask, at = _halves(gate_up, r64, live, start, inter, BLOCK_I)
         y = g * tl.sigmoid(g) * u * w[:, None]
         tl.store(out + r64[:, None] * inter + c[None, :], y.to(out.dtype.element_ty), mask=mask)
 
@@ -42,27 +57,17 @@ def _weighted_swiglu_fwd(gate_up, weight, out, rows, inter, BLOCK_R: tl.constexp
 def _weighted_swiglu_bwd(
     gate_up, weight, grad_out, grad_gate_up, grad_weight, rows, inter, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr
 ):
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = r < rows
-    r64 = r.to(tl.int64)
-    w = tl.load(weight + r, mask=live, other=0.0).to(tl.float32)
+    r, r64, live, w = _rows(weight, rows, BLOCK_R)
     dw = tl.zeros([BLOCK_R], dtype=tl.float32)
     for start in range(0, inter, BLOCK_I):
-        c = start + tl.arange(0, BLOCK_I)
-        mask = live[:, None] & (c < inter)[None, :]
-        at = r64[:, None] * (2 * inter) + c[None, :]
-        g = tl.load(gate_up + at, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gate_up + at + inter, mask=mask, other=0.0).to(tl.float32)
+        g, u, c, mask, at = _halves(gate_up, r64, live, start, inter, BLOCK_I)
         dy = tl.load(grad_out + r64[:, None] * inter + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(g)
-        silu = g * sig
-        dw += tl.sum(dy * silu * u, axis=1)
-        da = dy * w[:, None]
-        # d silu(g) / dg = sig * (1 + g * (1 - sig))
-        tl.store(
-            grad_gate_up + at, (da * u * sig * (1.0 + g * (1.0 - sig))).to(grad_gate_up.dtype.element_ty), mask=mask
-        )
-        tl.store(grad_gate_up + at + inter, (da * silu).to(grad_gate_up.dtype.element_ty), mask=mask)
+        dg, du = swiglu_grads(g, u, dy * w[:, None])
+        # the weight's gradient is the row's sum of dy * silu(g) * u (not du * u / w: a weight may be zero); the
+        # compiler shares the sigmoid with swiglu_grads'
+        dw += tl.sum(dy * g * tl.sigmoid(g) * u, axis=1)
+        tl.store(grad_gate_up + at, dg.to(grad_gate_up.dtype.element_ty), mask=mask)
+        tl.store(grad_gate_up + at + inter, du.to(grad_gate_up.dtype.element_ty), mask=mask)
     tl.store(grad_weight + r, dw, mask=live)
 
 

@@ -18,6 +18,17 @@ WARPS = 8
 
 
 @triton.jit
+def swiglu_grads(g, u, dy):
+    """``(d/dgate, d/dup)`` of ``silu(g) * u`` under the upstream gradient ``dy``, all fp32; shared with the MoE
+    experts' weighted kernel (``kernels/moe_swiglu.py``), which passes ``dy`` already scaled by the routing weight.
+    """
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    # d silu(g) / dg = sig * (1 + g * (1 - sig))
+    return dy * u * sig * (1.0 + g * (1.0 - sig)), dy * silu
+
+
+@triton.jit
 def _swiglu_fwd(gate, up, out, n, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
@@ -34,11 +45,9 @@ def _swiglu_bwd(gate, up, grad_out, grad_gate, grad_up, n, BLOCK: tl.constexpr):
     g = tl.load(gate + offsets, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up + offsets, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(grad_out + offsets, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    silu = g * sig
-    # d silu(g) / dg = sig * (1 + g * (1 - sig))
-    tl.store(grad_gate + offsets, (dy * u * sig * (1.0 + g * (1.0 - sig))).to(grad_gate.dtype.element_ty), mask=mask)
-    tl.store(grad_up + offsets, (dy * silu).to(grad_up.dtype.element_ty), mask=mask)
+    dg, du = swiglu_grads(g, u, dy)
+    tl.store(grad_gate + offsets, dg.to(grad_gate.dtype.element_ty), mask=mask)
+    tl.store(grad_up + offsets, du.to(grad_up.dtype.element_ty), mask=mask)
 
 
 def _grid(n: int) -> tuple[int]:
