@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_session.sh bench 27b [layers]  # call 3+: the benchmark table for one shape
 #   bash benchmarks/gpu_session.sh loss 27b            # the loss alone (benchmarks/loss_bench.py)
 #   bash benchmarks/gpu_session.sh norm                # the RMSNorm candidates alone (benchmarks/norm_bench.py)
+#   bash benchmarks/gpu_session.sh moe                 # the MoE experts op alone, per candidate (benchmarks/moe_bench.py)
 #   bash benchmarks/gpu_session.sh gemm 27b            # the step's GEMMs alone, each layout (benchmarks/gemm_bench.py)
 #   bash benchmarks/gpu_session.sh sft                 # carry .whl .whl-ex: the SFT example, FSDP2 world size 1
 #                                                      #   (NPROC=all STEPS=30 LAYERS=N: every GPU, issue 7)
@@ -129,6 +130,10 @@ EOF
     fi
     PYTHONPATH="$PWD:/tmp/site-fla" timeout ${NORM_TIMEOUT:-240} python3 benchmarks/norm_bench.py \
       --json-out "$OUT/norm.json" 2>&1 | tee "$OUT/norm.md" ;;
+  moe)
+    # the MoE experts op alone, forward and backward, per candidate at Qwen3.5-MoE's sizes (benchmarks/moe_bench.py)
+    PYTHONPATH="$PWD" timeout ${MOE_TIMEOUT:-150} python3 benchmarks/moe_bench.py \
+      --json-out "$OUT/moe-op${TAG:+-$TAG}.json" 2>&1 | tee "$OUT/moe-op${TAG:+-$TAG}.md" ;;
   dqkwg)
     # fla's TileLang q/k/w/g-gradient kernel at other tilings, alone at the 27B shape (benchmarks/dqkwg_bench.py)
     need_tilelang
