@@ -196,6 +196,7 @@ EOF
     python3 -c "import pyarrow; print('pyarrow', pyarrow.__version__)"
     nvidia-smi -L
     rm -rf /tmp/seq && mkdir -p /tmp/seq/out && cp -r . /tmp/seq/tree  # the working tree is replaced by each call
+    : > /tmp/seq/progress  # before the runner starts: `poll` tells a started sequence from none by this file
     steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
     env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT)=" > /tmp/seq/env || true
     # Lanes: "A B / C D + E" runs A then B on GPU 0 beside C then D on GPU 1 (CUDA_VISIBLE_DEVICES), then E on
@@ -243,6 +244,10 @@ RUN
     (cd /tmp/seq/tree && STEPS_ARG="$steps" setsid nohup bash /tmp/seq/run.sh) > /tmp/seq/runner.log 2>&1 < /dev/null &
     echo "started: $steps" ;;
   poll)
+    # No sequence here: a fresh machine (the call came more than ~30 s after the last one) or a `start` that
+    # failed behind `| tail -1` (its exit status is the pipe's). Waiting would spend the whole limit on nothing
+    # (session 21 lost 660 s of device time so, twice).
+    [ -f /tmp/seq/progress ] || { echo "poll: no sequence on this machine (fresh machine, or start failed): nothing to wait for"; exit 4; }
     deadline=$(($(date +%s) + ${2:-560}))
     while [ "$(date +%s)" -lt "$deadline" ] && ! grep -q "^done" /tmp/seq/progress 2>/dev/null; do sleep 5; done
     cat /tmp/seq/progress 2>/dev/null
