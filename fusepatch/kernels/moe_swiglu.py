@@ -63,9 +63,9 @@ def _weighted_swiglu_bwd(
         g, u, c, mask, at = _halves(gate_up, r64, live, start, inter, BLOCK_I)
         dy = tl.load(grad_out + r64[:, None] * inter + c[None, :], mask=mask, other=0.0).to(tl.float32)
         dg, du = swiglu_grads(g, u, dy * w[:, None])
-        # the weight's gradient is the row's sum of dy * silu(g) * u (not du * u / w: a weight may be zero); the
-        # compiler shares the sigmoid with swiglu_grads'
-        dw += tl.sum(dy * g * tl.sigmoid(g) * u, axis=1)
+        # the weight's gradient is the row's sum of dy * silu(g) * u (not du * u / w: a weight may be zero), in
+        # the order of session 20's kernel; the compiler shares the sigmoid with swiglu_grads'
+        dw += tl.sum(dy * (g * tl.sigmoid(g)) * u, axis=1)
         tl.store(grad_gate_up + at, dg.to(grad_gate_up.dtype.element_ty), mask=mask)
         tl.store(grad_gate_up + at + inter, du.to(grad_gate_up.dtype.element_ty), mask=mask)
     tl.store(grad_weight + r, dw, mask=live)
