@@ -133,6 +133,20 @@ def table(results: list[dict], baseline: str = "hf-fast") -> str:
     return "\n".join(lines)
 
 
+def memory_lines(results: list[dict]) -> str:
+    """Each configuration's peak by phase (train_step.memory_by_phase): which part of the step holds the peak
+    that the table's peak column reports, and what is allocated when that part ends."""
+    lines = []
+    for r in results:
+        phases = {k: v for k, v in (r.get("memory_by_phase") or {}).items() if isinstance(v, dict)}
+        if phases:
+            parts = ", ".join(f"{name} {v['peak_gib']} / {v['end_gib']}" for name, v in phases.items())
+            lines.append(f"- {r['config']}: {parts}; the peak in {r.get('peak_phase')}")
+    if not lines:
+        return ""
+    return "\nPeak memory by phase (GiB: the phase's peak / allocated at its end):\n" + "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="27b")
@@ -173,6 +187,7 @@ def main() -> int:
                 json.dump(results, fh, indent=2)
     print(f"\nshape {args.shape}, command: {' '.join(sys.argv)}")
     print(table(results))
+    print(memory_lines(results))
     return 0
 
 

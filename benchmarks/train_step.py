@@ -171,6 +171,47 @@ def back_to_back(step, lengths: list[int], batch: int, sync, prefix: str = "b2b"
     }
 
 
+def memory_by_phase(step, length: int, sync, body=None, allocated=None, peak=None, reset=None) -> dict:
+    """Which phase of the step holds its peak memory: one more step, untimed, with the allocator's peak reset at
+    every phase boundary (``step``'s ``at`` callback, and the end of ``body``'s forward: the decoder stack, before
+    the ``lm_head`` and the loss), so that each phase's peak and what is still allocated at its end (GiB) are read
+    apart: ``layers`` (every saved activation), ``loss`` (the rest of the forward: fusepatch's fused loss holds one
+    chunk's logits beside the ``lm_head`` weight gradient it makes in the forward), ``backward`` (the gradients as
+    they accumulate), ``optimizer``. Issue 4 holds the whole step's peak to Liger's; this says which phase to cut.
+    Without ``body`` the first phase is ``forward``. ``allocated``/``peak``/``reset`` default to torch.cuda's."""
+    allocated = allocated or torch.cuda.memory_allocated
+    peak = peak or torch.cuda.max_memory_allocated
+    reset = reset or torch.cuda.reset_peak_memory_stats
+    phases: dict[str, dict[str, float]] = {}
+
+    def at(phase: str) -> None:
+        sync()
+        phases["loss" if phase == "forward" and "layers" in phases else phase] = {
+            "peak_gib": round(peak() / 2**30, 2),
+            "end_gib": round(allocated() / 2**30, 2),
+        }
+        reset()
+
+    def layers_done(module, args, output) -> None:
+        at("layers")
+
+    # passive: fusepatch's fused paths, which step aside for a hook, ignore it (fusepatch.profile's labels do too)
+    layers_done._fusepatch_passive = True
+    handle = body.register_forward_hook(layers_done) if body is not None else None
+    try:
+        sync()
+        reset()
+        start = round(allocated() / 2**30, 2)
+        step(length, at=at)
+    finally:
+        if handle is not None:
+            handle.remove()
+    return {
+        "memory_by_phase": {"start_gib": start, **phases},
+        "peak_phase": max(phases, key=lambda name: phases[name]["peak_gib"]) if phases else None,
+    }
+
+
 def trainer_loop(step, lengths: list[int], batch: int, sync) -> dict:
     """The same steps with the one host wait transformers' Trainer makes in each (5.17 and 5.24 alike): after
     ``training_step`` (forward and backward queued) its ``logging_nan_inf_filter``, on by default, tests the loss
@@ -396,7 +437,10 @@ def run(args, seq: int, batch: int) -> dict:
 
     cuts = random.Random(4321)  # document boundaries of packed rows, the same for every configuration
 
-    def step(length: int = seq, wait_after_backward: bool = False):
+    def step(length: int = seq, wait_after_backward: bool = False, at=None):
+        """One training step; ``at(phase)``, where given, is called at the end of each phase (memory_by_phase)."""
+        mark = at or (lambda phase: None)
+
         ids = torch.randint(0, config.vocab_size, (batch, length), device=device)
         labels = ids
         if args.prompt:  # the same positions for every configuration
@@ -410,14 +454,17 @@ def run(args, seq: int, batch: int) -> dict:
         with torch.profiler.record_function("bench:step"):
             with torch.profiler.record_function("bench:forward"):
                 loss = model(input_ids=ids, labels=labels, use_cache=False, **extra).loss
+            mark("forward")
             with torch.profiler.record_function("bench:backward"):
                 loss.backward()
+            mark("backward")
             if wait_after_backward:  # as the Trainer's NaN/inf filter does (trainer_loop)
                 detached = loss.detach()
                 bool(torch.isnan(detached) or torch.isinf(detached))
             with torch.profiler.record_function("bench:optimizer"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+            mark("optimizer")
         return loss
 
     first = time.perf_counter()
@@ -452,6 +499,9 @@ def run(args, seq: int, batch: int) -> dict:
     if device.type == "cuda":
         info.update(back_to_back(step, lengths, batch, sync))
         info.update(trainer_loop(step, lengths, batch, sync))
+        # the whole run's peaks so far: memory_by_phase resets the allocator's peak statistics
+        peaks = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        info.update(memory_by_phase(step, seq, sync, body=getattr(model, "model", None)))
     info["triton_builds"] = sum(builds.counts.values())
     info["triton_builds_by_kernel"] = dict(builds.counts.most_common(6))
     median = statistics.median(times)
@@ -490,10 +540,14 @@ def run(args, seq: int, batch: int) -> dict:
         step_ms=[round(t * 1000, 2) for t in times],
         median_step_ms=round(median * 1000, 2),
         tokens_per_s=round(rate, 1),
-        peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+        peak_mem_gib=round(max(peaks[0], torch.cuda.max_memory_allocated()) / 2**30, 2)
+        if device.type == "cuda"
+        else None,
         # reserved: the caching allocator's whole holding, CUDA-graph memory pools included (their blocks are
         # not "allocated" between replays, so the allocated peak alone would hide them)
-        peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2) if device.type == "cuda" else None,
+        peak_reserved_gib=round(max(peaks[1], torch.cuda.max_memory_reserved()) / 2**30, 2)
+        if device.type == "cuda"
+        else None,
         aten_ops_per_step=profiled.cpu_ops,
         gpu_kernels_per_step=profiled.gpu_kernels,
         gpu_busy_fraction=round(profiled.gpu_busy_fraction or 0.0, 3),

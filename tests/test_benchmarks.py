@@ -328,3 +328,66 @@ def test_every_ab_knob_names_an_attribute_that_exists():
 
     for knob, (module, attribute, _) in train_step.AB_KNOBS.items():
         assert hasattr(importlib.import_module(module), attribute), knob
+
+
+def test_memory_by_phase_reads_each_phase_peak_apart():
+    """``memory_by_phase``: the allocator's peak is reset at every boundary (the decoder stack's end through a
+    forward hook on ``body``, then the step's own marks), so each phase reports its own peak and what is left at
+    its end; the hook is passive for fusepatch and removed after; run_all prints the phases and the peak's."""
+    import torch
+    import train_step
+
+    memory = {"now": 10.0, "peak": 10.0}
+
+    def alloc(gib: float) -> None:
+        memory["now"] += gib
+        memory["peak"] = max(memory["peak"], memory["now"])
+
+    def reset():
+        memory["peak"] = memory["now"]
+
+    body = torch.nn.Identity()
+    seen = []
+
+    def step(length, at):
+        seen.append(length)
+        alloc(5.0)  # saved activations
+        body(torch.zeros(1))  # the decoder stack ends: "layers"
+        alloc(3.0)  # the loss's logits chunk, freed before the loss returns
+        alloc(-3.0)
+        at("forward")
+        alloc(2.0)  # gradients, then the activations freed
+        alloc(-5.0)
+        at("backward")
+        alloc(-2.0)
+        at("optimizer")
+
+    gib = 2**30
+    result = train_step.memory_by_phase(
+        step, 64, sync=lambda: None, body=body,
+        allocated=lambda: memory["now"] * gib, peak=lambda: memory["peak"] * gib, reset=reset,
+    )  # fmt: skip
+    assert seen == [64]
+    assert result["memory_by_phase"] == {
+        "start_gib": 10.0,
+        "layers": {"peak_gib": 15.0, "end_gib": 15.0},
+        "loss": {"peak_gib": 18.0, "end_gib": 15.0},
+        "backward": {"peak_gib": 17.0, "end_gib": 12.0},
+        "optimizer": {"peak_gib": 12.0, "end_gib": 10.0},
+    }
+    assert result["peak_phase"] == "loss"
+    assert not body._forward_hooks  # removed
+    # without a body the first phase is the whole forward
+    memory.update(now=10.0, peak=10.0)
+    plain = train_step.memory_by_phase(
+        step, 64, sync=lambda: None,
+        allocated=lambda: memory["now"] * gib, peak=lambda: memory["peak"] * gib, reset=reset,
+    )  # fmt: skip
+    assert list(plain["memory_by_phase"]) == ["start_gib", "forward", "backward", "optimizer"]
+    assert plain["memory_by_phase"]["forward"]["peak_gib"] == 18.0
+    text = run_all.memory_lines([{"config": "fusepatch"} | result, {"config": "liger", "error": "boom"}])
+    assert (
+        "- fusepatch: layers 15.0 / 15.0, loss 18.0 / 15.0, backward 17.0 / 12.0, optimizer 12.0 / 10.0; the peak in loss"
+        in text
+    )
+    assert "liger" not in text and run_all.memory_lines([{"config": "liger", "error": "boom"}]) == ""
