@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from fusepatch.env import capture, flag_set
+from fusepatch.layers import mlp_recompute
 from fusepatch.layers.positions import install_packed_check
+from fusepatch.layers.simple import swiglu_mlp_forward
 from fusepatch.ops import OPS
 from fusepatch.registry import Row, known_model_types, rows_for
 from fusepatch.report import LayerReport, PatchReport
@@ -232,6 +234,11 @@ def apply(
         for line in report.log_lines():
             logger.warning(line)
     logger.info("fusepatch: %s", message or f"patched {newly} modules, {len(report.fused_ops)} ops fused")
+    if newly and mlp_recompute.RECOMPUTE and any(row.forward is swiglu_mlp_forward for row in dispatches):
+        logger.info(
+            "fusepatch: FUSEPATCH_MLP_RECOMPUTE=1: the SwiGLU MLPs' down projections recompute their input in the "
+            "backward instead of keeping it (less activation memory, one more SwiGLU kernel per MLP a step)"
+        )
     return report
 
 

@@ -51,3 +51,34 @@ def chunked_on_cpu(monkeypatch):
     cpu = dataclasses.replace(chunked, inputs=InputRule(devices=("cpu", "cuda"), kernel="chunked CE"))
     monkeypatch.setitem(OPS, "linear_cross_entropy", dataclasses.replace(op, candidates=(cpu,)))
     selftest.clear_cache()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Every add-norm op gets a CPU stand-in candidate, so that the fused decoder forward (the residual add in the
+    norm, the MLP's residual in its down projection) runs on the CPU; returns the list its calls append to."""
+    import dataclasses
+
+    from helpers import ADD_OPS
+
+    from fusepatch import selftest
+    from fusepatch.ops import OPS
+    from fusepatch.ops.base import Candidate
+    from fusepatch.requirements import InputRule
+
+    seen: list[tuple] = []
+    for name in ADD_OPS:
+        op = OPS[name]
+
+        def load(reference=op.reference, name=name):
+            def standin(x, residual, weight, eps):
+                seen.append((name, x.dtype, tuple(x.shape)))
+                return reference(x, residual, weight, eps)
+
+            return standin
+
+        candidate = Candidate("cpu-standin", "pip", (), load, inputs=InputRule(devices=("cpu",)))
+        monkeypatch.setitem(OPS, name, dataclasses.replace(op, candidates=(candidate,)))
+    selftest.clear_cache()
+    yield seen
+    selftest.clear_cache()

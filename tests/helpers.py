@@ -14,6 +14,9 @@ T4 = GPU("Tesla T4", (7, 5))
 # the CPU stand-ins of tests/gpu's sync-debug tests look for them in a profile
 HOST_READS = ("aten::nonzero", "aten::is_nonzero", "aten::all", "aten::any", "aten::_local_scalar_dense")
 
+# the residual-add norms: conftest's ``calls`` fixture gives them CPU stand-ins, so the fused decoder forward runs
+ADD_OPS = ("add_rms_norm", "add_rms_norm_zero_centered")
+
 
 def gpu_env(gpu: GPU = H200, **overrides) -> Environment:
     """The H200 test machine's stack by default: torch 2.11 / CUDA 13, Triton 3.6, fla 0.6, causal-conv1d 1.7."""

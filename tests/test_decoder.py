@@ -8,42 +8,14 @@ on every family and on both supported transformers releases (CI runs the oldest 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from helpers import assert_same_training, lm_batch, loss_and_grads
+from helpers import ADD_OPS, assert_same_training, lm_batch, loss_and_grads
 
 import fusepatch
-from fusepatch import selftest
-from fusepatch.ops import OPS
-from fusepatch.ops.base import Candidate
-from fusepatch.requirements import InputRule
 from fusepatch.tiny import FAMILIES, tiny_model
 
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
-ADD_OPS = ("add_rms_norm", "add_rms_norm_zero_centered")
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    """Every add-norm op gets a CPU stand-in candidate; returns the list its calls append to."""
-    seen: list[tuple] = []
-    for name in ADD_OPS:
-        op = OPS[name]
-
-        def load(reference=op.reference, name=name):
-            def standin(x, residual, weight, eps):
-                seen.append((name, x.dtype, tuple(x.shape)))
-                return reference(x, residual, weight, eps)
-
-            return standin
-
-        candidate = Candidate("cpu-standin", "pip", (), load, inputs=InputRule(devices=("cpu",)))
-        monkeypatch.setitem(OPS, name, dataclasses.replace(op, candidates=(candidate,)))
-    selftest.clear_cache()
-    yield seen
-    selftest.clear_cache()
 
 
 def _in_model(calls: list[tuple]) -> list[tuple]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fusepatch.layers.mlp_recompute import recomputed_down
 from fusepatch.layers.projections import hooked, linear_plus, project
 from fusepatch.resolve import dtype_name
 
@@ -26,7 +27,12 @@ def swiglu_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = No
     if getattr(getattr(self, "config", None), "hidden_act", "silu") not in ("silu", "swish"):
         out = self._fusepatch.original(x)  # SwiGLU kernels assume SiLU
         return out if residual is None else residual + out
-    act = self._fusepatch.ops["swiglu"](*project(x, self.gate_proj, self.up_proj))
+    swiglu = self._fusepatch.ops["swiglu"]
+    gate, up = project(x, self.gate_proj, self.up_proj)
+    out = recomputed_down(swiglu, gate, up, self.down_proj, residual)  # FUSEPATCH_MLP_RECOMPUTE=1 only
+    if out is not None:
+        return out
+    act = swiglu(gate, up)
     return self.down_proj(act) if residual is None else linear_plus(self.down_proj, act, residual)
 
 

@@ -55,6 +55,24 @@ def test_prompt_masked_labels_run_the_loss_on_the_labelled_rows(model_type, monk
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2_moe"])
+def test_mini_model_with_the_mlp_product_recomputed(model_type, monkeypatch):
+    """``FUSEPATCH_MLP_RECOMPUTE=1`` (layers/mlp_recompute.py): the MLPs' down projections recompute their input
+    in the backward through the chosen SwiGLU kernel; loss, logits and every gradient stay within the mini-model
+    bounds against the fp32 eager model, and the path ran."""
+    from fusepatch.layers import mlp_recompute
+
+    monkeypatch.setattr(mlp_recompute, "RECOMPUTE", True)
+    ran = []
+    real = mlp_recompute._RecomputedDown.apply
+    monkeypatch.setattr(mlp_recompute._RecomputedDown, "apply", lambda *a: ran.append(1) or real(*a))
+    errors, kernels32, kernels16 = compare_models(model_type)
+    record(f"{model_type}-mlp-recompute", {"kernels_fp32": kernels32, "kernels_bf16": kernels16, "errors": errors})
+    assert ran and kernels16["swiglu"] != "eager", kernels16
+    failures = model_failures(errors)
+    assert not failures, f"kernels fp32 {kernels32} bf16 {kernels16}; errors against fp32 eager: {failures}"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2_moe"])
 def test_forward_of_a_plain_batch_waits_for_nothing(model_type):
     """Labels and nothing else (no positions, mask or cache): the patched forward makes no call that waits for the
     GPU (layers/positions.py), so a training loop queues the next step behind the optimizer. The same batch with

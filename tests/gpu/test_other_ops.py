@@ -155,6 +155,31 @@ def test_swiglu(name, dtype):
 
 
 @DTYPES
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_recomputed_down_projection(residual, dtype):
+    """``FUSEPATCH_MLP_RECOMPUTE=1``'s down projection (layers/mlp_recompute.py) through the Triton SwiGLU kernel:
+    ``[residual +] swiglu(gate, up) @ W.t()`` with the product recomputed in the backward, output and the
+    gradients of gate, up, W and the residual against fp64."""
+    from fusepatch.layers.mlp_recompute import _RecomputedDown
+
+    swiglu = kernel("swiglu", "triton", dtype)
+    reference = OPS["swiglu"].reference
+
+    def fn(gate, up, weight, *res):
+        return _RecomputedDown.apply(gate, up, weight, res[0] if res else None, swiglu)
+
+    def ref(gate, up, weight, *res):
+        out = reference(gate, up) @ weight.t()
+        return out + res[0] if res else out
+
+    args = [torch.randn(3, 333, 1536, device="cuda"), torch.randn(3, 333, 1536, device="cuda")]
+    args.append(torch.randn(640, 1536, device="cuda") / 40)
+    if residual:
+        args.append(torch.randn(3, 333, 640, device="cuda"))
+    _compare(fn, ref, args, dtype)
+
+
+@DTYPES
 @pytest.mark.parametrize("heads, dim", [(24, 256), (16, 128), (3, 80)], ids=["27b", "next", "odd"])
 def test_attention_gate_reads_the_gate_half_in_place(heads, dim, dtype):
     """Qwen3.5 / Qwen3-Next's output gate: the gate half of ``q_proj``'s output per head, rows ``2 * head_dim``

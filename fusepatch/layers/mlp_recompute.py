@@ -1,0 +1,81 @@
+"""The SwiGLU MLP's down projection with its input recomputed in the backward instead of kept (opt-in).
+
+Why: the down projection's input ``swiglu(gate, up)`` is ``tokens x intermediate`` (136 MB a layer at the
+Qwen3.5-27B shape and 4096 tokens), kept from the forward only for the down weight's gradient, while the SwiGLU
+op keeps ``gate`` and ``up`` for its own backward anyway. Recomputing it there costs one elementwise SwiGLU
+kernel a layer (reads ``gate`` and ``up``, writes the product) and saves ~1.06 GiB of the 27B-shaped step's peak
+(8 layers), enough to bring fusepatch's peak under Liger's at that shape (benchmarks/NOTES.md, session 21). Off
+by default: a memory-for-time trade measured nowhere yet. ``FUSEPATCH_MLP_RECOMPUTE=1`` turns it on (read once,
+at import).
+
+The recomputed product is the forward's bit for bit (the same op on the same inputs), so the down weight's
+gradient is the same GEMM on the same values; the SwiGLU op's own backward (whichever candidate the registry
+chose) gives the gate and up gradients. The residual, when given, is added by the forward's GEMM as
+``linear_plus`` adds it, and its gradient is the output's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from fusepatch.layers.projections import plain_linears
+
+RECOMPUTE = os.environ.get("FUSEPATCH_MLP_RECOMPUTE", "0") == "1"
+
+
+class _RecomputedDown(torch.autograd.Function):
+    """``[residual +] swiglu(gate, up) @ weight.t()``, keeping ``gate``, ``up`` and ``weight`` only."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, residual, swiglu: Callable):
+        act = swiglu(gate, up)
+        flat = act.reshape(-1, act.shape[-1])
+        if residual is None:
+            out = flat.mm(weight.t())
+        else:
+            out = torch.addmm(residual.reshape(-1, residual.shape[-1]), flat, weight.t())
+        ctx.swiglu, ctx.has_residual = swiglu, residual is not None
+        ctx.save_for_backward(gate, up, weight)
+        return out.view(*act.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up, weight = ctx.saved_tensors
+        wants_gate, wants_up, wants_weight = ctx.needs_input_grad[:3]
+        with torch.enable_grad():
+            g, u = gate.detach().requires_grad_(wants_gate), up.detach().requires_grad_(wants_up)
+            act = ctx.swiglu(g, u)
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_weight = dy.t().mm(act.detach().reshape(-1, act.shape[-1])) if wants_weight else None
+        grad_gate = grad_up = None
+        if wants_gate or wants_up:
+            grad_act = dy.mm(weight).view(act.shape)
+            inputs = [t for t, wanted in ((g, wants_gate), (u, wants_up)) if wanted]
+            grads = iter(torch.autograd.grad(act, inputs, grad_act))
+            grad_gate = next(grads) if wants_gate else None
+            grad_up = next(grads) if wants_up else None
+        grad_residual = grad_out if ctx.has_residual and ctx.needs_input_grad[3] else None
+        return grad_gate, grad_up, grad_weight, grad_residual, None
+
+
+def recomputed_down(
+    swiglu: Callable, gate: torch.Tensor, up: torch.Tensor, down: torch.nn.Module, residual: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``[residual +] down(swiglu(gate, up))`` with the product recomputed in the backward, when it is switched on
+    (``RECOMPUTE``), a gradient is being recorded, and ``down`` is a bias-free plain ``nn.Linear`` in the inputs'
+    dtype (no autocast; the residual, if any, of the output's shape and dtype); None otherwise (the caller runs
+    the usual path)."""
+    if not (RECOMPUTE and torch.is_grad_enabled() and down.bias is None and plain_linears(gate, (down,))):
+        return None
+    if up.shape != gate.shape or up.dtype != gate.dtype:
+        return None
+    if residual is not None and (
+        residual.dtype != gate.dtype
+        or residual.shape[:-1] != gate.shape[:-1]
+        or residual.shape[-1] != down.out_features
+    ):
+        return None
+    return _RecomputedDown.apply(gate, up, down.weight, residual, swiglu)

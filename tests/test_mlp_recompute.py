@@ -1,0 +1,133 @@
+"""The SwiGLU MLP's down projection with its input recomputed in the backward (``FUSEPATCH_MLP_RECOMPUTE=1``),
+on the CPU (the path runs where ``projections.DEVICES`` allows; these tests add "cpu"): the same output and
+gradients as the usual path, the product no longer kept, and the usual path wherever it steps aside."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_same_training, lm_batch, loss_and_grads
+
+import fusepatch
+from fusepatch.layers import mlp_recompute, projections
+from fusepatch.ops.swiglu import swiglu_reference
+from fusepatch.tiny import FAMILIES, tiny_model
+
+
+@pytest.fixture
+def on(monkeypatch):
+    monkeypatch.setattr(projections, "DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(mlp_recompute, "RECOMPUTE", True)
+    ran = []
+    real = mlp_recompute._RecomputedDown.apply
+    monkeypatch.setattr(mlp_recompute._RecomputedDown, "apply", lambda *a: ran.append(1) or real(*a))
+    return ran
+
+
+def _inputs(residual: bool, dtype=torch.float64):
+    torch.manual_seed(0)
+    down = torch.nn.Linear(10, 6, bias=False, dtype=dtype)
+    gate, up = (torch.randn(3, 5, 10, dtype=dtype, requires_grad=True) for _ in range(2))
+    res = torch.randn(3, 5, 6, dtype=dtype, requires_grad=True) if residual else None
+    return down, gate, up, res
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_recomputed_down_equals_the_usual_path(on, residual):
+    """Output and the gradients of gate, up, the down weight and the residual equal ``[residual +]
+    down(swiglu(gate, up))`` through autograd (fp64), and torch's gradcheck passes through the recompute."""
+    down, gate, up, res = _inputs(residual)
+    out = mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res)
+    assert on == [1]
+    expected = down(swiglu_reference(gate, up)) + (res if residual else 0)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    cot = torch.randn_like(out)
+    leaves = [gate, up, down.weight] + ([res] if residual else [])
+    got = torch.autograd.grad(out, leaves, cot)
+    want = torch.autograd.grad(expected, leaves, cot)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    torch.autograd.gradcheck(
+        lambda g, u, w, *r: mlp_recompute._RecomputedDown.apply(g, u, w, r[0] if r else None, swiglu_reference),
+        (gate, up, down.weight, *([res] if residual else [])),
+    )
+
+
+def test_the_product_is_not_kept(on):
+    """What the forward keeps for the backward: the usual path keeps the product (the down GEMM's input) beside
+    gate and up; the recomputed one keeps gate, up and the weight only."""
+    down, gate, up, res = _inputs(True)
+
+    def kept(fn) -> int:
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return sum(sizes)
+
+    usual = kept(lambda: projections.linear_plus(down, swiglu_reference(gate, up), res))
+    recomputed = kept(lambda: mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res))
+    product = gate.numel()
+    assert recomputed == 2 * gate.numel() + down.weight.numel()
+    assert usual >= recomputed + product, (usual, recomputed, product)
+
+
+def test_the_usual_path_runs_when_off_or_not_plain(monkeypatch, on):
+    """Off (the default), without a gradient being recorded, a biased, hooked or autocast down projection, or a
+    residual of another dtype: None, and the caller runs the usual path."""
+    down, gate, up, res = _inputs(True)
+    monkeypatch.setattr(mlp_recompute, "RECOMPUTE", False)
+    assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res) is None
+    monkeypatch.setattr(mlp_recompute, "RECOMPUTE", True)
+    with torch.no_grad():
+        assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res) is None
+    assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res.float()) is None
+    biased = torch.nn.Linear(10, 6, dtype=torch.float64)
+    assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, biased, res) is None
+    handle = down.register_forward_hook(lambda *a: None)
+    assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res) is None
+    handle.remove()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res) is None
+    assert on == []
+
+
+def test_off_unless_the_environment_says_so():
+    """The switch is the environment's ``FUSEPATCH_MLP_RECOMPUTE``, read at import: on for "1" only."""
+    import os
+    import subprocess
+    import sys
+
+    script = "from fusepatch.layers import mlp_recompute; print(mlp_recompute.RECOMPUTE)"
+    for value, expected in ((None, "False"), ("0", "False"), ("1", "True")):
+        env = {k: v for k, v in os.environ.items() if k != "FUSEPATCH_MLP_RECOMPUTE"}
+        if value is not None:
+            env["FUSEPATCH_MLP_RECOMPUTE"] = value
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected, (value, out.stdout, out.stderr)
+
+
+@pytest.mark.parametrize("model_type", sorted(set(FAMILIES) - {"qwen3_moe"}))
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_models_train_the_same_with_the_product_recomputed(on, calls, caplog, model_type, checkpointing):
+    """Every family with a SwiGLU MLP module (dense, or an MoE block's shared expert): loss, logits and every
+    gradient of the patched model with the recompute on equal the unpatched model's, plain and under activation
+    checkpointing, and every such MLP ran through it (twice a step under checkpointing: the forward and the
+    backward's recompute). The fused decoder forward runs (``calls``: the add-norms' CPU stand-ins), so the dense
+    MLPs take the residual into their down projection, as on the GPU."""
+    model = tiny_model(model_type).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = lm_batch(model)
+    expected = loss_and_grads(model, **batch)
+    fusepatch.apply(model)
+    assert "FUSEPATCH_MLP_RECOMPUTE=1" in caplog.text  # apply says the path is on
+    on.clear()  # the self-tests at apply run their own calls
+    got = loss_and_grads(model, **batch)
+    dense = sum(1 for m in model.modules() if type(m).__name__.endswith("MLP"))  # MoE shared experts too
+    assert dense and len(on) == (2 if checkpointing else 1) * dense, (len(on), dense)
+    assert_same_training(expected, got, exact=False)
