@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from fusepatch.layers.projections import plain_linears
+from fusepatch.layers.projections import gemm_ready
 
 RECOMPUTE = os.environ.get("FUSEPATCH_MLP_RECOMPUTE", "0") == "1"
 
@@ -68,14 +68,8 @@ def recomputed_down(
     (``RECOMPUTE``), a gradient is being recorded, and ``down`` is a bias-free plain ``nn.Linear`` in the inputs'
     dtype (no autocast; the residual, if any, of the output's shape and dtype); None otherwise (the caller runs
     the usual path)."""
-    if not (RECOMPUTE and torch.is_grad_enabled() and down.bias is None and plain_linears(gate, (down,))):
+    if not (RECOMPUTE and torch.is_grad_enabled() and up.shape == gate.shape and up.dtype == gate.dtype):
         return None
-    if up.shape != gate.shape or up.dtype != gate.dtype:
-        return None
-    if residual is not None and (
-        residual.dtype != gate.dtype
-        or residual.shape[:-1] != gate.shape[:-1]
-        or residual.shape[-1] != down.out_features
-    ):
+    if not gemm_ready(down, gate, residual):  # the conditions of linear_plus's one-GEMM path
         return None
     return _RecomputedDown.apply(gate, up, down.weight, residual, swiglu)

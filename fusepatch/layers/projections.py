@@ -163,16 +163,26 @@ def project(x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tensor, .
         return _SharedInputLinears.apply(cast[0], len(linears), narrow, *cast[1:])
 
 
-def linear_plus(linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """``residual + linear(x)`` as one ``addmm`` where it can (bias-free plain ``nn.Linear``, ``residual`` of
-    the output's shape and dtype); as that sum otherwise."""
-    if (
+def gemm_ready(linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether ``[residual +] linear(x)`` may run as one GEMM here: a bias-free plain ``nn.Linear``
+    (``plain_linears``, no autocast) and ``residual``, if any, of the output's shape and ``x``'s dtype."""
+    return (
         linear.bias is None
-        and residual.dtype == x.dtype
-        and residual.shape[:-1] == x.shape[:-1]
-        and residual.shape[-1] == linear.out_features
+        and (
+            residual is None
+            or (
+                residual.dtype == x.dtype
+                and residual.shape[:-1] == x.shape[:-1]
+                and residual.shape[-1] == linear.out_features
+            )
+        )
         and plain_linears(x, (linear,))
-    ):
+    )
+
+
+def linear_plus(linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + linear(x)`` as one ``addmm`` where it can (``gemm_ready``); as that sum otherwise."""
+    if gemm_ready(linear, x, residual):
         out = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), linear.weight.t())
         return out.view(residual.shape)
     return residual + linear(x)
