@@ -75,6 +75,17 @@ def loss_and_grads(model, **batch):
     return out.loss.detach(), out.logits.detach(), grads(model)
 
 
+def training_model(model_type: str, checkpointing: bool = False, **kwargs):
+    """A tiny model of ``model_type`` in training mode, with transformers' non-reentrant activation checkpointing
+    when ``checkpointing`` (the fused paths must also hold under the backward's recompute)."""
+    from fusepatch.tiny import tiny_model
+
+    model = tiny_model(model_type, **kwargs).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def assert_same_training(a, b, exact: bool = False):
     """Two ``loss_and_grads`` results: bit for bit (``exact``) or within the CPU tolerances of the fused paths'
     tests (loss 1e-5, logits 1e-4, every gradient 1e-3 relative)."""

@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import assert_same_training, lm_batch, loss_and_grads
+from helpers import assert_same_training, lm_batch, loss_and_grads, training_model
 
 import fusepatch
 from fusepatch import selftest
@@ -60,9 +60,7 @@ def _in_model(seen: list[tuple]) -> list[tuple]:
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_gated_attention_forward_equals_the_layer_transformers_ships(model_type, implementation, checkpointing, gates):
-    model = tiny_model(model_type, attn_implementation=implementation).train()
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = training_model(model_type, checkpointing, attn_implementation=implementation)
     batch = lm_batch(model)
     expected = loss_and_grads(model, **batch)
     shared = []

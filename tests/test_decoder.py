@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ADD_OPS, assert_same_training, lm_batch, loss_and_grads
+from helpers import ADD_OPS, assert_same_training, lm_batch, loss_and_grads, training_model
 
 import fusepatch
 from fusepatch.tiny import FAMILIES, tiny_model
@@ -62,9 +62,7 @@ def test_fused_residual_forward_under_activation_checkpointing(model_type, calls
 def test_fused_residual_forward_with_packed_rows(model_type, checkpointing, calls):
     """Packed rows: every op patched (the linear attention needs its boundaries from the decoder layer, which
     now also runs the fused add); each document's loss equals the document alone."""
-    model = tiny_model(model_type).train()
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = training_model(model_type, checkpointing)
     fusepatch.apply(model)
     lengths = [19, 1, 33, 12]
     docs = [torch.randint(0, model.config.vocab_size, (n,)) for n in lengths]
@@ -263,9 +261,7 @@ def test_shared_input_projections_and_residual_gemm_equal_the_unpatched_model(
     import fusepatch.layers.simple as simple
 
     monkeypatch.setattr(simple, "linear_plus", projections.linear_plus)
-    model = tiny_model(model_type).train()
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = training_model(model_type, checkpointing)
     batch = lm_batch(model)
     expected = loss_and_grads(model, **batch)
     fusepatch.apply(model)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same_training, lm_batch, loss_and_grads
+from helpers import assert_same_training, lm_batch, loss_and_grads, training_model
 
 import fusepatch
 from fusepatch.layers import mlp_recompute, projections
 from fusepatch.ops.swiglu import swiglu_reference
-from fusepatch.tiny import FAMILIES, tiny_model
+from fusepatch.tiny import FAMILIES
 
 
 @pytest.fixture
@@ -119,9 +119,7 @@ def test_models_train_the_same_with_the_product_recomputed(on, calls, caplog, mo
     checkpointing, and every such MLP ran through it (twice a step under checkpointing: the forward and the
     backward's recompute). The fused decoder forward runs (``calls``: the add-norms' CPU stand-ins), so the dense
     MLPs take the residual into their down projection, as on the GPU."""
-    model = tiny_model(model_type).train()
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = training_model(model_type, checkpointing)
     batch = lm_batch(model)
     expected = loss_and_grads(model, **batch)
     fusepatch.apply(model)
