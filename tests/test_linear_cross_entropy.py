@@ -232,9 +232,12 @@ def test_fla_loop_edge_cases(monkeypatch):
 
 def test_fla_chunk_budget_sets_the_chunk_length(monkeypatch):
     """FUSEPATCH_CE_LOGITS_MIB bounds one chunk's logits: at the 27B shape (4096 tokens, vocab 248320, bf16),
-    2048 MiB (the default) gives one 4096-token chunk, 1024 MiB two, where fla's own default makes 8."""
-    assert lce.DEFAULT_LOGITS_MIB == 2048 and lce.fla_chunk_tokens(248320, 2, 2048 * 2**20) == 4096
+    1024 MiB (the default: the loss holds the peak) gives two 2048-token chunks, 2048 MiB one, where fla's own
+    default makes 8; an unset variable is the default."""
+    assert lce.DEFAULT_LOGITS_MIB == 1024 and lce.fla_chunk_tokens(248320, 2, 2048 * 2**20) == 4096
     assert lce.fla_chunk_tokens(248320, 2, 1024 * 2**20) == 2048
+    monkeypatch.delenv("FUSEPATCH_CE_LOGITS_MIB", raising=False)
+    assert lce.fla_chunk_budget() == 1024 * 2**20
     assert lce.fla_num_chunks(4096, 248320, 2, 1024 * 2**20) == 2
     assert lce.fla_num_chunks(4096, 248320, 2, 256 * 2**20) == 8
     assert lce.fla_num_chunks(4096, 248320, 2, 64 * 2**20) == 32  # 128-token chunks

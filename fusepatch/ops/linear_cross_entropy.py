@@ -92,28 +92,29 @@ def linear_cross_entropy_chunked(hidden, weight, labels, ignore_index: int = -10
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, denominator, chunk)
 
 
-DEFAULT_LOGITS_MIB = 2048
+DEFAULT_LOGITS_MIB = 1024
 
 
 def fla_chunk_budget() -> int:
-    """``FUSEPATCH_CE_LOGITS_MIB`` (default 2048): the most memory one chunk's logits may take in the fla loss
-    loop (one chunk's logits live at a time). fla's own function splits the tokens into 8 chunks whatever their
-    number (512 tokens at seq 4096): each chunk re-reads and re-writes the whole lm_head weight gradient (2.5 GB
-    at Qwen3.5's 248k x 5120 in bf16) and runs GEMMs with a 512-long inner dimension. Fewer, larger chunks trade
-    logits memory for both. Measured on the H200 at the 27B shape: the loss alone (loss_bench.py), fwd+bwd 60.2
-    ms with fla's 8 chunks, 55.0 / 53.7 / 53.0 ms at 512 / 1024 / 2048 MiB (session 4); in the training step
-    (session 10) 2048 MiB, one 4096-token chunk, spent 0.9 ms less in the weight-gradient GEMMs than two 2048-token
-    chunks, at the same peak memory (there the peak is elsewhere: weights, optimizer state and every gradient at
-    the end of the backward outweigh the activations plus the loss). Where the loss is the peak (the Qwen3-32B
-    shape: its peak moved with the logits kept alive), a smaller budget lowers it. At long rows a budget also
-    bounds the logits where fla's fixed 8 chunks would grow."""
+    """``FUSEPATCH_CE_LOGITS_MIB`` (default 1024): the most memory one chunk's logits may take in the fused loss's
+    chunk loop (one chunk's logits live at a time). fla's own function splits the tokens into 8 chunks whatever
+    their number (512 tokens at seq 4096): each chunk re-reads and re-writes the whole lm_head weight gradient (2.5
+    GB at Qwen3.5's 248k x 5120 in bf16) and runs GEMMs with a 512-long inner dimension. Fewer, larger chunks trade
+    logits memory for both. The loss alone at the 27B shape (loss_bench.py, session 4): fwd+bwd 60.2 ms with fla's 8
+    chunks, 55.0 / 53.7 / 53.0 ms at 512 / 1024 / 2048 MiB. Why 1024 and not 2048 (the default of sessions 10-21):
+    the loss holds the step's peak since the delta rule keeps its chunk states for the backward (session 14), and
+    there one 4096-token chunk's 1.9 GiB of logits sat on top of every activation. Measured on the H200 (session 22):
+    1024 lowers the peak from 43.79 to 42.84 GiB at the 27B shape and from 35.03 to 34.08 at the 2B-like shape (both
+    under Liger Kernel's, 43.07 and 34.32), its step time within the run-to-run spread (27B back to back 1.209 and
+    1.207x hf-fast against 1.211, 1.203 and 1.213x at 2048). At long rows a budget also bounds the logits where
+    fla's fixed 8 chunks would grow."""
     value = os.environ.get("FUSEPATCH_CE_LOGITS_MIB", "").strip()
     if not value:
         return DEFAULT_LOGITS_MIB * 2**20
     try:
         mib = int(value)
     except ValueError as exc:
-        raise ValueError(f"FUSEPATCH_CE_LOGITS_MIB={value!r}: expected a whole number of MiB, e.g. 2048") from exc
+        raise ValueError(f"FUSEPATCH_CE_LOGITS_MIB={value!r}: expected a whole number of MiB, e.g. 1024") from exc
     if mib <= 0:
         raise ValueError(f"FUSEPATCH_CE_LOGITS_MIB={value!r}: expected a positive number of MiB")
     return mib * 2**20
@@ -121,7 +122,8 @@ def fla_chunk_budget() -> int:
 
 def fla_chunk_tokens(vocab: int, element_size: int, budget_bytes: int) -> int:
     """Tokens per chunk of the fla loss loop: the largest power of two whose ``chunk x vocab`` logits fit in
-    ``budget_bytes`` (at least 1). At the 27B shape (vocab 248,320, bf16) the 2048 MiB default gives 4096."""
+    ``budget_bytes`` (at least 1). At the 27B shape (vocab 248,320, bf16) the 1024 MiB default gives 2048: two
+    chunks of a 4096-token row."""
     chunk = max(1, budget_bytes // (vocab * element_size))
     return 1 << (chunk.bit_length() - 1)
 
