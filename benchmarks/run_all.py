@@ -147,6 +147,30 @@ def memory_lines(results: list[dict]) -> str:
     return "\nPeak memory by phase (GiB: the phase's peak / allocated at its end):\n" + "\n".join(lines)
 
 
+def host_lines(results: list[dict]) -> str:
+    """Each configuration's host and GPU time by phase (train_step.host_time_by_phase) and the forward's host
+    time by layer class: where the CPU, not the GPU, sets a synced step's pace."""
+    lines = []
+    for r in results:
+        found = r.get("host_vs_gpu")
+        if not found:
+            continue
+        parts = []
+        for name, v in found["phases"].items():
+            gpu = "-" if v["gpu_ms"] is None else v["gpu_ms"]
+            parts.append(f"{name} {v['host_ms']} / {gpu}" + ("" if v["clean"] else " (waited for the GPU)"))
+        layers = "; ".join(f"{name} {ms} ({n})" for name, (ms, n) in found["forward_host_by_layer_ms"].items())
+        lines.append(
+            f"- {r['config']}: {', '.join(parts)}" + (f"; forward host ms by layer (calls): {layers}" if layers else "")
+        )
+    if not lines:
+        return ""
+    return (
+        "\nHost / GPU ms by phase (each phase queued behind a GPU sleep; host above GPU: the CPU sets the pace):\n"
+        + "\n".join(lines)
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="27b")
@@ -188,6 +212,7 @@ def main() -> int:
     print(f"\nshape {args.shape}, command: {' '.join(sys.argv)}")
     print(table(results))
     print(memory_lines(results))
+    print(host_lines(results))
     return 0
 
 

@@ -212,6 +212,119 @@ def memory_by_phase(step, length: int, sync, body=None, allocated=None, peak=Non
     }
 
 
+class CudaTimeline:
+    """The GPU side of ``host_time_by_phase``: a sleep kernel of about ``ms`` (its cycles calibrated once against
+    CUDA events: the SM clock moves with the power cap), timing events, and whether the GPU has passed one."""
+
+    def __init__(self) -> None:
+        self.cycles_per_ms: float | None = None
+
+    def sleep(self, ms: float) -> None:
+        if self.cycles_per_ms is None:
+            start = self.mark()
+            torch.cuda._sleep(10_000_000)
+            end = self.mark()
+            end.synchronize()
+            self.cycles_per_ms = 10_000_000 / max(start.elapsed_time(end), 1e-3)
+        torch.cuda._sleep(int(ms * self.cycles_per_ms))
+
+    @staticmethod
+    def mark() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def between(start, end) -> float:
+        return start.elapsed_time(end)
+
+    @staticmethod
+    def passed(event) -> bool:
+        return event.query()
+
+
+def host_time_by_phase(
+    step, length: int, sync, body=None, layers=(), sleep_ms: float = 1000.0, gpu=None, clock=None
+) -> dict:
+    """The CPU's time to queue each phase of a step beside the GPU's time to run it, from one more step whose
+    phases are each queued behind a GPU sleep. While the GPU sleeps, the host clock across a phase is the CPU's
+    work alone, and the CUDA events around it the GPU's work alone (all of it queued before the GPU got there). A
+    phase whose host time exceeds its GPU time is CPU-bound: in a step that starts on an empty queue (the synced
+    timing; a Trainer step after its host wait) the GPU idles for about the difference, which the profiler's idle
+    time shows inflated by its own overhead. Phases: with ``body`` (the decoder stack), ``preamble`` (the model's
+    work before it: not behind a sleep, so that what the loss later reads of it, fusepatch's labelled-row count,
+    is ready; host time only), ``layers``, ``loss`` (the rest of the forward), ``backward``, ``optimizer``;
+    without, ``forward`` first. A phase is ``clean`` when the GPU was still asleep as the CPU finished queuing it;
+    else the launch queue filled or the phase read the GPU, and its times include that wait. ``layers``: modules
+    whose forward host time is summed by class (passive hooks: fused paths run as in the timed steps; a class's
+    time includes the classes inside it)."""
+    gpu = gpu or CudaTimeline()
+    clock = clock or time.perf_counter
+    phases: dict[str, dict] = {}
+    by_layer: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
+    entered: dict[int, float] = {}
+    state: dict = {}
+
+    def begin(asleep: bool) -> None:  # the next phase: behind a fresh sleep, or (the preamble) straight on
+        if asleep:
+            gpu.sleep(sleep_ms)
+        state.update(mark=gpu.mark() if asleep else None, since=clock())
+
+    def at(phase: str) -> None:
+        took = clock() - state["since"]
+        clean = state["mark"] is None or not gpu.passed(state["mark"])
+        end = gpu.mark()
+        gpu_ms = round(gpu.between(state["mark"], end), 2) if state["mark"] is not None else None
+        phases["loss" if phase == "forward" and "layers" in phases else phase] = {
+            "host_ms": round(took * 1000, 2),
+            "gpu_ms": gpu_ms,
+            "clean": clean,
+        }
+        begin(asleep=True)
+
+    def pre(module, args) -> None:
+        current = getattr(torch._C, "_current_graph_task_id", None)
+        if current is None or current() == -1:  # not an activation checkpoint's recomputation in the backward
+            entered[id(module)] = clock()
+
+    def post(module, args, output) -> None:
+        began = entered.pop(id(module), None)
+        if began is not None:
+            by_layer[type(module).__name__] += clock() - began
+            calls[type(module).__name__] += 1
+
+    def stack_starts(module, args) -> None:
+        at("preamble")
+
+    def stack_ends(module, args, output) -> None:
+        at("layers")
+
+    for hook in (pre, post, stack_starts, stack_ends):
+        hook._fusepatch_passive = True
+    handles = [h for m in layers for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    if body is not None:
+        handles += [body.register_forward_pre_hook(stack_starts), body.register_forward_hook(stack_ends)]
+    try:
+        sync()
+        gpu.sleep(0.0)  # calibrates, outside the measured step
+        sync()
+        begin(asleep=body is None)
+        step(length, at=at)
+        sync()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {
+        "host_vs_gpu": {
+            "phases": phases,
+            "forward_host_by_layer_ms": {
+                name: [round(seconds * 1000, 2), calls[name]] for name, seconds in by_layer.most_common()
+            },
+        }
+    }
+
+
 def trainer_loop(step, lengths: list[int], batch: int, sync) -> dict:
     """The same steps with the one host wait transformers' Trainer makes in each (5.17 and 5.24 alike): after
     ``training_step`` (forward and backward queued) its ``logging_nan_inf_filter``, on by default, tests the loss
@@ -220,6 +333,15 @@ def trainer_loop(step, lengths: list[int], batch: int, sync) -> dict:
     GPU time. The synced timing hides nothing of a step's start, back to back hides it behind the whole previous
     step; this is the loop users of the Trainer run."""
     return back_to_back(lambda length: step(length, wait_after_backward=True), lengths, batch, sync, "trainer")
+
+
+def registry_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's modules whose class is a layer class of fusepatch's registry (whichever configuration runs:
+    hf-fast's and Liger's models have the same classes)."""
+    from fusepatch.registry import all_rows
+
+    names = {row.layer for row in all_rows()}
+    return [module for module in model.modules() if type(module).__name__ in names]
 
 
 def gpu_idle_by_op(events, top: int = 30, longest_gaps: int = 40) -> dict:
@@ -502,6 +624,9 @@ def run(args, seq: int, batch: int) -> dict:
         # the whole run's peaks so far: memory_by_phase resets the allocator's peak statistics
         peaks = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         info.update(memory_by_phase(step, seq, sync, body=getattr(model, "model", None)))
+        info.update(
+            host_time_by_phase(step, seq, sync, body=getattr(model, "model", None), layers=registry_layers(model))
+        )
     info["triton_builds"] = sum(builds.counts.values())
     info["triton_builds_by_kernel"] = dict(builds.counts.most_common(6))
     median = statistics.median(times)

@@ -391,3 +391,112 @@ def test_memory_by_phase_reads_each_phase_peak_apart():
         in text
     )
     assert "liger" not in text and run_all.memory_lines([{"config": "liger", "error": "boom"}]) == ""
+
+
+class _FakeTimeline:
+    """``train_step.CudaTimeline``'s interface over a GPU clock the test advances: a mark is the GPU time at
+    which the work queued so far ends; ``passed`` says whether the GPU got past a mark before the CPU finished."""
+
+    def __init__(self, sleeps_through: bool = True) -> None:
+        self.queued_ms = 0.0
+        self.slept = []
+        self.sleeps_through = sleeps_through
+
+    def sleep(self, ms: float) -> None:
+        self.slept.append(ms)
+        self.queued_ms += ms
+
+    def mark(self) -> float:
+        return self.queued_ms
+
+    @staticmethod
+    def between(start: float, end: float) -> float:
+        return end - start
+
+    def passed(self, mark: float) -> bool:
+        return not self.sleeps_through
+
+
+def test_host_time_by_phase_reads_the_cpu_and_the_gpu_apart():
+    """``host_time_by_phase``: each phase's host time is the CPU clock across it, its GPU time the events around
+    it, each phase queued behind its own sleep (calibrated first, outside the step) except the preamble before
+    the decoder stack (host time only); layer classes' forward host time through passive hooks, nested ones
+    included in their parents, every hook removed after; a phase is not clean when the GPU was past its sleep
+    before the CPU had queued it; run_all prints it all."""
+    import torch
+    import train_step
+
+    now = [100.0]
+
+    class Layer(torch.nn.Module):
+        def __init__(self, cost: float, kernels_ms: float, inner=None) -> None:
+            super().__init__()
+            self.cost, self.kernels_ms, self.inner = cost, kernels_ms, inner
+
+        def forward(self, x):
+            now[0] += self.cost
+            gpu[0].queued_ms += self.kernels_ms
+            return self.inner(x) if self.inner is not None else x
+
+    mixer = Layer(0.004, 1.0)
+    decoder = Layer(0.001, 0.5, inner=mixer)
+    body = torch.nn.Sequential(decoder, decoder)
+    gpu = [_FakeTimeline()]  # the timeline the step queues its kernels on
+
+    def step(length, at):
+        now[0] += 0.0003  # the preamble's host work
+        gpu[0].queued_ms += 0.1
+        body(torch.zeros(length))  # the layers' kernels: 2 x (0.5 + 1.0) ms
+        now[0] += 0.001
+        gpu[0].queued_ms += 2.0  # the loss's
+        at("forward")
+        now[0] += 0.002
+        gpu[0].queued_ms += 9.0
+        at("backward")
+        now[0] += 0.0005
+        gpu[0].queued_ms += 1.5
+        at("optimizer")
+
+    timeline = gpu[0]
+    result = train_step.host_time_by_phase(
+        step, 8, sync=lambda: None, body=body, layers=[decoder, mixer], sleep_ms=500.0, gpu=timeline,
+        clock=lambda: now[0],
+    )["host_vs_gpu"]  # fmt: skip
+    assert timeline.slept == [0.0, 500.0, 500.0, 500.0, 500.0, 500.0]  # calibration, then one before each phase
+    assert result["phases"] == {
+        "preamble": {"host_ms": 0.3, "gpu_ms": None, "clean": True},
+        "layers": {"host_ms": 10.0, "gpu_ms": 3.0, "clean": True},
+        "loss": {"host_ms": 1.0, "gpu_ms": 2.0, "clean": True},
+        "backward": {"host_ms": 2.0, "gpu_ms": 9.0, "clean": True},
+        "optimizer": {"host_ms": 0.5, "gpu_ms": 1.5, "clean": True},
+    }
+    assert result["forward_host_by_layer_ms"] == {"Layer": [18.0, 4]}  # 2 x (5 + 4): the parent includes its child
+    for module in (body, decoder, mixer):
+        assert not module._forward_hooks and not module._forward_pre_hooks
+
+    woken = gpu[0] = _FakeTimeline(sleeps_through=False)
+    found = train_step.host_time_by_phase(step, 8, sync=lambda: None, gpu=woken, clock=lambda: now[0])
+    assert woken.slept == [0.0, 1000.0, 1000.0, 1000.0, 1000.0]  # no body: the forward behind a sleep too (default)
+    assert list(found["host_vs_gpu"]["phases"]) == ["forward", "backward", "optimizer"]
+    assert found["host_vs_gpu"]["phases"]["forward"] == {"host_ms": 11.3, "gpu_ms": 5.1, "clean": False}
+    assert found["host_vs_gpu"]["forward_host_by_layer_ms"] == {}
+    text = run_all.host_lines(
+        [{"config": "fusepatch", "host_vs_gpu": result}, {"config": "hf-fast"} | found, {"config": "x", "error": "e"}]
+    )
+    assert (
+        "- fusepatch: preamble 0.3 / -, layers 10.0 / 3.0, loss 1.0 / 2.0, backward 2.0 / 9.0, optimizer 0.5 / 1.5;"
+        " forward host ms by layer (calls): Layer 18.0 (4)" in text
+    )
+    assert "- hf-fast: forward 11.3 / 5.1 (waited for the GPU), backward 2.0 / 9.0 (waited for the GPU)," in text
+    assert "- x" not in text and run_all.host_lines([{"config": "x"}]) == ""
+
+
+def test_registry_layers_are_the_registry_classes_in_the_model():
+    """``registry_layers``: the modules whose class the registry names (the ones the profiler labels too)."""
+    import train_step
+
+    from fusepatch.tiny import tiny_model
+
+    model = tiny_model("qwen3")
+    found = {type(m).__name__ for m in train_step.registry_layers(model)}
+    assert "Qwen3DecoderLayer" in found and "Qwen3MLP" in found and "Linear" not in found
