@@ -153,6 +153,8 @@ def host_lines(results: list[dict]) -> str:
     lines = []
     for r in results:
         found = r.get("host_vs_gpu")
+        if r.get("host_vs_gpu_error"):
+            lines.append(f"- {r['config']}: not measured ({r['host_vs_gpu_error']})")
         if not found:
             continue
         parts = []

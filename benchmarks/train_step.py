@@ -265,6 +265,7 @@ def host_time_by_phase(
     calls: Counter[str] = Counter()
     entered: dict[int, float] = {}
     state: dict = {}
+    spans: dict[str, tuple] = {}
 
     def begin(asleep: bool) -> None:  # the next phase: behind a fresh sleep, or (the preamble) straight on
         if asleep:
@@ -274,13 +275,10 @@ def host_time_by_phase(
     def at(phase: str) -> None:
         took = clock() - state["since"]
         clean = state["mark"] is None or not gpu.passed(state["mark"])
-        end = gpu.mark()
-        gpu_ms = round(gpu.between(state["mark"], end), 2) if state["mark"] is not None else None
-        phases["loss" if phase == "forward" and "layers" in phases else phase] = {
-            "host_ms": round(took * 1000, 2),
-            "gpu_ms": gpu_ms,
-            "clean": clean,
-        }
+        name = "loss" if phase == "forward" and "layers" in phases else phase
+        # the events' times are read after the step: an event the GPU has not reached has none yet
+        spans[name] = (state["mark"], gpu.mark())
+        phases[name] = {"host_ms": round(took * 1000, 2), "gpu_ms": None, "clean": clean}
         begin(asleep=True)
 
     def pre(module, args) -> None:
@@ -315,6 +313,9 @@ def host_time_by_phase(
     finally:
         for handle in handles:
             handle.remove()
+    for name, (start, end) in spans.items():
+        if start is not None:
+            phases[name]["gpu_ms"] = round(gpu.between(start, end), 2)
     return {
         "host_vs_gpu": {
             "phases": phases,
@@ -624,9 +625,12 @@ def run(args, seq: int, batch: int) -> dict:
         # the whole run's peaks so far: memory_by_phase resets the allocator's peak statistics
         peaks = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         info.update(memory_by_phase(step, seq, sync, body=getattr(model, "model", None)))
-        info.update(
-            host_time_by_phase(step, seq, sync, body=getattr(model, "model", None), layers=registry_layers(model))
-        )
+        try:  # a diagnostic: its failure must not cost the row what the steps above measured
+            info.update(
+                host_time_by_phase(step, seq, sync, body=getattr(model, "model", None), layers=registry_layers(model))
+            )
+        except Exception as exc:  # noqa: BLE001
+            info["host_vs_gpu_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     info["triton_builds"] = sum(builds.counts.values())
     info["triton_builds_by_kernel"] = dict(builds.counts.most_common(6))
     median = statistics.median(times)

@@ -399,6 +399,7 @@ class _FakeTimeline:
 
     def __init__(self, sleeps_through: bool = True) -> None:
         self.queued_ms = 0.0
+        self.completed_ms = 0.0  # what a sync has seen finish
         self.slept = []
         self.sleeps_through = sleeps_through
 
@@ -409,8 +410,12 @@ class _FakeTimeline:
     def mark(self) -> float:
         return self.queued_ms
 
-    @staticmethod
-    def between(start: float, end: float) -> float:
+    def sync(self) -> None:
+        self.completed_ms = self.queued_ms
+
+    def between(self, start: float, end: float) -> float:
+        if end > self.completed_ms:  # as CUDA events: no time before the GPU has reached both
+            raise RuntimeError("Both events must be completed before calculating elapsed time.")
         return end - start
 
     def passed(self, mark: float) -> bool:
@@ -459,7 +464,7 @@ def test_host_time_by_phase_reads_the_cpu_and_the_gpu_apart():
 
     timeline = gpu[0]
     result = train_step.host_time_by_phase(
-        step, 8, sync=lambda: None, body=body, layers=[decoder, mixer], sleep_ms=500.0, gpu=timeline,
+        step, 8, sync=timeline.sync, body=body, layers=[decoder, mixer], sleep_ms=500.0, gpu=timeline,
         clock=lambda: now[0],
     )["host_vs_gpu"]  # fmt: skip
     assert timeline.slept == [0.0, 500.0, 500.0, 500.0, 500.0, 500.0]  # calibration, then one before each phase
@@ -475,19 +480,25 @@ def test_host_time_by_phase_reads_the_cpu_and_the_gpu_apart():
         assert not module._forward_hooks and not module._forward_pre_hooks
 
     woken = gpu[0] = _FakeTimeline(sleeps_through=False)
-    found = train_step.host_time_by_phase(step, 8, sync=lambda: None, gpu=woken, clock=lambda: now[0])
+    found = train_step.host_time_by_phase(step, 8, sync=woken.sync, gpu=woken, clock=lambda: now[0])
     assert woken.slept == [0.0, 1000.0, 1000.0, 1000.0, 1000.0]  # no body: the forward behind a sleep too (default)
     assert list(found["host_vs_gpu"]["phases"]) == ["forward", "backward", "optimizer"]
     assert found["host_vs_gpu"]["phases"]["forward"] == {"host_ms": 11.3, "gpu_ms": 5.1, "clean": False}
     assert found["host_vs_gpu"]["forward_host_by_layer_ms"] == {}
     text = run_all.host_lines(
-        [{"config": "fusepatch", "host_vs_gpu": result}, {"config": "hf-fast"} | found, {"config": "x", "error": "e"}]
+        [
+            {"config": "fusepatch", "host_vs_gpu": result},
+            {"config": "hf-fast"} | found,
+            {"config": "x", "error": "e"},
+            {"config": "liger", "host_vs_gpu_error": "RuntimeError: boom"},
+        ]
     )
     assert (
         "- fusepatch: preamble 0.3 / -, layers 10.0 / 3.0, loss 1.0 / 2.0, backward 2.0 / 9.0, optimizer 0.5 / 1.5;"
         " forward host ms by layer (calls): Layer 18.0 (4)" in text
     )
     assert "- hf-fast: forward 11.3 / 5.1 (waited for the GPU), backward 2.0 / 9.0 (waited for the GPU)," in text
+    assert "- liger: not measured (RuntimeError: boom)" in text
     assert "- x" not in text and run_all.host_lines([{"config": "x"}]) == ""
 
 
