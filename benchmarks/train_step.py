@@ -44,7 +44,14 @@ from gpu_clocks import ClockSampler  # noqa: E402
 from shapes import SHAPES, build_config  # noqa: E402
 
 from fusepatch.compiles import CompileCounter  # noqa: E402
-from fusepatch.profile import flops_per_token, host_waits, label_layers, summarize  # noqa: E402
+from fusepatch.profile import (  # noqa: E402
+    flops_per_token,
+    host_waits,
+    in_backward,
+    label_layers,
+    registry_modules,
+    summarize,
+)
 
 PEAK_TFLOPS = 790.0  # bf16 dense, measured on this workplace's H200s (device KINDS.md)
 
@@ -282,8 +289,7 @@ def host_time_by_phase(
         begin(asleep=True)
 
     def pre(module, args) -> None:
-        current = getattr(torch._C, "_current_graph_task_id", None)
-        if current is None or current() == -1:  # not an activation checkpoint's recomputation in the backward
+        if not in_backward():  # not an activation checkpoint's recomputation in the backward
             entered[id(module)] = clock()
 
     def post(module, args, output) -> None:
@@ -334,15 +340,6 @@ def trainer_loop(step, lengths: list[int], batch: int, sync) -> dict:
     GPU time. The synced timing hides nothing of a step's start, back to back hides it behind the whole previous
     step; this is the loop users of the Trainer run."""
     return back_to_back(lambda length: step(length, wait_after_backward=True), lengths, batch, sync, "trainer")
-
-
-def registry_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's modules whose class is a layer class of fusepatch's registry (whichever configuration runs:
-    hf-fast's and Liger's models have the same classes)."""
-    from fusepatch.registry import all_rows
-
-    names = {row.layer for row in all_rows()}
-    return [module for module in model.modules() if type(module).__name__ in names]
 
 
 def gpu_idle_by_op(events, top: int = 30, longest_gaps: int = 40) -> dict:
@@ -627,7 +624,7 @@ def run(args, seq: int, batch: int) -> dict:
         info.update(memory_by_phase(step, seq, sync, body=getattr(model, "model", None)))
         try:  # a diagnostic: its failure must not cost the row what the steps above measured
             info.update(
-                host_time_by_phase(step, seq, sync, body=getattr(model, "model", None), layers=registry_layers(model))
+                host_time_by_phase(step, seq, sync, body=getattr(model, "model", None), layers=registry_modules(model))
             )
         except Exception as exc:  # noqa: BLE001
             info["host_vs_gpu_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

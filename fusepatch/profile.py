@@ -271,23 +271,31 @@ def summarize(
     )
 
 
-@contextlib.contextmanager
-def label_layers(model: torch.nn.Module, class_names: set[str] | None = None):
-    """Wrap the forward of every module whose class is in ``class_names`` (default: every layer class of the
-    registry) in a ``fusepatch::<Class>`` profiler range, so forward ops can be attributed to layers."""
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread: activation checkpointing's recomputed
+    forwards run there (and may stop early), so per-layer forward hooks skip them."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
+def registry_modules(model: torch.nn.Module, class_names: set[str] | None = None) -> list[torch.nn.Module]:
+    """The model's modules whose class is in ``class_names`` (default: every layer class of the registry; hf-fast's
+    and Liger's models have the same classes as a patched one)."""
     if class_names is None:
         from fusepatch.registry import all_rows
 
         class_names = {row.layer for row in all_rows()}
+    return [module for module in model.modules() if type(module).__name__ in class_names]
+
+
+@contextlib.contextmanager
+def label_layers(model: torch.nn.Module, class_names: set[str] | None = None):
+    """Wrap the forward of every module whose class is in ``class_names`` (default: every layer class of the
+    registry) in a ``fusepatch::<Class>`` profiler range, so forward ops can be attributed to layers."""
     handles = []
 
-    def in_backward() -> bool:
-        # Activation-checkpoint recomputation runs forwards inside backward and may stop them early: label
-        # only the real forward pass, so every range that opens also closes.
-        current = getattr(torch._C, "_current_graph_task_id", None)
-        return current is not None and current() != -1
-
     def pre(module, args):
+        # label only the real forward pass (not a checkpoint's recomputation), so every range that opens closes
         if in_backward():
             return
         module._fusepatch_range = torch.autograd.profiler.record_function(f"fusepatch::{type(module).__name__}")
@@ -301,10 +309,9 @@ def label_layers(model: torch.nn.Module, class_names: set[str] | None = None):
     # passive: a fused path that calls a module's parts directly (the MLP's down projection adding the residual)
     # may skip these labels rather than fall back to the module call, so the profiled step runs what the others do
     pre._fusepatch_passive = post._fusepatch_passive = True
-    for module in model.modules():
-        if type(module).__name__ in class_names:
-            handles.append(module.register_forward_pre_hook(pre))
-            handles.append(module.register_forward_hook(post))
+    for module in registry_modules(model, class_names):
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
     try:
         yield
     finally:

@@ -502,12 +502,12 @@ def test_host_time_by_phase_reads_the_cpu_and_the_gpu_apart():
     assert "- x" not in text and run_all.host_lines([{"config": "x"}]) == ""
 
 
-def test_registry_layers_are_the_registry_classes_in_the_model():
-    """``registry_layers``: the modules whose class the registry names (the ones the profiler labels too)."""
-    import train_step
-
+def test_registry_modules_are_the_registry_classes_in_the_model():
+    """``fusepatch.profile.registry_modules`` (the benchmark's host-time hooks and the profiler's labels): the
+    modules whose class the registry names."""
+    from fusepatch.profile import registry_modules
     from fusepatch.tiny import tiny_model
 
     model = tiny_model("qwen3")
-    found = {type(m).__name__ for m in train_step.registry_layers(model)}
+    found = {type(m).__name__ for m in registry_modules(model)}
     assert "Qwen3DecoderLayer" in found and "Qwen3MLP" in found and "Linear" not in found
