@@ -97,13 +97,14 @@ def test_the_usual_path_runs_when_off_or_not_plain(monkeypatch, on):
 
 
 def test_off_unless_the_environment_says_so():
-    """The switch is the environment's ``FUSEPATCH_MLP_RECOMPUTE``, read at import: on for "1" only."""
+    """The switch is the environment's ``FUSEPATCH_MLP_RECOMPUTE``, read at import as fusepatch's other switches
+    (``env.flag_set``): off unset and for "0", on for "1" and "true"."""
     import os
     import subprocess
     import sys
 
     script = "from fusepatch.layers import mlp_recompute; print(mlp_recompute.RECOMPUTE)"
-    for value, expected in ((None, "False"), ("0", "False"), ("1", "True")):
+    for value, expected in ((None, "False"), ("0", "False"), ("1", "True"), ("true", "True")):
         env = {k: v for k, v in os.environ.items() if k != "FUSEPATCH_MLP_RECOMPUTE"}
         if value is not None:
             env["FUSEPATCH_MLP_RECOMPUTE"] = value

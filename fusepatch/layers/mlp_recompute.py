@@ -3,10 +3,10 @@
 Why: the down projection's input ``swiglu(gate, up)`` is ``tokens x intermediate`` (136 MB a layer at the
 Qwen3.5-27B shape and 4096 tokens), kept from the forward only for the down weight's gradient, while the SwiGLU
 op keeps ``gate`` and ``up`` for its own backward anyway. Recomputing it there costs one elementwise SwiGLU
-kernel a layer (reads ``gate`` and ``up``, writes the product) and saves ~1.06 GiB of the 27B-shaped step's peak
-(8 layers), enough to bring fusepatch's peak under Liger's at that shape (benchmarks/NOTES.md, session 21). Off
-by default: a memory-for-time trade measured nowhere yet. ``FUSEPATCH_MLP_RECOMPUTE=1`` turns it on (read once,
-at import).
+kernel a layer (reads ``gate`` and ``up``, writes the product). Measured on the H200 (benchmarks/RESULTS.md,
+session 22): 1.06 GiB less peak at the 27B shape (8 layers), 2.25 GiB at the 2B-like shape (24 layers), about
+0.8% slower at 27B. Off by default, for a larger micro-batch or longer rows: ``FUSEPATCH_MLP_RECOMPUTE=1`` (or
+true/yes/on, as fusepatch's other switches) turns it on, read once at import.
 
 The recomputed product is the forward's bit for bit (the same op on the same inputs), so the down weight's
 gradient is the same GEMM on the same values; the SwiGLU op's own backward (whichever candidate the registry
@@ -16,14 +16,14 @@ chose) gives the gate and up gradients. The residual, when given, is added by th
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 
+from fusepatch.env import flag_set
 from fusepatch.layers.projections import gemm_ready
 
-RECOMPUTE = os.environ.get("FUSEPATCH_MLP_RECOMPUTE", "0") == "1"
+RECOMPUTE = flag_set("FUSEPATCH_MLP_RECOMPUTE")
 
 
 class _RecomputedDown(torch.autograd.Function):
