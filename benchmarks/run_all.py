@@ -173,6 +173,31 @@ def host_lines(results: list[dict]) -> str:
     )
 
 
+def profile_lines(results: list[dict], top: int = 14) -> str:
+    """Each profiled configuration's forward by Python function (train_step.host_profile, BENCH_HOST_PROFILE=1):
+    self time by package, then the functions with the most self time."""
+    lines = []
+    for r in results:
+        found = r.get("host_profile")
+        if r.get("host_profile_error"):
+            lines.append(f"- {r['config']}: not profiled ({r['host_profile_error']})")
+        if not found:
+            continue
+        packages = ", ".join(f"{k} {v}" for k, v in found["by_package_ms"].items())
+        lines.append(
+            f"- {r['config']}: forward {found['forward_ms']} ms under cProfile; self ms by package: {packages}"
+        )
+        lines += [
+            f"    {ms:8.2f} ms self {total:8.2f} total {calls:6d} calls  {fn}"
+            for fn, ms, total, calls in found["self"][:top]
+        ]
+    return (
+        "\nThe forward's Python (cProfile; times inflated, read them as a ranking):\n" + "\n".join(lines)
+        if lines
+        else ""
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="27b")
@@ -215,6 +240,7 @@ def main() -> int:
     print(table(results))
     print(memory_lines(results))
     print(host_lines(results))
+    print(profile_lines(results))
     return 0
 
 

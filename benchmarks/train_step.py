@@ -100,6 +100,8 @@ AB_KNOBS = {
     "BENCH_KEEP_SYNCS": ("fusepatch.layers.positions", "ENABLED", False),
     # the delta rule's q/k/w/g gradients at fla's own tiling (ops/dqkwg.py)
     "BENCH_FLA_DQKWG": ("fusepatch.ops.dqkwg", "ENABLED", False),
+    # fla's functions through its per-call backend dispatch, as fla exports them (ops/fla_direct.py)
+    "BENCH_FLA_DISPATCH": ("fusepatch.ops.fla_direct", "ENABLED", False),
 }
 
 
@@ -328,6 +330,77 @@ def host_time_by_phase(
             "forward_host_by_layer_ms": {
                 name: [round(seconds * 1000, 2), calls[name]] for name, seconds in by_layer.most_common()
             },
+        }
+    }
+
+
+def _package(filename: str) -> str:
+    """The package a profiled function's code belongs to (``fla``, ``triton``, ``torch``, ...), for totals."""
+    if filename.startswith("~") or filename.startswith("<"):
+        return "builtins"  # C functions (cProfile names them "~") and generated code
+    parts = filename.replace(os.sep, "/").split("/")
+    for anchor in ("site-packages", "dist-packages", "site-fla", "site-tl", "site-local"):
+        if anchor in parts[:-1]:
+            return parts[parts.index(anchor) + 1].split(".")[0]
+    here = next((p for p in ("fusepatch", "benchmarks", "transformers", "torch") if p in parts[:-1]), None)
+    return here or "other"
+
+
+def host_profile(step, length: int, sync, body, sleep_ms: float = 3000.0, gpu=None, top: int = 45) -> dict:
+    """Where the CPU's time goes in the forward of the decoder stack (``body``), as Python functions: cProfile
+    over one more step's stack forward, queued behind a GPU sleep so that no launch waits for the GPU (the
+    forward is what a CPU-bound shape waits on; the backward runs on autograd's thread, which cProfile does not
+    see). cProfile adds about a microsecond a Python call, so the times rank; ``host_time_by_phase`` measures.
+    ``by_package``: self time summed by the package of each function's code (C functions: ``builtins``)."""
+    import cProfile
+    import pstats
+
+    gpu = gpu or CudaTimeline()
+    profiler = cProfile.Profile()
+    state: dict = {}
+
+    def starts(module, args) -> None:
+        gpu.sleep(sleep_ms)
+        state.update(mark=gpu.mark(), since=time.perf_counter())
+        profiler.enable()
+
+    def ends(module, args, output) -> None:
+        profiler.disable()
+        state["ms"] = (time.perf_counter() - state["since"]) * 1000
+        state["clean"] = not gpu.passed(state["mark"])
+
+    for hook in (starts, ends):
+        hook._fusepatch_passive = True
+    handles = [body.register_forward_pre_hook(starts), body.register_forward_hook(ends)]
+    try:
+        sync()
+        gpu.sleep(0.0)
+        sync()
+        step(length)
+        sync()
+    finally:
+        for handle in handles:
+            handle.remove()
+    rows = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, self s, total s, callers)}
+    by_package: Counter[str] = Counter()
+    for (filename, _, _), (_, _, own, _, _) in rows.items():
+        by_package[_package(filename)] += own
+
+    def name(key) -> str:
+        filename, line, function = key
+        return f"{'/'.join(filename.replace(os.sep, '/').split('/')[-2:])}:{line}({function})"
+
+    def ranked(index: int) -> list:
+        best = sorted(rows.items(), key=lambda kv: -kv[1][index])[:top]
+        return [[name(k), round(v[2] * 1000, 2), round(v[3] * 1000, 2), v[1]] for k, v in best]
+
+    return {
+        "host_profile": {
+            "forward_ms": round(state.get("ms", 0.0), 2),
+            "clean": state.get("clean"),
+            "by_package_ms": {k: round(v * 1000, 2) for k, v in by_package.most_common()},
+            "self": ranked(2),  # [function, self ms, total ms, calls]
+            "total": ranked(3),
         }
     }
 
@@ -628,6 +701,11 @@ def run(args, seq: int, batch: int) -> dict:
             )
         except Exception as exc:  # noqa: BLE001
             info["host_vs_gpu_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if os.environ.get("BENCH_HOST_PROFILE") and getattr(model, "model", None) is not None:
+            try:  # the forward's Python by function: what host_vs_gpu says the CPU-bound forward spends
+                info.update(host_profile(step, seq, sync, model.model))
+            except Exception as exc:  # noqa: BLE001
+                info["host_profile_error"] = f"{type(exc).__name__}: {exc}"
     info["triton_builds"] = sum(builds.counts.values())
     info["triton_builds_by_kernel"] = dict(builds.counts.most_common(6))
     median = statistics.median(times)

@@ -502,6 +502,51 @@ def test_host_time_by_phase_reads_the_cpu_and_the_gpu_apart():
     assert "- x" not in text and run_all.host_lines([{"config": "x"}]) == ""
 
 
+def test_host_profile_ranks_the_stack_forwards_python_by_function():
+    """``host_profile`` (BENCH_HOST_PROFILE=1): cProfile over the decoder stack's forward only (not the rest of
+    the step), behind a GPU sleep calibrated first; functions ranked by self time with their calls, self time
+    summed by package; its hooks removed after; run_all prints the ranking, or why there is none."""
+    import torch
+    import train_step
+
+    def slow_part(x):
+        total = 0
+        for i in range(20000):
+            total += i
+        return x
+
+    def outside_the_stack():
+        return sum(range(50000))
+
+    class Layer(torch.nn.Module):
+        def forward(self, x):
+            return slow_part(x)
+
+    body = torch.nn.Sequential(Layer(), Layer())
+    timeline = _FakeTimeline()
+
+    def step(length):
+        outside_the_stack()
+        body(torch.zeros(length))
+        outside_the_stack()
+
+    found = train_step.host_profile(step, 8, sync=timeline.sync, body=body, sleep_ms=700.0, gpu=timeline)
+    profile = found["host_profile"]
+    assert timeline.slept == [0.0, 700.0]
+    assert profile["clean"] is True and profile["forward_ms"] > 0
+    names = {row[0]: row for row in profile["self"]}
+    slow = next(row for name, row in names.items() if name.endswith("(slow_part)"))
+    assert slow[3] == 2 and slow[1] > 0  # two layers, one call each
+    assert not any(name.endswith("(outside_the_stack)") for name in names)
+    assert "tests" in profile["by_package_ms"] or "other" in profile["by_package_ms"]
+    assert not body._forward_hooks and not body._forward_pre_hooks
+    text = run_all.profile_lines([{"config": "fusepatch"} | found, {"config": "x", "host_profile_error": "E: boom"}])
+    assert "- fusepatch: forward " in text and "(slow_part)" in text
+    assert "- x: not profiled (E: boom)" in text and run_all.profile_lines([{"config": "y"}]) == ""
+    assert train_step._package("/a/site-packages/fla/ops/x.py") == "fla"
+    assert train_step._package("~") == "builtins"
+
+
 def test_registry_modules_are_the_registry_classes_in_the_model():
     """``fusepatch.profile.registry_modules`` (the benchmark's host-time hooks and the profiler's labels): the
     modules whose class the registry names."""

@@ -67,8 +67,11 @@ def load(grouped: bool = False):
 
     check_fla_signatures(fla, NEEDS, SKIP_GROUPED if grouped else SKIP)
     from fusepatch.ops.dqkwg import load as load_dqkwg
+    from fusepatch.ops.fla_direct import beta_sigmoid, direct
 
     chunk_bwd_dqkwg = load_dqkwg(fla.chunk_bwd_dqkwg)  # fla's TileLang kernel with one K block where it runs
+    fla = direct(fla, NEEDS)  # past fla's per-call backend dispatch where no other backend could take the call
+    fused_beta_sigmoid = beta_sigmoid(fla.fused_beta_sigmoid)  # its kernel's launcher, past the autograd function
     if grouped:
         from fusepatch.kernels.heads import repeat_heads
         from fusepatch.kernels.l2norm import l2norm_bwd_grouped
@@ -82,7 +85,7 @@ def load(grouped: bool = False):
                 q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
                 q_n, q_rstd = fla.l2norm_fwd(q)
                 k_n, k_rstd = fla.l2norm_fwd(k)
-                beta = fla.fused_beta_sigmoid(b, scale=1.0)
+                beta = fused_beta_sigmoid(b, scale=1.0)
                 # the decay, cumulated within each chunk, in log2 space (fla's kernels use exp2)
                 g = fla.gdn_gate_chunk_cumsum(
                     g=a, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2, chunk_size=CHUNK, **places
