@@ -194,3 +194,32 @@ def test_narrow_group_joins_the_narrow_bias_free_projections(monkeypatch):
     assert projections.narrow_group((b, torch.nn.Linear(64, 4))) == ()
     monkeypatch.setattr(projections, "NARROW", 300)
     assert projections.narrow_group((qkv, z, b, a)) == (1, 2, 3)
+
+
+def test_hooked_sees_own_and_global_hooks_but_not_passive_labels(monkeypatch):
+    """The fast path (no hook anywhere) and the slow one agree: a module's own hook or a global one counts, a
+    profiler label marked passive does not; a bias in another dtype than the input keeps the module's call."""
+    from torch.nn.modules import module as torch_module
+
+    from fusepatch.layers import projections
+
+    linear = torch.nn.Linear(4, 3)
+    assert not projections.hooked(linear)
+    handle = torch_module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert projections.hooked(linear)
+    finally:
+        handle.remove()
+
+    def label(*args):
+        return None
+
+    label._fusepatch_passive = True
+    own = linear.register_forward_pre_hook(label)
+    assert not projections.hooked(linear)
+    own.remove()
+    monkeypatch.setattr(projections, "DEVICES", ("cpu",))
+    x, other = torch.randn(2, 4), torch.nn.Linear(4, 2, bias=False)
+    assert projections.plain_linears(x, (linear, other))
+    linear.bias.data = linear.bias.data.double()
+    assert not projections.plain_linears(x, (linear, other))
