@@ -133,69 +133,66 @@ def table(results: list[dict], baseline: str = "hf-fast") -> str:
     return "\n".join(lines)
 
 
+def _section(results: list[dict], key: str, header: str, render, absent: str = "") -> str:
+    """One section under the table from a per-row diagnostic ``key``: ``render(row, found)`` gives each row's lines;
+    a row whose diagnostic failed (``<key>_error``) says so, as ``absent``; no lines, no section."""
+    lines = []
+    for r in results:
+        if r.get(f"{key}_error"):
+            lines.append(f"- {r['config']}: {absent} ({r[f'{key}_error']})")
+        if r.get(key):
+            lines += render(r, r[key])
+    return f"\n{header}\n" + "\n".join(lines) if lines else ""
+
+
 def memory_lines(results: list[dict]) -> str:
     """Each configuration's peak by phase (train_step.memory_by_phase): which part of the step holds the peak
     that the table's peak column reports, and what is allocated when that part ends."""
-    lines = []
-    for r in results:
-        phases = {k: v for k, v in (r.get("memory_by_phase") or {}).items() if isinstance(v, dict)}
-        if phases:
-            parts = ", ".join(f"{name} {v['peak_gib']} / {v['end_gib']}" for name, v in phases.items())
-            lines.append(f"- {r['config']}: {parts}; the peak in {r.get('peak_phase')}")
-    if not lines:
-        return ""
-    return "\nPeak memory by phase (GiB: the phase's peak / allocated at its end):\n" + "\n".join(lines)
+
+    def render(r: dict, found: dict) -> list[str]:
+        phases = {k: v for k, v in found.items() if isinstance(v, dict)}
+        if not phases:
+            return []
+        parts = ", ".join(f"{name} {v['peak_gib']} / {v['end_gib']}" for name, v in phases.items())
+        return [f"- {r['config']}: {parts}; the peak in {r.get('peak_phase')}"]
+
+    return _section(
+        results, "memory_by_phase", "Peak memory by phase (GiB: the phase's peak / allocated at its end):", render
+    )
 
 
 def host_lines(results: list[dict]) -> str:
     """Each configuration's host and GPU time by phase (train_step.host_time_by_phase) and the forward's host
     time by layer class: where the CPU, not the GPU, sets a synced step's pace."""
-    lines = []
-    for r in results:
-        found = r.get("host_vs_gpu")
-        if r.get("host_vs_gpu_error"):
-            lines.append(f"- {r['config']}: not measured ({r['host_vs_gpu_error']})")
-        if not found:
-            continue
+
+    def render(r: dict, found: dict) -> list[str]:
         parts = []
         for name, v in found["phases"].items():
             gpu = "-" if v["gpu_ms"] is None else v["gpu_ms"]
             parts.append(f"{name} {v['host_ms']} / {gpu}" + ("" if v["clean"] else " (waited for the GPU)"))
         layers = "; ".join(f"{name} {ms} ({n})" for name, (ms, n) in found["forward_host_by_layer_ms"].items())
-        lines.append(
+        return [
             f"- {r['config']}: {', '.join(parts)}" + (f"; forward host ms by layer (calls): {layers}" if layers else "")
-        )
-    if not lines:
-        return ""
-    return (
-        "\nHost / GPU ms by phase (each phase queued behind a GPU sleep; host above GPU: the CPU sets the pace):\n"
-        + "\n".join(lines)
-    )
+        ]
+
+    header = "Host / GPU ms by phase (each phase queued behind a GPU sleep; host above GPU: the CPU sets the pace):"
+    return _section(results, "host_vs_gpu", header, render, absent="not measured")
 
 
 def profile_lines(results: list[dict], top: int = 14) -> str:
     """Each profiled configuration's forward by Python function (train_step.host_profile, BENCH_HOST_PROFILE=1):
     self time by package, then the functions with the most self time."""
-    lines = []
-    for r in results:
-        found = r.get("host_profile")
-        if r.get("host_profile_error"):
-            lines.append(f"- {r['config']}: not profiled ({r['host_profile_error']})")
-        if not found:
-            continue
+
+    def render(r: dict, found: dict) -> list[str]:
         packages = ", ".join(f"{k} {v}" for k, v in found["by_package_ms"].items())
-        lines.append(
-            f"- {r['config']}: forward {found['forward_ms']} ms under cProfile; self ms by package: {packages}"
-        )
-        lines += [
+        head = f"- {r['config']}: forward {found['forward_ms']} ms under cProfile; self ms by package: {packages}"
+        return [head] + [
             f"    {ms:8.2f} ms self {total:8.2f} total {calls:6d} calls  {fn}"
             for fn, ms, total, calls in found["self"][:top]
         ]
-    return (
-        "\nThe forward's Python (cProfile; times inflated, read them as a ranking):\n" + "\n".join(lines)
-        if lines
-        else ""
-    )
+
+    header = "The forward's Python (cProfile; times inflated, read them as a ranking):"
+    return _section(results, "host_profile", header, render, absent="not profiled")
 
 
 def main() -> int:

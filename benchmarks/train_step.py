@@ -25,6 +25,7 @@ builds a block-causal mask for sdpa, and fusepatch routes full attention to its 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import json
@@ -180,6 +181,25 @@ def back_to_back(step, lengths: list[int], batch: int, sync, prefix: str = "b2b"
     }
 
 
+@contextlib.contextmanager
+def passive_hooks(pre=(), post=()):
+    """Forward pre-hooks and hooks, ``(module, hook)`` pairs, for one more step, removed after it. Marked passive:
+    fusepatch's fused paths, which step aside for a hook, ignore them (fusepatch.profile's labels are so too), so
+    the step runs what the timed ones run."""
+    handles = []
+    try:
+        for module, hook in pre:
+            hook._fusepatch_passive = True
+            handles.append(module.register_forward_pre_hook(hook))
+        for module, hook in post:
+            hook._fusepatch_passive = True
+            handles.append(module.register_forward_hook(hook))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def memory_by_phase(step, length: int, sync, body=None, allocated=None, peak=None, reset=None) -> dict:
     """Which phase of the step holds its peak memory: one more step, untimed, with the allocator's peak reset at
     every phase boundary (``step``'s ``at`` callback, and the end of ``body``'s forward: the decoder stack, before
@@ -204,17 +224,11 @@ def memory_by_phase(step, length: int, sync, body=None, allocated=None, peak=Non
     def layers_done(module, args, output) -> None:
         at("layers")
 
-    # passive: fusepatch's fused paths, which step aside for a hook, ignore it (fusepatch.profile's labels do too)
-    layers_done._fusepatch_passive = True
-    handle = body.register_forward_hook(layers_done) if body is not None else None
-    try:
+    with passive_hooks(post=[(body, layers_done)] if body is not None else []):
         sync()
         reset()
         start = round(allocated() / 2**30, 2)
         step(length, at=at)
-    finally:
-        if handle is not None:
-            handle.remove()
     return {
         "memory_by_phase": {"start_gib": start, **phases},
         "peak_phase": max(phases, key=lambda name: phases[name]["peak_gib"]) if phases else None,
@@ -306,21 +320,17 @@ def host_time_by_phase(
     def stack_ends(module, args, output) -> None:
         at("layers")
 
-    for hook in (pre, post, stack_starts, stack_ends):
-        hook._fusepatch_passive = True
-    handles = [h for m in layers for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
-    if body is not None:
-        handles += [body.register_forward_pre_hook(stack_starts), body.register_forward_hook(stack_ends)]
-    try:
+    stack = [body] if body is not None else []
+    with passive_hooks(
+        pre=[(m, pre) for m in layers] + [(m, stack_starts) for m in stack],
+        post=[(m, post) for m in layers] + [(m, stack_ends) for m in stack],
+    ):
         sync()
         gpu.sleep(0.0)  # calibrates, outside the measured step
         sync()
         begin(asleep=body is None)
         step(length, at=at)
         sync()
-    finally:
-        for handle in handles:
-            handle.remove()
     for name, (start, end) in spans.items():
         if start is not None:
             phases[name]["gpu_ms"] = round(gpu.between(start, end), 2)
@@ -369,18 +379,12 @@ def host_profile(step, length: int, sync, body, sleep_ms: float = 3000.0, gpu=No
         state["ms"] = (time.perf_counter() - state["since"]) * 1000
         state["clean"] = not gpu.passed(state["mark"])
 
-    for hook in (starts, ends):
-        hook._fusepatch_passive = True
-    handles = [body.register_forward_pre_hook(starts), body.register_forward_hook(ends)]
-    try:
+    with passive_hooks(pre=[(body, starts)], post=[(body, ends)]):
         sync()
-        gpu.sleep(0.0)
+        gpu.sleep(0.0)  # calibrates, outside the profiled forward
         sync()
         step(length)
         sync()
-    finally:
-        for handle in handles:
-            handle.remove()
     rows = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, self s, total s, callers)}
     by_package: Counter[str] = Counter()
     for (filename, _, _), (_, _, own, _, _) in rows.items():
