@@ -65,9 +65,15 @@ case "$phase" in
     for files in "${parts[@]}"; do
       i=$((i + 1))
       # NICE=10: the compiling workers yield the CPU to a benchmark running in the other lane
-      FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR=/tmp/errors timeout ${TEST_TIMEOUT:-230} nice -n ${NICE:-0} python3 -m pytest \
+      # setsid: the group in a session of its own, killed whole afterwards. In session 24 a group cut off at its
+      # limit (pytest hung after its last test) may have left workers or compilers behind, and the benchmarks
+      # after it ran on a host twice as slow (RESULTS.md); nothing of a finished group may outlive it.
+      FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR=/tmp/errors setsid timeout ${TEST_TIMEOUT:-230} nice -n ${NICE:-0} python3 -m pytest \
         $files ${K:+-k "$K"} -n ${WORKERS:-8} -v -rfE --tb=short --timeout ${PER_TEST:-220} -p no:cacheprovider \
-        > "$OUT/gpu-tests${TAG:+-$TAG}-$i.log" 2>&1
+        > "$OUT/gpu-tests${TAG:+-$TAG}-$i.log" 2>&1 &
+      sid=$!; wait $sid; echo "exit $? (TEST_TIMEOUT=${TEST_TIMEOUT:-230}: 124 is the group cut off)" >> "$OUT/gpu-tests${TAG:+-$TAG}-$i.log"
+      left=$(pgrep -s $sid | wc -l); [ "$left" -gt 0 ] && echo "killing $left processes the group left behind" | tee -a "$OUT/gpu-tests${TAG:+-$TAG}-$i.log"
+      pkill -9 -s $sid 2>/dev/null
       grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu-tests${TAG:+-$TAG}-$i.log" | grep -v "^tests/" | sed 's/^\[gw[0-9]*\] //' | tail -45
     done
     # IEEE=1: fp32 through fla is tf32 on this GPU by default; the same fp32 cases with full-precision dots tell a
@@ -110,6 +116,8 @@ EOF
     # DOCS=K: K documents packed in every row (--packed-docs: transformers' block mask, fusepatch's varlen route)
     # PROMPT=F: the first F of every row's labels -100 (--prompt: chat SFT's masked prompt)
     name=bench-$shape${VARY:+-vary$VARY}${DOCS:+-docs$DOCS}${PROMPT:+-prompt$PROMPT}${TAG:+-$TAG}  # TAG: a second table of one shape in a sequence
+    # what else runs on the host as the benchmark starts (each row also records its own host_load)
+    { echo "host at start: $(cut -d' ' -f1-3 /proc/loadavg) (load 1/5/15 min, $(nproc) cores)"; ps -eo pcpu,etimes,args --sort=-pcpu | head -6 | cut -c1-150; } > "$OUT/$name-host.txt" 2>&1
     timeout ${RUN_TIMEOUT:-3000} python3 benchmarks/run_all.py --shape "$shape" ${layers:+--layers $layers} --site-fla /tmp/site-fla --site-tl /tmp/site-tl \
       --workdir "/tmp/$name" --out "$OUT/$name.json" --timeout ${BENCH_TIMEOUT:-400} ${VARY:+--vary-seq $VARY} ${DOCS:+--packed-docs $DOCS} ${PROMPT:+--prompt $PROMPT} \
       --configs "${CONFIGS:-hf-fast,fusepatch,liger,eager,fusepatch-no-tilelang,hf-fast-no-tilelang}" 2>&1 | tee "$OUT/$name.md"

@@ -195,6 +195,23 @@ def profile_lines(results: list[dict], top: int = 14) -> str:
     return _section(results, "host_profile", header, render, absent="not profiled")
 
 
+def load_lines(results: list[dict]) -> str:
+    """Each configuration's host CPU over its timed steps (train_step's ``host_load``): cores busy, its own share,
+    other processes'. A row whose host was shared (other processes on a core or more) is marked: its synced
+    figure is not comparable with a quiet host's where the forward is CPU-bound."""
+
+    def render(r: dict, found: dict) -> list[str]:
+        if found.get("error"):
+            return [f"- {r['config']}: not measured ({found['error']})"]
+        mark = " **shared host**" if found.get("shared") else ""
+        return [
+            f"- {r['config']}: {found['busy_cores']} of {found['cores']} cores busy, this process {found['own_cores']}, "
+            f"other processes {found['other_cores']}; load average {found['load_1min']}{mark}"
+        ]
+
+    return _section(results, "host_load", "Host CPU over the synced steps (cores, on average):", render)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="27b")
@@ -236,6 +253,7 @@ def main() -> int:
     print(f"\nshape {args.shape}, command: {' '.join(sys.argv)}")
     print(table(results))
     print(memory_lines(results))
+    print(load_lines(results))
     print(host_lines(results))
     print(profile_lines(results))
     return 0

@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_clocks import ClockSampler  # noqa: E402
+from host_load import HostLoad  # noqa: E402
 from shapes import SHAPES, build_config  # noqa: E402
 
 from fusepatch.compiles import CompileCounter  # noqa: E402
@@ -680,8 +681,9 @@ def run(args, seq: int, batch: int) -> dict:
     builds.install()
     clocks = ClockSampler(device)  # the SM clock and power over the timed steps (gpu_clocks.py says why)
     pauses = HostPauses(device)
+    load = HostLoad()  # whether other processes shared the CPU with the timed steps (host_load.py says why)
     try:
-        with clocks, pauses:
+        with clocks, pauses, load:
             for length in lengths:
                 sync()
                 start = time.perf_counter()
@@ -693,6 +695,7 @@ def run(args, seq: int, batch: int) -> dict:
         builds.remove()
     info["gpu_clocks"] = clocks.summary()
     info["host_pauses"] = pauses.summary(len(lengths))
+    info["host_load"] = load.summary()
     if device.type == "cuda":
         info.update(back_to_back(step, lengths, batch, sync))
         info.update(trainer_loop(step, lengths, batch, sync))

@@ -55,6 +55,7 @@ def test_varying_lengths_give_every_timed_step_its_own_size(tmp_path):
     pauses = result["host_pauses"]
     assert pauses["timed_steps"] == 3 and pauses["allocator_over_timed_steps"] == {}
     assert set(pauses["gc_collections"]) == set(pauses["gc_ms"])
+    assert {"busy_cores", "own_cores", "other_cores", "shared"} <= set(result["host_load"])  # Linux: /proc/stat
     row = run_all.table([result | {"config": "fusepatch"}]).splitlines()[-1]
     assert f"| {result['median_step_ms']} | {result['max_step_ms']} |" in row
 
@@ -556,3 +557,52 @@ def test_registry_modules_are_the_registry_classes_in_the_model():
     model = tiny_model("qwen3")
     found = {type(m).__name__ for m in registry_modules(model)}
     assert "Qwen3DecoderLayer" in found and "Qwen3MLP" in found and "Linear" not in found
+
+
+def test_host_load_tells_other_processes_cpu_from_the_benchmarks_own():
+    """A child spinning on a core while the benchmark sleeps is other processes' load; the benchmark spinning itself
+    is its own. (On a host too busy to give the child a core the first half could not show it: the run would
+    then be marked shared anyway, which is the point.)"""
+    import subprocess
+    import time
+
+    import host_load
+
+    spin = "import time\nend = time.perf_counter() + 0.6\nwhile time.perf_counter() < end: pass"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    time.sleep(0.05)  # the child is running before the window opens
+    with host_load.HostLoad() as load:
+        time.sleep(0.4)
+    child.wait(timeout=30)
+    other = load.summary()
+    assert other["cores"] == os.cpu_count()
+    assert other["own_cores"] < 0.2, other
+    assert other["other_cores"] >= 0.5 and other["shared"] is (other["other_cores"] >= host_load.SHARED_CORES), other
+
+    with host_load.HostLoad() as load:
+        end = time.perf_counter() + 0.4
+        while time.perf_counter() < end:
+            pass
+    own = load.summary()
+    assert own["own_cores"] >= 0.7, own
+    assert own["busy_cores"] >= own["own_cores"] - 0.1, own  # its own time is part of every core's busy time
+
+
+def test_host_load_lines_mark_a_shared_host_and_say_when_unmeasured():
+    quiet = {"cores": 16, "busy_cores": 1.2, "own_cores": 1.1, "other_cores": 0.1, "load_1min": 1.3, "shared": False}
+    busy = {**quiet, "busy_cores": 9.0, "other_cores": 7.9, "load_1min": 17.0, "shared": True}
+    text = run_all.load_lines(
+        [
+            {"config": "fusepatch", "host_load": quiet},
+            {"config": "hf-fast", "host_load": busy},
+            {"config": "liger", "host_load": {"error": "no /proc/stat on this system"}},
+            {"config": "eager"},  # a result from before the field: no line
+        ]
+    )
+    lines = text.strip().splitlines()
+    assert lines[0].startswith("Host CPU over the synced steps")
+    assert lines[1] == ("- fusepatch: 1.2 of 16 cores busy, this process 1.1, other processes 0.1; load average 1.3")
+    assert lines[2].endswith("other processes 7.9; load average 17.0 **shared host**")
+    assert lines[3] == "- liger: not measured (no /proc/stat on this system)"
+    assert len(lines) == 4
+    assert run_all.load_lines([{"config": "eager"}]) == ""
