@@ -67,12 +67,14 @@ case "$phase" in
       # NICE=10: the compiling workers yield the CPU to a benchmark running in the other lane
       # setsid: the group in a session of its own, killed whole afterwards. In session 24 a group cut off at its
       # limit (pytest hung after its last test) may have left workers or compilers behind, and the benchmarks
-      # after it ran on a host twice as slow (RESULTS.md); nothing of a finished group may outlive it.
-      FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR=/tmp/errors setsid timeout ${TEST_TIMEOUT:-230} nice -n ${NICE:-0} python3 -m pytest \
+      # after it ran on a host twice as slow (RESULTS.md); nothing of a finished group may outlive it. (Without
+      # setsid the group runs as before, and the kill below finds nothing.)
+      FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR=/tmp/errors $(command -v setsid) timeout ${TEST_TIMEOUT:-230} nice -n ${NICE:-0} python3 -m pytest \
         $files ${K:+-k "$K"} -n ${WORKERS:-8} -v -rfE --tb=short --timeout ${PER_TEST:-220} -p no:cacheprovider \
         > "$OUT/gpu-tests${TAG:+-$TAG}-$i.log" 2>&1 &
       sid=$!; wait $sid; echo "exit $? (TEST_TIMEOUT=${TEST_TIMEOUT:-230}: 124 is the group cut off)" >> "$OUT/gpu-tests${TAG:+-$TAG}-$i.log"
-      left=$(pgrep -s $sid | wc -l); [ "$left" -gt 0 ] && echo "killing $left processes the group left behind" | tee -a "$OUT/gpu-tests${TAG:+-$TAG}-$i.log"
+      left=$(ps -o stat= -s $sid 2>/dev/null | grep -vc '^Z')  # live ones: a dead child waits for its reaper as Z
+      [ "$left" -gt 0 ] && echo "killing $left processes the group left behind" | tee -a "$OUT/gpu-tests${TAG:+-$TAG}-$i.log"
       pkill -9 -s $sid 2>/dev/null
       grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu-tests${TAG:+-$TAG}-$i.log" | grep -v "^tests/" | sed 's/^\[gw[0-9]*\] //' | tail -45
     done
