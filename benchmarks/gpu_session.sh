@@ -70,7 +70,7 @@ case "$phase" in
       # after it ran on a host twice as slow (RESULTS.md); nothing of a finished group may outlive it. (Without
       # setsid the group runs as before, and the kill below finds nothing.)
       FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR=/tmp/errors $(command -v setsid) timeout ${TEST_TIMEOUT:-230} nice -n ${NICE:-0} python3 -m pytest \
-        $files ${K:+-k "$K"} -n ${WORKERS:-8} -v -rfE --tb=short --timeout ${PER_TEST:-220} -p no:cacheprovider \
+        $files ${K:+-k "$K"} -n ${WORKERS:-8} -v -rfE --tb=short --durations=20 --timeout ${PER_TEST:-220} -p no:cacheprovider \
         > "$OUT/gpu-tests${TAG:+-$TAG}-$i.log" 2>&1 &
       sid=$!; wait $sid; echo "exit $? (TEST_TIMEOUT=${TEST_TIMEOUT:-230}: 124 is the group cut off)" >> "$OUT/gpu-tests${TAG:+-$TAG}-$i.log"
       left=$(ps -o stat= -s $sid 2>/dev/null | grep -vc '^Z')  # live ones: a dead child waits for its reaper as Z
