@@ -4,8 +4,9 @@ Why: a CPU-bound forward runs as fast as its one Python thread gets a core. In s
 library code spent 113 ms of host time on the 2B-like forward where session 23 spent 41, and hf-fast's profiled
 step idled 89 ms where it had idled 12: the benchmarks ran right after a GPU test group that had been cut off at
 its time limit, and nothing recorded whether anything else was running. This does, from ``/proc/stat`` (every
-core's busy time) and this process's own CPU time: what remains is other processes'. Linux only; elsewhere the
-summary says why it is empty.
+core's busy time) and this process's own CPU time: what remains is other processes'. Those include the clock
+sampler's ``nvidia-smi`` (gpu_clocks.py; a small part of one core), which is why a row is marked shared only from
+a whole core up. Linux only; elsewhere the summary says why it is empty.
 """
 
 from __future__ import annotations
