@@ -18,17 +18,16 @@ import time
 SHARED_CORES = 1.0
 
 
-def _busy_and_total_s() -> tuple[float, float] | None:
-    """All cores' busy and total seconds since boot (``/proc/stat``'s first line), or None off Linux."""
+def _busy_s() -> float | None:
+    """All cores' busy seconds since boot (``/proc/stat``'s first line), or None off Linux."""
     try:
         with open("/proc/stat") as stat:
             fields = [int(x) for x in stat.readline().split()[1:]]
     except (OSError, ValueError):
         return None
-    tick = os.sysconf("SC_CLK_TCK")
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     total = sum(fields[:8])  # user .. steal (guest time is already counted in user)
-    return (total - idle) / tick, total / tick
+    return (total - idle) / os.sysconf("SC_CLK_TCK")
 
 
 class HostLoad:
@@ -36,17 +35,17 @@ class HostLoad:
     process's share (all its threads) and the rest's, and the 1-minute load average at the end."""
 
     def __init__(self) -> None:
-        self._start: tuple[float, float] | None = None
+        self._start: float | None = None
         self._own = self._wall = 0.0
-        self._end: tuple[float, float] | None = None
+        self._end: float | None = None
 
     def __enter__(self) -> HostLoad:
-        self._start = _busy_and_total_s()
+        self._start = _busy_s()
         self._own, self._wall = time.process_time(), time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._end = _busy_and_total_s()
+        self._end = _busy_s()
         self._own = time.process_time() - self._own
         self._wall = time.perf_counter() - self._wall
 
@@ -54,10 +53,9 @@ class HostLoad:
         if self._start is None or self._end is None:
             return {"error": "no /proc/stat on this system"}
         cores = os.cpu_count() or 1
-        busy_s, total_s = (end - start for end, start in zip(self._end, self._start))
-        wall = self._wall if self._wall > 0 else total_s / cores
-        busy_cores = busy_s / wall if wall > 0 else 0.0
-        own_cores = self._own / wall if wall > 0 else 0.0
+        wall = max(self._wall, 1e-9)  # the block's wall time (perf_counter: monotonic)
+        busy_cores = (self._end - self._start) / wall
+        own_cores = self._own / wall
         other = max(0.0, busy_cores - own_cores)
         result = {
             "cores": cores,
