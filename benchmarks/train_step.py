@@ -100,6 +100,8 @@ AB_KNOBS = {
     # the forward's packed-rows checks read the GPU as before (transformers' `.all()`, fusepatch's `nonzero`), for
     # batches given no positions (layers/positions.py)
     "BENCH_KEEP_SYNCS": ("fusepatch.layers.positions", "ENABLED", False),
+    # the rotary cos/sin of plain positions recomputed every step, as transformers does (layers/rotary_embedding.py)
+    "BENCH_NO_ROPE_TABLES": ("fusepatch.layers.rotary_embedding", "ENABLED", False),
     # the delta rule's q/k/w/g gradients at fla's own tiling (ops/dqkwg.py)
     "BENCH_FLA_DQKWG": ("fusepatch.ops.dqkwg", "ENABLED", False),
     # fla's functions through its per-call backend dispatch, as fla exports them (ops/fla_direct.py)

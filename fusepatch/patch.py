@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from fusepatch.env import capture, flag_set
-from fusepatch.layers import mlp_recompute
+from fusepatch.layers import mlp_recompute, rotary_embedding
 from fusepatch.layers.positions import install_packed_check
 from fusepatch.layers.simple import swiglu_mlp_forward
 from fusepatch.ops import OPS
@@ -261,6 +261,7 @@ def _replicate_patched(self: torch.nn.Module) -> torch.nn.Module:
         instance_forward=_rebind(state.instance_forward, self, replica),
     )
     replica.forward = types.MethodType(state.row.forward, replica)
+    replica.__dict__.pop(rotary_embedding.TABLES, None)  # the tables are per device: the replica keeps its own
     replica._replicate_for_data_parallel = types.MethodType(_replicate_patched, replica)
     return replica
 
@@ -277,6 +278,7 @@ def revert(model: torch.nn.Module) -> int:
         else:
             module.forward = state.instance_forward
         module.__dict__.pop("_replicate_for_data_parallel", None)
+        module.__dict__.pop(rotary_embedding.TABLES, None)
         del module._fusepatch
         restored += 1
     logger.info("fusepatch: reverted %d modules", restored)

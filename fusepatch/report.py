@@ -110,6 +110,8 @@ class PatchReport:
             for op in layer.planned:
                 rows.append((label, op, "eager", "planned: no fused forward in this release"))
                 label = ""
+            if label and layer.patched:  # a forward with no kernel op (the rotary tables): say what it does
+                rows.append((label, "-", "patched", layer.note))
         if rows:
             widths = [max(len(r[i]) for r in rows + [("layer", "op", "kernel", "")]) for i in range(3)]
             lines.append(

@@ -7,7 +7,6 @@ gradient). Logits are then not returned unless the call asks with ``return_logit
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fusepatch.layers.labelled_rows import LabelledRows
@@ -46,7 +45,7 @@ def causal_lm_forward(
     if wants_plain_positions(position_ids, attention_mask, past_key_values, kwargs, reference):
         # the positions transformers would build, known to hold one document a row: no read of the GPU to find out
         inputs["position_ids"] = plain_positions(reference.shape[0], reference.shape[1], reference.device)
-    rows = LabelledRows(_shifted(labels, kwargs.pop("shift_labels", None)))  # counted ahead of the forward
+    rows = _labelled_rows(labels, kwargs.pop("shift_labels", None))  # counted ahead of the forward
     outputs = self.model(**inputs, **kwargs)
     hidden = outputs.last_hidden_state
     loss = _fused_loss(dispatch, hidden, self.lm_head.weight, rows, kwargs.get("num_items_in_batch"))
@@ -96,11 +95,9 @@ def _fuses_loss(self, dispatch, labels, logits_to_keep, device_type: str) -> boo
     )
 
 
-def _shifted(labels: torch.Tensor, shift_labels: torch.Tensor | None) -> torch.Tensor:
+def _labelled_rows(labels: torch.Tensor, shift_labels: torch.Tensor | None) -> LabelledRows:
     """The label each position predicts: token t+1 at position t, nothing (-100) at the last; or the caller's."""
-    if shift_labels is not None:
-        return shift_labels
-    return F.pad(labels, (0, 1), value=-100)[..., 1:]
+    return LabelledRows(labels, shift=True) if shift_labels is None else LabelledRows(shift_labels)
 
 
 def _fused_loss(dispatch, hidden, weight, rows: LabelledRows, num_items_in_batch):
@@ -129,7 +126,7 @@ def conditional_generation_forward(self, *args, labels=None, logits_to_keep=0, *
     weight = self.lm_head.weight
     if not _fuses_loss(self, dispatch, labels, logits_to_keep, weight.device.type):
         return state.original(*args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
-    rows = LabelledRows(_shifted(labels, kwargs.pop("shift_labels", None)))  # counted ahead of the forward
+    rows = _labelled_rows(labels, kwargs.pop("shift_labels", None))  # counted ahead of the forward
     captured = []
 
     def keep(module, inputs, output):

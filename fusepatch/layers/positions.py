@@ -24,10 +24,28 @@ ENABLED = True  # off: the checks read the GPU as before (benchmarks: BENCH_KEEP
 _MARK = "_fusepatch_plain_positions"
 
 
+_KEPT = 8  # aranges kept for reuse (one per length and device; a varying length keeps the latest few)
+_aranges: dict[tuple, torch.Tensor] = {}
+
+
 def plain_positions(batch: int, length: int, device: torch.device) -> torch.Tensor:
-    """``[batch, length]`` positions ``0..length-1`` in every row (a view of one ``arange``), marked plain."""
-    base = torch.arange(length, device=device)
-    setattr(base, _MARK, base._version)
+    """``[batch, length]`` positions ``0..length-1`` in every row (a view of one ``arange``), marked plain.
+
+    The ``arange`` of a length is made once and reused while it is unchanged (its version counter): one launch
+    less at the start of every step, where the GPU waits on each one (layers/rotary_embedding.py says why)."""
+    if torch.compiler.is_compiling():  # a traced graph makes its own (no cache lookups to guard on)
+        base = torch.arange(length, device=device)
+        setattr(base, _MARK, base._version)
+        return base.unsqueeze(0).expand(batch, length)
+    key = (length, torch.device(device))
+    base = _aranges.get(key)
+    if base is None or getattr(base, _MARK, None) != base._version:
+        base = torch.arange(length, device=device)
+        setattr(base, _MARK, base._version)
+        _aranges.pop(key, None)
+        while len(_aranges) >= _KEPT:
+            _aranges.pop(next(iter(_aranges)))
+        _aranges[key] = base
     return base.unsqueeze(0).expand(batch, length)
 
 
@@ -39,11 +57,27 @@ def is_plain(positions: torch.Tensor | None) -> bool:
         return False
     if torch.compiler.is_compiling():  # traced graphs keep transformers' own checks (it skips them there too)
         return False
+    if positions.is_inference():  # made in inference mode: no version counter to trust (and none of ours)
+        return False
     if positions.ndim == 0 or positions.stride(-1) != 1:  # a strided view (every other position) is not 0, 1, 2..
         return False
     root = positions if positions._base is None else positions._base
     mark = getattr(root, _MARK, None)
     return mark is not None and mark == root._version
+
+
+def is_whole_plain(positions: torch.Tensor | None) -> bool:
+    """Whether ``positions`` holds exactly ``0..T-1`` in every row: plain (:func:`is_plain`), and a view that
+    only adds broadcast dimensions to the whole ``arange`` (no tail, no slice), as transformers' ``expand`` and
+    Qwen3.5's mrope rows make. Values, not only the absence of document starts, are then known on the host."""
+    if not is_plain(positions):
+        return False
+    root = positions if positions._base is None else positions._base
+    return (
+        positions.storage_offset() == root.storage_offset()
+        and positions.shape[-1] == root.numel()
+        and all(stride == 0 or size == 1 for size, stride in zip(positions.shape[:-1], positions.stride()[:-1]))
+    )
 
 
 def wants_plain_positions(
@@ -53,6 +87,7 @@ def wants_plain_positions(
     a mask, a cache or cache positions, precomputed varlen boundaries)."""
     return (
         ENABLED
+        and not torch.is_inference_mode_enabled()  # inference tensors keep no version counter to mark
         and position_ids is None
         and attention_mask is None
         and past_key_values is None

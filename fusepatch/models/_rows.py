@@ -6,6 +6,7 @@ from fusepatch.layers.attention import attention_forward, gated_attention_forwar
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward
 from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
 from fusepatch.layers.gated_deltanet import gated_deltanet_forward
+from fusepatch.layers.rotary_embedding import rotary_embedding_forward
 from fusepatch.layers.simple import (
     experts_forward,
     rms_norm_forward,
@@ -17,11 +18,13 @@ from fusepatch.registry import Row
 GDN_OPS = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm")
 ATTENTION_OPS = ("rotary", "varlen_attention")
 GATED_ATTENTION_OPS = ("rotary", "attention_gate", "varlen_attention")
+ROPE_TABLES = "cos/sin of plain positions computed once, reused across steps (no kernel)"
 
 __all__ = [
     "ATTENTION_OPS",
     "GATED_ATTENTION_OPS",
     "GDN_OPS",
+    "ROPE_TABLES",
     "Row",
     "attention_forward",
     "causal_lm_forward",
@@ -33,5 +36,6 @@ __all__ = [
     "hybrid_decoder_layer_forward",
     "rms_norm_forward",
     "rms_norm_zero_centered_forward",
+    "rotary_embedding_forward",
     "swiglu_mlp_forward",
 ]

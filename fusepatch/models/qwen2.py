@@ -2,12 +2,14 @@
 
 from fusepatch.models._rows import (
     ATTENTION_OPS,
+    ROPE_TABLES,
     Row,
     attention_forward,
     causal_lm_forward,
     decoder_layer_forward,
     experts_forward,
     rms_norm_forward,
+    rotary_embedding_forward,
     swiglu_mlp_forward,
 )
 
@@ -20,12 +22,14 @@ ROWS = [
     Row(DENSE, DENSE_MODULE, "Qwen2RMSNorm", ("rms_norm",), rms_norm_forward),
     Row(DENSE, DENSE_MODULE, "Qwen2MLP", ("swiglu",), swiglu_mlp_forward),
     Row(DENSE, DENSE_MODULE, "Qwen2DecoderLayer", ("add_rms_norm",), decoder_layer_forward),
+    Row(DENSE, DENSE_MODULE, "Qwen2RotaryEmbedding", (), rotary_embedding_forward, note=ROPE_TABLES),
     Row(DENSE, DENSE_MODULE, "Qwen2Attention", ATTENTION_OPS, attention_forward),
     Row(DENSE, DENSE_MODULE, "Qwen2ForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeRMSNorm", ("rms_norm",), rms_norm_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeMLP", ("swiglu",), swiglu_mlp_forward, note="experts and shared expert"),
     Row(MOE, MOE_MODULE, "Qwen2MoeExperts", ("moe_experts",), experts_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeDecoderLayer", ("add_rms_norm",), decoder_layer_forward),
+    Row(MOE, MOE_MODULE, "Qwen2MoeRotaryEmbedding", (), rotary_embedding_forward, note=ROPE_TABLES),
     Row(MOE, MOE_MODULE, "Qwen2MoeAttention", ATTENTION_OPS, attention_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
 ]

@@ -3,6 +3,7 @@
 from fusepatch.models._rows import (
     GATED_ATTENTION_OPS,
     GDN_OPS,
+    ROPE_TABLES,
     Row,
     causal_lm_forward,
     conditional_generation_forward,
@@ -11,6 +12,7 @@ from fusepatch.models._rows import (
     gated_deltanet_forward,
     hybrid_decoder_layer_forward,
     rms_norm_zero_centered_forward,
+    rotary_embedding_forward,
     swiglu_mlp_forward,
 )
 
@@ -32,6 +34,7 @@ ROWS = [
     ),
     Row(DENSE, DENSE_MODULE, "Qwen3_5RMSNorm", ("rms_norm_zero_centered",), rms_norm_zero_centered_forward),
     Row(DENSE, DENSE_MODULE, "Qwen3_5MLP", ("swiglu",), swiglu_mlp_forward),
+    Row(DENSE, DENSE_MODULE, "Qwen3_5TextRotaryEmbedding", (), rotary_embedding_forward, note=ROPE_TABLES),
     Row(
         DENSE,
         DENSE_MODULE,
@@ -61,6 +64,7 @@ ROWS = [
     Row(MOE, MOE_MODULE, "Qwen3_5MoeRMSNorm", ("rms_norm_zero_centered",), rms_norm_zero_centered_forward),
     Row(MOE, MOE_MODULE, "Qwen3_5MoeMLP", ("swiglu",), swiglu_mlp_forward, note="shared expert"),
     Row(MOE, MOE_MODULE, "Qwen3_5MoeExperts", ("moe_experts",), experts_forward),
+    Row(MOE, MOE_MODULE, "Qwen3_5MoeTextRotaryEmbedding", (), rotary_embedding_forward, note=ROPE_TABLES),
     Row(
         MOE,
         MOE_MODULE,

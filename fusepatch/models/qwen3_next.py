@@ -3,6 +3,7 @@
 from fusepatch.models._rows import (
     GATED_ATTENTION_OPS,
     GDN_OPS,
+    ROPE_TABLES,
     Row,
     causal_lm_forward,
     experts_forward,
@@ -10,6 +11,7 @@ from fusepatch.models._rows import (
     gated_deltanet_forward,
     hybrid_decoder_layer_forward,
     rms_norm_zero_centered_forward,
+    rotary_embedding_forward,
     swiglu_mlp_forward,
 )
 
@@ -29,6 +31,7 @@ ROWS = [
     Row(TYPES, MODULE, "Qwen3NextRMSNorm", ("rms_norm_zero_centered",), rms_norm_zero_centered_forward),
     Row(TYPES, MODULE, "Qwen3NextMLP", ("swiglu",), swiglu_mlp_forward, note="dense and shared-expert MLP"),
     Row(TYPES, MODULE, "Qwen3NextExperts", ("moe_experts",), experts_forward),
+    Row(TYPES, MODULE, "Qwen3NextRotaryEmbedding", (), rotary_embedding_forward, note=ROPE_TABLES),
     Row(TYPES, MODULE, "Qwen3NextAttention", GATED_ATTENTION_OPS, gated_attention_forward, note="gated full attention"),
     Row(TYPES, MODULE, "Qwen3NextForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
 ]
