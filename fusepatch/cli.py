@@ -44,6 +44,8 @@ def _list(args: argparse.Namespace) -> int:
         for name in row.ops:
             ops.append(f"{name} [{' > '.join(c.name for c in ordered(OPS[name], prefer))} > eager]")
         ops += [f"{name} [planned]" for name in row.planned]
+        if not ops and row.note:  # a forward with no kernel op (the rotary tables): what it does instead
+            ops.append(f"({row.note})")
         patched = "patched" if row.forward is not None else "not patched"
         print(f"{'/'.join(row.model_types):28s} {row.layer:36s} {patched:12s} {'; '.join(ops)}")
     return 0

@@ -66,6 +66,8 @@ def test_list_shows_the_registry():
         and "gated_delta_rule [fla-graphed > fla-saved-states-grouped > fla-saved-states > fla > fla-gate-outside > hub:kernels-community/fla"
         in text
     )
+    # a row with no kernel op says what its forward does instead
+    assert "Qwen3RotaryEmbedding                 patched      (cos/sin of plain positions computed once" in text
     data = json.loads(_run("list", "--json").stdout)
     layers = {row["layer"] for row in data["rows"]}
     assert {"Qwen3_5GatedDeltaNet", "Qwen3NextGatedDeltaNet", "Qwen2RMSNorm", "Qwen3MoeExperts"} <= layers

@@ -18,7 +18,7 @@ from fusepatch.registry import Row
 GDN_OPS = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm")
 ATTENTION_OPS = ("rotary", "varlen_attention")
 GATED_ATTENTION_OPS = ("rotary", "attention_gate", "varlen_attention")
-ROPE_TABLES = "cos/sin of plain positions computed once, reused across steps (no kernel)"
+ROPE_TABLES = "cos/sin of plain positions computed once and reused across steps; no kernel"
 
 __all__ = [
     "ATTENTION_OPS",
