@@ -103,6 +103,13 @@ def test_changed_tables_or_frequencies_are_recomputed():
     assert torch.equal(doubled, again)
 
 
+def test_report_lists_the_rotary_row_as_patched_without_a_kernel():
+    model = tiny_model("qwen3")
+    text = str(fusepatch.apply(model))
+    line = next(line for line in text.splitlines() if "Qwen3RotaryEmbedding x1" in line)
+    assert " - " in line and "patched" in line and "no kernel" in line, line
+
+
 def test_revert_drops_the_tables():
     model, rotary = _patched_rotary("qwen2")
     x = torch.randn(1, 5, 8)
