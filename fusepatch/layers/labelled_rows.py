@@ -39,7 +39,6 @@ class LabelledRows:
 
     def __init__(self, labels: torch.Tensor, *, shift: bool = False):
         self._given = labels
-        self._shift = shift
         self._shifted: torch.Tensor | None = None if shift else labels.reshape(-1)
         self.total = labels.numel()
         self._event = None

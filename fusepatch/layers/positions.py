@@ -34,19 +34,31 @@ def plain_positions(batch: int, length: int, device: torch.device) -> torch.Tens
     The ``arange`` of a length is made once and reused while it is unchanged (its version counter): one launch
     less at the start of every step, where the GPU waits on each one (layers/rotary_embedding.py says why)."""
     if torch.compiler.is_compiling():  # a traced graph makes its own (no cache lookups to guard on)
-        base = torch.arange(length, device=device)
-        setattr(base, _MARK, base._version)
-        return base.unsqueeze(0).expand(batch, length)
+        return _marked_arange(length, device).unsqueeze(0).expand(batch, length)
     key = (length, torch.device(device))
     base = _aranges.get(key)
     if base is None or getattr(base, _MARK, None) != base._version:
-        base = torch.arange(length, device=device)
-        setattr(base, _MARK, base._version)
-        _aranges.pop(key, None)
-        while len(_aranges) >= _KEPT:
-            _aranges.pop(next(iter(_aranges)))
-        _aranges[key] = base
+        base = remember(_aranges, key, _marked_arange(length, device), _KEPT)
     return base.unsqueeze(0).expand(batch, length)
+
+
+def _marked_arange(length: int, device: torch.device) -> torch.Tensor:
+    base = torch.arange(length, device=device)
+    setattr(base, _MARK, base._version)
+    return base
+
+
+def remember(store: dict, key, value, limit: int):
+    """``store[key] = value`` as the newest entry, dropping the oldest beyond ``limit``; returns ``value``."""
+    store.pop(key, None)
+    while len(store) >= limit:
+        store.pop(next(iter(store)))
+    store[key] = value
+    return value
+
+
+def _root(positions: torch.Tensor) -> torch.Tensor:
+    return positions if positions._base is None else positions._base
 
 
 def is_plain(positions: torch.Tensor | None) -> bool:
@@ -61,7 +73,7 @@ def is_plain(positions: torch.Tensor | None) -> bool:
         return False
     if positions.ndim == 0 or positions.stride(-1) != 1:  # a strided view (every other position) is not 0, 1, 2..
         return False
-    root = positions if positions._base is None else positions._base
+    root = _root(positions)
     mark = getattr(root, _MARK, None)
     return mark is not None and mark == root._version
 
@@ -72,7 +84,7 @@ def is_whole_plain(positions: torch.Tensor | None) -> bool:
     Qwen3.5's mrope rows make. Values, not only the absence of document starts, are then known on the host."""
     if not is_plain(positions):
         return False
-    root = positions if positions._base is None else positions._base
+    root = _root(positions)
     return (
         positions.storage_offset() == root.storage_offset()
         and positions.shape[-1] == root.numel()

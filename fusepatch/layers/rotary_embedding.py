@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusepatch.layers.positions import is_whole_plain
+from fusepatch.layers.positions import is_whole_plain, remember
 
 ENABLED = True  # off: every call recomputes (benchmarks: BENCH_NO_ROPE_TABLES=1 for an A/B row)
 STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # inv_freq and scaling fixed after __init__
@@ -64,8 +64,5 @@ def rotary_embedding_forward(self, x: torch.Tensor, position_ids: torch.Tensor, 
     cos, sin = self._fusepatch.original(x, position_ids)
     if cos.requires_grad or sin.requires_grad:  # never the case for a buffer's tables; kept out to be sure
         return cos, sin
-    tables.pop(key, None)
-    while len(tables) >= KEPT:
-        tables.pop(next(iter(tables)))
-    tables[key] = _Tables(cos, sin, (cos._version, sin._version), self.inv_freq)
+    remember(tables, key, _Tables(cos, sin, (cos._version, sin._version), self.inv_freq), KEPT)
     return cos, sin
