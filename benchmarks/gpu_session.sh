@@ -6,6 +6,7 @@
 #                                                      #   (TESTS=files, K=filter, TAG=log name suffix)
 #   bash benchmarks/gpu_session.sh built               # the built causal-conv1d wheel: install it, test it, doctor
 #   bash benchmarks/gpu_session.sh bench 27b [layers]  # call 3+: the benchmark table for one shape
+#   CONFIGS=fusepatch bash benchmarks/gpu_session.sh probe 27b  # where a synced step's forward waits for the host
 #   bash benchmarks/gpu_session.sh loss 27b            # the loss alone (benchmarks/loss_bench.py)
 #   bash benchmarks/gpu_session.sh norm                # the RMSNorm candidates alone (benchmarks/norm_bench.py)
 #   bash benchmarks/gpu_session.sh moe                 # the MoE experts op alone, per candidate (benchmarks/moe_bench.py)
@@ -124,6 +125,16 @@ EOF
       --workdir "/tmp/$name" --out "$OUT/$name.json" --timeout ${BENCH_TIMEOUT:-400} ${VARY:+--vary-seq $VARY} ${DOCS:+--packed-docs $DOCS} ${PROMPT:+--prompt $PROMPT} \
       --configs "${CONFIGS:-hf-fast,fusepatch,liger,eager,fusepatch-no-tilelang,hf-fast-no-tilelang}" 2>&1 | tee "$OUT/$name.md"
     tar czf "$OUT/$name-logs.tgz" -C /tmp "$name" ;;
+  probe)
+    # where the GPU waits for the host in a synced step's forward (benchmarks/step_start.py), per CONFIGS
+    need_tilelang
+    shape=${2:-27b}
+    pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
+    configs=${CONFIGS:-fusepatch}
+    for config in ${configs//,/ }; do
+      PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/step_start.py --shape "$shape" \
+        --config "$config" --json-out "$OUT/start-$shape-$config.json" 2>&1 | tee "$OUT/start-$shape-$config.md" | tail -${PROBE_TAIL:-60}
+    done ;;
   loss)
     # the loss alone at a shape's real sizes: eager logits vs the fused candidates vs Liger
     need_tilelang
