@@ -93,10 +93,91 @@ def _causal_conv1d_adapter(causal_conv1d_fn):
     return causal_conv1d_cuda
 
 
+def _arity(fn) -> int | None:
+    """How many arguments a pybind11 function takes, from the signature line pybind11 writes first in its
+    docstring (``name(arg0: ..., arg1: ...) -> None``); None where there is no such line."""
+    lines = (getattr(fn, "__doc__", None) or "").strip().splitlines()
+    line = lines[0] if lines else ""
+    if "(" not in line or ")" not in line:
+        return None
+    inside = line[line.index("(") + 1 : line.rindex(")")]
+    if not inside.strip():
+        return 0
+    commas, depth = 0, 0
+    for char in inside:  # the commas between arguments, not those inside a type such as tuple[int, int]
+        if char in "[(":
+            depth += 1
+        elif char in "])":
+            depth -= 1
+        elif char == "," and depth == 0:
+            commas += 1
+    return commas + 1
+
+
+def _direct_conv():
+    """causal-conv1d's compiled forward and backward called from fusepatch's own autograd function, past the
+    package's ``torch.library.custom_op`` wrappers; None where the extension is not the one this call matches.
+
+    Since 1.5 the package routes every call through two custom ops (``DaoAILab::_causal_conv1d_fwd_cpp`` /
+    ``_bwd_cpp``), which torch.compile needs but which cost the host a custom op's dispatch each way: on the
+    H200's host the conv's call took 243 us a layer against ~100 us for the Triton launches around it
+    (benchmarks/step_start.py, RESULTS.md session 26), in layer 0 of a synced step where the GPU waits for the
+    host. The kernels, their arguments and the buffers (channel-last ``out``/``dx``, fp32 ``dweight``/``dbias``
+    cast back) are the package's own, so the results are too; under torch.compile the package's function runs."""
+    try:
+        import causal_conv1d_cuda as ext
+    except ImportError:
+        return None
+    # 1.5-1.7: fwd(x, weight, bias, seq_idx, initial_states, out, final_states_out, silu) -> None and
+    # bwd(x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx, dweight, dbias, dinitial_states, silu)
+    if _arity(getattr(ext, "causal_conv1d_fwd", None)) != 8 or _arity(getattr(ext, "causal_conv1d_bwd", None)) != 12:
+        return None
+
+    class _CausalConv1d(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, bias, seq_idx, silu: bool):
+            if x.stride(2) != 1 and x.stride(1) != 1:  # the kernels take channel-first or channel-last rows
+                x = x.contiguous()
+            bias = bias.contiguous() if bias is not None else None
+            seq_idx = seq_idx.contiguous() if seq_idx is not None else None
+            out = torch.empty_like(x)  # x's layout (channel-last here)
+            ext.causal_conv1d_fwd(x, weight, bias, seq_idx, None, out, None, silu)
+            ctx.save_for_backward(x, weight, bias, seq_idx)
+            ctx.silu = silu
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            x, weight, bias, seq_idx = ctx.saved_tensors
+            if dout.stride(2) != 1 and dout.stride(1) != 1:
+                dout = dout.contiguous()
+            dx = torch.empty_like(x)
+            dweight = torch.zeros_like(weight, dtype=torch.float32)
+            dbias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None else None
+            ext.causal_conv1d_bwd(x, weight, bias, dout, seq_idx, None, None, dx, dweight, dbias, None, ctx.silu)
+            return dx, dweight.type_as(weight), dbias.type_as(bias) if bias is not None else None, None, None
+
+    def causal_conv1d_direct(x, weight, bias=None, seq_idx=None, activation=None):
+        if activation not in (None, "silu", "swish"):
+            raise NotImplementedError("activation must be None, silu, or swish")
+        return _CausalConv1d.apply(x, weight, bias, seq_idx, activation in ("silu", "swish"))
+
+    return causal_conv1d_direct
+
+
 def _load_causal_conv1d():
     from causal_conv1d import causal_conv1d_fn
 
-    return _causal_conv1d_adapter(causal_conv1d_fn)
+    direct = _direct_conv()
+    if direct is None:
+        return _causal_conv1d_adapter(causal_conv1d_fn)
+
+    def either(x, weight, bias=None, seq_idx=None, activation=None):
+        if torch.compiler.is_compiling():  # the package's custom ops are what dynamo can trace
+            return causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, activation=activation)
+        return direct(x, weight, bias, seq_idx=seq_idx, activation=activation)
+
+    return _causal_conv1d_adapter(either)
 
 
 def _load_fla_conv():
@@ -133,7 +214,7 @@ CAUSAL_CONV1D = Op(
             requirements=package_requirements("causal-conv1d", ">=1.4", "causal_conv1d", CAUSAL_CONV1D_FIX),
             load=_load_causal_conv1d,
             inputs=InputRule(kernel="causal-conv1d", dtypes=("bfloat16", "float16", "float32")),
-            provides="causal_conv1d.causal_conv1d_fn (seq_idx for packed rows)",
+            provides="causal_conv1d's kernels, called past its custom ops (its causal_conv1d_fn under torch.compile; seq_idx for packed rows)",
             distribution="causal-conv1d",
         ),
         Candidate(
