@@ -106,6 +106,10 @@ AB_KNOBS = {
     "BENCH_FLA_DQKWG": ("fusepatch.ops.dqkwg", "ENABLED", False),
     # fla's functions through its per-call backend dispatch, as fla exports them (ops/fla_direct.py)
     "BENCH_FLA_DISPATCH": ("fusepatch.ops.fla_direct", "ENABLED", False),
+    # causal-conv1d through the package's function and its torch.library custom ops (ops/causal_conv1d.py)
+    "BENCH_CONV_CUSTOM_OPS": ("fusepatch.ops.causal_conv1d", "DIRECT", False),
+    # the labelled-row count queued before the forward, not after the first decoder layer (layers/causal_lm.py)
+    "BENCH_COUNT_FIRST": ("fusepatch.layers.causal_lm", "COUNT_AFTER_FIRST_LAYER", False),
 }
 
 

@@ -328,3 +328,42 @@ def test_causal_lm_loss_runs_on_the_labelled_rows_only(chunked_on_cpu, monkeypat
     # 2 rows of 33: 19 prompt labels and the last position ignored in each, 26 rows left; the self-test's own
     # calls (fresh random inputs) come first
     assert 26 in seen and 66 not in seen[-3:], seen
+
+
+def test_labelled_rows_are_counted_after_the_first_decoder_layer(chunked_on_cpu, monkeypatch):
+    """The count is queued once layer 0's forward is (the GPU then has work ahead of the host; a synced step's
+    GPU waited on each of its launches before the forward), once a forward, and the hook is gone afterwards, also
+    when the forward raises. A ``LabelledRows`` nobody started counts when the loss reads it."""
+    from fusepatch.layers import labelled_rows
+
+    model = tiny_model("qwen3")
+    fusepatch.apply(model)
+    order = []
+    layers = model.model.layers
+    layers[0].register_forward_pre_hook(lambda *_: order.append("layer 0"))
+    layers[1].register_forward_pre_hook(lambda *_: order.append("layer 1"))
+    start = labelled_rows.LabelledRows.start
+
+    def spy(self):
+        order.append("count")
+        start(self)
+
+    monkeypatch.setattr(labelled_rows.LabelledRows, "start", spy)
+    hooks_before = len(layers[0]._forward_hooks)
+    ids = torch.randint(0, 100, (2, 17))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert order[:3] == ["layer 0", "count", "layer 1"], order
+    assert order.count("count") == 2  # the hook's start, and kept()'s call, which finds it started
+    assert len(layers[0]._forward_hooks) == hooks_before
+
+    def fail(*_):
+        raise RuntimeError("a layer failed")
+
+    handle = layers[1].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="a layer failed"):
+        model(input_ids=ids, labels=ids)
+    handle.remove()
+    assert len(layers[0]._forward_hooks) == hooks_before
+
+    rows = labelled_rows.LabelledRows(ids, shift=True, start=False)
+    assert rows.kept() == 32 and rows._started  # counted on reading: 2 rows of 16 labelled positions

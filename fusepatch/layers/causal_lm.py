@@ -45,8 +45,13 @@ def causal_lm_forward(
     if wants_plain_positions(position_ids, attention_mask, past_key_values, kwargs, reference):
         # the positions transformers would build, known to hold one document a row: no read of the GPU to find out
         inputs["position_ids"] = plain_positions(reference.shape[0], reference.shape[1], reference.device)
-    rows = _labelled_rows(labels, kwargs.pop("shift_labels", None))  # counted ahead of the forward
-    outputs = self.model(**inputs, **kwargs)
+    rows = _labelled_rows(labels, kwargs.pop("shift_labels", None), start=False)
+    counting = _count_after_first_layer(self.model, rows)
+    try:
+        outputs = self.model(**inputs, **kwargs)
+    finally:
+        if counting is not None:
+            counting.remove()
     hidden = outputs.last_hidden_state
     loss = _fused_loss(dispatch, hidden, self.lm_head.weight, rows, kwargs.get("num_items_in_batch"))
     logits = self.lm_head(hidden) if return_logits else None
@@ -95,9 +100,31 @@ def _fuses_loss(self, dispatch, labels, logits_to_keep, device_type: str) -> boo
     )
 
 
-def _labelled_rows(labels: torch.Tensor, shift_labels: torch.Tensor | None) -> LabelledRows:
+def _labelled_rows(labels: torch.Tensor, shift_labels: torch.Tensor | None, start: bool = True) -> LabelledRows:
     """The label each position predicts: token t+1 at position t, nothing (-100) at the last; or the caller's."""
-    return LabelledRows(labels, shift=True) if shift_labels is None else LabelledRows(shift_labels)
+    if shift_labels is None:
+        return LabelledRows(labels, shift=True, start=start)
+    return LabelledRows(shift_labels, start=start)
+
+
+COUNT_AFTER_FIRST_LAYER = True  # off: counted before the forward, as before (benchmarks: BENCH_COUNT_FIRST=1)
+
+
+def _count_after_first_layer(model: torch.nn.Module, rows: LabelledRows):
+    """Queue the labelled-row count once the first decoder layer's forward is queued; returns the hook's handle
+    (None: counted now, for a model without a ``layers`` list).
+
+    A synced step starts on an empty GPU queue, so until the host has queued the first long kernels every host
+    microsecond is one of the step's: the H200 probe of the 27B-shaped step (benchmarks/step_start.py, RESULTS.md
+    session 26) had the GPU waiting for the host through all of layer 0 up to its MLP, and 2.4 ms of queued work
+    ahead of the host from layer 0's end on. The count's three launches and its event cost the host ~0.2 ms there;
+    after layer 0 they cost the step nothing. The loss reads the count after the whole forward is queued, by when
+    the GPU has passed layer 0 (if not, it waits only until it has, with the later layers still queued)."""
+    layers = getattr(model, "layers", None)
+    if not COUNT_AFTER_FIRST_LAYER or not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        rows.start()
+        return None
+    return layers[0].register_forward_hook(lambda module, args, output: rows.start())
 
 
 def _fused_loss(dispatch, hidden, weight, rows: LabelledRows, num_items_in_batch):

@@ -33,21 +33,34 @@ class LabelledRows:
     the flattened hidden state and of the labels (or every row, see ``MIN_DROPPED``).
 
     With ``shift=True`` ``labels`` are the unshifted ones (the model's ``labels`` argument): position t predicts
-    token t+1 and the last position nothing. Before the forward only the count is queued (three small launches,
-    where the GPU waits on each); the shifted labels and the row order are made in ``select``, when the forward's
-    kernels are queued and the GPU is busy."""
+    token t+1 and the last position nothing. Only the count is queued ahead (three small launches): at once, or
+    with ``start=False`` when the caller calls ``start`` (``causal_lm``: after the first decoder layer, where the
+    GPU has work queued and no longer waits on each launch); the shifted labels and the row order are made in
+    ``select``, when the forward's kernels are queued and the GPU is busy."""
 
-    def __init__(self, labels: torch.Tensor, *, shift: bool = False):
+    def __init__(self, labels: torch.Tensor, *, shift: bool = False, start: bool = True):
         self._given = labels
+        self._shift = shift
         self._shifted: torch.Tensor | None = None if shift else labels.reshape(-1)
         self.total = labels.numel()
         self._event = None
+        self._count = None
         self._kept: int | None = None
         self._read = False
-        if torch.compiler.is_compiling() or self.total == 0:
-            self._count = None  # a traced graph keeps every row: no data-dependent shapes
+        self._started = False
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Queue the count (once; ``kept`` queues it itself if nothing did). ``start=False`` and a later call let
+        the caller queue it where the GPU has work ahead of it (``causal_lm``: after the first decoder layer)."""
+        if self._started:
             return
-        count = ((labels[..., 1:] if shift else labels) != IGNORE_INDEX).sum()
+        self._started = True
+        if torch.compiler.is_compiling() or self.total == 0:
+            return  # no count: a traced graph keeps every row (no data-dependent shapes)
+        labels = self._given
+        count = ((labels[..., 1:] if self._shift else labels) != IGNORE_INDEX).sum()
         if count.is_cuda:
             try:
                 self._count = _pinned.pop()
@@ -70,6 +83,7 @@ class LabelledRows:
         """How many rows the loss will see (None: all, untouched)."""
         if self._read:
             return self._kept
+        self.start()
         self._read = True
         if self._count is None:
             return None
