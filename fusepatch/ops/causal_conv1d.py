@@ -6,6 +6,8 @@ batch must be 1 and no output position reads an input of an earlier document.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +16,8 @@ from fusepatch.layers.packing import host_built, host_values
 from fusepatch.ops._common import CAUSAL_CONV1D_FIX, fla_requirements, package_requirements, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import CudaDevice, InputRule
+
+logger = logging.getLogger("fusepatch")
 
 
 def document_starts(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -133,7 +137,12 @@ def _direct_conv():
         return None
     # 1.5-1.7: fwd(x, weight, bias, seq_idx, initial_states, out, final_states_out, silu) -> None and
     # bwd(x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx, dweight, dbias, dinitial_states, silu)
-    if _arity(getattr(ext, "causal_conv1d_fwd", None)) != 8 or _arity(getattr(ext, "causal_conv1d_bwd", None)) != 12:
+    arities = _arity(getattr(ext, "causal_conv1d_fwd", None)), _arity(getattr(ext, "causal_conv1d_bwd", None))
+    if arities != (8, 12):
+        logger.debug(
+            "fusepatch: causal_conv1d_cuda takes %s/%s arguments (1.5-1.7: 8/12): its package's function is called",
+            *arities,
+        )
         return None
 
     class _CausalConv1d(torch.autograd.Function):
