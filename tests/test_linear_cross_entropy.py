@@ -367,3 +367,19 @@ def test_labelled_rows_are_counted_after_the_first_decoder_layer(chunked_on_cpu,
 
     rows = labelled_rows.LabelledRows(ids, shift=True, start=False)
     assert rows.kept() == 32 and rows._started  # counted on reading: 2 rows of 16 labelled positions
+
+    # a layer whose hooks run traced (layer.compile()): the hook leaves the count to the loss, outside the trace
+    from fusepatch.layers.causal_lm import _count_after_first_layer
+
+    rows = labelled_rows.LabelledRows(ids, shift=True, start=False)
+    handle = _count_after_first_layer(model.model, rows)
+    hook = layers[0]._forward_hooks[handle.id]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    hook(layers[0], (), None)
+    assert not rows._started
+    # and a traced causal-LM forward registers no hook at all (its count is off)
+    rows = labelled_rows.LabelledRows(ids, shift=True, start=False)
+    assert _count_after_first_layer(model.model, rows) is None and rows._started and rows._count is None
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    handle.remove()
+    assert len(layers[0]._forward_hooks) == hooks_before

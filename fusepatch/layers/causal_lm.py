@@ -121,10 +121,22 @@ def _count_after_first_layer(model: torch.nn.Module, rows: LabelledRows):
     after layer 0 they cost the step nothing. The loss reads the count after the whole forward is queued, by when
     the GPU has passed layer 0 (if not, it waits only until it has, with the later layers still queued)."""
     layers = getattr(model, "layers", None)
-    if not COUNT_AFTER_FIRST_LAYER or not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+    if (
+        not COUNT_AFTER_FIRST_LAYER
+        or torch.compiler.is_compiling()  # no hooks registered inside a traced forward (the count is off there)
+        or not isinstance(layers, torch.nn.ModuleList)
+        or len(layers) == 0
+    ):
         rows.start()
         return None
-    return layers[0].register_forward_hook(lambda module, args, output: rows.start())
+
+    def count(module, args, output) -> None:
+        # a compiled layer (``layer.compile()``) runs its hooks traced, where the count is off: leave it to the
+        # loss, which counts outside the trace, rather than give up the labelled-rows loss
+        if not torch.compiler.is_compiling():
+            rows.start()
+
+    return layers[0].register_forward_hook(count)
 
 
 def _fused_loss(dispatch, hidden, weight, rows: LabelledRows, num_items_in_batch):
