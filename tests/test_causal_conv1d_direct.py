@@ -1,6 +1,6 @@
 """The causal-conv1d candidate calls the package's compiled kernels past its custom ops (ops/causal_conv1d.py).
 
-A stand-in extension module with the 1.5-1.7 signatures (pybind11 signature lines in the docstrings) computes the
+A stand-in extension module with causal-conv1d 1.7's signatures (pybind11 signature lines in the docstrings) computes the
 package's results with the eager reference, so that on CPU the test checks what fusepatch adds: the argument order
 of both calls, the channel-last buffers, the fp32 weight/bias gradients cast back, the package's function under
 torch.compile and wherever the extension's signatures are not the ones it knows.

@@ -125,9 +125,9 @@ def _direct_conv():
     """causal-conv1d's compiled forward and backward called from fusepatch's own autograd function, past the
     package's ``torch.library.custom_op`` wrappers; None where the extension is not the one this call matches.
 
-    Since 1.5 the package routes every call through two custom ops (``DaoAILab::_causal_conv1d_fwd_cpp`` /
+    The package (1.7 here) routes every call through two custom ops (``DaoAILab::_causal_conv1d_fwd_cpp`` /
     ``_bwd_cpp``), which torch.compile needs but which cost the host a custom op's dispatch each way: on the
-    H200's host the conv's call took 243 us a layer against ~100 us for the Triton launches around it
+    H200's host the conv's call took 243 us through them and 163 us past them, on a host ~15% slower
     (benchmarks/step_start.py, RESULTS.md session 26), in layer 0 of a synced step where the GPU waits for the
     host. The kernels, their arguments and the buffers (channel-last ``out``/``dx``, fp32 ``dweight``/``dbias``
     cast back) are the package's own, so the results are too; under torch.compile the package's function runs."""
@@ -135,12 +135,12 @@ def _direct_conv():
         import causal_conv1d_cuda as ext
     except ImportError:
         return None
-    # 1.5-1.7: fwd(x, weight, bias, seq_idx, initial_states, out, final_states_out, silu) -> None and
+    # 1.7's: fwd(x, weight, bias, seq_idx, initial_states, out, final_states_out, silu) -> None and
     # bwd(x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx, dweight, dbias, dinitial_states, silu)
     arities = _arity(getattr(ext, "causal_conv1d_fwd", None)), _arity(getattr(ext, "causal_conv1d_bwd", None))
     if arities != (8, 12):
         logger.debug(
-            "fusepatch: causal_conv1d_cuda takes %s/%s arguments (1.5-1.7: 8/12): its package's function is called",
+            "fusepatch: causal_conv1d_cuda takes %s/%s arguments (1.7's: 8/12): its package's function is called",
             *arities,
         )
         return None
