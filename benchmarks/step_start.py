@@ -22,6 +22,7 @@ Each point costs the host ~2-4 us (one event record); the table's host times inc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -33,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import SHAPES, build_config  # noqa: E402
+from train_step import passive_hooks  # noqa: E402
 
 
 class Stamps:
@@ -69,72 +71,75 @@ class Stamps:
         ]
 
 
-def instrument(model, stamp: Stamps) -> list:
-    """Stamps at module boundaries, around every fusepatch dispatch, after every Triton launch. Returns undo
-    callables."""
-    undo = []
+@contextlib.contextmanager
+def _stamped(owner, name: str, stamp: Stamps, before=None, after=None):
+    """``owner.name`` wrapped for the block: ``stamp(before(*args))`` ahead of each call, ``stamp(after(*args))``
+    after it (either may be None)."""
+    original = getattr(owner, name)
 
-    def hooks(module, name: str) -> None:
-        pre = module.register_forward_pre_hook(lambda m, a: stamp(f"{name} >"))
-        post = module.register_forward_hook(lambda m, a, o: stamp(f"{name} <"))
-        undo.extend([pre.remove, post.remove])
-
-    inner = getattr(model, "model", model)
-    hooks(model, "causal_lm")
-    hooks(inner, "text_model")
-    for attr in ("embed_tokens", "rotary_emb", "norm"):
-        if hasattr(inner, attr):
-            hooks(getattr(inner, attr), attr)
-    for index, layer in enumerate(inner.layers):
-        hooks(layer, f"L{index}")
-        for attr in ("input_layernorm", "linear_attn", "self_attn", "mlp"):
-            if getattr(layer, attr, None) is not None:
-                hooks(getattr(layer, attr), f"L{index}.{attr}")
-
-    try:
-        from fusepatch.resolve import Dispatch
-    except ImportError:
-        Dispatch = None
-    if Dispatch is not None:
-        original_call = Dispatch.__call__
-
-        def dispatch_call(self, *args, **kwargs):
-            stamp(f"op {self.op.name} >")
-            out = original_call(self, *args, **kwargs)
-            stamp(f"op {self.op.name} <")
-            return out
-
-        Dispatch.__call__ = dispatch_call
-        undo.append(lambda: setattr(Dispatch, "__call__", original_call))
-
-    try:
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        JITFunction = None
-    if JITFunction is not None:
-        original_run = JITFunction.run
-
-        def run(self, *args, **kwargs):
-            out = original_run(self, *args, **kwargs)
-            stamp(f"triton {getattr(self.fn, '__name__', '?')}")
-            return out
-
-        JITFunction.run = run
-        undo.append(lambda: setattr(JITFunction, "run", original_run))
-
-    linear = torch.nn.functional.linear
-
-    def traced_linear(*args, **kwargs):
-        out = linear(*args, **kwargs)
-        stamp("linear")
+    def wrapper(*args, **kwargs):
+        if before is not None:
+            stamp(before(*args))
+        out = original(*args, **kwargs)
+        if after is not None:
+            stamp(after(*args))
         return out
 
-    torch.nn.functional.linear = traced_linear
-    undo.append(lambda: setattr(torch.nn.functional, "linear", linear))
-    return undo
+    setattr(owner, name, wrapper)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
-def starved(rows: list[dict], within_ms: float = 0.02) -> list[dict]:
+@contextlib.contextmanager
+def instrument(model, stamp: Stamps):
+    """Stamps at module boundaries, around every fusepatch dispatch, after every Triton launch and linear. The
+    module hooks are passive (``train_step.passive_hooks``): fusepatch's fused paths, which step aside for a hook
+    that must see a module's call, run as in an uninstrumented step."""
+    from triton.runtime.jit import JITFunction
+
+    from fusepatch.resolve import Dispatch
+
+    inner = getattr(model, "model", model)
+    named = [(model, "causal_lm"), (inner, "text_model")]
+    named += [(getattr(inner, attr), attr) for attr in ("embed_tokens", "rotary_emb", "norm") if hasattr(inner, attr)]
+    for index, layer in enumerate(inner.layers):
+        named.append((layer, f"L{index}"))
+        for attr in ("input_layernorm", "linear_attn", "self_attn", "mlp"):
+            if getattr(layer, attr, None) is not None:
+                named.append((getattr(layer, attr), f"L{index}.{attr}"))
+
+    def entered(name: str):
+        return lambda module, args: stamp(f"{name} >")
+
+    def left(name: str):
+        return lambda module, args, output: stamp(f"{name} <")
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            passive_hooks(pre=[(m, entered(n)) for m, n in named], post=[(m, left(n)) for m, n in named])
+        )
+        stack.enter_context(
+            _stamped(
+                Dispatch,
+                "__call__",
+                stamp,
+                before=lambda self, *args: f"op {self.op.name} >",
+                after=lambda self, *args: f"op {self.op.name} <",
+            )
+        )
+        stack.enter_context(
+            _stamped(JITFunction, "run", stamp, after=lambda self, *args: f"triton {getattr(self.fn, '__name__', '?')}")
+        )
+        stack.enter_context(_stamped(torch.nn.functional, "linear", stamp, after=lambda *args: "linear"))
+        yield
+
+
+WAITING_MS = 0.02  # a point the GPU reached this soon after the host queued it: the GPU was waiting there
+
+
+def starved(rows: list[dict], within_ms: float = WAITING_MS) -> list[dict]:
     """The points where the GPU had caught up with the host (it reached them within ``within_ms`` of their
     queueing): up to the last of them, the GPU waited on the host's pace."""
     return [row for row in rows if row["gpu_ms"] - row["host_ms"] <= within_ms]
@@ -182,9 +187,8 @@ def main() -> int:
     torch.cuda.synchronize()
 
     stamp = Stamps()
-    undo = instrument(model, stamp)
     runs, times = [], []
-    try:
+    with instrument(model, stamp):
         for _ in range(args.steps):
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -193,9 +197,6 @@ def main() -> int:
             torch.cuda.synchronize()
             times.append((time.perf_counter() - start) * 1000)
             runs.append(stamp.read())
-    finally:
-        for fn in reversed(undo):
-            fn()
 
     # per point (by its index: every step queues the same points), the median over the steps
     count = min(len(r) for r in runs)
@@ -229,7 +230,7 @@ def main() -> int:
     previous = 0.0
     for row in merged[: args.points]:
         lead = row["gpu_ms"] - row["host_ms"]
-        flag = "  <- GPU waiting" if lead <= 0.02 else ""
+        flag = "  <- GPU waiting" if lead <= WAITING_MS else ""
         print(
             f"{row['point'][:48]:48s} {row['host_ms']:8.3f} {row['gpu_ms']:8.3f} {lead:7.3f} "
             f"{row['host_ms'] - previous:7.3f}{flag}"

@@ -611,3 +611,31 @@ def test_host_load_lines_mark_a_shared_host_and_say_when_unmeasured():
     assert lines[3] == "- liger: not measured (no /proc/stat on this system)"
     assert len(lines) == 4
     assert run_all.load_lines([{"config": "eager"}]) == ""
+
+
+def test_step_start_probe_stamps_with_passive_hooks_and_restores_everything():
+    """The probe's stamps (benchmarks/step_start.py) come from passive hooks, which fusepatch's fused paths do not
+    step aside for (its first H200 runs used plain hooks: a hooked MLP left the residual-in-GEMM path), and from
+    wrappers that are gone after the block, as the hooks are."""
+    import torch
+    from step_start import instrument
+    from triton.runtime.jit import JITFunction
+
+    import fusepatch
+    from fusepatch.layers.projections import _active
+    from fusepatch.resolve import Dispatch
+    from fusepatch.tiny import tiny_model
+
+    model = tiny_model("qwen3_5_text")
+    fusepatch.apply(model)
+    seen: list[str] = []
+    originals = (Dispatch.__call__, JITFunction.run, torch.nn.functional.linear)
+    with instrument(model, seen.append):
+        mlp = model.model.layers[0].mlp
+        assert mlp._forward_hooks and not _active(mlp._forward_hooks) and not _active(mlp._forward_pre_hooks)
+        ids = torch.randint(0, 100, (1, 9))
+        model(input_ids=ids, labels=ids)
+    assert seen[0] == "causal_lm >" and "L0.linear_attn >" in seen and "linear" in seen
+    assert any(point.startswith("op ") for point in seen)  # the dispatchers (eager choices on CPU) are stamped
+    assert (Dispatch.__call__, JITFunction.run, torch.nn.functional.linear) == originals
+    assert not model.model.layers[0].mlp._forward_hooks and not model._forward_pre_hooks
