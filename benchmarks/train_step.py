@@ -110,6 +110,8 @@ AB_KNOBS = {
     "BENCH_CONV_CUSTOM_OPS": ("fusepatch.ops.causal_conv1d", "DIRECT", False),
     # the labelled-row count queued before the forward, not after the first decoder layer (layers/causal_lm.py)
     "BENCH_COUNT_FIRST": ("fusepatch.layers.causal_lm", "COUNT_AFTER_FIRST_LAYER", False),
+    # the delta rule's per-token inputs and their gradients through fla's functions (ops/fla_saved_states.py)
+    "BENCH_GDN_INPUTS_FLA": ("fusepatch.ops.fla_saved_states", "FUSED_INPUTS", False),
 }
 
 

@@ -72,8 +72,10 @@ def test_an_fla_without_a_piece_fails_the_load_with_the_fix(monkeypatch):
 STAND_IN_SCRIPT = """
 import sys, types
 import torch
+import torch.nn.functional as F
 
 K = 8  # head size (q/k and v alike here)
+T = 70  # tokens: two chunks of 64
 
 
 def expand(x, heads):  # key heads onto value heads, fla's grouping: value head i belongs to key head i // G
@@ -106,8 +108,13 @@ def fused_beta_sigmoid_bwd(x, dy, scale=1.0):
     return dy * x.sigmoid() * (1 - x.sigmoid())
 
 
+def chunks(x, reverse=False):  # summed within each 64-token chunk (along dim 1), backwards where reverse
+    parts = [p.flip(1) if reverse else p for p in x.split(64, dim=1)]
+    return torch.cat([p.cumsum(1).flip(1) if reverse else p.cumsum(1) for p in parts], 1)
+
+
 def gdn_gate_chunk_cumsum(g, A_log, chunk_size, scale, dt_bias, cu_seqlens=None, chunk_indices=None):
-    return g.float()
+    return chunks(-A_log.float().exp() * F.softplus(g.float() + dt_bias.float())) * scale
 
 
 def chunk_gated_delta_rule_fwd_intra(k, v, g, beta, cu_seqlens=None, chunk_size=64, chunk_indices=None):
@@ -139,7 +146,7 @@ def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, dv=None, scale=None, chu
     dk = per_head(k, heads, 0.5) - dv
     if q.shape[2] != heads:
         dq, dk = summed(dq, q.shape[2]), summed(dk, k.shape[2])
-    return dq, dk, w * 0, g * 0
+    return dq, dk, w * 0, do.sum(-1) + g  # the last: dg, per value head
 
 
 def prepare_wy_repr_bwd(k, v, beta, A, dw, du, g=None, cu_seqlens=None, chunk_indices=None):
@@ -147,20 +154,23 @@ def prepare_wy_repr_bwd(k, v, beta, A, dw, du, g=None, cu_seqlens=None, chunk_in
     dk = per_head(k, heads, 2.0) * beta[..., None] + du
     if k.shape[2] != heads:
         dk = summed(dk, k.shape[2])
-    return dk, du * 2, beta * 0, g * 0
+    return dk, du * 2, du.sum(-1) * 0.5 + beta, g * 0.25 + 1  # dbeta, dg2
 
 
 def chunk_local_cumsum(g, chunk_size, reverse=False, cu_seqlens=None, chunk_indices=None):
-    return g
+    return chunks(g, reverse)
 
 
 def gdn_gate_bwd(g, A_log, dt_bias, dyg):
-    return dyg, A_log * 0, dt_bias * 0
+    x = g.float() + dt_bias.float()
+    dg = -A_log.float().exp() * torch.sigmoid(x) * dyg
+    dA = (dyg * -A_log.float().exp() * F.softplus(x)).flatten(0, 1).sum(0)
+    return dg.to(g.dtype), dA.to(A_log.dtype), dg.flatten(0, 1).sum(0).to(dt_bias.dtype)
 
 
 chunk = types.ModuleType("fla.ops.gated_delta_rule.chunk")
 for name, value in list(globals().items()):
-    if callable(value) and not name.startswith("_") and name not in ("expand", "per_head", "summed"):
+    if callable(value) and not name.startswith("_") and name not in ("expand", "per_head", "summed", "chunks"):
         setattr(chunk, name, value)
 for name in ("fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.ops.utils"):
     sys.modules[name] = types.ModuleType(name)
@@ -173,27 +183,34 @@ from fusepatch.ops import fla_saved_states
 
 torch.manual_seed(0)
 for key_heads, value_heads in ((2, 6), (3, 3)):
-    inputs = [torch.randn(2, 5, key_heads, K), torch.randn(2, 5, key_heads, K), torch.randn(2, 5, value_heads, K),
-              torch.randn(2, 5, value_heads), torch.randn(2, 5, value_heads), torch.randn(value_heads),
+    inputs = [torch.randn(2, T, key_heads, K), torch.randn(2, T, key_heads, K), torch.randn(2, T, value_heads, K),
+              torch.randn(2, T, value_heads), torch.randn(2, T, value_heads), torch.randn(value_heads),
               torch.randn(value_heads)]
-    cot = torch.randn(2, 5, value_heads, K)
+    cot = torch.randn(2, T, value_heads, K)
     results = []
-    for grouped in (False, True):
+    # plain; grouped with fla's input functions; grouped with fusepatch's input kernels (the default)
+    for grouped, fused in ((False, False), (True, False), (True, True)):
+        fla_saved_states.FUSED_INPUTS = fused
         leaves = [t.clone().requires_grad_(True) for t in inputs]
         out = fla_saved_states.load(grouped)(*leaves)
         results.append([out.detach(), *torch.autograd.grad(out, leaves, cot)])
-    for name, plain, grouped in zip(["out", "dq", "dk", "dv", "da", "db", "dA_log", "ddt_bias"], *results):
-        torch.testing.assert_close(grouped, plain, rtol=1e-5, atol=1e-5, msg=f"{name} ({key_heads}/{value_heads})")
+    names = ["out", "dq", "dk", "dv", "da", "db", "dA_log", "ddt_bias"]
+    for name, plain, grouped, fused in zip(names, *results):
+        assert plain.abs().sum() > 0, name  # every gradient reaches the stand-ins and back
+        for got, what in ((grouped, "grouped"), (fused, "fused inputs")):
+            torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-5, msg=f"{what}: {name} ({key_heads}/{value_heads})")
 print("ok")
 """
 
 
 def test_grouped_backward_equals_fla_summing_the_groups():
     """fla-saved-states-grouped hands fla's two per-value-head gradient kernels q and k expanded to the value heads
-    and sums the groups (and adds the two k gradients) in fusepatch's L2-norm backward kernel. With stand-ins for
-    fla's pieces whose q/k gradients differ per value head, and which sum the groups in torch where they get key
-    heads (as fla does), every output and gradient equals the plain path's: grouped value heads (2 key / 6 value
-    heads) and none (3 / 3). Run in Triton's CPU interpreter (the L2-norm kernel is Triton)."""
+    and sums the groups (and adds the two k gradients) in fusepatch's L2-norm backward kernel, and by default runs
+    the per-token inputs (q/k norms, beta, the chunk-summed decay) and their gradients in its own kernels. With
+    stand-ins for fla's pieces whose q/k gradients differ per value head, which sum the groups in torch where they
+    get key heads (as fla does), and whose input functions compute what fla's do, every output and gradient equals
+    the plain path's, with fla's input functions and with fusepatch's: grouped value heads (2 key / 6 value heads)
+    and none (3 / 3), two chunks of a batch of two. Run in Triton's CPU interpreter (the kernels are Triton)."""
     import subprocess
     import sys
 

@@ -386,6 +386,78 @@ def test_grouped_l2norm_backward_matches_autograd_in_the_interpreter():
     _run_in_interpreter(L2NORM_SCRIPT)
 
 
+DELTA_INPUTS_SCRIPT = textwrap.dedent(
+    """
+    import math
+    import torch
+    import torch.nn.functional as F
+    from fusepatch.kernels.delta_rule_inputs import delta_rule_inputs, delta_rule_inputs_bwd
+    from fusepatch.ops._common import relative_error
+
+    torch.manual_seed(0)
+
+    def table(bounds):
+        rows = [(n, c) for n in range(len(bounds) - 1) for c in range(math.ceil((bounds[n + 1] - bounds[n]) / 64))]
+        return torch.tensor(rows, dtype=torch.int32)
+
+    def chunk_cumsum(x, bounds):  # [B, T, H]: summed within 64-token chunks of each document
+        out = torch.empty_like(x)
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            for c in range(start, end, 64):
+                out[:, c:min(c + 64, end)] = x[:, c:min(c + 64, end)].cumsum(1)
+        return out
+
+    def reference(q, k, a, b, A_log, dt_bias, bounds, scale):
+        norm = lambda x: x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+        gate = -A_log.exp() * F.softplus(a + dt_bias)
+        return norm(q), norm(k), torch.sigmoid(b), chunk_cumsum(gate, bounds) * scale
+
+    # (batch, tokens, key heads, value heads a key head, head dim, packed boundaries)
+    cases = [(2, 77, 2, 3, 40, None), (1, 150, 1, 2, 32, [0, 1, 65, 150]), (1, 64, 3, 1, 16, None)]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        for batch, length, hk, groups, dim, bounds in cases:
+            hv = hk * groups
+            q, k = torch.randn(batch, length, hk, dim), torch.randn(batch, length, hk, dim) * 3
+            a, b = torch.randn(batch, length, hv) * 4, torch.randn(batch, length, hv) * 3
+            a[..., 0] += 30  # the softplus above its threshold
+            A_log, dt_bias = torch.empty(hv).uniform_(1, 16).log(), torch.randn(hv)
+            x = [t.to(dtype) for t in (q, k, a, b, A_log, dt_bias)]
+            places = {}
+            if bounds:
+                places = dict(cu_seqlens=torch.tensor(bounds, dtype=torch.int32), chunk_indices=table(bounds))
+            q_n, q_rstd, k_n, k_rstd, beta, g = delta_rule_inputs(*x, scale=1.4426950216, **places)
+            x64 = [t.double().requires_grad_(True) for t in x]
+            want = reference(*x64, bounds or [0, length], 1.4426950216)
+            for got, ref in zip((q_n, k_n, beta, g), want):
+                assert relative_error(got, ref) < tol, (dtype, batch, length, relative_error(got, ref))
+            assert q_n.dtype == dtype and q_rstd.dtype == beta.dtype == g.dtype == torch.float32
+            for rstd, t in ((q_rstd, x64[0]), (k_rstd, x64[1])):
+                assert relative_error(rstd, torch.rsqrt((t.detach() ** 2).sum(-1) + 1e-6)) < 1e-5
+
+            # backward: fla's kernels give g's gradient unscaled, as two parts, and beta's
+            dg, dg2, dbeta = (torch.randn(batch, length, hv) for _ in range(3))
+            da, db, dA_log, ddt_bias = delta_rule_inputs_bwd(
+                x[2], x[3], x[4], x[5], dg, dg2, dbeta, hk, **places
+            )
+            gate = -x64[4].exp() * F.softplus(x64[2] + x64[5])
+            loss = (chunk_cumsum(gate, bounds or [0, length]) * (dg + dg2).double()).sum()
+            loss = loss + (torch.sigmoid(x64[3]) * dbeta.double()).sum()
+            refs = torch.autograd.grad(loss, x64[2:])
+            for name, got, ref in zip(("da", "db", "dA_log", "ddt_bias"), (da, db, dA_log, ddt_bias), refs):
+                assert got.dtype == dtype and got.shape == ref.shape, name
+                assert relative_error(got, ref) < tol, (name, dtype, batch, length, relative_error(got, ref))
+    print("ok")
+    """
+)
+
+
+def test_delta_rule_inputs_match_the_reference_in_the_interpreter():
+    """The Gated DeltaNet's per-token inputs in one kernel each way (q/k L2 norms with rstd, beta, the chunk-summed
+    decay; and their gradients) against fp64 torch: dense rows with odd sizes and grouped value heads, packed rows
+    with a one-token document, one value head a key head, the softplus above its threshold."""
+    _run_in_interpreter(DELTA_INPUTS_SCRIPT)
+
+
 REPEAT_HEADS_SCRIPT = textwrap.dedent(
     """
     import torch

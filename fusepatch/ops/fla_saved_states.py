@@ -8,6 +8,10 @@ bf16) and the backward starts on the gradients at once. The kernels, their order
 (fla-core 0.5-0.6, equal-length and packed rows, no carried state), so the results are fla's: the forward
 output bit for bit, the gradients to fla's own run-to-run noise (its backward sums with atomics).
 
+The grouped variant also computes the delta rule's per-token inputs (q/k L2 norms, beta, the chunk-summed decay)
+and their gradients in fusepatch's own kernels, one launch each way where fla takes four and six
+(kernels/delta_rule_inputs.py): its results are fla's to the fp32 rounding of those inputs, not bit for bit.
+
 Under activation checkpointing the kept tensors live only from a layer's recomputed forward to its backward.
 The default is the grouped variant (``load(grouped=True)``, below); ``FUSEPATCH_SKIP=gated_delta_rule/fla-saved-states-grouped``
 picks the plain one, and skipping both (comma-separated) picks fla's own function, which recomputes them.
@@ -22,6 +26,9 @@ from fusepatch.ops._common import check_fla_signatures, on_device
 CHUNK = 64
 SKIP = "gated_delta_rule/fla-saved-states"
 SKIP_GROUPED = "gated_delta_rule/fla-saved-states-grouped"
+# the grouped variant's per-token inputs (q/k L2 norms, beta, the chunk-summed decay) and their gradients in one
+# fusepatch kernel each way instead of fla's four and six launches; off: fla's (benchmarks: BENCH_GDN_INPUTS_FLA=1)
+FUSED_INPUTS = True
 
 # fla's functions called here and every keyword fusepatch passes them (tests/test_fla_saved_states.py checks
 # the table against the calls): check_fla_signatures refuses an fla-core that lost one
@@ -73,6 +80,7 @@ def load(grouped: bool = False):
     fla = direct(fla, NEEDS)  # past fla's per-call backend dispatch where no other backend could take the call
     fused_beta_sigmoid = beta_sigmoid(fla.fused_beta_sigmoid)  # its kernel's launcher, past the autograd function
     if grouped:
+        from fusepatch.kernels.delta_rule_inputs import delta_rule_inputs, delta_rule_inputs_bwd, supported
         from fusepatch.kernels.heads import repeat_heads
         from fusepatch.kernels.l2norm import l2norm_bwd_grouped
 
@@ -83,13 +91,19 @@ def load(grouped: bool = False):
             places = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
             with on_device(q.device):
                 q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
-                q_n, q_rstd = fla.l2norm_fwd(q)
-                k_n, k_rstd = fla.l2norm_fwd(k)
-                beta = fused_beta_sigmoid(b, scale=1.0)
-                # the decay, cumulated within each chunk, in log2 space (fla's kernels use exp2)
-                g = fla.gdn_gate_chunk_cumsum(
-                    g=a, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2, chunk_size=CHUNK, **places
-                )
+                ctx.fused_inputs = grouped and FUSED_INPUTS and supported(q, v) is None
+                if ctx.fused_inputs:  # the four below in one kernel (kernels/delta_rule_inputs.py)
+                    q_n, q_rstd, k_n, k_rstd, beta, g = delta_rule_inputs(
+                        q, k, a, b, A_log, dt_bias, scale=RCP_LN2, **places
+                    )
+                else:
+                    q_n, q_rstd = fla.l2norm_fwd(q)
+                    k_n, k_rstd = fla.l2norm_fwd(k)
+                    beta = fused_beta_sigmoid(b, scale=1.0)
+                    # the decay, cumulated within each chunk, in log2 space (fla's kernels use exp2)
+                    g = fla.gdn_gate_chunk_cumsum(
+                        g=a, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2, chunk_size=CHUNK, **places
+                    )
                 w, u, A = fla.chunk_gated_delta_rule_fwd_intra(k=k_n, v=v, g=g, beta=beta, chunk_size=CHUNK, **places)
                 h, v_new, _ = fla.chunk_gated_delta_rule_fwd_h(
                     k=k_n, w=w, u=u, g=g, initial_state=None, output_final_state=False, chunk_size=CHUNK, **places
@@ -121,11 +135,17 @@ def load(grouped: bool = False):
                     q=q_e, k=k_e, v=v_new, w=w, g=g, h=h, dv=dv, do=do, dh=dh, scale=scale, chunk_size=CHUNK, **places
                 )
                 del dh, q_e
-                dk2, dv, db, dg2 = fla.prepare_wy_repr_bwd(k=k_e, v=v, beta=beta, g=g, A=A, dw=dw, du=dv, **places)
+                dk2, dv, dbeta, dg2 = fla.prepare_wy_repr_bwd(k=k_e, v=v, beta=beta, g=g, A=A, dw=dw, du=dv, **places)
                 del k_e
-                dg.add_(dg2)
-                dg = fla.chunk_local_cumsum(dg, chunk_size=CHUNK, reverse=True, **places)
-                da, dA_log, ddt_bias = fla.gdn_gate_bwd(g=a, A_log=A_log, dt_bias=dt_bias, dyg=dg)
+                if ctx.fused_inputs:
+                    da, db, dA_log, ddt_bias = delta_rule_inputs_bwd(
+                        a, b, A_log, dt_bias, dg, dg2, dbeta, q_n.shape[-2], **places
+                    )
+                else:
+                    dg.add_(dg2)
+                    dg = fla.chunk_local_cumsum(dg, chunk_size=CHUNK, reverse=True, **places)
+                    da, dA_log, ddt_bias = fla.gdn_gate_bwd(g=a, A_log=A_log, dt_bias=dt_bias, dyg=dg)
+                    db = fla.fused_beta_sigmoid_bwd(b, dbeta, scale=1.0)
                 if grouped:
                     dq = l2norm_bwd_grouped(q_n, q_rstd, dq)
                     dk = l2norm_bwd_grouped(k_n, k_rstd, dk, dk2)
@@ -133,7 +153,6 @@ def load(grouped: bool = False):
                     dk.add_(dk2)
                     dq = fla.l2norm_bwd(q_n, q_rstd, dq)
                     dk = fla.l2norm_bwd(k_n, k_rstd, dk)
-                db = fla.fused_beta_sigmoid_bwd(b, db, scale=1.0)
             grads = (dq, dk, dv, da, db, dA_log, ddt_bias)
             dtypes = (q_n.dtype, k_n.dtype, v.dtype, a.dtype, b.dtype, A_log.dtype, dt_bias.dtype)
             return (*(d.to(dtype) for d, dtype in zip(grads, dtypes)), None, None)
