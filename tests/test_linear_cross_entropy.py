@@ -274,6 +274,31 @@ def test_conditional_generation_forward_uses_the_fused_loss(chunked_on_cpu):
     _fused_loss_matches_the_unpatched_model(tiny_image_text_model(), tiny_image_text_model(), length=29, ignored=4)
 
 
+def test_conditional_generation_counts_after_the_first_text_layer(chunked_on_cpu, monkeypatch):
+    """The multimodal wrapper queues the labelled-row count as the causal LM does: once the text stack's layer 0 is
+    queued, once a forward, the hook gone afterwards."""
+    from fusepatch.layers import labelled_rows
+
+    model = tiny_image_text_model()
+    fusepatch.apply(model)
+    layers = model.model.language_model.layers
+    order = []
+    layers[0].register_forward_pre_hook(lambda *_: order.append("layer 0"))
+    layers[1].register_forward_pre_hook(lambda *_: order.append("layer 1"))
+    start = labelled_rows.LabelledRows.start
+
+    def spy(self):
+        order.append("count")
+        start(self)
+
+    monkeypatch.setattr(labelled_rows.LabelledRows, "start", spy)
+    hooks_before = len(layers[0]._forward_hooks)
+    ids = torch.randint(0, 100, (2, 17))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert order[:3] == ["layer 0", "count", "layer 1"], order
+    assert len(layers[0]._forward_hooks) == hooks_before
+
+
 def test_labelled_rows_selects_the_labelled_rows_in_order(monkeypatch):
     """``LabelledRows``: the labelled rows of hidden and labels, in their order, when at least ``MIN_DROPPED`` of
     the rows are ignored; everything untouched below that, when nothing is labelled, and while compiling. The

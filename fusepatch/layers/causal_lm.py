@@ -165,7 +165,9 @@ def conditional_generation_forward(self, *args, labels=None, logits_to_keep=0, *
     weight = self.lm_head.weight
     if not _fuses_loss(self, dispatch, labels, logits_to_keep, weight.device.type):
         return state.original(*args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
-    rows = _labelled_rows(labels, kwargs.pop("shift_labels", None))  # counted ahead of the forward
+    rows = _labelled_rows(labels, kwargs.pop("shift_labels", None), start=False)
+    # counted once the text stack's first layer is queued, as in causal_lm_forward (images run before it)
+    counting = _count_after_first_layer(getattr(self.model, "language_model", self.model), rows)
     captured = []
 
     def keep(module, inputs, output):
@@ -177,6 +179,8 @@ def conditional_generation_forward(self, *args, labels=None, logits_to_keep=0, *
         outputs = state.original(*args, labels=None, logits_to_keep=no_logits, **kwargs)
     finally:
         handle.remove()
+        if counting is not None:
+            counting.remove()
     hidden = captured[-1]
     loss = _fused_loss(dispatch, hidden, weight, rows, kwargs.get("num_items_in_batch"))
     logits = self.lm_head(hidden) if return_logits else None
