@@ -274,14 +274,10 @@ def test_conditional_generation_forward_uses_the_fused_loss(chunked_on_cpu):
     _fused_loss_matches_the_unpatched_model(tiny_image_text_model(), tiny_image_text_model(), length=29, ignored=4)
 
 
-def test_conditional_generation_counts_after_the_first_text_layer(chunked_on_cpu, monkeypatch):
-    """The multimodal wrapper queues the labelled-row count as the causal LM does: once the text stack's layer 0 is
-    queued, once a forward, the hook gone afterwards."""
+def _record_count_order(layers, monkeypatch) -> list[str]:
+    """A list that records, in order, layers 0 and 1 starting and the labelled-row count being queued."""
     from fusepatch.layers import labelled_rows
 
-    model = tiny_image_text_model()
-    fusepatch.apply(model)
-    layers = model.model.language_model.layers
     order = []
     layers[0].register_forward_pre_hook(lambda *_: order.append("layer 0"))
     layers[1].register_forward_pre_hook(lambda *_: order.append("layer 1"))
@@ -292,6 +288,16 @@ def test_conditional_generation_counts_after_the_first_text_layer(chunked_on_cpu
         start(self)
 
     monkeypatch.setattr(labelled_rows.LabelledRows, "start", spy)
+    return order
+
+
+def test_conditional_generation_counts_after_the_first_text_layer(chunked_on_cpu, monkeypatch):
+    """The multimodal wrapper queues the labelled-row count as the causal LM does: once the text stack's layer 0 is
+    queued, once a forward, the hook gone afterwards."""
+    model = tiny_image_text_model()
+    fusepatch.apply(model)
+    layers = model.model.language_model.layers
+    order = _record_count_order(layers, monkeypatch)
     hooks_before = len(layers[0]._forward_hooks)
     ids = torch.randint(0, 100, (2, 17))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -363,17 +369,8 @@ def test_labelled_rows_are_counted_after_the_first_decoder_layer(chunked_on_cpu,
 
     model = tiny_model("qwen3")
     fusepatch.apply(model)
-    order = []
     layers = model.model.layers
-    layers[0].register_forward_pre_hook(lambda *_: order.append("layer 0"))
-    layers[1].register_forward_pre_hook(lambda *_: order.append("layer 1"))
-    start = labelled_rows.LabelledRows.start
-
-    def spy(self):
-        order.append("count")
-        start(self)
-
-    monkeypatch.setattr(labelled_rows.LabelledRows, "start", spy)
+    order = _record_count_order(layers, monkeypatch)
     hooks_before = len(layers[0]._forward_hooks)
     ids = torch.randint(0, 100, (2, 17))
     model(input_ids=ids, labels=ids).loss.backward()
