@@ -7,6 +7,7 @@ module tree stay as they were, and ``revert`` restores the previous forward obje
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import types
 from collections import defaultdict
@@ -17,8 +18,7 @@ from typing import Any
 import torch
 
 from fusepatch.env import capture, flag_set
-from fusepatch.layers import mlp_recompute, rotary_embedding
-from fusepatch.layers.positions import install_packed_check
+from fusepatch.layers import bindings, mlp_recompute, rotary_embedding
 from fusepatch.layers.simple import swiglu_mlp_forward
 from fusepatch.ops import OPS
 from fusepatch.registry import Row, known_model_types, rows_for
@@ -27,7 +27,43 @@ from fusepatch.resolve import Dispatch, autocast_dtype, dtype_name, make_dispatc
 
 logger = logging.getLogger("fusepatch")
 
-_NO_INSTANCE_FORWARD = object()
+
+class _ClassForward:
+    """Marks a module that had no forward of its own before ``apply`` (its class's ran); one object, also after a
+    copy or a pickle round trip."""
+
+    def __reduce__(self) -> str:
+        return "_NO_INSTANCE_FORWARD"
+
+    def __repr__(self) -> str:
+        return "<the class's forward>"
+
+
+_NO_INSTANCE_FORWARD = _ClassForward()
+
+
+class _Bound:
+    """A replacement forward bound to its module as a method is (``__func__``, ``__self__``), that copies and
+    pickles with the module: a bound method pickles as the module's attribute of its function's name, which a
+    patched module does not have. Its signature is the original forward's, which the Trainer reads to keep a
+    dataset's columns."""
+
+    def __init__(self, function: Callable[..., Any], module: torch.nn.Module) -> None:
+        self.__func__ = function
+        self.__self__ = module
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        state = self.__self__.__dict__.get("_fusepatch")
+        return inspect.signature(
+            state.original if state is not None else types.MethodType(self.__func__, self.__self__)
+        )
+
+    def __repr__(self) -> str:
+        return f"<fusepatch {self.__func__.__name__} of {type(self.__self__).__name__}>"
 
 
 class FusePatchError(RuntimeError):
@@ -36,12 +72,34 @@ class FusePatchError(RuntimeError):
 
 @dataclass
 class PatchState:
-    """Kept on each patched module as ``module._fusepatch``."""
+    """Kept on each patched module as ``module._fusepatch``.
+
+    It copies and pickles with the module (``copy.deepcopy``: EMA copies, TRL's reference model; ``torch.save``):
+    the copy is patched too, its dispatchers shared with the source (a copy) or made anew (a pickle), and its
+    ``original`` bound to itself."""
 
     row: Row
     ops: dict[str, Dispatch]
-    original: Callable[..., Any]  # the forward in effect before apply (bound)
+    owner: torch.nn.Module
     instance_forward: Any  # what ``module.__dict__['forward']`` held, or _NO_INSTANCE_FORWARD
+    original: Callable[..., Any] = dataclasses.field(init=False, repr=False)  # the forward before apply (bound)
+
+    def __post_init__(self) -> None:
+        self.original = self._forward_before()
+
+    def _forward_before(self) -> Callable[..., Any]:
+        if self.instance_forward is _NO_INSTANCE_FORWARD:
+            return types.MethodType(type(self.owner).forward, self.owner)
+        return self.instance_forward
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["original"]  # a bound method of the owner: derived again, never pickled by name
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.original = self._forward_before()
 
 
 def _model_types(model: torch.nn.Module) -> tuple[str, ...]:
@@ -217,9 +275,9 @@ def apply(
                 already += 1
                 continue
             instance_forward = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)
-            module._fusepatch = PatchState(row, dispatches[row], module.forward, instance_forward)
-            module.forward = types.MethodType(row.forward, module)
-            module._replicate_for_data_parallel = types.MethodType(_replicate_patched, module)
+            module._fusepatch = PatchState(row, dispatches[row], module, instance_forward)
+            module.forward = _Bound(row.forward, module)
+            module._replicate_for_data_parallel = _Bound(_replicate_patched, module)
             newly += 1
 
     message = ""
@@ -230,7 +288,6 @@ def apply(
         for dispatch in row_dispatches.values():
             dispatch.announce = True
     if newly:
-        install_packed_check()  # plain positions skip transformers' packed-rows read (layers/positions.py)
         for line in report.log_lines():
             logger.warning(line)
     logger.info("fusepatch: %s", message or f"patched {newly} modules, {len(report.fused_ops)} ops fused")
@@ -256,13 +313,11 @@ def _replicate_patched(self: torch.nn.Module) -> torch.nn.Module:
     replica = type(self)._replicate_for_data_parallel(self)
     state = self._fusepatch
     replica._fusepatch = dataclasses.replace(
-        state,
-        original=_rebind(state.original, self, replica),
-        instance_forward=_rebind(state.instance_forward, self, replica),
+        state, owner=replica, instance_forward=_rebind(state.instance_forward, self, replica)
     )
-    replica.forward = types.MethodType(state.row.forward, replica)
+    replica.forward = _Bound(state.row.forward, replica)
     replica.__dict__.pop(rotary_embedding.TABLES, None)  # the tables are per device: the replica keeps its own
-    replica._replicate_for_data_parallel = types.MethodType(_replicate_patched, replica)
+    replica._replicate_for_data_parallel = _Bound(_replicate_patched, replica)
     return replica
 
 
@@ -280,6 +335,7 @@ def revert(model: torch.nn.Module) -> int:
         module.__dict__.pop("_replicate_for_data_parallel", None)
         module.__dict__.pop(rotary_embedding.TABLES, None)
         del module._fusepatch
+        bindings.release(module)  # transformers' module-level names back once no patched layer holds them
         restored += 1
     logger.info("fusepatch: reverted %d modules", restored)
     return restored

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fusepatch import selftest
-from fusepatch.env import Environment
+from fusepatch.env import Environment, capture
 from fusepatch.ops import OPS
 from fusepatch.ops.base import SOURCES, Candidate, Op
 from fusepatch.requirements import (
@@ -301,6 +301,15 @@ class Dispatch:
         self._lock = threading.RLock()  # re-entry from the same thread is detected and reported, not deadlocked
         self._resolving: set[tuple[str, str, bool]] = set()
         self.announce = False  # set by apply once its report is logged: later new choices log themselves
+        self._prefer = prefer
+
+    def __deepcopy__(self, memo) -> Dispatch:
+        """Shared by a model's copies: it holds choices and kernels, no weights."""
+        return self
+
+    def __reduce__(self):
+        """Pickled as what made it; loading chooses (and self-tests) again on the machine that loads it."""
+        return (_restored_dispatch, (self.op.name, self._prefer, self.label, self.disabled_reason, self.dims))
 
     def choice(self, device: str, dtype: str, packed: bool = False) -> Choice:
         return self._resolve(device, dtype, packed)[0]
@@ -404,3 +413,11 @@ def make_dispatch(
         except AttributeError:
             dims = None
     return Dispatch(op, env=env, prefer=prefer, label=label, disabled_reason=disabled, dims=dims)
+
+
+def _restored_dispatch(
+    op: str, prefer: tuple[str, ...], label: str, disabled_reason: str | None, dims: dict[str, int] | None
+) -> Dispatch:
+    dispatch = Dispatch(OPS[op], env=capture(), prefer=prefer, label=label, disabled_reason=disabled_reason, dims=dims)
+    dispatch.announce = True
+    return dispatch

@@ -58,10 +58,11 @@ def cpu_env(**overrides) -> Environment:
     return Environment(**base)
 
 
-def lm_batch(model, batch: int = 2, length: int = 29) -> dict[str, torch.Tensor]:
-    """Random token ids of ``model``'s vocabulary as both input and labels (a causal-LM training batch)."""
+def lm_batch(model, batch: int = 2, length: int = 29) -> dict:
+    """Random token ids of ``model``'s vocabulary as both input and labels, called as the Trainer calls a model in
+    training (``use_cache=False``: it sets ``config.use_cache`` from ``TrainingArguments.use_cache``, off)."""
     ids = torch.randint(0, model.config.vocab_size, (batch, length))
-    return {"input_ids": ids, "labels": ids}
+    return {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

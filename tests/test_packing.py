@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fusepatch
-from fusepatch.layers import packing
+from fusepatch.layers import gated_deltanet, packing
 from fusepatch.layers.packing import PackedSequenceError, attention_crosses_documents, cu_seqlens_from_position_ids
 from fusepatch.tiny import tiny_model
 
@@ -102,16 +102,34 @@ def test_unpatched_transformers_leaks_across_documents():
     assert not torch.allclose(packed[start : start + LENGTHS[2]], alone, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3", "qwen2_moe"])
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("attention_mask", [False, True])
-def test_packed_batch_whose_attention_would_leak_is_refused(attention_mask):
-    """With a cache (use_cache=True) or an explicit 2D mask transformers builds a plain causal mask for full
-    attention: fusepatch refuses rather than let documents see each other."""
-    model = tiny_model("qwen3_5_text")
+def test_packed_batch_whose_attention_would_leak_is_refused(model_type, attn_implementation, attention_mask):
+    """With a cache (use_cache at its default, True) or an explicit 2D mask transformers builds a plain causal
+    mask for full attention: fusepatch refuses rather than let documents see each other, in the hybrid families
+    and in Qwen2/Qwen3 alike (those leaked with no word)."""
+    model = tiny_model(model_type, attn_implementation=attn_implementation)
     fusepatch.apply(model)
     _, ids, position_ids = _packed_batch(model.config.vocab_size)
     kwargs = {"attention_mask": torch.ones_like(ids), "use_cache": False} if attention_mask else {}
     with pytest.raises(PackedSequenceError, match="use_cache=False and no attention_mask"):
         model(input_ids=ids, position_ids=position_ids, **kwargs)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2_moe"])
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_packed_rows_of_plain_families_equal_each_document_alone(model_type, attn_implementation):
+    """What the refusal points to (use_cache=False, no mask) is exact: each document as if alone."""
+    model = tiny_model(model_type, attn_implementation=attn_implementation)
+    fusepatch.apply(model)
+    docs, ids, position_ids = _packed_batch(model.config.vocab_size)
+    packed = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits[0]
+    start = 0
+    for doc in docs:
+        alone = model(input_ids=doc[None], use_cache=False).logits[0]
+        torch.testing.assert_close(packed[start : start + len(doc)], alone, rtol=1e-4, atol=1e-5)
+        start += len(doc)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -167,18 +185,20 @@ def test_mask_probe_matches_a_boundary_by_boundary_check(batch, kind):
         assert attention_crosses_documents(mask, cu, "sdpa") == expected
 
 
-def test_training_forward_with_a_cache_runs_the_patched_path():
+def test_training_forward_with_a_cache_fills_it_and_says_so(caplog):
+    """A training forward handed a cache runs transformers' cached path in the linear-attention layers (the fused
+    path keeps no state, and left the cache empty), and says once that use_cache=False is the fix."""
     model = tiny_model("qwen3_5_text")
     ids = torch.randint(0, model.config.vocab_size, (2, 33))
-    expected = model(input_ids=ids, use_cache=False).logits
+    expected = model(input_ids=ids, use_cache=True)
     fusepatch.apply(model)
-    calls = []
-    dispatch = model.model.layers[0].linear_attn._fusepatch.ops["gated_delta_rule"]
-    original = dispatch.implementation
-    dispatch.implementation = lambda *a: (calls.append(a), original(*a))[1]
+    gated_deltanet._NOTED.discard(type(model.model.layers[0].linear_attn).__name__)
     out = model(input_ids=ids, use_cache=True)
-    assert calls, "the fused forward must run in training even when transformers builds a cache"
-    torch.testing.assert_close(out.logits, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-5)
+    said = [r.getMessage() for r in caplog.records if "use_cache=False" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("fusepatch: Qwen3_5GatedDeltaNet"), said
+    model(input_ids=ids, use_cache=True)
+    assert len([r for r in caplog.records if "use_cache=False" in r.getMessage()]) == 1  # once per class
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
@@ -273,7 +293,7 @@ def test_boundaries_are_found_once_per_position_ids_across_threads(monkeypatch):
     changed or different tensor is computed afresh."""
     calls = []
     real = packing.cu_seqlens_from_position_ids
-    monkeypatch.setattr(packing, "cu_seqlens_from_position_ids", lambda p: calls.append(1) or real(p))
+    monkeypatch.setattr(packing, "cu_seqlens_from_position_ids", lambda *a: calls.append(1) or real(*a))
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
     first = packing.boundaries_for_call(positions)
     seen = []

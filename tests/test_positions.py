@@ -10,7 +10,7 @@ from helpers import HOST_READS, grads
 
 import fusepatch
 from fusepatch.layers import packing, positions
-from fusepatch.layers.positions import install_packed_check, is_plain, plain_positions
+from fusepatch.layers.positions import is_plain, plain_positions, skip_plain
 from fusepatch.tiny import tiny_model
 
 
@@ -36,14 +36,12 @@ def test_turned_off_plain_positions_are_checked(monkeypatch):
 
 
 def test_packed_check_skips_plain_positions_only():
-    install_packed_check()
-    install_packed_check()  # idempotent: one wrapper, around transformers' own function
-    original = masking.find_packed_sequence_indices._fusepatch_original
-    assert getattr(original, "_fusepatch_original", None) is None
-    assert masking.find_packed_sequence_indices(plain_positions(2, 5, torch.device("cpu"))) is None
+    original = masking.find_packed_sequence_indices
+    check = skip_plain(original)
+    assert check(plain_positions(2, 5, torch.device("cpu"))) is None
     packed = torch.tensor([[0, 1, 2, 0, 1]])
-    assert masking.find_packed_sequence_indices(packed).tolist() == original(packed).tolist() == [[0, 0, 0, 1, 1]]
-    assert masking.find_packed_sequence_indices(torch.arange(5)[None]) is None  # the original's own answer
+    assert check(packed).tolist() == original(packed).tolist() == [[0, 0, 0, 1, 1]]
+    assert check(torch.arange(5)[None]) is None  # the original's own answer
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next", "qwen3", "qwen2_moe"])
@@ -59,18 +57,19 @@ def test_forward_without_positions_reads_nothing_back_and_matches_transformers(c
     expected = reference(input_ids=ids, labels=ids, use_cache=False).loss
     expected.backward()
     reads = {"packed": 0, "boundaries": 0}
-    original_check = masking.find_packed_sequence_indices._fusepatch_original
+    original_check = masking.find_packed_sequence_indices
     real_boundaries = packing.cu_seqlens_from_position_ids
 
     def packed_check(position_ids):
         reads["packed"] += 1
         return original_check(position_ids)
 
-    def boundaries(position_ids):
+    def boundaries(*args):
         reads["boundaries"] += 1
-        return real_boundaries(position_ids)
+        return real_boundaries(*args)
 
-    monkeypatch.setattr(masking.find_packed_sequence_indices, "_fusepatch_original", packed_check)
+    # transformers' check as the patched forward finds it (it binds its own around it at the first call)
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", packed_check)
     monkeypatch.setattr(packing, "cu_seqlens_from_position_ids", boundaries)
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
@@ -85,6 +84,7 @@ def test_forward_without_positions_reads_nothing_back_and_matches_transformers(c
     assert reads["packed"] > 0, reads  # transformers' check, once per mask kind of the family
     if model_type in ("qwen3_5_text", "qwen3_next"):  # hybrid layers look for boundaries (on CPU too)
         assert reads["boundaries"] == 1, reads
+    fusepatch.revert(model)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3"])

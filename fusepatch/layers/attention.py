@@ -3,12 +3,13 @@
 transformers' attention forwards (Qwen2/3 and their MoE variants, Qwen3-Next, Qwen3.5) apply the rotary
 embedding inline, through their modeling module's ``apply_rotary_pos_emb``, and pick the attention function
 from the module's ``ALL_ATTENTION_FUNCTIONS``. Re-implementing each forward per family and per transformers
-release is what this avoids: the layer's own forward runs unchanged, with those names bound, for the duration of
-the call, to objects that send the call to the chosen kernel, or back to transformers for anything the kernel
+release is what this avoids: the layer's own forward runs unchanged, with those names bound to objects that send
+the call to the chosen kernel, or back to transformers for anything the kernel
 does not reproduce exactly (another ``unsqueeze_dim``, mixed dtypes, cos/sin that need gradients, a fallback).
-A binding is undone when the last call using it returns or raises. Threads (``nn.DataParallel`` runs one
-replica per thread; the checkpoint recompute runs in the autograd thread) share one binding, counted, and each
-finds its own layer's choices in a thread-local, so every replica gets the fused path and none undoes another's.
+Those names are bound once while a layer of the module is patched and put back by ``revert``
+(``layers/bindings.py``); each call finds its own layer's choices in a thread-local, so threads
+(``nn.DataParallel`` replicas, the checkpoint recompute in the autograd thread) and unpatched models of the same
+family are not affected.
 
 Packed rows (``position_ids`` restarting at 0) under ``attn_implementation="sdpa"``: transformers builds a
 block-causal 4D mask, and sdpa with a mask runs cuDNN or the memory-efficient kernel over every masked block,
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fusepatch.layers.bindings import hold
 from fusepatch.layers.packing import boundaries_for_call, mask_plan
 from fusepatch.layers.projections import project
 from fusepatch.layers.signature import CACHE_NAMES, forward_parameters
@@ -45,34 +47,8 @@ logger = logging.getLogger("fusepatch")
 ROTARY = "apply_rotary_pos_emb"
 INTERFACES = "ALL_ATTENTION_FUNCTIONS"
 
-_lock = threading.Lock()
-_bound: dict[tuple[str, str], list] = {}  # (modeling module, name) -> [calls inside, transformers' object]
 _local = threading.local()  # .dispatch: this thread's rotary choice; .route: this thread's varlen route
 _told: set[tuple[str, str]] = set()  # (layer, reason) a packed call was not routed for, logged once
-
-
-def _bind(module, name: str, wrap) -> bool:
-    """Bind ``module.<name>`` to ``wrap(transformers' object)`` (once, counted); False if the modeling module
-    has no such name."""
-    with _lock:
-        entry = _bound.get((module.__name__, name))
-        if entry is None:
-            original = getattr(module, name, None)
-            if original is None:
-                return False
-            entry = _bound[(module.__name__, name)] = [0, original]
-            setattr(module, name, wrap(original))
-        entry[0] += 1
-        return True
-
-
-def _unbind(module, name: str) -> None:
-    with _lock:
-        entry = _bound[(module.__name__, name)]
-        entry[0] -= 1
-        if entry[0] == 0:
-            setattr(module, name, entry[1])
-            del _bound[(module.__name__, name)]
 
 
 def _dispatching(original):
@@ -181,22 +157,22 @@ def _route(self, args: tuple, kwargs: dict) -> _Route | None:
 
 def _with_bindings(self, args: tuple, kwargs: dict, body):
     """``body(module)`` with the layer's modeling module's rotary (and, for a packed call, its attention
-    interfaces) bound to fusepatch's dispatch for the call."""
+    interfaces) sending this thread's calls to fusepatch's dispatch. The module's names are bound once, while
+    the layer is patched (``layers/bindings.py``); a call only sets this thread's choices."""
     state = self._fusepatch
-    module = sys.modules[type(self).__module__]
-    route = _route(self, args, kwargs)
-    wrappers = {ROTARY: _dispatching, INTERFACES: _RoutingInterfaces} if route is not None else {ROTARY: _dispatching}
-    bound = [name for name, wrap in wrappers.items() if _bind(module, name, wrap)]
-    if not bound:
+    name = type(self).__module__
+    module = sys.modules[name]
+    rotary = hold(self, name, ROTARY, _dispatching)
+    interfaces = hold(self, name, INTERFACES, _RoutingInterfaces)
+    if not (rotary or interfaces):
         return body(module)
     outer = getattr(_local, "dispatch", None), getattr(_local, "route", None)
-    _local.dispatch, _local.route = state.ops.get("rotary"), route
+    _local.dispatch = state.ops.get("rotary")
+    _local.route = _route(self, args, kwargs) if interfaces else None
     try:
         return body(module)
     finally:
         _local.dispatch, _local.route = outer
-        for name in bound:
-            _unbind(module, name)
 
 
 def attention_forward(self, *args, **kwargs):

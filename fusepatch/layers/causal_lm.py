@@ -7,61 +7,84 @@ gradient). Logits are then not returned unless the call asks with ``return_logit
 from __future__ import annotations
 
 import torch
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from fusepatch.layers.bindings import hold
 from fusepatch.layers.labelled_rows import LabelledRows
-from fusepatch.layers.positions import plain_positions, wants_plain_positions
+from fusepatch.layers.packing import note_padding
+from fusepatch.layers.positions import FIND_PACKED, MASKING, plain_positions, skip_plain, wants_plain_positions
 from fusepatch.resolve import autocast_dtype, dtype_name
 
 
-def causal_lm_forward(
-    self,
-    input_ids=None,
-    attention_mask=None,
-    position_ids=None,
-    past_key_values=None,
-    inputs_embeds=None,
-    labels=None,
-    use_cache=None,
-    logits_to_keep=0,
-    **kwargs,
-):
+def causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
+    """The causal LM's (or the image-text wrapper's) own forward with the loss taken out of it.
+
+    The original forward runs as transformers ships it, asked for no logits (an empty ``logits_to_keep`` index) and
+    no loss; a forward hook on ``self.model`` keeps the last hidden state, and the loss is computed from it by the
+    fused op. Every other field of the output (``past_key_values``/``cache``, ``hidden_states``, ``attentions``,
+    ``aux_loss``, ``router_logits``, rope deltas) is transformers' own, and an MoE model's load-balancing loss is
+    added to the loss as transformers adds it (``router_aux_loss_coef * aux_loss``).
+
+    The fused loss runs for a training call (``labels`` given, the model in training mode, every position's
+    logits asked for); logits are then not returned, as Liger and TRL's own fused heads do, unless the call
+    passes ``return_logits=True``. ``return_logits=False`` asks for the fused loss outside training too. Any other
+    call, and any call the op falls back for, is transformers' forward unchanged."""
     state = self._fusepatch
-    return_logits = kwargs.pop("return_logits", False)
+    note_padding(kwargs.get("position_ids"), kwargs.get("attention_mask"))  # padded rows are not packed ones
+    return_logits = kwargs.pop("return_logits", None)
     dispatch = state.ops["linear_cross_entropy"]
-    inputs = dict(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,  # transformers >= 5.2x: `cache` (arrives in kwargs)
-        inputs_embeds=inputs_embeds,
-        use_cache=use_cache,
-    )
-    # only what the caller gave: newer transformers warn on an explicit past_key_values, even None
-    inputs = {name: value for name, value in inputs.items() if value is not None}
-    reference = input_ids if input_ids is not None else inputs_embeds
-    if reference is None or not _fuses_loss(self, dispatch, labels, logits_to_keep, reference.device.type):
-        return state.original(**inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
-    if wants_plain_positions(position_ids, attention_mask, past_key_values, kwargs, reference):
+    weight = self.lm_head.weight
+    wanted = self.training if return_logits is None else True
+    if not wanted or not _fuses_loss(self, dispatch, labels, logits_to_keep, weight.device.type):
+        return state.original(*args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    reference = kwargs.get("input_ids", args[0] if args else None)
+    reference = reference if reference is not None else kwargs.get("inputs_embeds")
+    cache = next((kwargs[name] for name in ("past_key_values", "cache") if kwargs.get(name) is not None), None)
+    if len(args) <= 1 and wants_plain_positions(
+        kwargs.get("position_ids"), kwargs.get("attention_mask"), cache, kwargs, reference
+    ):
         # the positions transformers would build, known to hold one document a row: no read of the GPU to find out
-        inputs["position_ids"] = plain_positions(reference.shape[0], reference.shape[1], reference.device)
+        kwargs["position_ids"] = plain_positions(reference.shape[0], reference.shape[1], reference.device)
+        hold(self, MASKING, FIND_PACKED, skip_plain)  # transformers' packed-rows check reads them neither
     rows = _labelled_rows(labels, kwargs.pop("shift_labels", None), start=False)
-    counting = _count_after_first_layer(self.model, rows)
+    # counted once the text stack's first layer is queued (an image-text wrapper runs its vision tower before it)
+    counting = _count_after_first_layer(getattr(self.model, "language_model", self.model), rows)
+    captured = []
+
+    def keep(module, inputs, output):
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    handle = self.model.register_forward_hook(keep)
     try:
-        outputs = self.model(**inputs, **kwargs)
+        no_logits = torch.empty(0, dtype=torch.long, device=weight.device)
+        outputs = state.original(*args, labels=None, logits_to_keep=no_logits, return_dict=True, **kwargs)
     finally:
+        handle.remove()
         if counting is not None:
             counting.remove()
-    hidden = outputs.last_hidden_state
-    loss = _fused_loss(dispatch, hidden, self.lm_head.weight, rows, kwargs.get("num_items_in_batch"))
+    hidden = captured[-1]
+    loss = _fused_loss(dispatch, hidden, weight, rows, kwargs.get("num_items_in_batch"))
+    aux_loss = getattr(outputs, "aux_loss", None)
+    if aux_loss is not None:  # transformers adds the router's load-balancing loss whenever labels are given
+        loss = loss + _router_aux_loss_coef(self) * aux_loss.to(loss.device)
     logits = self.lm_head(hidden) if return_logits else None
-    return CausalLMOutputWithPast(
-        loss=loss,
-        logits=logits,
-        past_key_values=outputs.past_key_values,
-        hidden_states=getattr(outputs, "hidden_states", None),
-        attentions=getattr(outputs, "attentions", None),
-    )
+    # the same output class, rebuilt so that loss comes first (outputs[0], as transformers orders it)
+    outputs = type(outputs)(**{**dict(outputs.items()), "loss": loss, "logits": logits})
+    return outputs if return_dict else outputs.to_tuple()
+
+
+conditional_generation_forward = causal_lm_forward
+
+
+def _router_aux_loss_coef(self) -> float:
+    """The coefficient transformers' MoE causal LMs weigh the load-balancing loss with (on the model up to now,
+    on the text config for the image-text wrappers)."""
+    coef = getattr(self, "router_aux_loss_coef", None)
+    if coef is None:
+        coef = getattr(self.config.get_text_config(), "router_aux_loss_coef", 0.0)
+    return coef
 
 
 def _loss_dtype(weight: torch.Tensor, model: torch.nn.Module | None = None) -> torch.dtype:
@@ -151,38 +174,3 @@ def _fused_loss(dispatch, hidden, weight, rows: LabelledRows, num_items_in_batch
         return dispatch(
             flat.to(dtype), weight.to(dtype), labels, ignore_index=-100, num_items_in_batch=num_items_in_batch
         )
-
-
-def conditional_generation_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
-    """The multimodal wrappers (``Qwen3_5ForConditionalGeneration``, the class Qwen3.5 checkpoints' configs
-    name in ``architectures``): their forward's arguments and output class change between transformers releases (images, videos,
-    rope deltas, ``cache``), so the original forward runs as it is, asked for no logits (an empty
-    ``logits_to_keep`` index), and the loss is computed from the text model's last hidden state, taken with a
-    forward hook on ``self.model``."""
-    state = self._fusepatch
-    return_logits = kwargs.pop("return_logits", False)
-    dispatch = state.ops["linear_cross_entropy"]
-    weight = self.lm_head.weight
-    if not _fuses_loss(self, dispatch, labels, logits_to_keep, weight.device.type):
-        return state.original(*args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
-    rows = _labelled_rows(labels, kwargs.pop("shift_labels", None), start=False)
-    # counted once the text stack's first layer is queued, as in causal_lm_forward (images run before it)
-    counting = _count_after_first_layer(getattr(self.model, "language_model", self.model), rows)
-    captured = []
-
-    def keep(module, inputs, output):
-        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
-
-    handle = self.model.register_forward_hook(keep)
-    try:
-        no_logits = torch.empty(0, dtype=torch.long, device=weight.device)
-        outputs = state.original(*args, labels=None, logits_to_keep=no_logits, **kwargs)
-    finally:
-        handle.remove()
-        if counting is not None:
-            counting.remove()
-    hidden = captured[-1]
-    loss = _fused_loss(dispatch, hidden, weight, rows, kwargs.get("num_items_in_batch"))
-    logits = self.lm_head(hidden) if return_logits else None
-    # the same output class, rebuilt so that loss comes first (outputs[0], as transformers orders it)
-    return type(outputs)(**{**dict(outputs.items()), "loss": loss, "logits": logits})

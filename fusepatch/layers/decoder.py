@@ -139,8 +139,9 @@ def _run(self, args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 def decoder_layer_forward(self, *args, **kwargs):
-    """Qwen2/Qwen3 (and their MoE) decoder layer: the residual add fused into the post-attention norm."""
-    return _run(self, args, kwargs)
+    """Qwen2/Qwen3 (and their MoE) decoder layer: the residual add fused into the post-attention norm; a packed
+    batch whose attention mask would let documents see each other is refused, as in the hybrid layers."""
+    return _run(self, args, packed_kwargs(self, args, kwargs))
 
 
 def hybrid_decoder_layer_forward(self, *args, **kwargs):

@@ -20,31 +20,27 @@ logger = logging.getLogger("fusepatch")
 _NOTED: set[str] = set()
 
 
-def _has_state(cache, layer_idx: int) -> bool:
-    """Whether the cache already holds this layer's conv/recurrent state (decode or a continued prefill)."""
-    try:
-        return bool(cache.has_previous_state(layer_idx))
-    except (AttributeError, TypeError, IndexError, KeyError):
-        return True  # an unknown cache type: let transformers' own forward handle it
-
-
 def _use_original(self, cache) -> bool:
+    """Whether this call runs transformers' forward: another activation, or a cache to fill.
+
+    The fused path keeps no conv or recurrent state, so any call that was handed a cache runs transformers'
+    cached path, which fills it exactly: a continuation from that cache (generation, or inference code that
+    forgot ``torch.no_grad()``) is then transformers' own. A training forward that builds a cache it never reads
+    pays for it; that is said once per layer class, with the fix."""
     if self.activation not in ("silu", "swish"):
         return True
     if cache is None:
         return False
-    if _has_state(cache, self.layer_idx) or not torch.is_grad_enabled():
-        return True  # generation: transformers' cached path keeps the conv and recurrent states exact
-    # A training forward with use_cache=True: the cache is a throwaway the Trainer never reads.
     name = type(self).__name__
-    if name not in _NOTED:
+    if self.training and torch.is_grad_enabled() and name not in _NOTED:
         _NOTED.add(name)
-        logger.info(
-            "fusepatch: %s: training forward with a cache: running fused and leaving this layer's cache empty "
-            "(pass use_cache=False to skip building it)",
+        logger.warning(
+            "fusepatch: %s: a training forward was given a cache (use_cache=True), so this layer runs transformers' "
+            "cached path to fill it, not the fused one. Fix: pass use_cache=False (or set model.config.use_cache = "
+            "False) when training",
             name,
         )
-    return False
+    return True
 
 
 def _projections(self, hidden_states: torch.Tensor):

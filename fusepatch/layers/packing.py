@@ -10,13 +10,19 @@ from dataclasses import dataclass
 import torch
 
 from fusepatch.layers.positions import is_plain
+from fusepatch.layers.signature import CACHE_NAMES
 
 
-def cu_seqlens_from_position_ids(position_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """Document boundaries of a padding-free batch, over the batch flattened to one row.
+def cu_seqlens_from_position_ids(
+    position_ids: torch.Tensor | None, valid: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Document boundaries of a packed batch, over the batch flattened to one row.
 
-    A document starts wherever ``position_ids`` is 0 (and at every row start). Returns ``None`` when no row
-    holds more than one document, so ordinary batches keep their fast equal-length path.
+    A document starts wherever ``position_ids`` is 0 (and at every row start). With ``valid`` (the call's 2D
+    attention mask) a padded token starts nothing, nor does a row's first real token: generation's left padding
+    (``[1, 1, 1, 0, 1, 2]``) and collators that pad positions with 0 (``[0, 1, 2, 3, 0, 0]``) are padded rows,
+    not packed ones, as transformers reads them. Returns ``None`` when no row holds more than one document, so
+    ordinary batches keep their fast equal-length path.
     """
     if position_ids is None:
         return None
@@ -27,9 +33,11 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor | None) -> torch.Ten
     # One wait for the GPU (nonzero's count), and no host-to-device copy: the end offset is written by a fill
     # kernel, not copied from a host tensor (a pageable copy waits for the stream too; the H200 trace of
     # session 11 listed both, plus an `any()` that waited first).
-    starts = torch.zeros_like(position_ids, dtype=torch.bool)
+    starts = position_ids == 0
+    if valid is not None and valid.shape == position_ids.shape:
+        valid = valid.to(device=position_ids.device, dtype=torch.bool)
+        starts &= valid & (valid.cumsum(-1) > 1)
     starts[:, 0] = True
-    starts[:, 1:] = position_ids[:, 1:] == 0
     flat = torch.nonzero(starts.reshape(-1), as_tuple=False).flatten()
     if flat.numel() == position_ids.shape[0]:  # one document a row: the ordinary batch
         return None
@@ -106,15 +114,46 @@ def _once_per_call(slot: str, tensors: tuple[torch.Tensor, ...], compute):
 
 
 def boundaries_for_call(position_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """``cu_seqlens_from_position_ids``, computed once per ``position_ids`` tensor (see ``_once_per_call``); no
-    read of the GPU at all for the positions the fused forward made (layers/positions.py)."""
+    """``cu_seqlens_from_position_ids``, computed once per ``position_ids`` tensor (see ``_once_per_call``) and the
+    padding mask noted on it (:func:`note_padding`); no read of the GPU at all for the positions the fused forward
+    made (layers/positions.py)."""
     if position_ids is None or is_plain(position_ids):
         return None
-    return _once_per_call("boundaries", (position_ids,), lambda: cu_seqlens_from_position_ids(position_ids))
+    valid = getattr(_root(position_ids), _PADDING, None)
+    tensors = (position_ids,) if valid is None else (position_ids, valid)
+    return _once_per_call("boundaries", tensors, lambda: cu_seqlens_from_position_ids(position_ids, valid))
+
+
+_PADDING = "_fusepatch_padding"
+
+
+def _root(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor._base is None else tensor._base
+
+
+def note_padding(position_ids, attention_mask) -> None:
+    """Keep a causal-LM call's 2D attention mask on its ``position_ids``, where the decoder layers look for
+    document starts: the layers see only their own masks (4D for full attention), but padding is told apart from
+    packing by the mask the caller gave. A call without one clears what an earlier call left."""
+    if not isinstance(position_ids, torch.Tensor):
+        return
+    root = _root(position_ids)
+    mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
+    if mask is None or mask.shape != position_ids.shape[-2:]:
+        root.__dict__.pop(_PADDING, None)
+    else:
+        setattr(root, _PADDING, mask)
 
 
 class PackedSequenceError(ValueError):
     """A packed batch would let attention cross a document boundary."""
+
+
+_LEAKS = (
+    "fusepatch: this batch packs several documents in a row (position_ids restart at 0), but {what} lets them "
+    "attend across boundaries. Fix: call the model with use_cache=False and no attention_mask "
+    "(DataCollatorWithFlattening does this), or use attn_implementation='flash_attention_2'."
+)
 
 
 def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -218,12 +257,10 @@ def packed_kwargs(self, args: tuple, kwargs: dict) -> dict:
         implementation = str(getattr(self.self_attn.config, "_attn_implementation", "eager"))
         mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
         if attention_crosses_documents(mask, cu, implementation):
-            raise PackedSequenceError(
-                "fusepatch: this batch packs several documents in a row (position_ids restart at 0), but the "
-                f"{implementation} attention mask transformers built lets them attend across boundaries. "
-                "Fix: call the model with use_cache=False and no attention_mask (DataCollatorWithFlattening "
-                "does this), or use attn_implementation='flash_attention_2'."
-            )
+            raise PackedSequenceError(_LEAKS.format(what=f"the {implementation} attention mask transformers built"))
+    elif derived and any(kwargs.get(name) is not None for name in CACHE_NAMES):
+        # a linear-attention layer given a cache runs transformers' cached path, whose state crosses documents
+        raise PackedSequenceError(_LEAKS.format(what="the cache (use_cache=True) that the linear attention fills"))
     if linear is None or not derived:
         return kwargs
     # The boundaries travel as transformers' own varlen argument, so that an activation-checkpoint recompute

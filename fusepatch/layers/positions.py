@@ -16,7 +16,6 @@ counter moved) or any other tensor gets the checks as before.
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 
@@ -109,26 +108,18 @@ def wants_plain_positions(
     )
 
 
-_install_lock = threading.Lock()
+MASKING = "transformers.masking_utils"
+FIND_PACKED = "find_packed_sequence_indices"
 
 
-def install_packed_check() -> None:
-    """Wrap transformers' ``find_packed_sequence_indices`` so that plain positions skip its read of the GPU
-    (``None``: not packed, what it returns for them). Idempotent; other positions go to the original."""
-    try:
-        import transformers.masking_utils as masking
-    except ImportError:  # a transformers without it has no such check to skip
-        return
-    with _install_lock:
-        original = getattr(masking, "find_packed_sequence_indices", None)
-        if original is None or getattr(original, "_fusepatch_original", None) is not None:
-            return
+def skip_plain(original):
+    """transformers' ``find_packed_sequence_indices`` that answers plain positions without reading the GPU
+    (``None``: not packed, what it returns for them); other positions go to transformers'."""
 
-        @functools.wraps(original)
-        def find_packed_sequence_indices(position_ids: torch.Tensor):
-            if is_plain(position_ids):
-                return None
-            return find_packed_sequence_indices._fusepatch_original(position_ids)
+    @functools.wraps(original)
+    def find_packed_sequence_indices(position_ids: torch.Tensor):
+        if is_plain(position_ids):
+            return None
+        return original(position_ids)
 
-        find_packed_sequence_indices._fusepatch_original = original
-        masking.find_packed_sequence_indices = find_packed_sequence_indices
+    return find_packed_sequence_indices

@@ -1,0 +1,213 @@
+"""Every field of a patched model's output equals transformers' own, for every family in the registry.
+
+fp32 on the CPU (transformers' own grouped-GEMM experts take no fp64), where the fused causal-LM loss (``chunked_on_cpu``) and the fused decoder forward (``calls``) run
+on stand-in candidates: what differs between the two models is fusepatch's forwards alone, so the bounds are
+fp32 rounding of reordered sums. Each call is made as users make it: training with labels (MoE: with the router's logits and its
+load-balancing loss), evaluation under ``no_grad``, a cache filled and continued, ``return_dict=False``, and
+greedy ``generate``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fusepatch
+from fusepatch.tiny import FAMILIES, tiny_model
+
+FAMILY_TYPES = sorted(FAMILIES)
+MOE_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "qwen3_next")
+TOL = dict(rtol=1e-5, atol=1e-6)
+GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+
+
+def _pair(model_type: str, **overrides):
+    """(transformers' model, the same weights patched), fp32."""
+    reference = tiny_model(model_type, **overrides)
+    patched = copy.deepcopy(reference)
+    fusepatch.apply(patched)
+    return reference, patched
+
+
+def _same(a, b, path: str = "output") -> None:
+    """Equal structure and values (tensors within ``TOL``; caches compared through their tensors)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        torch.testing.assert_close(b, a, **TOL, msg=path)
+    elif isinstance(a, (tuple, list)):
+        assert type(a) is type(b) and len(a) == len(b), f"{path}: {type(b).__name__} of {len(b)} != {len(a)}"
+        for index, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{index}]")
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{path}: {sorted(b)} != {sorted(a)}"
+        for key in a:
+            _same(a[key], b[key], f"{path}.{key}")
+    else:
+        assert a == b, f"{path}: {b!r} != {a!r}"
+
+
+def _fields(output) -> dict:
+    """The fields a ``ModelOutput`` holds (not None), the cache as its tensors."""
+    return {name: _cache_tensors(value) if _is_cache(value) else value for name, value in output.items()}
+
+
+def _is_cache(value) -> bool:
+    from transformers.cache_utils import Cache
+
+    return isinstance(value, Cache)
+
+
+def _cache_tensors(cache) -> list:
+    found = []
+    for layer in getattr(cache, "layers", []):
+        for name in sorted(vars(layer)):
+            value = getattr(layer, name)
+            if isinstance(value, torch.Tensor) and value.numel():
+                found.append(value)
+    for name in ("key_cache", "value_cache", "conv_states", "recurrent_states"):
+        for value in getattr(cache, name, None) or []:
+            if isinstance(value, torch.Tensor) and value.numel():
+                found.append(value)
+    assert found, f"{type(cache).__name__}: no tensors found to compare"
+    return found
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_training_output_and_gradients(model_type, chunked_on_cpu, calls):
+    """A training call: loss (with an MoE's load-balancing loss), aux_loss, router_logits, hidden_states and every
+    parameter's gradient as transformers'; logits are skipped (the fused loss), and equal when asked for."""
+    reference, patched = _pair(model_type)
+    reference.train(), patched.train()
+    ids = torch.randint(0, reference.config.vocab_size, (2, 13))
+    extra = {"output_router_logits": True} if model_type in MOE_TYPES else {}
+    ref = reference(input_ids=ids, labels=ids, output_hidden_states=True, use_cache=False, **extra)
+    got = patched(input_ids=ids, labels=ids, output_hidden_states=True, use_cache=False, **extra)
+    assert got.logits is None  # the fused loss never makes the logits in training unless asked
+    assert calls, "the fused decoder forward did not run"
+    ref_fields, got_fields = _fields(ref), _fields(got)
+    ref_fields.pop("logits")
+    _same(ref_fields, got_fields)
+    if model_type in MOE_TYPES:
+        assert got.aux_loss is not None and got.router_logits is not None
+    ref.loss.backward(), got.loss.backward()
+    for (name, p), q in zip(reference.named_parameters(), patched.parameters()):
+        if p.grad is None:
+            assert q.grad is None, name
+            continue
+        torch.testing.assert_close(q.grad, p.grad, **GRAD_TOL, msg=name)
+    asked = patched(input_ids=ids, labels=ids, use_cache=False, return_logits=True, **extra)
+    torch.testing.assert_close(asked.logits, ref.logits, **TOL)
+    torch.testing.assert_close(asked.loss, ref.loss, **TOL)
+
+
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+def test_router_aux_loss_counted_in_the_loss(model_type, chunked_on_cpu):
+    """The load-balancing loss reaches the fused loss (it was dropped: MoE fine-tunes trained without it)."""
+    reference, patched = _pair(model_type, router_aux_loss_coef=0.5)
+    patched.train(), reference.train()
+    ids = torch.randint(0, reference.config.vocab_size, (2, 11))
+    ref = reference(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
+    got = patched(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
+    without = patched(input_ids=ids, labels=ids, output_router_logits=False, use_cache=False)
+    torch.testing.assert_close(got.loss, ref.loss, **TOL)
+    torch.testing.assert_close(got.loss - without.loss, 0.5 * ref.aux_loss, **TOL)
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_evaluation_and_tuple_outputs(model_type, chunked_on_cpu, calls):
+    """Evaluation (``no_grad``, eval mode, labels): every field, logits included; ``return_dict=False`` gives
+    transformers' tuple, in training too."""
+    reference, patched = _pair(model_type)
+    reference.eval(), patched.eval()
+    ids = torch.randint(0, reference.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        _same(_fields(reference(input_ids=ids, labels=ids)), _fields(patched(input_ids=ids, labels=ids)))
+    reference.train(), patched.train()
+    ref = reference(input_ids=ids, labels=ids, use_cache=False, return_dict=False)
+    got = patched(input_ids=ids, labels=ids, use_cache=False, return_dict=False)
+    assert isinstance(got, tuple)
+    # transformers' tuple: (loss, logits, ...); the fused loss leaves the logits out of it
+    _same(ref[0], got[0], "loss")
+    _same(ref[2:], got[1:], "rest")
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_cache_continuation(model_type, grad, chunked_on_cpu):
+    """A prefill with ``use_cache=True`` leaves the cache transformers leaves, so the next token's logits are
+    transformers'. With grad enabled too: inference code without ``no_grad`` does this (the linear-attention
+    layers' cache was left empty, and the continuation was 0.08-0.10 off)."""
+    reference, patched = _pair(model_type)
+    reference.eval(), patched.eval()
+    ids = torch.randint(0, reference.config.vocab_size, (2, 10))
+    with torch.set_grad_enabled(grad):
+        ref = reference(input_ids=ids[:, :8], use_cache=True)
+        got = patched(input_ids=ids[:, :8], use_cache=True)
+        _same(_fields(ref), _fields(got))
+        ref_next = reference(input_ids=ids[:, 8:], past_key_values=ref.past_key_values, use_cache=True)
+        got_next = patched(input_ids=ids[:, 8:], past_key_values=got.past_key_values, use_cache=True)
+    torch.testing.assert_close(got_next.logits, ref_next.logits, **TOL)
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_generate_matches(model_type):
+    """Greedy generation with a cache, left-padded batch included: the same tokens and scores."""
+    reference, patched = _pair(model_type)
+    reference.eval(), patched.eval()
+    ids = torch.randint(1, reference.config.vocab_size, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # the second prompt is shorter: left padding, as a tokenizer with padding_side="left" makes
+    ids[1, :3] = 0
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    ref = reference.generate(input_ids=ids, attention_mask=mask, **settings)
+    got = patched.generate(input_ids=ids, attention_mask=mask, **settings)
+    assert torch.equal(got.sequences, ref.sequences)
+    _same(tuple(ref.scores), tuple(got.scores), "scores")
+
+
+def _padded_batch(vocab: int, zero_positions: bool):
+    """Two rows, the second right-padded by 4 tokens; position_ids as RL collators give them (padding at 0) or
+    as transformers counts them (the padding continuing)."""
+    ids = torch.randint(0, vocab, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, -4:] = 0
+    positions = torch.arange(12).expand(2, 12).clone()
+    if zero_positions:
+        positions = positions * mask
+    labels = ids.masked_fill(mask == 0, -100)
+    return dict(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels)
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_right_padded_rows_are_not_packed(model_type, chunked_on_cpu, calls):
+    """Padding whose positions are 0 (RL collators) is padding, not a run of one-token documents: the batch runs
+    as transformers runs it (it was refused as a packed batch whose mask crosses documents)."""
+    reference, patched = _pair(model_type)
+    reference.train(), patched.train()
+    batch = _padded_batch(reference.config.vocab_size, zero_positions=True)
+    ref = reference(**batch, use_cache=False)
+    got = patched(**batch, use_cache=False)
+    torch.testing.assert_close(got.loss, ref.loss, **TOL)
+    ref.loss.backward(), got.loss.backward()
+    for (name, p), q in zip(reference.named_parameters(), patched.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, **GRAD_TOL, msg=name)
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_left_padded_prefill_is_not_packed(model_type):
+    """Generation's left padding as ``generate`` writes its positions (``[1, 1, 1, 0, 1, ...]``: padded positions
+    filled with 1) is a padded batch: the prefill and the cache it leaves are transformers' (it was refused as a
+    packed batch)."""
+    reference, patched = _pair(model_type)
+    reference.eval(), patched.eval()
+    ids = torch.randint(1, reference.config.vocab_size, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    with torch.no_grad():
+        ref = reference(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        got = patched(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    _same(_fields(ref), _fields(got))
