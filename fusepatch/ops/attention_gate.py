@@ -50,5 +50,5 @@ ATTENTION_GATE = Op(
             _load_triton, "fusepatch's Triton attention output gate", "fusepatch.kernels.gate.sigmoid_gate"
         ),
     ),
-    selftest=SelfTest(_inputs, {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-5}, _dims),
+    selftest=SelfTest(_inputs, {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-5}, _dims),
 )

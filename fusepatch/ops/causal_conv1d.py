@@ -246,5 +246,5 @@ CAUSAL_CONV1D = Op(
             inputs=InputRule(kernel="the Kernel Hub causal-conv1d", dtypes=("bfloat16", "float16", "float32")),
         ),
     ),
-    selftest=SelfTest(_selftest_inputs, {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}, _dims),
+    selftest=SelfTest(_selftest_inputs, {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-4}, _dims),
 )

@@ -301,7 +301,8 @@ def _load_fla_saved_states(grouped: bool = False):
 
 
 def _selftest_inputs(device, dtype, generator, packed=True, dims=None):
-    # Odd length, grouped value heads; packed: a row of three documents. Head sizes: the layer's when known.
+    # Odd length, grouped value heads; packed: a row of four documents, one of a single token (an error at a
+    # document's first token is that whole document's error). Head sizes: the layer's when known.
     dims = dims or {}
     length = 150
     hk, hv, dk, dv = (dims.get(k, d) for k, d in (("hk", 2), ("hv", 4), ("dk", 64), ("dv", 64)))
@@ -313,7 +314,7 @@ def _selftest_inputs(device, dtype, generator, packed=True, dims=None):
     # A_log and dt_bias are parameters: in the model's dtype, as a bf16 model holds them.
     A_log = (torch.rand(hv, generator=generator) * 2 - 1).to(device=device, dtype=dtype).requires_grad_(True)
     dt_bias = rand((hv,), device, dtype, generator, scale=0.5)
-    cu = torch.tensor([0, 64, 101, length], dtype=torch.int32, device=device) if packed else None
+    cu = torch.tensor([0, 64, 65, 101, length], dtype=torch.int32, device=device) if packed else None
     return (q, k, v, a, b, A_log, dt_bias), {"cu_seqlens": cu}
 
 
@@ -408,7 +409,7 @@ GATED_DELTA_RULE = Op(
     # the fp32-recurrence eager path has 0.2-2%), so at half precision they get the GPU tests' bound.
     selftest=SelfTest(
         _selftest_inputs,
-        {"bfloat16": 5e-2, "float16": 2e-2, "float32": 5e-3},
+        {"bfloat16": 8e-3, "float16": 2e-3, "float32": 5e-3},
         _dims,
         looser={half: {"grad[5]": 0.25, "grad[6]": 0.25} for half in ("bfloat16", "float16")},
     ),

@@ -267,7 +267,9 @@ def _inputs(device, dtype, generator, packed=False, dims=None):
     weight = rand((vocab, hidden_size), device, dtype, generator, scale=hidden_size**-0.5)
     labels = torch.randint(0, vocab, (tokens,), generator=generator)
     labels[::7] = -100
-    return (hidden, weight, labels.to(device)), {}
+    # the Trainer's count over the whole accumulated batch, not this call's: a kernel that ignores it is refused
+    num_items = int((labels != -100).sum()) + 37
+    return (hidden, weight, labels.to(device)), {"num_items_in_batch": num_items}
 
 
 def _dims(module) -> dict[str, int]:
@@ -306,5 +308,5 @@ LINEAR_CROSS_ENTROPY = Op(
             distribution="torch",
         ),
     ),
-    selftest=SelfTest(_inputs, {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}, _dims),
+    selftest=SelfTest(_inputs, {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-4}, _dims),
 )

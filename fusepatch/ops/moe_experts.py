@@ -189,5 +189,5 @@ MOE_EXPERTS = Op(
             "its grouped-GEMM experts take a different weight layout; adapter not written yet",
         ),
     ),
-    selftest=SelfTest(_inputs, {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}, _dims),
+    selftest=SelfTest(_inputs, {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-4}, _dims),
 )

@@ -147,7 +147,7 @@ def _gated_dims(module) -> dict[str, int]:
     return {"dim": module.head_v_dim}  # the Gated DeltaNet layer: its output norm is per value head
 
 
-NORM_TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}
+NORM_TOLERANCE = {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-4}
 FLA_NORM_INPUTS = InputRule(kernel="fla's Triton RMSNorm")
 
 RMS_NORM = Op(

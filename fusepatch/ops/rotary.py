@@ -94,5 +94,5 @@ ROTARY = Op(
             "kernels-community/rotary", "adapter to transformers' per-token cos/sin not written", "apply_rotary"
         ),
     ),
-    selftest=SelfTest(_inputs, {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-5}, _dims, outputs=2),
+    selftest=SelfTest(_inputs, {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-5}, _dims, outputs=2),
 )
