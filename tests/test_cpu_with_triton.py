@@ -37,12 +37,12 @@ SCRIPT = textwrap.dedent(
     model = tiny_model("qwen3_5_text")
     ids = torch.randint(0, 512, (2, 40))
     try:
-        model(input_ids=ids, labels=ids)
+        model(input_ids=ids, labels=ids, use_cache=False)
         print("UNPATCHED-RAN")
     except RuntimeError as exc:
         print("UNPATCHED-CRASHED:", exc)
     fusepatch.apply(model)
-    out = model(input_ids=ids, labels=ids)
+    out = model(input_ids=ids, labels=ids, use_cache=False)
     out.loss.backward()
     print("PATCHED-LOSS", float(out.loss))
     """
