@@ -51,8 +51,3 @@ def release(owner: object) -> None:
                 if getattr(module, key[1], None) is wrapper:  # someone else's later wrapper stays theirs
                     setattr(module, key[1], original)
 
-
-def original(module_name: str, name: str) -> object | None:
-    """transformers' own object behind a binding (``None`` where none is installed)."""
-    found = _installed.get((module_name, name))
-    return None if found is None else found[0]

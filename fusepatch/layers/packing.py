@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusepatch.layers.positions import is_plain
+from fusepatch.layers.positions import _root, is_plain
 from fusepatch.layers.signature import CACHE_NAMES
 
 
@@ -125,10 +125,6 @@ def boundaries_for_call(position_ids: torch.Tensor | None) -> torch.Tensor | Non
 
 
 _PADDING = "_fusepatch_padding"
-
-
-def _root(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor._base is None else tensor._base
 
 
 def note_padding(position_ids, attention_mask) -> None:
