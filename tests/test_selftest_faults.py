@@ -1,5 +1,5 @@
 """The self-test refuses wrong kernels: the fault matrix (tests/faults.py) on stand-ins made of each op's reference,
-in fp32 and bf16 on the CPU; tests/gpu/test_selftest_faults.py runs the same faults around the real kernels.
+in fp32 and bf16 on the CPU; tests/gpu/test_gpu_selftest_faults.py runs the same faults around the real kernels.
 
 The bounds are a multiple of the reference's own error in the dtype plus a floor (``selftest.bounds``): a kernel 2%
 off, a flipped sign in 1% of a gradient, an error at document starts or an argument dropped is refused; the
