@@ -23,8 +23,9 @@ class Verdict:
     ok: bool
     reason: str = ""
     fix: str = ""
-    planned: bool = False  # refused only because this release does not wire the candidate up yet
     off: bool = False  # an opt-in candidate the environment has not switched on: not a fallback to fix
+    # each failed check's (reason, fix) when several are joined above, so the report can group equal reasons
+    parts: tuple[tuple[str, str], ...] = ()
 
     def __bool__(self) -> bool:
         return self.ok
@@ -204,19 +205,6 @@ class OptIn:
 
     def describe(self) -> str:
         return f"{self.variable}=1"
-
-
-@dataclass(frozen=True)
-class NotImplementedYet:
-    """A real upstream candidate that this fusepatch release does not wire up yet (kept so doctor lists it)."""
-
-    planned: str
-
-    def check(self, env: Environment) -> Verdict:
-        return Verdict(False, f"not wired up in this fusepatch release ({self.planned})", "", planned=True)
-
-    def describe(self) -> str:
-        return "wired up in fusepatch"
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ saved-states candidates against fla's function and the fp64 reference)."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import types
 
@@ -76,6 +77,8 @@ def fake_fla(monkeypatch):
     }
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
+    found = importlib.util.find_spec  # fla runs its TileLang kernel only where tilelang is installed
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "tilelang" else found(n, *a))
     return types.SimpleNamespace(builds=builds, fla_calls=fla_calls, backend=backend, fla=fla_chunk_bwd_dqkwg)
 
 

@@ -65,7 +65,7 @@ def test_an_fla_without_a_piece_fails_the_load_with_the_fix(monkeypatch):
     with pytest.raises(ImportError) as caught:
         fla_saved_states.load()
     message = str(caught.value)
-    assert "chunk_gated_delta_rule_fwd_h" in message and "fla-core>=0.5,<0.7" in message
+    assert "chunk_gated_delta_rule_fwd_h" in message and "flash-linear-attention[cuda]>=0.6,<0.7" in message
     assert "FUSEPATCH_SKIP=gated_delta_rule/fla-saved-states" in message
 
 

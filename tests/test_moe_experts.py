@@ -70,7 +70,7 @@ def test_a_dropped_slot_reads_nothing_of_its_token():
 
 def test_no_pass_masks_every_slot_row():
     """Dropped slots cost no elementwise pass over every slot's row (a ``where`` over the ``slots x hidden`` output
-    and its backward: 2.7 ms a step at the MoE shape on the H200, session 18): their rows are zero from the gather
+    and its backward: 2.7 ms a step at the MoE shape on the H200, the H200 run of 2026-12-01): their rows are zero from the gather
     on."""
     h, index, weights, gate_up, down = _inputs()
     slots = index.numel()
@@ -164,4 +164,6 @@ def test_experts_stay_with_transformers_on_cpu():
     model = tiny_model("qwen3_moe")
     report = fusepatch.apply(model)
     experts = next(layer for layer in report.layers if layer.layer == "Qwen3MoeExperts")
-    assert experts.choices[0].chosen == "eager" and "CPU-only build" in experts.choices[0].reason_text()
+    # A CPU build says so; a CUDA build on a machine without a GPU (what a plain index installs) says that instead.
+    expected = "CPU-only build" if torch.version.cuda is None else "no CUDA device is visible"
+    assert experts.choices[0].chosen == "eager" and expected in experts.choices[0].reason_text()

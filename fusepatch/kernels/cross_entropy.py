@@ -6,7 +6,7 @@ Two kernels: ``_loss``, one program per token streaming its row once (an online 
 ``_gradient``, one program per block of a row. Rows of ignored labels get loss 0 and a zero gradient.
 
 Measured on the H200 at the 27B shape (4096 x 248,320 bf16 logits, 2 GB; ``loss_bench.py --kernels``,
-session 14, two runs): fla's forward (a program loads 64k logits at once, then a reduction kernel) 0.786-0.807
+the H200 run of 2026-11-30, two runs): fla's forward (a program loads 64k logits at once, then a reduction kernel) 0.786-0.807
 ms, its forward + backward 1.934-1.942 ms; ``_loss`` alone 0.605-0.666 ms (~3.2 TB/s); both kernels 1.922 ms at
 the launch settings below, 1.924 at 2048 / 4 warps for both, 2.364 at 4096 / 8 warps for the gradient. The
 gradient's in-place read and write (4 GB) is the floor: ~1.26 ms here. A first version computed the gradient

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusepatch.ops.rotary import unsupported
+from fusepatch.kernels.rotary_check import unsupported
 
 WARPS = 4
 

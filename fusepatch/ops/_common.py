@@ -6,6 +6,8 @@ import contextlib
 
 import torch
 
+from fusepatch.backends import fla as fla_backend
+from fusepatch.backends import kernels_hub
 from fusepatch.ops.base import Candidate
 from fusepatch.requirements import (
     CudaDevice,
@@ -14,13 +16,12 @@ from fusepatch.requirements import (
     InputRule,
     MinCapability,
     NoKnownIssue,
-    NotImplementedYet,
 )
 
-FLA_FIX = 'pip install "flash-linear-attention[cuda]"'
+FLA_FIX = fla_backend.FIX
 CAUSAL_CONV1D_FIX = "python -m fusepatch build causal-conv1d   (builds for this GPU only; or: pip install causal-conv1d --no-build-isolation)"
 TRITON_FIX = "pip install triton   (a CUDA build of torch on Linux brings it)"
-HUB_FIX = 'pip install "fusepatch[hub]"'
+HUB_FIX = kernels_hub.FIX
 
 
 def package_requirements(distribution: str, spec: str, module: str, fix: str) -> tuple:
@@ -42,11 +43,16 @@ def own_triton_candidate(load, kernel: str, provides: str) -> Candidate:
 
 
 def fla_requirements(module: str) -> tuple:
-    """What every fla (Triton) kernel needs: fla-core >= 0.5 (native GVA, in-kernel gate), a GPU, Triton."""
+    """What every fla (Triton) kernel needs: fla-core >= 0.6 (backends/fla.py), a GPU, Triton."""
     return (
         CudaDevice(),
         MinCapability((8, 0), "fla's Triton kernels"),
-        DistributionVersion("fla-core", ">=0.5", FLA_FIX, why="older fla needs q/k heads repeated for grouped values"),
+        DistributionVersion(
+            fla_backend.DISTRIBUTION,
+            fla_backend.REQUIRED,
+            FLA_FIX,
+            why="the version whose private names fusepatch checked",
+        ),
         DistributionVersion("triton", ">=3.3", FLA_FIX),
         Importable(module, "fla-core", FLA_FIX),
     )
@@ -55,42 +61,6 @@ def fla_requirements(module: str) -> tuple:
 def fla_backward_requirements(module: str) -> tuple:
     """fla kernels whose backward goes through the gated chunk_bwd_dqkwg kernel (see known_issues.py)."""
     return fla_requirements(module) + (NoKnownIssue("fla-core"),)
-
-
-def check_fla_signatures(module, needs: dict[str, set[str]], skip: str) -> None:
-    """fusepatch calls these fla functions directly, by keyword: an fla-core whose function lost a parameter
-    fusepatch passes (or lost the function) fails the candidate's load with the fix, instead of a TypeError
-    mid-training. ``skip``: the ``op/candidate`` to name in FUSEPATCH_SKIP."""
-    import inspect
-
-    for name, wanted in needs.items():
-        function = getattr(module, name, None)
-        missing = wanted - set(inspect.signature(function).parameters) if callable(function) else {"itself"}
-        if missing:
-            raise ImportError(
-                f"fla's {name} lacks {sorted(missing)} (fla-core changed it); fusepatch knows fla-core 0.5-0.6's. "
-                f"Fix: pip install 'fla-core>=0.5,<0.7', or FUSEPATCH_SKIP={skip}"
-            )
-
-
-def hub_requirements(repo: str, why: str) -> tuple:
-    """A Hub kernel not wired up yet, and why (shown by doctor as ``planned``)."""
-    return (
-        CudaDevice(),
-        DistributionVersion("kernels", ">=0.10", HUB_FIX),
-        NotImplementedYet(f"Kernel Hub repo {repo}: {why}"),
-    )
-
-
-def planned_hub_candidate(repo: str, why: str, provides: str = "") -> Candidate:
-    """A Kernel Hub kernel the registry names but does not wire up yet (``doctor`` shows it as planned, why)."""
-    return Candidate(
-        name=f"hub:{repo}", source="hub", requirements=hub_requirements(repo, why), load=lambda: None, provides=provides
-    )
-
-
-def planned(what: str) -> tuple:
-    return (NotImplementedYet(what),)
 
 
 def on_device(device: torch.device):

@@ -8,7 +8,7 @@ from typing import Any
 
 from fusepatch.requirements import InputRule, Requirement
 
-SOURCES = ("pip", "source", "hub", "eager")
+SOURCES = ("pip", "hub", "eager")  # pip: an installed package (a wheel fusepatch built included); hub: the Kernel Hub
 
 
 @dataclass(frozen=True)

@@ -6,18 +6,15 @@ batch must be 1 and no output position reads an input of an earlier document.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 
+from fusepatch.backends import causal_conv1d as conv_backend
 from fusepatch.hub import HubKernel, hub_candidate
 from fusepatch.layers.packing import host_built, host_values
 from fusepatch.ops._common import CAUSAL_CONV1D_FIX, fla_requirements, package_requirements, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import CudaDevice, InputRule
-
-logger = logging.getLogger("fusepatch")
 
 
 def document_starts(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -128,7 +125,7 @@ def _direct_conv():
     The package (1.7 here) routes every call through two custom ops (``DaoAILab::_causal_conv1d_fwd_cpp`` /
     ``_bwd_cpp``), which torch.compile needs but which cost the host a custom op's dispatch each way: on the
     H200's host the conv's call took 243 us through them and 163 us past them, on a host ~15% slower
-    (benchmarks/step_start.py, RESULTS.md session 26), in layer 0 of a synced step where the GPU waits for the
+    (benchmarks/step_start.py, the H200 run of 2026-12-02), in layer 0 of a synced step where the GPU waits for the
     host. The kernels, their arguments and the buffers (channel-last ``out``/``dx``, fp32 ``dweight``/``dbias``
     cast back) are the package's own, so the results are too; under torch.compile the package's function runs."""
     try:
@@ -137,11 +134,11 @@ def _direct_conv():
         return None
     # 1.7's: fwd(x, weight, bias, seq_idx, initial_states, out, final_states_out, silu) -> None and
     # bwd(x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx, dweight, dbias, dinitial_states, silu)
-    arities = _arity(getattr(ext, "causal_conv1d_fwd", None)), _arity(getattr(ext, "causal_conv1d_bwd", None))
-    if arities != (8, 12):
-        logger.debug(
-            "fusepatch: causal_conv1d_cuda takes %s/%s arguments (1.7's: 8/12): its package's function is called",
-            *arities,
+    arities = tuple(_arity(getattr(ext, name, None)) for name in conv_backend.ARITIES)
+    if arities != tuple(conv_backend.ARITIES.values()):
+        conv_backend.NAMES.drift(
+            f"{conv_backend.EXTENSION}'s functions take {arities[0]}/{arities[1]} arguments (1.7's: 8/12)",
+            "the package's causal_conv1d_fn is called, through its custom ops (more host time a layer)",
         )
         return None
 

@@ -5,7 +5,7 @@ gradients there). fla builds it with K in 64-wide blocks and 4 warps: two progra
 the chunk's ``v``, ``do`` and ``dv`` and computing ``do @ v^T`` again for its half of K. Built by the same builder
 with K in one block (K <= 128) and 8 warps, it took 0.288 ms at the Qwen3.5-27B layer shape on the H200 against
 0.426 ms for fla's call, with dq, dk and dw bit for bit fla's and dg to float rounding (fla adds its two K halves'
-partial sums; benchmarks/dqkwg_bench.py, benchmarks/RESULTS.md session 16). Six such layers: 0.8 ms a step.
+partial sums; benchmarks/dqkwg_bench.py, the H200 run of 2026-11-30). Six such layers: 0.8 ms a step.
 
 Used only where fla itself would run TileLang (its ``common`` TileLang backend available, enabled and accepting
 the call) and the tiling applies; fla's own call otherwise.
@@ -13,33 +13,38 @@ the call) and the tiling applies; fla's own call otherwise.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
-import logging
 from collections.abc import Callable
 
 import torch
 
+from fusepatch.backends import fla as fla_backend
+from fusepatch.backends.fla import DQKWG_BUILDER, DQKWG_BUILDER_ARGS
 from fusepatch.resolve import dtype_name
-
-logger = logging.getLogger("fusepatch")
 
 ENABLED = True  # off: fla's own tiling (benchmarks: BENCH_FLA_DQKWG=1 for an A/B row)
 BLOCK_K = 128
 BLOCK_V = 64
 WARPS = 8
-_BUILDER_ARGS = {
-    *("B", "H", "HV", "K", "V", "BT", "BK", "BV", "NK", "hD1", "hD2", "dtype_str"),
-    *("USE_G", "USE_DW", "STATE_V_FIRST", "IS_VARLEN", "num_warps"),
-}
+_FALLBACK = "the delta rule's dq/dk/dw/dg kernel runs with fla's own tiling (0.14 ms more a layer at the 27B shape)"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _builder() -> tuple[Callable, object] | None:
     """fla's kernel builder and its TileLang backend, or None (no fla, no TileLang, a builder that changed)."""
+    if importlib.util.find_spec("tilelang") is None:  # fla cannot run its TileLang kernel either: nothing to widen
+        return None
     try:
         from fla.ops.common.backends import CommonTileLangBackend
-        from fla.ops.common.backends.tilelang.chunk_bwd import _build_chunk_bwd_dqkwg_kernel as build
-    except Exception:  # noqa: BLE001 - no fla, no tilelang, or a layout that moved: fla's own call
+
+        chunk_bwd = importlib.import_module("fla.ops.common.backends.tilelang.chunk_bwd")
+        build = getattr(chunk_bwd, DQKWG_BUILDER)
+    except Exception as exc:  # noqa: BLE001 - a layout that moved is reported, then fla's own call
+        fla_backend.NAMES.drift(
+            f"fla's TileLang dqkwg builder cannot be loaded ({type(exc).__name__}: {exc})", _FALLBACK
+        )
         return None
     names: set[str] = set()
     for candidate in (build, getattr(build, "func", None), getattr(build, "__wrapped__", None)):
@@ -47,10 +52,11 @@ def _builder() -> tuple[Callable, object] | None:
             names = set(inspect.signature(candidate).parameters) if candidate is not None else set()
         except (TypeError, ValueError):
             continue
-        if _BUILDER_ARGS <= names:
+        if DQKWG_BUILDER_ARGS <= names:
             break
-    if not _BUILDER_ARGS <= names:
-        logger.info("fusepatch: fla's chunk_bwd_dqkwg builder takes %s; using fla's own tiling", sorted(names))
+    if not DQKWG_BUILDER_ARGS <= names:
+        lacking = sorted(DQKWG_BUILDER_ARGS - names)
+        fla_backend.NAMES.drift(f"fla's {DQKWG_BUILDER} lacks the keywords {lacking}", _FALLBACK)
         return None
     return build, CommonTileLangBackend()
 

@@ -5,7 +5,7 @@ registered backends, asks each whether it is available and enabled (environment 
 does all of that inside a ``torch.compiler.disable`` frame; two of the functions fusepatch calls are also wrapped
 in ``input_guard`` (a contiguity pass over every argument, a device context). fusepatch's delta rule calls
 thirteen such functions a layer, forward and backward. At the Qwen3.5-2B-like shape the forward was CPU-bound on
-the H200 (91 ms of host time to queue 43 ms of GPU work, benchmarks/RESULTS.md session 23): switching the dispatch
+the H200 (91 ms of host time to queue 43 ms of GPU work, the H200 run of 2026-12-01): switching the dispatch
 off (fla's ``FLA_DISABLE_BACKEND_DISPATCH=1``, read at import, for every caller) took the 18 delta-rule layers'
 forward from 52.2 to 46.6 ms of host time, and calling the functions directly (this module) ran the training
 step at 1.39x hf-fast synced against 1.27x through the dispatch, in one run.
@@ -24,6 +24,8 @@ import os
 from collections.abc import Callable, Iterable
 from types import SimpleNamespace
 from typing import Any
+
+from fusepatch.backends.fla import NAMES
 
 logger = logging.getLogger("fusepatch")
 
@@ -85,6 +87,10 @@ def unwrap(fn: Callable, name: str) -> tuple[Callable, str]:
         if layer == _DISPATCH:
             live = live_backends(inner, name)
             if live is None:
+                NAMES.drift(
+                    "fla's backend dispatch wrapper holds no readable BackendRegistry",
+                    "fla's functions are called through its per-call dispatch (more host time a layer)",
+                )
                 return fn, "fla's backend registry unreadable"
             if live:
                 return fn, f"backend {', '.join(live)} could take it"
@@ -114,11 +120,15 @@ def beta_sigmoid(exported: Callable) -> Callable:
     past the autograd function, input guard and dispatch around it: called inside fusepatch's own autograd
     function, whose backward calls ``fused_beta_sigmoid_bwd``, nothing of the wrapper is used. ``exported``
     where the launcher is missing or dispatched to a live backend."""
+    fallback = "beta's sigmoid goes through fla's autograd function (one more wrapper a call)"
     try:
         from fla.ops.common import gate
-    except ImportError:
+    except ImportError as exc:
+        NAMES.drift(f"fla.ops.common.gate cannot be imported ({exc})", fallback)
         return exported
     launcher = getattr(gate, "fused_beta_sigmoid_fwd", None)
+    if launcher is None:
+        NAMES.drift("fla.ops.common.gate.fused_beta_sigmoid_fwd is missing", fallback)
     if not ENABLED or launcher is None:
         return exported
     found, why = unwrap(launcher, "fused_beta_sigmoid_fwd")

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from fusepatch.ops._common import check_fla_signatures, on_device
+from fusepatch.backends.fla import DELTA_RULE_STAGES, check_signatures
+from fusepatch.ops._common import on_device
 
 CHUNK = 64
 SKIP = "gated_delta_rule/fla-saved-states"
@@ -30,30 +31,9 @@ SKIP_GROUPED = "gated_delta_rule/fla-saved-states-grouped"
 # fusepatch kernel each way instead of fla's four and six launches; off: fla's (benchmarks: BENCH_GDN_INPUTS_FLA=1)
 FUSED_INPUTS = True
 
-# fla's functions called here and every keyword fusepatch passes them (tests/test_fla_saved_states.py checks
-# the table against the calls): check_fla_signatures refuses an fla-core that lost one
-NEEDS = {
-    "gdn_gate_chunk_cumsum": {"g", "A_log", "dt_bias", "scale", "chunk_size", "cu_seqlens", "chunk_indices"},
-    "chunk_gated_delta_rule_fwd_intra": {"k", "v", "g", "beta", "cu_seqlens", "chunk_indices", "chunk_size"},
-    "chunk_gated_delta_rule_fwd_h": {
-        *("k", "w", "u", "g", "initial_state", "output_final_state", "chunk_size", "cu_seqlens", "chunk_indices")
-    },
-    "chunk_fwd_o": {"q", "k", "v", "h", "g", "scale", "cu_seqlens", "chunk_indices", "chunk_size"},
-    "chunk_bwd_dv_local": {"q", "k", "g", "do", "scale", "cu_seqlens", "chunk_indices", "chunk_size"},
-    "chunk_gated_delta_rule_bwd_dhu": {
-        *("q", "k", "w", "g", "h0", "dht", "do", "dv", "scale", "chunk_size", "cu_seqlens", "chunk_indices")
-    },
-    "chunk_bwd_dqkwg": {
-        *("q", "k", "v", "w", "g", "h", "dv", "do", "dh", "scale", "chunk_size", "cu_seqlens", "chunk_indices")
-    },
-    "prepare_wy_repr_bwd": {"k", "v", "beta", "g", "A", "dw", "du", "cu_seqlens", "chunk_indices"},
-    "chunk_local_cumsum": {"g", "chunk_size", "reverse", "cu_seqlens", "chunk_indices"},
-    "gdn_gate_bwd": {"g", "A_log", "dt_bias", "dyg"},
-    "l2norm_fwd": set(),
-    "l2norm_bwd": set(),
-    "fused_beta_sigmoid": {"scale"},
-    "fused_beta_sigmoid_bwd": {"scale"},
-}
+# fla's functions called here and every keyword fusepatch passes them (backends/fla.py's table;
+# tests/test_fla_saved_states.py checks it against the calls): check_signatures refuses an fla-core that lost one
+NEEDS = DELTA_RULE_STAGES
 
 
 def load(grouped: bool = False):
@@ -64,7 +44,7 @@ def load(grouped: bool = False):
     fusepatch's L2-norm backward sums the groups (and adds the two k gradients) in one kernel
     (kernels/l2norm.py). The expansion costs two copies a layer (kernels/heads.py, 0.20 ms a 27B-shaped step on
     the H200); the three torch sums, fla's L2-norm backward and the add it replaces took 1.14 ms there: 0.59 ms
-    less GPU time a step, the same peak memory (session 15). Without grouping (as many key as value heads) there
+    less GPU time a step, the same peak memory (H200 run of 2026-11-30). Without grouping (as many key as value heads) there
     is nothing to expand: only the L2-norm backward and the add are fused."""
     from fla.ops.gated_delta_rule import chunk as fla
     from fla.ops.utils.constant import RCP_LN2
@@ -72,7 +52,7 @@ def load(grouped: bool = False):
 
     from fusepatch.ops.gated_delta_rule import chunk_table
 
-    check_fla_signatures(fla, NEEDS, SKIP_GROUPED if grouped else SKIP)
+    check_signatures(fla, NEEDS, SKIP_GROUPED if grouped else SKIP)
     from fusepatch.ops.dqkwg import load as load_dqkwg
     from fusepatch.ops.fla_direct import beta_sigmoid, direct
 

@@ -19,8 +19,9 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from fusepatch.backends.fla import DELTA_RULE_WHOLE, check_signatures
 from fusepatch.layers.packing import host_built
-from fusepatch.ops._common import check_fla_signatures, fla_backward_requirements, planned_hub_candidate, rand
+from fusepatch.ops._common import fla_backward_requirements, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import InputRule, OptIn
 
@@ -143,7 +144,7 @@ def chunk_table(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor | 
     """fla's table of chunks for packed rows, ``[chunks, 2]`` (document, chunk within it), in ``cu_seqlens``'
     dtype and device, built from the boundaries' host values and copied without a wait (``packing.host_built``).
     fla builds it from the GPU tensor (``repeat_interleave`` reads its length on the host): two waits for the GPU
-    per new boundaries on the H200 trace of session 11, mid-forward. ``None`` where the host values are not
+    per new boundaries on the H200 trace of 2026-11-30, mid-forward. ``None`` where the host values are not
     known: fla then builds it itself."""
 
     def build(host: tuple[int, ...]) -> torch.Tensor:
@@ -202,15 +203,7 @@ def _fla_split():
 
     from fusepatch.graphs import Split
 
-    needs = {
-        "chunk_gated_delta_rule_fwd": {"use_gate_in_kernel", "A_log", "dt_bias", "g", "beta", "scale"},
-        "chunk_gated_delta_rule_bwd": {"use_gate_in_kernel", "g_input", "A_log", "dt_bias", "A", "do", "dht"},
-        "l2norm_fwd": set(),
-        "l2norm_bwd": set(),
-        "fused_beta_sigmoid": {"scale"},
-        "fused_beta_sigmoid_bwd": {"scale"},
-    }
-    check_fla_signatures(fla, needs, "gated_delta_rule/fla-graphed")
+    check_signatures(fla, DELTA_RULE_WHOLE, "gated_delta_rule/fla-graphed")
 
     def forward(q, k, v, a, b, A_log, dt_bias):
         # fla's autograd function makes its inputs contiguous (input_guard) and its l2norm views them flat: q, k
@@ -267,9 +260,9 @@ def _fla_split():
 
 # Off by default: the graphs copy every call's inputs, outputs and saved tensors in and out of their static
 # buffers (Memcpy DtoD: 4.3 ms of the 2B-like step, 1.4 ms of the 27B one on the H200), and with the CPU keeping
-# ahead of the GPU that costs more than the launches it saves: in one run of session 10 (benchmarks/RESULTS.md)
+# ahead of the GPU that costs more than the launches it saves: in one H200 run of 2026-11-30
 # fla without graphs was faster at both shapes, 205.2 against 208.6 ms (2B-like) and 215.7 against 218.1 ms
-# (27B). They pay where the CPU holds the GPU back: session 9 measured 1.6-3.1 ms of CPU per layer and call in
+# (27B). They pay where the CPU holds the GPU back: the H200 run of 2026-11-29 measured 1.6-3.1 ms of CPU per layer and call in
 # fla's Python, and a 2B-like step at 64% GPU busy without them.
 GRAPHS_SWITCH = OptIn(
     "FUSEPATCH_CUDA_GRAPHS",
@@ -364,7 +357,7 @@ GATED_DELTA_RULE = Op(
             provides=(
                 "fla-saved-states with the q/k gradients' sums over grouped value heads done in fusepatch's L2-norm "
                 "backward kernel (fusepatch.kernels.l2norm) instead of torch sums inside fla: 0.6 ms less GPU time "
-                "a 27B-shaped step on the H200 (benchmarks/RESULTS.md, session 15)"
+                "a 27B-shaped step on the H200 (run of 2026-11-30)"
             ),
             distribution="fla-core",
         ),
@@ -397,11 +390,6 @@ GATED_DELTA_RULE = Op(
             inputs=FLA_INPUTS,
             provides="fla.ops.gated_delta_rule.chunk_gated_delta_rule (gate and beta computed in torch)",
             distribution="fla-core",
-        ),
-        planned_hub_candidate(
-            "kernels-community/fla",
-            "its chunked gated delta rule's API and backward not yet checked against fla 0.6",
-            "chunk_gated_delta_rule",
         ),
     ),
     # grad[5], grad[6]: A_log and dt_bias, whose gradients sum the decay gradient over every token with heavy

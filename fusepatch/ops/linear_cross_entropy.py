@@ -16,7 +16,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fusepatch.ops._common import check_fla_signatures, fla_requirements, on_device, own_triton_candidate, rand
+from fusepatch.backends.fla import CROSS_ENTROPY, check_signatures
+from fusepatch.ops._common import fla_requirements, on_device, own_triton_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import InputRule, TorchVersion
 
@@ -100,10 +101,10 @@ def fla_chunk_budget() -> int:
     chunk loop (one chunk's logits live at a time). fla's own function splits the tokens into 8 chunks whatever
     their number (512 tokens at seq 4096): each chunk re-reads and re-writes the whole lm_head weight gradient (2.5
     GB at Qwen3.5's 248k x 5120 in bf16) and runs GEMMs with a 512-long inner dimension. Fewer, larger chunks trade
-    logits memory for both. The loss alone at the 27B shape (loss_bench.py, session 4): fwd+bwd 60.2 ms with fla's 8
-    chunks, 55.0 / 53.7 / 53.0 ms at 512 / 1024 / 2048 MiB. Why 1024 and not 2048 (the default of sessions 10-21):
-    the loss holds the step's peak since the delta rule keeps its chunk states for the backward (session 14), and
-    there one 4096-token chunk's 1.9 GiB of logits sat on top of every activation. Measured on the H200 (session 22):
+    logits memory for both. The loss alone at the 27B shape (loss_bench.py, the H200 run of 2026-11-29): fwd+bwd 60.2 ms with fla's 8
+    chunks, 55.0 / 53.7 / 53.0 ms at 512 / 1024 / 2048 MiB. Why 1024 and not 2048 (the default of the H200 runs of 2026-11-30 to 2026-12-01):
+    the loss holds the step's peak since the delta rule keeps its chunk states for the backward (H200 run of 2026-11-30), and
+    there one 4096-token chunk's 1.9 GiB of logits sat on top of every activation. Measured on the H200 (run of 2026-12-01):
     1024 lowers the peak from 43.79 to 42.84 GiB at the 27B shape and from 35.03 to 34.08 at the 2B-like shape (both
     under Liger Kernel's, 43.07 and 34.32), its step time within the run-to-run spread (27B back to back 1.209 and
     1.207x hf-fast against 1.211, 1.203 and 1.213x at 2048). At long rows a budget also bounds the logits where
@@ -142,9 +143,9 @@ class _LinearCrossEntropyLoop(torch.autograd.Function):
 
     Why not fla's ``fused_linear_cross_entropy_fwd``: it zero-fills the weight gradient (2.5 GB at the 27B
     shape) and then adds every chunk into it, the first included (1.56 ms of fill plus a GEMM that reads the
-    zeros back, per step on the H200, session 9); it divides only by its own token count, so the Trainer's
+    zeros back, per step on the H200, the H200 run of 2026-11-29); it divides only by its own token count, so the Trainer's
     ``num_items_in_batch`` needed a pass over both gradients afterwards; and its backward compiles a kernel per
-    token count (10 builds in 10 steps of the SFT example, session 7). Here the backward only scales the stored
+    token count (10 builds in 10 steps of the SFT example, the H200 run of 2026-11-29). Here the backward only scales the stored
     gradients by the incoming one, and skips that when it is 1 (plain training)."""
 
     @staticmethod
@@ -170,7 +171,7 @@ class _LinearCrossEntropyLoop(torch.autograd.Function):
                     else:
                         grad_weight.addmm_(logits.t(), h)
                 # freed before the next chunk's GEMM allocates its logits, else two chunks' logits live at once
-                # (fla's loop has that peak: 0.6 GiB over Liger's at the Qwen3-32B shape, session 10)
+                # (fla's loop has that peak: 0.6 GiB over Liger's at the Qwen3-32B shape, the H200 run of 2026-11-30)
                 del logits
             if needs_grad and grad_weight is None:  # no tokens at all
                 grad_weight = torch.zeros_like(weight)
@@ -215,25 +216,10 @@ def _loop(ce):
     return linear_cross_entropy_loop
 
 
-FLA_KERNELS = {  # fla function -> the parameters fusepatch passes it
-    "cross_entropy_fwd": {"logits", "target", "ignore_index"},
-    "cross_entropy_bwd": {
-        "logits",
-        "target",
-        "lse",
-        "dloss",
-        "ignore_index",
-        "total_classes",
-        "class_start_idx",
-        "inplace_backward",
-    },  # fmt: skip
-}
-
-
 def _load_fla():
     from fla.modules.fused_cross_entropy import ops
 
-    check_fla_signatures(ops, FLA_KERNELS, "linear_cross_entropy/fla")
+    check_signatures(ops, CROSS_ENTROPY, "linear_cross_entropy/fla")
     ce_forward, ce_backward = ops.cross_entropy_fwd, ops.cross_entropy_bwd
 
     def fla_ce(logits, target, inverse, ignore_index: int, grad: bool):
@@ -290,7 +276,7 @@ LINEAR_CROSS_ENTROPY = Op(
             provides="fla.modules.fused_cross_entropy.ops.cross_entropy_fwd/_bwd in fusepatch's chunk loop",
             distribution="fla-core",
         ),
-        # fusepatch's own kernels: as fast as fla's at the 27B shape (1.92 against 1.93 ms alone, session 14) and
+        # fusepatch's own kernels: as fast as fla's at the 27B shape (1.92 against 1.93 ms alone, the H200 run of 2026-11-30) and
         # as exact; after fla, which is the one measured in the training step, and before torch-chunked (no fla
         # needed: Qwen2/Qwen3 installs without fla get the same loop)
         own_triton_candidate(

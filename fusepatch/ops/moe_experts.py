@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusepatch.ops._common import TRITON_FIX, planned_hub_candidate, rand
+from fusepatch.ops._common import TRITON_FIX, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import CudaDevice, DistributionVersion, Importable, InputRule, MinCapability, TorchVersion
 
@@ -41,7 +41,9 @@ def weighted_swiglu_reference(gate_up: torch.Tensor, weight: torch.Tensor) -> to
 def _grouped_mm():
     fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
     if fn is None:
-        raise RuntimeError(f"torch {torch.__version__} has no grouped_mm; torch >= 2.8 has it")
+        raise RuntimeError(
+            f"torch {torch.__version__} has no grouped_mm; torch >= 2.9 has it (pip install 'torch>=2.9')"
+        )
     return fn
 
 
@@ -63,8 +65,8 @@ class _Regroup(torch.autograd.Function):
     ``moe_experts_grouped``). Left to autograd, the gather by token's backward is an accumulating ``index_put_``,
     which on CUDA sorts its indices first (several launches a layer), and the combination's is an atomic
     ``index_add_`` over every slot after a copy of the sum's expanded gradient: 4.6 + 1.5 ms a step at the MoE
-    shape on the H200 (session 18). The gathers take 2.0 ms of that step all told; its kernels 113.3 ms against
-    118.8 with the scatters (session 19, benchmarks/RESULTS.md)."""
+    shape on the H200 (run of 2026-12-01). The gathers take 2.0 ms of that step all told; its kernels 113.3 ms against
+    118.8 with the scatters (H200 run of 2026-12-01)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, source: torch.Tensor, inverse: torch.Tensor, top_k: int, to_tokens: bool):
@@ -92,7 +94,7 @@ def moe_experts_grouped(
     gradient through it (to the experts, the token and its weight), without a pass over every slot's row to mask
     it, and a non-finite token row cannot reach the last expert's gradient through a slot routed elsewhere.
     Counting the kept slots to slice them off (``int(keep.sum())``) and ``bincount`` (which reads its input's
-    maximum back) each waited for the GPU once per MoE layer (tests/gpu's sync test, session 17).
+    maximum back) each waited for the GPU once per MoE layer (tests/gpu's sync test, the H200 run of 2026-12-01).
 
     Rows move by gathers only (``index_select`` with the sort's order, its inverse, or the slots' tokens), and
     each token sums its ``top_k`` rows, forward and backward, with ``sum`` (fp32 inside, as transformers'
@@ -183,10 +185,6 @@ MOE_EXPERTS = Op(
             inputs=InputRule(devices=("cuda",), dtypes=GROUPED_MM_DTYPES, kernel="torch's grouped_mm"),
             provides="fusepatch.ops.moe_experts.moe_experts_grouped (torch grouped_mm)",
             distribution="torch",
-        ),
-        planned_hub_candidate(
-            "kernels-community/megablocks",
-            "its grouped-GEMM experts take a different weight layout; adapter not written yet",
         ),
     ),
     selftest=SelfTest(_inputs, {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-4}, _dims),

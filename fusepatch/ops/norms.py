@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusepatch.ops._common import fla_requirements, own_triton_candidate, planned_hub_candidate, rand
+from fusepatch.ops._common import fla_requirements, own_triton_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import InputRule
 
@@ -157,7 +157,6 @@ RMS_NORM = Op(
     candidates=(
         _triton_norm_candidate("rms_norm"),
         _fla_norm_candidate(zero_centered=False),
-        planned_hub_candidate("kernels-community/rmsnorm", "its rms_norm is forward-only (no backward for training)"),
     ),
     selftest=SelfTest(_norm_inputs, NORM_TOLERANCE, _norm_dims),
 )
@@ -184,9 +183,6 @@ GATED_RMS_NORM = Op(
             inputs=InputRule(kernel="fla's fused gated RMSNorm"),
             provides="fla.modules.norm.fused_norm_gate.rms_norm_gated",
             distribution="fla-core",
-        ),
-        planned_hub_candidate(
-            "kernels-community/fla", "its gated RMSNorm's API not yet checked against fla 0.6", "FusedRMSNormGated"
         ),
     ),
     selftest=SelfTest(_gated_inputs, NORM_TOLERANCE, _gated_dims),

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from fusepatch.ops._common import own_triton_candidate, planned_hub_candidate, rand
+from fusepatch.kernels.rotary_check import unsupported  # noqa: F401 - the layers ask it before calling the op
+from fusepatch.ops._common import own_triton_candidate, rand
 from fusepatch.ops.base import Op, SelfTest
 
 
@@ -29,25 +30,6 @@ def rotary_reference(q, k, cos, sin):
         return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
 
     return apply(q), apply(k)
-
-
-def unsupported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
-    """Why a call is outside what the fused kernel reproduces exactly (the caller then keeps transformers'
-    function), or None."""
-    if q.ndim != 4 or k.ndim != 4 or cos.ndim != 3 or sin.shape != cos.shape:
-        return f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
-    if not q.dtype == k.dtype == cos.dtype == sin.dtype:  # eager would promote; the kernel keeps q's dtype
-        return f"dtypes q {q.dtype}, k {k.dtype}, cos {cos.dtype}, sin {sin.dtype}"
-    rotary = cos.shape[-1]
-    if rotary % 2 or rotary > q.shape[-1] or q.shape[-1] != k.shape[-1]:
-        return f"rotary dim {rotary} against head dims {q.shape[-1]}/{k.shape[-1]}"
-    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or cos.shape[1] != q.shape[2]:
-        return f"batch/tokens of q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)} disagree"
-    if cos.shape[0] not in (1, q.shape[0]) or cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        return "cos/sin layout"
-    if cos.requires_grad or sin.requires_grad:
-        return "cos/sin require grad"
-    return None
 
 
 def _load_triton():
@@ -88,11 +70,6 @@ ROTARY = Op(
     name="rotary",
     summary="rotary embedding of q and k, one kernel each, partial rotary and per-token (mrope, packed) angles",
     reference=rotary_reference,
-    candidates=(
-        own_triton_candidate(_load_triton, "fusepatch's Triton rotary", "fusepatch.kernels.rotary.rotary"),
-        planned_hub_candidate(
-            "kernels-community/rotary", "adapter to transformers' per-token cos/sin not written", "apply_rotary"
-        ),
-    ),
+    candidates=(own_triton_candidate(_load_triton, "fusepatch's Triton rotary", "fusepatch.kernels.rotary.rotary"),),
     selftest=SelfTest(_inputs, {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-5}, _dims, outputs=2),
 )

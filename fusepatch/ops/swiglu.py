@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from fusepatch.ops._common import fla_requirements, own_triton_candidate, planned_hub_candidate, rand
+from fusepatch.ops._common import fla_requirements, own_triton_candidate, rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import InputRule
 
@@ -48,11 +48,6 @@ SWIGLU = Op(
             inputs=InputRule(kernel="fla's fused SwiGLU"),
             provides="fla.modules.activations.swiglu",
             distribution="fla-core",
-        ),
-        planned_hub_candidate(
-            "kernels-community/activation",
-            "its silu_and_mul is forward-only (no backward for training)",
-            "silu_and_mul",
         ),
     ),
     selftest=SelfTest(_inputs, {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-5}, _dims),

@@ -8,7 +8,7 @@ Op signature (tokens of every row flattened, as flash-attention's varlen functio
 Hq is a multiple of Hk (grouped-query attention). For a packed row transformers builds a block-causal 4D mask
 and sdpa runs it through cuDNN or the memory-efficient kernel, which compute every masked-out block and, with
 cuDNN, plan anew for every new row length (54-87 ms each in the forward, the checkpoint recompute and the
-backward in session 7's two-GPU trace). A varlen flash kernel skips the blocks between documents and needs no
+backward in the 2026-11-29 H200 run's two-GPU trace). A varlen flash kernel skips the blocks between documents and needs no
 plan. The eager path of this op is transformers' own masked attention (the layer simply is not routed); the
 reference below only checks candidates.
 """
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fusepatch.layers.packing import block_causal_rows, document_ids
-from fusepatch.ops._common import planned_hub_candidate, rand
+from fusepatch.ops._common import rand
 from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.requirements import CudaDevice, Importable, InputRule, MinCapability
 
@@ -126,9 +126,6 @@ VARLEN_ATTENTION = Op(
             ),
             provides="torch.nn.attention.varlen.varlen_attn",
             distribution="torch",
-        ),
-        planned_hub_candidate(
-            "kernels-community/flash-attn3", "FlashAttention-3 varlen adapter not written", "flash_attn_varlen_func"
         ),
     ),
     selftest=SelfTest(_inputs, {"bfloat16": 8e-3, "float16": 2e-3}, _dims),
