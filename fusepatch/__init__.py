@@ -3,43 +3,59 @@
 >>> import fusepatch
 >>> report = fusepatch.apply(model)   # doctest: +SKIP
 >>> print(report)                     # doctest: +SKIP
+
+The public names load on first use, so that ``python -m fusepatch --help`` and ``import fusepatch`` do not import
+torch and transformers before they are needed.
 """
 
 from __future__ import annotations
 
-import logging
+import importlib
+from typing import TYPE_CHECKING
 
-from fusepatch.env import Environment, capture
-from fusepatch.patch import FusePatchError, apply, report, revert
-from fusepatch.registry import Row, add_candidate, register
-from fusepatch.report import PatchReport
+from fusepatch import log
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+# public name -> the module that defines it
+_PUBLIC = {
+    "Environment": "fusepatch.env",
+    "capture": "fusepatch.env",
+    "FusePatchError": "fusepatch.patch",
+    "apply": "fusepatch.patch",
+    "report": "fusepatch.patch",
+    "revert": "fusepatch.patch",
+    "Row": "fusepatch.registry",
+    "add_candidate": "fusepatch.registry",
+    "register": "fusepatch.registry",
+    "PatchReport": "fusepatch.reporting",
+    "FusePatchCallback": "fusepatch.callback",
+    "attach": "fusepatch.callback",
+    "from_pretrained": "fusepatch.integrations.pretrained",
+}
+
+if TYPE_CHECKING:
+    from fusepatch.callback import FusePatchCallback, attach  # noqa: F401
+    from fusepatch.env import Environment, capture  # noqa: F401
+    from fusepatch.integrations.pretrained import from_pretrained  # noqa: F401
+    from fusepatch.patch import FusePatchError, apply, report, revert  # noqa: F401
+    from fusepatch.registry import Row, add_candidate, register  # noqa: F401
+    from fusepatch.reporting import PatchReport  # noqa: F401
 
 
 def __getattr__(name: str):
-    # The callback imports transformers' Trainer machinery: load it only when asked for.
-    if name in ("FusePatchCallback", "attach"):
-        from fusepatch import callback
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fusepatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return getattr(callback, name)
-    raise AttributeError(f"module 'fusepatch' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])
 
 
-logging.getLogger("fusepatch").addHandler(logging.NullHandler())
+log.configure()  # visible without configuring logging: fusepatch/log.py
 
-__all__ = [
-    "Environment",
-    "FusePatchCallback",
-    "attach",
-    "FusePatchError",
-    "PatchReport",
-    "Row",
-    "__version__",
-    "add_candidate",
-    "apply",
-    "capture",
-    "register",
-    "report",
-    "revert",
-]
+__all__ = sorted([*_PUBLIC, "__version__"])

@@ -122,7 +122,8 @@ class FusePatchCallback(TrainerCallback):
         weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
         compute = amp if amp is not None and weights == torch.float32 else None
         if self.apply_patches and not _patched(model):
-            self.report = apply(model, **{"compute_dtype": compute, **self.apply_kwargs})
+            # the table is logged once, below; apply itself logs only the fallbacks
+            self.report = apply(model, **{"compute_dtype": compute, "verbose": False, **self.apply_kwargs})
             if _keep_autocast(model, amp):
                 logger.info("fusepatch: kept the Trainer's %s autocast around the patched forward", amp)
         else:

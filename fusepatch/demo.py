@@ -18,7 +18,7 @@ def _train(model, batches, steps: int) -> tuple[list[float], float]:
             sync()
             start = time.perf_counter()
         ids = batches[step % len(batches)]
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -46,7 +46,7 @@ def run(
     eager = copy.deepcopy(base)
     eager_losses, eager_rate = _train(eager, batches, steps)
     patched = copy.deepcopy(base)
-    report = fusepatch.apply(patched)
+    report = fusepatch.apply(patched, verbose=False)  # the report is printed whole below
     patched_losses, patched_rate = _train(patched, batches, steps)
     return {
         "model_type": model_type,

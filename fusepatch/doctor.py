@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
-from fusepatch import __version__
+from fusepatch import __version__, backends
 from fusepatch.env import Environment, capture
 from fusepatch.known_issues import KNOWN_ISSUES
 from fusepatch.ops import OPS
@@ -17,7 +18,7 @@ from fusepatch.selftest import COMPILED_S
 
 logger = logging.getLogger("fusepatch")
 
-# The versions fusepatch's GPU tests and benchmarks ran with (benchmarks/RESULTS.md): what doctor pins.
+# The versions fusepatch's GPU tests and benchmarks ran with: what doctor pins.
 TESTED_VERSIONS = {
     "flash-linear-attention": "0.6.0",
     "causal-conv1d": "1.7.0",
@@ -80,7 +81,7 @@ def examine_op(
         checks_only = static_only or (chosen is not None and not every)
         verdict, _ = evaluate(op, candidate, static, device, dtype, checks_only=checks_only)
         seconds = time.perf_counter() - started
-        status = "ok" if verdict.ok else ("planned" if verdict.planned else ("off" if verdict.off else "rejected"))
+        status = "ok" if verdict.ok else ("off" if verdict.off else "rejected")
         if verdict.ok and checks_only and not static_only:
             status = "passes the checks (not self-tested: an earlier candidate is chosen)"
         logger.info("doctor: %s/%s %s (%.1f s)", op.name, candidate.name, status, seconds)
@@ -90,10 +91,13 @@ def examine_op(
                 "source": candidate.source,
                 "provides": candidate.provides,
                 "ok": verdict.ok,
-                "planned": verdict.planned,
                 "off": verdict.off,
                 "reason": verdict.reason,
                 "fix": verdict.fix,
+                # each failed check's reason and fix: render() says a reason most candidates share once
+                "parts": [list(p) for p in (verdict.parts or ((verdict.reason, verdict.fix),))]
+                if not verdict.ok
+                else [],
                 "checked": "static" if checks_only or not static.ok else "self-test",
                 "seconds": round(seconds, 2),
             }
@@ -106,7 +110,6 @@ def examine_op(
             "source": "eager",
             "provides": op.reference.__qualname__,
             "ok": True,
-            "planned": False,
             "off": False,
             "reason": "",
             "fix": "",
@@ -132,7 +135,7 @@ def diagnose(
     if model_types and not rows:
         known = sorted({t for r in all_rows() for t in r.model_types})
         raise ValueError(f"no fusepatch rows for model_type {model_types}; known: {', '.join(known)}")
-    op_names = [name for name in OPS if any(name in (*r.ops, *r.planned) for r in rows)]
+    op_names = [name for name in OPS if any(name in r.ops for r in rows)]
     ops = {name: examine_op(OPS[name], env, device, dtype, prefer, static_only, every) for name in op_names}
     families: dict[str, dict] = {}
     fallbacks: list[str] = []
@@ -145,11 +148,9 @@ def diagnose(
                     "kernel": ops[name]["chosen"],
                     "status": "fused" if ops[name]["chosen"] != "eager" else "fallback",
                 }
-            for name in row.planned:
-                layer[name] = {"kernel": "eager", "status": "planned"}
     for name in sorted({n for r in rows for n in r.ops}):
         if ops[name]["chosen"] == "eager":
-            wired = [c for c in ops[name]["candidates"] if c["source"] != "eager" and not c["planned"] and not c["off"]]
+            wired = [c for c in ops[name]["candidates"] if c["source"] != "eager" and not c["off"]]
             reasons = "; ".join(f"{c['name']}: {c['reason']}" for c in wired)
             fallbacks.append(f"{name} -> eager ({reasons})")
             for c in wired:
@@ -169,7 +170,13 @@ def diagnose(
         "fallbacks": fallbacks,
         "fixes": fixes,
         "recommended": recommendations(probed),
+        # imported only where their kernels could run (a GPU, and checks beyond --static)
+        "private_names": [t.to_dict(probe=device == "cuda" and not static_only) for t in backends.tables()],
+        "drift": list(backends.drifted()),
     }
+
+
+SHARED = 5  # a reason at least this many candidates give is listed once, above the ops
 
 
 def render(report: dict) -> str:
@@ -194,18 +201,41 @@ def render(report: dict) -> str:
             f"  [{mark}] {issue['package']} {issue['package_spec']} + triton {issue['triton_spec']} on sm_{issue['capability_major']}x: "
             f"{issue['what']} ({issue['link']}); fix: {issue['fix']}"
         )
+    lines += ["", "Private names of kernel packages (backends/)"]
+    for table in report.get("private_names", []):
+        count = sum(len(a) or 1 for a in table["names"].values())
+        checked = ", ".join(table["checked"])
+        if table["installed"] is None:
+            lines.append(f"  {table['distribution']}: not installed ({count} names, checked on {checked})")
+            continue
+        state = "a checked version" if table["checked_here"] else f"NOT a checked version ({checked})"
+        missing = table.get("missing")
+        names = "not probed" if missing is None else ("all present" if not missing else f"MISSING {missing}")
+        lines.append(f"  {table['distribution']} {table['installed']}: {state}; {count} names: {names}")
+    for line in report.get("drift", []):
+        lines.append(f"  drift: {line}")
+    counts = collections.Counter(
+        tuple(part) for op in report["ops"].values() for c in op["candidates"] for part in c.get("parts", [])
+    )
+    shared = [part for part, n in counts.items() if n >= SHARED]  # a machine-wide reason (no GPU): said once
+    if shared:
+        lines += ["", "Reasons most candidates share (said once here, [shared N] below)"]
+        for i, (reason, fix) in enumerate(shared, 1):
+            lines.append(f"  [shared {i}] {reason}" + (f"; fix: {fix}" if fix else ""))
     lines += ["", "Ops (candidates in priority order)"]
     for name, op in report["ops"].items():
         lines.append(f"  {name}: {op['chosen']}   -- {op['summary']}")
         for c in op["candidates"]:
             if c["source"] == "eager":
                 continue
-            status = "ok" if c["ok"] else ("planned" if c["planned"] else ("off" if c["off"] else "rejected"))
-            detail = (
-                ""
-                if c["ok"]
-                else f": {c['reason']}" + (f"  [fix: {c['fix']}]" if c["fix"] and not c["planned"] else "")
-            )
+            status = "ok" if c["ok"] else ("off" if c["off"] else "rejected")
+            detail = ""
+            if not c["ok"]:
+                parts = [tuple(p) for p in c.get("parts") or [(c["reason"], c["fix"])]]
+                own = [p for p in parts if p not in shared]
+                marks = [f"[shared {shared.index(p) + 1}]" for p in parts if p in shared]
+                fixes = " && ".join(dict.fromkeys(f for _, f in own if f))
+                detail = ": " + "; ".join([r for r, _ in own] + marks) + (f"  [fix: {fixes}]" if fixes else "")
             if c["ok"] and c.get("checked") == "static" and report.get("self_tests", True):
                 status, detail = (
                     "checks",
@@ -219,12 +249,27 @@ def render(report: dict) -> str:
         parts = []
         for layer, ops in layers.items():
             for name, info in ops.items():
-                parts.append(f"{layer}.{name}={info['kernel'] if info['status'] != 'planned' else 'planned'}")
+                parts.append(f"{layer}.{name}={info['kernel']}")
         lines.append(f"  {model_type}: " + ", ".join(parts))
     lines += ["", "Would fall back"]
-    lines += [f"  {f}" for f in report["fallbacks"]] or ["  nothing"]
-    if report["fixes"]:
-        lines += ["", "Fix"] + [f"  {f}" for f in report["fixes"]]
+    fixes: list[str] = []
+    for name, op in report["ops"].items():
+        if op["chosen"] != "eager" or not any(name in ops for layers in report["families"].values() for ops in
+                                             layers.values()):  # fmt: skip
+            continue
+        reasons: list[str] = []
+        for c in op["candidates"]:
+            if c["source"] == "eager" or c["off"]:
+                continue
+            for part in map(tuple, c.get("parts") or [(c["reason"], c["fix"])]):
+                label = f"[shared {shared.index(part) + 1}]" if part in shared else part[0]
+                reasons += [label] if label not in reasons else []
+                fixes += [f for f in part[1].split(" && ") if f and f not in fixes]
+        lines.append(f"  {name}: " + "; ".join(reasons))
+    if len(lines) and lines[-1] == "Would fall back":
+        lines.append("  nothing")
+    if fixes:
+        lines += ["", "Fix"] + [f"  {f}" for f in fixes]
     lines += ["", "Recommended at container build time (pinned to the versions fusepatch was run with)"]
     lines += [f"  {r}" for r in report["recommended"]]
     return "\n".join(lines)

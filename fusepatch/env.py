@@ -34,6 +34,27 @@ TRACKED_DISTRIBUTIONS: tuple[str, ...] = (
 OFFLINE_VARIABLES: tuple[str, ...] = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
+TRANSFORMERS_REQUIREMENT = "transformers>=5.17,<6"
+
+
+class MissingDependency(ImportError):
+    """A package fusepatch needs for this call is not installed: the message names the install command."""
+
+
+def require_transformers():
+    """``transformers``, or one clear error naming the install command (the models fusepatch patches are its)."""
+    try:
+        import transformers
+    except ModuleNotFoundError as exc:
+        if exc.name != "transformers":
+            raise
+        raise MissingDependency(
+            f"fusepatch needs transformers to build or patch Qwen models, and it is not installed; "
+            f"fix: pip install '{TRANSFORMERS_REQUIREMENT}'"
+        ) from None
+    return transformers
+
+
 def flag_set(*names: str) -> bool:
     """Whether any of these environment variables is switched on (1/true/yes/on, any case)."""
     return any(os.environ.get(name, "").lower() in ("1", "true", "yes", "on") for name in names)

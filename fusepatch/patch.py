@@ -17,13 +17,15 @@ from typing import Any
 
 import torch
 
+from fusepatch import backends
 from fusepatch.env import capture, flag_set
 from fusepatch.layers import bindings, mlp_recompute, rotary_embedding
+from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward, trainer_head
 from fusepatch.layers.simple import swiglu_mlp_forward
 from fusepatch.ops import OPS
 from fusepatch.registry import Row, known_model_types, rows_for
-from fusepatch.report import LayerReport, PatchReport
-from fusepatch.resolve import Dispatch, autocast_dtype, dtype_name, make_dispatch, preferred_sources
+from fusepatch.reporting import LayerReport, PatchReport
+from fusepatch.resolve import Choice, Dispatch, autocast_dtype, dtype_name, make_dispatch, names, preferred_sources
 
 logger = logging.getLogger("fusepatch")
 
@@ -118,7 +120,8 @@ def _device_and_dtype(model: torch.nn.Module, compute_dtype: torch.dtype | None 
     for parameter in model.parameters():
         if parameter.is_floating_point():
             device = parameter.device.type
-            compute = compute_dtype or fsdp_compute_dtype(model) or autocast_dtype(device) or parameter.dtype
+            running = None if device == "meta" else autocast_dtype(device)  # autocast has no meta device
+            compute = compute_dtype or fsdp_compute_dtype(model) or running or parameter.dtype
             return device, dtype_name(compute)
     return "cpu", "float32"
 
@@ -172,6 +175,7 @@ def _build_report(
         message=message,
         newly_patched=newly,
         already_patched=already,
+        drift=backends.drifted(),
         environment={
             "torch": env.torch,
             "cuda": env.torch_cuda,
@@ -184,11 +188,12 @@ def _build_report(
 def apply(
     model: torch.nn.Module,
     *,
-    ops: Iterable[str] | None = None,
-    exclude: Iterable[str] = (),
-    prefer: Iterable[str] | None = None,
+    ops: str | Iterable[str] | None = None,
+    exclude: str | Iterable[str] = (),
+    prefer: str | Iterable[str] | None = None,
     strict: bool = False,
     compute_dtype: torch.dtype | None = None,
+    verbose: bool | None = None,
 ) -> PatchReport:
     """Patch every layer of ``model`` that the registry knows, in place.
 
@@ -198,14 +203,19 @@ def apply(
 
     Args:
         model: a Hugging Face model (``Qwen3_5ForCausalLM``, ``Qwen3ForCausalLM``, ...).
-        ops: only these ops may use fused kernels (default: all).
-        exclude: ops that stay eager.
-        prefer: kernel source priority, e.g. ``("pip", "hub", "source")``; default ``FUSEPATCH_PREFER`` or
-            ``("pip", "hub", "source")``.
+        ops: only these ops may use fused kernels (default: all); a list, or one string (``"swiglu"``,
+            ``"swiglu,rms_norm"``).
+        exclude: ops that stay eager (a list or one string).
+        prefer: kernel source priority, e.g. ``("pip", "hub")`` or ``"hub"``; default
+            ``FUSEPATCH_PREFER`` or ``("pip", "hub")``. Sources left out are reported as the reason
+            their candidates were not tried.
         strict: raise :class:`FusePatchError` listing every fallback instead of patching anything.
         compute_dtype: the dtype the layers will compute in when it is not the parameters' (autocast over fp32
             weights, e.g. ``Trainer(bf16=True)``): choices and self-tests are made for it. Default: FSDP2's
             ``MixedPrecisionPolicy.param_dtype``, else an active autocast's dtype, else the parameters'.
+        verbose: ``True``: log the whole report table; ``None``: one line of totals; ``False``: neither. Every
+            fallback is logged at WARNING in all three (each distinct reason once, with its fix). The log shows
+            without any logging set up (``FUSEPATCH_VERBOSITY``: error, warning, info, debug; default info).
 
     Returns:
         The :class:`PatchReport`. Example::
@@ -215,8 +225,8 @@ def apply(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fusepatch.apply expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
-    ops = None if ops is None else list(ops)
-    exclude = list(exclude)
+    ops = None if ops is None else names(ops, "ops")
+    exclude = names(exclude, "exclude")
     for name in [*(ops or []), *exclude]:
         if name not in OPS:
             raise ValueError(f"unknown op {name!r}; known ops: {', '.join(sorted(OPS))}")
@@ -242,10 +252,24 @@ def apply(
         return _build_report(model, [], message=message, compute_dtype=compute_dtype)
 
     device, dtype = _device_and_dtype(model, compute_dtype)
+    on_meta = device == "meta"
+    if on_meta and strict:
+        raise FusePatchError(
+            "fusepatch.apply(strict=True): the model is on the meta device, so no kernel can be self-tested; "
+            "call apply after materialising it (model.to_empty(device=...) and loading the weights)"
+        )
     env = capture()
     layers: list[LayerReport] = []
     dispatches: dict[Row, dict[str, Dispatch]] = {}
+    owners = _trainer_heads(found)
     for row, modules in found.items():
+        if row in owners:  # a trainer's fused head computes the loss: the head is left to it, and the report says so
+            choices = tuple(_stepped_aside(name, owners[row]) for name in row.ops)
+            layers.append(LayerReport(row.layer, len(modules), False, choices, note=row.note))
+            logger.info(
+                "fusepatch: %s's loss is computed by %s; fusepatch leaves the head to it", row.layer, owners[row]
+            )
+            continue
         existing = [m for m in modules if hasattr(m, "_fusepatch")]
         if existing:  # reuse the dispatchers of an earlier apply: choices and self-tests stay as they were
             dispatches[row] = existing[0]._fusepatch.ops
@@ -256,8 +280,9 @@ def apply(
                 )
                 for name in row.ops
             }
-        choices = tuple(d.choice(device, dtype) for d in dispatches[row].values())
-        layers.append(LayerReport(row.layer, len(modules), row.forward is not None, choices, row.planned, row.note))
+        # On the meta device nothing can run: each op is chosen (and self-tested) at its first real call.
+        choices = () if on_meta else tuple(d.choice(device, dtype) for d in dispatches[row].values())
+        layers.append(LayerReport(row.layer, len(modules), row.forward is not None, choices, note=row.note))
 
     if strict:
         pending = _build_report(model, layers, compute_dtype=compute_dtype)
@@ -268,7 +293,7 @@ def apply(
 
     newly = already = 0
     for row, modules in found.items():
-        if row.forward is None:
+        if row.forward is None or row in owners:
             continue
         for module in modules:
             if hasattr(module, "_fusepatch"):
@@ -281,22 +306,46 @@ def apply(
             newly += 1
 
     message = ""
-    if newly == 0 and already:
+    if on_meta:
+        message = (
+            "the model is on the meta device: its layers are patched, and each op's kernel is chosen and "
+            "self-tested at its first call on a real device (fusepatch.report(model) shows the choices then)"
+        )
+    elif newly == 0 and already:
         message = f"already patched ({already} modules); nothing changed"
     report = _build_report(model, layers, message=message, newly=newly, already=already, compute_dtype=compute_dtype)
     for row_dispatches in dispatches.values():
         for dispatch in row_dispatches.values():
             dispatch.announce = True
-    if newly:
-        for line in report.log_lines():
+    if verbose:
+        logger.info("%s", report)
+    elif verbose is None:
+        logger.info("%s", report.totals())
+    if newly or on_meta:
+        for line in report.grouped_fallbacks():
             logger.warning(line)
-    logger.info("fusepatch: %s", message or f"patched {newly} modules, {len(report.fused_ops)} ops fused")
     if newly and mlp_recompute.RECOMPUTE and any(row.forward is swiglu_mlp_forward for row in dispatches):
         logger.info(
             "fusepatch: FUSEPATCH_MLP_RECOMPUTE=1: the SwiGLU MLPs' down projections recompute their input in the "
             "backward instead of keeping it (less activation memory, one more SwiGLU kernel per MLP a step)"
         )
     return report
+
+
+HEAD_FORWARDS = (causal_lm_forward, conditional_generation_forward)
+
+
+def _trainer_heads(found: dict[Row, list[torch.nn.Module]]) -> dict[Row, str]:
+    """The head rows whose loss a trainer's own fused head computes (TRL's, Liger's): row -> who."""
+    owners = {}
+    for row, modules in found.items():
+        if row.forward in HEAD_FORWARDS and (owner := trainer_head(modules[0])) is not None:
+            owners[row] = owner
+    return owners
+
+
+def _stepped_aside(op: str, owner: str) -> Choice:
+    return Choice(op, owner, "trainer", f"{owner} computes the loss; fusepatch leaves the model's head to it")
 
 
 def _rebind(fn: Any, old: torch.nn.Module, new: torch.nn.Module) -> Any:
@@ -351,17 +400,19 @@ def report(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> 
         state = module.__dict__.get("_fusepatch")
         if state is not None:
             groups[state.row].append(module)
-    layers = [
-        LayerReport(
-            row.layer,
-            len(modules),
-            True,
-            tuple(d.choice(device, dtype) for d in modules[0]._fusepatch.ops.values()),
-            row.planned,
-            row.note,
-        )
-        for row, modules in groups.items()
-    ]
+    layers = []
+    for row, modules in groups.items():
+        owner = trainer_head(modules[0]) if row.forward in HEAD_FORWARDS else None
+        if owner is not None:  # a trainer wrapped the patched head since: its fused head computes the loss
+            choices = tuple(_stepped_aside(name, owner) for name in row.ops)
+        elif device == "meta":
+            choices = ()
+        else:
+            choices = tuple(d.choice(device, dtype) for d in modules[0]._fusepatch.ops.values())
+        layers.append(LayerReport(row.layer, len(modules), True, choices, note=row.note))
+    found = _matches(model, rows_for(set(_model_types(model))))
+    for row, owner in _trainer_heads({r: m for r, m in found.items() if r not in groups}).items():
+        layers.append(LayerReport(row.layer, len(found[row]), False, tuple(_stepped_aside(n, owner) for n in row.ops)))
     total = sum(len(m) for m in groups.values())
     return _build_report(
         model, layers, message="" if total else "not patched", already=total, compute_dtype=compute_dtype

@@ -200,7 +200,7 @@ def host_waits(
 def _idle_gaps(kernels, cpu_ops, top: int) -> list[tuple[float, str]]:
     """The ``top`` longest gaps between kernels (at least IDLE_GAP_MS), each with the shortest aten op (any
     thread) whose span covers the gap's middle: the op the CPU was inside while the GPU waited. In the two-GPU
-    SFT trace of session 7 these were cuDNN attention calls building a plan for each new packed length."""
+    SFT trace of the H200 run of 2026-11-29 these were cuDNN attention calls building a plan for each new packed length."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
     gaps, end = [], None
     for start, stop in spans:

@@ -21,8 +21,6 @@ class Row:
         layer: the class name (``Qwen3_5GatedDeltaNet``).
         ops: ops the replacement forward calls, in the order they run.
         forward: the replacement forward, or ``None`` when this release replaces nothing in the layer.
-        planned: ops the design maps to this layer whose fused forward comes in a later release; they run
-            eager and the report and doctor list them as planned, with their upstream candidates.
         note: one line for ``fusepatch list``.
     """
 
@@ -31,7 +29,6 @@ class Row:
     layer: str
     ops: tuple[str, ...]
     forward: Callable | None
-    planned: tuple[str, ...] = ()
     note: str = ""
 
     @property
@@ -48,7 +45,6 @@ class Row:
             "layer": self.layer,
             "module": self.module,
             "ops": list(self.ops),
-            "planned": list(self.planned),
             "patched_forward": None if self.forward is None else f"{self.forward.__module__}.{self.forward.__name__}",
             "note": self.note,
         }
@@ -67,7 +63,7 @@ def register(row: Row) -> None:
     """
     from fusepatch.ops import OPS
 
-    unknown = [op for op in (*row.ops, *row.planned) if op not in OPS]
+    unknown = [op for op in row.ops if op not in OPS]
     if unknown:
         raise ValueError(f"row {row.layer}: unknown op(s) {unknown}; known ops: {sorted(OPS)}")
     _USER_ROWS.insert(0, row)

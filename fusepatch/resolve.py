@@ -34,7 +34,7 @@ logger = logging.getLogger("fusepatch")
 
 # Installed packages first: a Hub candidate downloads code at apply time, so it is reached only when no
 # installed kernel passes its checks (or when the user puts "hub" first).
-DEFAULT_PREFER: tuple[str, ...] = ("pip", "hub", "source")
+DEFAULT_PREFER: tuple[str, ...] = ("pip", "hub")
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,17 @@ class Rejection:
     source: str
     reason: str
     fix: str = ""
-    planned: bool = False
     off: bool = False  # opt-in and not switched on: listed, but not a reason to fix
+    parts: tuple[tuple[str, str], ...] = ()  # (reason, fix) of each failed check; empty: (reason, fix) itself
+
+    def reasons(self) -> tuple[tuple[str, str], ...]:
+        """Each failed check's reason and fix (what the report groups across ops)."""
+        return self.parts or ((self.reason, self.fix),)
 
     @property
     def set_aside(self) -> bool:
-        """Planned or switched off: shown by doctor, left out of the fallback reasons and fixes."""
-        return self.planned or self.off
+        """Switched off (an opt-in candidate): shown by doctor, left out of the fallback reasons and fixes."""
+        return self.off
 
     def to_dict(self) -> dict:
         return {
@@ -57,7 +61,6 @@ class Rejection:
             "source": self.source,
             "reason": self.reason,
             "fix": self.fix,
-            "planned": self.planned,
             "off": self.off,
         }
 
@@ -88,12 +91,12 @@ class Choice:
         return self.source != "eager"
 
     def primary_rejection(self) -> Rejection:
-        """The rejection worth showing first: a wired-up candidate's, before the planned or switched-off ones'."""
+        """The rejection worth showing first: a wired-up candidate's, before the switched-off ones'."""
         wired = [r for r in self.rejected if not r.set_aside]
         return (wired or list(self.rejected))[0]
 
     def reason_text(self) -> str:
-        """``fla: <reason>; causal-conv1d: <reason>`` for log lines (planned and switched-off candidates left out)."""
+        """``fla: <reason>; causal-conv1d: <reason>`` for log lines (switched-off candidates left out)."""
         wired = [r for r in self.rejected if not r.set_aside] or list(self.rejected)
         return "; ".join(f"{r.candidate}: {r.reason}" for r in wired)
 
@@ -131,15 +134,29 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
-def preferred_sources(prefer: Iterable[str] | None = None) -> tuple[str, ...]:
-    """Source priority: the argument, else ``FUSEPATCH_PREFER`` (comma list), else pip, hub, source."""
+def names(value: str | Iterable[str], argument: str) -> list[str]:
+    """A list of names from a list, a tuple or one string (``"hub"`` or ``"pip,hub"``), never a string's
+    characters; anything else is a TypeError naming the argument."""
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    try:
+        items = list(value)
+    except TypeError:
+        raise TypeError(f"{argument} expects a list of names or one string, got {type(value).__name__}") from None
+    for item in items:
+        if not isinstance(item, str):
+            raise TypeError(f"{argument} expects names (str), got {item!r} ({type(item).__name__})")
+    return items
+
+
+def preferred_sources(prefer: str | Iterable[str] | None = None) -> tuple[str, ...]:
+    """Source priority: the argument, else ``FUSEPATCH_PREFER`` (comma list), else pip, hub."""
     if prefer is None:
-        text = os.environ.get("FUSEPATCH_PREFER", "")
-        prefer = [p.strip() for p in text.split(",") if p.strip()] or DEFAULT_PREFER
-    prefer = tuple(prefer)
+        prefer = names(os.environ.get("FUSEPATCH_PREFER", ""), "FUSEPATCH_PREFER") or DEFAULT_PREFER
+    prefer = tuple(names(prefer, "prefer"))
     unknown = [p for p in prefer if p not in SOURCES or p == "eager"]
     if unknown:
-        raise ValueError(f"unknown kernel source(s) {unknown}; choose from 'hub', 'pip', 'source'")
+        raise ValueError(f"unknown kernel source(s) {unknown}; choose from 'pip', 'hub'")
     return prefer
 
 
@@ -178,6 +195,16 @@ def ordered(op: Op, prefer: tuple[str, ...]) -> list[Candidate]:
     return sorted((c for c in op.candidates if c.source in rank), key=lambda c: rank[c.source])
 
 
+def not_preferred(candidate: Candidate, prefer: tuple[str, ...]) -> Verdict:
+    """Why a candidate whose source ``prefer`` leaves out was not tried, and how to let it be."""
+    wanted = ",".join((*prefer, candidate.source))
+    return Verdict(
+        False,
+        f"source {candidate.source!r} not in prefer={list(prefer)}",
+        f"apply(prefer={wanted!r}) or FUSEPATCH_PREFER={wanted}",
+    )
+
+
 def static_verdict(candidate: Candidate, env: Environment) -> tuple[Verdict, Environment]:
     """Check every requirement and report all that fail (one reason each), so a CPU machine still learns
     which packages are missing. Import probes run only when a GPU is there and the package is installed:
@@ -207,8 +234,9 @@ def static_verdict(candidate: Candidate, env: Environment) -> tuple[Verdict, Env
         return OK, env
     reason = "; ".join(v.reason for v in failures)
     fix = " && ".join(dict.fromkeys(v.fix for v in failures if v.fix))
-    planned, off = any(v.planned for v in failures), any(v.off for v in failures)
-    return Verdict(False, reason, fix, planned=planned, off=off), env
+    off = any(v.off for v in failures)
+    parts = tuple((v.reason, v.fix) for v in failures)
+    return Verdict(False, reason, fix, off=off, parts=parts), env
 
 
 def evaluate(
@@ -297,6 +325,9 @@ class Dispatch:
             for candidate in ordered(op, prefer):
                 verdict, self._env = first_verdict(op, candidate, self._env)
                 self._static.append((candidate, verdict))
+            for candidate in op.candidates:  # left out by prefer: reported, so no fallback lacks its reason
+                if candidate.source not in prefer:
+                    self._static.append((candidate, not_preferred(candidate, prefer)))
         self._choices: dict[tuple[str, str, bool], tuple[Choice, Callable[..., Any]]] = {}
         self._lock = threading.RLock()  # re-entry from the same thread is detected and reported, not deadlocked
         self._resolving: set[tuple[str, str, bool]] = set()
@@ -355,7 +386,14 @@ class Dispatch:
                 chosen, ready = (candidate, fn), time.perf_counter() - start
                 break
             rejected.append(
-                Rejection(candidate.name, candidate.source, verdict.reason, verdict.fix, verdict.planned, verdict.off)
+                Rejection(
+                    candidate.name,
+                    candidate.source,
+                    verdict.reason,
+                    verdict.fix,
+                    verdict.off,
+                    verdict.parts,
+                )
             )
         if chosen is None:
             eager = self.op.eager

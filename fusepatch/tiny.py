@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fusepatch.env import require_transformers
+
 COMMON: dict[str, Any] = dict(
     vocab_size=512,
     hidden_size=64,
@@ -39,7 +41,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
 
 def tiny_config(model_type: str, **overrides: Any):
     """A small config of ``model_type`` (4 layers; hybrid families: 3 linear + 1 full attention)."""
-    from transformers import AutoConfig
+    AutoConfig = require_transformers().AutoConfig
 
     if model_type not in FAMILIES:
         raise ValueError(f"no tiny config for {model_type!r}; choose from {sorted(FAMILIES)}")
@@ -51,8 +53,8 @@ def tiny_model(
 ):
     """A freshly initialised tiny ``AutoModelForCausalLM`` of ``model_type`` (eager attention unless asked, fp32)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
+    AutoModelForCausalLM = require_transformers().AutoModelForCausalLM
     torch.manual_seed(seed)
     config = tiny_config(model_type, **overrides)
     model = AutoModelForCausalLM.from_config(
@@ -65,7 +67,9 @@ def tiny_image_text_model(model_type: str = "qwen3_5", *, seed: int = 0, **text_
     """The image-text wrapper (``Qwen3_5ForConditionalGeneration``: the class Qwen3.5 checkpoints name) around a
     tiny text stack of ``{model_type}_text`` and a one-block vision tower (eager attention, fp32)."""
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    transformers = require_transformers()
+    AutoConfig, AutoModelForImageTextToText = transformers.AutoConfig, transformers.AutoModelForImageTextToText
 
     torch.manual_seed(seed)
     text = {k: v for k, v in FAMILIES[f"{model_type}_text"].items() if k != "tie_word_embeddings"}

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from fusepatch.env import require_transformers
 
 CACHE_VARIABLES = {
     "triton (compiled kernels; fla's autotuning results too, FLA_CACHE_RESULTS=1)": (
@@ -44,7 +47,7 @@ class OpTiming:
 def warmup_config(source: str, *, text_only: bool = True):
     """The model's config with one layer of each kind: a model_type (transformers' default sizes) or a local
     config path."""
-    from transformers import AutoConfig
+    AutoConfig = require_transformers().AutoConfig
 
     if os.path.exists(source):
         config = AutoConfig.from_pretrained(source)
@@ -70,10 +73,11 @@ def warmup(
     micro_batch: int = 1,
     packed: bool = False,
     device: str = "cuda",
+    progress: Callable[[str], None] = lambda text: None,
 ) -> list[OpTiming]:
     """Run one layer of each kind forward and backward twice at the given shapes; time every fused op's first and
     second call (synchronised, so the times are the kernels')."""
-    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM = require_transformers().AutoModelForCausalLM
 
     import fusepatch
     from fusepatch.resolve import Dispatch, dtype_name
@@ -82,7 +86,8 @@ def warmup(
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    report = fusepatch.apply(model)
+    progress(f"choosing and self-testing the kernels for {dtype} on {device} (first use compiles: minutes)")
+    report = fusepatch.apply(model, verbose=False)
     ready = {(layer.layer, c.op): c.ready_s for layer in report.layers for c in layer.choices}
     timings: dict[tuple[str, str], list[float]] = {}
     kernels: dict[tuple[str, str], str] = {}
@@ -110,7 +115,8 @@ def warmup(
         ids = ids[:1]
     Dispatch.__call__ = timed_call
     try:
-        for _ in range(2):
+        for step in range(2):
+            progress(f"step {step + 1} of 2: forward and backward at seq {seq_len}, micro-batch {micro_batch}")
             model(input_ids=ids, labels=ids, use_cache=False, **kwargs).loss.backward()
     finally:
         Dispatch.__call__ = original_call

@@ -164,3 +164,30 @@ def errors_against_fp64(fn, reference, args, dtype, extra=(), **kwargs) -> dict[
     errors = {"out": relative_error(out, ref)}
     errors |= {f"d{i}": relative_error(g, r) for i, g, r in zip(floats, grads, ref_grads)}
     return errors
+
+
+def transformers_own(module, name: str):
+    """``module.name`` as transformers defines it, even while a patched model of an earlier test still holds a
+    binding of it (fusepatch/layers/bindings.py)."""
+    import gc
+
+    from fusepatch.layers import bindings
+
+    gc.collect()  # models of earlier tests that are gone release their bindings
+    installed = bindings._installed.get((module.__name__, name))
+    return installed[0] if installed else getattr(module, name)
+
+
+def assert_released(module, name: str, original) -> None:
+    """After the test's models are reverted: transformers' object is back, unless a model of another test that is
+    still alive holds the binding (then that model is its only holder)."""
+    import gc
+
+    from fusepatch.layers import bindings
+
+    gc.collect()
+    holders = bindings._holders.get((module.__name__, name))
+    if holders is not None and len(holders) > 0:
+        assert getattr(module, name) is not original  # held for them, and for them only
+        return
+    assert getattr(module, name) is original

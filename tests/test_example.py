@@ -55,7 +55,7 @@ def test_example_runs_offline_with_packing_and_checkpointing(tmp_path):
     assert metrics["fusepatch/cpu_ops_per_step"] > 0 and metrics["fusepatch/tokens_per_s"] > 0
     assert len(out.split("losses: ")[1].splitlines()[0].split()) == 5
     assert "Warning: fusepatch::" not in result.stderr  # every profiler range closed (checkpoint recompute)
-    # the RESULTS.md table the GPU runs are recorded with, from this output (steps 3-5 timed, step 2 profiled)
+    # the results table the GPU runs are recorded with, from this output (steps 3-5 timed, step 2 profiled)
     sys.path.insert(0, os.path.join(os.path.dirname(EXAMPLE), "..", "benchmarks"))
     import sft_table
 
@@ -97,7 +97,7 @@ def test_shipped_27b_config_builds_the_real_layer_shapes_truncated(tmp_path):
 
     sft = _module()
     args = sft.argparse.Namespace(
-        model=None, config=os.path.join(ROOT, "examples", "configs", "qwen3_5_27b_text.json"), layers=4
+        model=None, config=os.path.join(ROOT, "examples", "configs", "qwen3_5_27b_text.json"), layers=4, seed=0
     )
     tokenizer = type("Tok", (), {"pad_token_id": 0})()
     with torch.device("meta"):
@@ -110,7 +110,7 @@ def test_shipped_27b_config_builds_the_real_layer_shapes_truncated(tmp_path):
 
 
 def test_sft_table_reads_two_ranks_lines_run_together(tmp_path):
-    """A two-GPU log where rank 1's metrics line ran into its steady-state line (session 7's run): the table
+    """A two-GPU log where rank 1's metrics line ran into its steady-state line (the 2026-11-29 H200 run's run): the table
     takes rank 0's steady state and the first metrics and losses."""
     sys.path.insert(0, os.path.join(os.path.dirname(EXAMPLE), "..", "benchmarks"))
     import sft_table

@@ -111,15 +111,17 @@ def test_strict_raises_listing_every_fallback_and_patches_nothing():
     assert _forwards(model) == forwards
 
 
-def test_fallbacks_are_logged_one_line_each(caplog):
+def test_fallbacks_are_logged_with_reason_and_fix(caplog):
     model = tiny_model("qwen3_5_text")
     with caplog.at_level(logging.WARNING, logger="fusepatch"):
         report = fusepatch.apply(model)
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert lines == report.log_lines()
+    assert lines == report.grouped_fallbacks()
     gdn = [line for line in lines if "gated_delta_rule" in line]
-    assert gdn and gdn[0].startswith("fusepatch: Qwen3_5GatedDeltaNet x3: gated_delta_rule -> eager (")
-    assert "fix: " in gdn[0]
+    assert gdn and all(line.startswith("fusepatch: eager for ") for line in gdn)
+    assert all("fix: " in line for line in gdn)
+    detail = [line for line in report.log_lines() if "gated_delta_rule" in line]
+    assert detail[0].startswith("fusepatch: Qwen3_5GatedDeltaNet x3: gated_delta_rule -> eager (")
 
 
 def test_report_table_and_json():
@@ -266,3 +268,57 @@ def test_data_parallel_replicas_run_their_own_weights(model_type):
     assert sum(p.grad is not None for p in params) == sum(p.requires_grad for p in model.parameters())
     assert replica._fusepatch.original.__self__ is replica
     assert fusepatch.revert(model) > 0 and "_replicate_for_data_parallel" not in model.model.layers[0].__dict__
+
+
+@pytest.mark.parametrize("prefer", [[], ["hub"], "hub", ("pip",)])
+def test_every_fallback_names_its_reason_when_prefer_leaves_sources_out(prefer):
+    report = fusepatch.apply(tiny_model("qwen3_5_text"), prefer=prefer)
+    assert report.fallbacks()
+    for line in report.log_lines():
+        assert "-> eager ()" not in line
+    from fusepatch.resolve import names
+
+    wanted = set(names(prefer, "prefer"))
+    for layer, choice in report.fallbacks():
+        assert choice.reason_text(), (layer.layer, choice.op)
+        left_out = [r for r in choice.rejected if r.source not in wanted and r.source != "-"]
+        for rejection in left_out:
+            assert "not in prefer=" in rejection.reason and "prefer=" in rejection.fix
+
+
+def test_one_string_is_one_name_and_other_types_are_refused():
+    report = fusepatch.apply(tiny_model("qwen3"), ops="swiglu", prefer="pip")
+    chosen = {c.op: c for layer in report.layers for c in layer.choices}
+    assert "not selected (apply(ops=['swiglu']))" in chosen["rms_norm"].rejected[0].reason
+    assert {r.source for r in chosen["swiglu"].rejected} >= {"pip"}
+    report = fusepatch.apply(tiny_model("qwen3"), exclude="swiglu")
+    mlp = next(layer for layer in report.layers if layer.layer == "Qwen3MLP")
+    assert "excluded" in mlp.choices[0].rejected[0].reason
+    with pytest.raises(TypeError, match="prefer expects a list of names or one string, got int"):
+        fusepatch.apply(tiny_model("qwen3"), prefer=3)
+    with pytest.raises(TypeError, match="ops expects names"):
+        fusepatch.apply(tiny_model("qwen3"), ops=[torch.float32])
+
+
+def test_meta_device_model_is_patched_and_chooses_on_first_real_call():
+    model = tiny_model("qwen3").to("meta")
+    assert next(model.parameters()).device.type == "meta"
+    report = fusepatch.apply(model)
+    assert report.newly_patched > 0 and "meta device" in report.message
+    assert report.fallbacks() == [] and all(layer.choices == () for layer in report.layers)
+    with pytest.raises(fusepatch.FusePatchError, match="meta device"):
+        fusepatch.apply(tiny_model("qwen3").to("meta"), strict=True)
+    model.to_empty(device="cpu")
+    model.load_state_dict(tiny_model("qwen3").state_dict())
+    model.train()
+    model(**lm_batch(model)).loss.backward()
+    assert fusepatch.report(model).fallbacks()  # chosen on the CPU at the first call: eager, with reasons
+
+
+def test_from_pretrained_loads_and_patches(tmp_path):
+    tiny_model("qwen3").save_pretrained(tmp_path)
+    model = fusepatch.from_pretrained(str(tmp_path), apply_kwargs={"exclude": "swiglu", "verbose": False})
+    report = fusepatch.report(model)
+    assert report.patched > 0 and type(model).__name__ == "Qwen3ForCausalLM"
+    mlp = next(layer for layer in report.layers if layer.layer == "Qwen3MLP")
+    assert "excluded" in mlp.choices[0].rejected[0].reason

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from helpers import grads
+from helpers import assert_released, grads, transformers_own
 
 import fusepatch
 from fusepatch import selftest
@@ -45,6 +45,8 @@ def rotary_on_cpu(monkeypatch):
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_patched_attention_uses_the_kernel_and_matches(rotary_on_cpu, model_type):
     reference, model = tiny_model(model_type), tiny_model(model_type)
+    module = sys.modules[type(model.model.layers[-1]).__module__]
+    transformers_function = transformers_own(module, "apply_rotary_pos_emb")
     report = fusepatch.apply(model)
     attention = [layer for layer in report.layers if layer.layer.endswith("Attention")]
     rotary = [c for layer in attention for c in layer.choices if c.op == "rotary"]
@@ -52,8 +54,6 @@ def test_patched_attention_uses_the_kernel_and_matches(rotary_on_cpu, model_type
     ids = torch.randint(0, 512, (2, 23))
     expected = reference(input_ids=ids, labels=ids)
     expected.loss.backward()
-    module = sys.modules[type(model.model.layers[-1]).__module__]
-    transformers_function = module.apply_rotary_pos_emb
     CALLS.clear()
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
@@ -63,19 +63,25 @@ def test_patched_attention_uses_the_kernel_and_matches(rotary_on_cpu, model_type
     g_ref, g = grads(reference), grads(model)
     for name in g_ref:
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-6, msg=name)
-    # the modeling module's function is transformers' own again after the call
-    assert module.apply_rotary_pos_emb is transformers_function
+    # the modeling module's function is transformers' own again once the model is reverted
+    fusepatch.revert(model)
+    assert_released(module, "apply_rotary_pos_emb", transformers_function)
 
 
 def test_the_binding_is_undone_when_the_forward_raises(rotary_on_cpu):
+    from fusepatch.layers import attention as patched_attention
+
     model = tiny_model("qwen3")
-    fusepatch.apply(model)
     module = sys.modules[type(model.model.layers[0]).__module__]
-    original = module.apply_rotary_pos_emb
+    original = transformers_own(module, "apply_rotary_pos_emb")
+    fusepatch.apply(model)
     attention = model.model.layers[0].self_attn
     with pytest.raises(TypeError):  # no position embeddings: fails inside the forward, after the binding
         attention(hidden_states=torch.randn(1, 4, 64), position_embeddings=None, attention_mask=None)
-    assert module.apply_rotary_pos_emb is original
+    # this thread's choice is cleared: another model's call in the same module runs transformers' function
+    assert getattr(patched_attention._local, "dispatch", None) is None
+    fusepatch.revert(model)
+    assert_released(module, "apply_rotary_pos_emb", original)
 
 
 def test_calls_the_kernel_cannot_reproduce_exactly_keep_transformers_function():
@@ -110,12 +116,12 @@ def test_threads_share_the_binding_and_each_gets_the_kernel(rotary_on_cpu):
     """nn.DataParallel runs replicas in threads. Thread A pauses inside its first rotary call (holding the
     binding); thread B enters its first attention layer then and pauses before its rotary call (at q_proj) until
     A's whole forward is done. B's rotary call must still reach the kernel (A's return must not undo a binding B
-    is inside), and the modeling module's function is transformers' own once both are done."""
+    is inside), and the modeling module's function is transformers' own once both models are reverted."""
     model_a, model_b = tiny_model("qwen3"), tiny_model("qwen3")
+    module = sys.modules[type(model_a.model.layers[0]).__module__]
+    transformers_function = transformers_own(module, "apply_rotary_pos_emb")
     fusepatch.apply(model_a)
     fusepatch.apply(model_b)
-    module = sys.modules[type(model_a.model.layers[0]).__module__]
-    transformers_function = module.apply_rotary_pos_emb
     layers = len(model_a.model.layers)
     a_inside, b_inside, a_done = threading.Event(), threading.Event(), threading.Event()
 
@@ -158,4 +164,7 @@ def test_threads_share_the_binding_and_each_gets_the_kernel(rotary_on_cpu):
     assert not errors, errors
     calls = [shape for shape in CALLS if shape[0] == 1 and shape[2] == ids.shape[1]]  # not the self-test's
     assert len(calls) == 2 * layers  # every attention layer of both threads through the kernel
-    assert module.apply_rotary_pos_emb is transformers_function
+    fusepatch.revert(model_a)
+    assert module.apply_rotary_pos_emb is not transformers_function  # model_b still holds it
+    fusepatch.revert(model_b)
+    assert_released(module, "apply_rotary_pos_emb", transformers_function)

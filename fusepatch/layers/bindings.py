@@ -50,4 +50,3 @@ def release(owner: object) -> None:
                 module = importlib.import_module(key[0])
                 if getattr(module, key[1], None) is wrapper:  # someone else's later wrapper stays theirs
                     setattr(module, key[1], original)
-

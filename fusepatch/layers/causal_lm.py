@@ -138,8 +138,8 @@ def _count_after_first_layer(model: torch.nn.Module, rows: LabelledRows):
     (None: counted now, for a model without a ``layers`` list).
 
     A synced step starts on an empty GPU queue, so until the host has queued the first long kernels every host
-    microsecond is one of the step's: the H200 probe of the 27B-shaped step (benchmarks/step_start.py, RESULTS.md
-    session 26) had the GPU waiting for the host through all of layer 0 up to its MLP, and 2.4 ms of queued work
+    microsecond is one of the step's: the H200 probe of the 27B-shaped step (benchmarks/step_start.py
+    the H200 run of 2026-12-02) had the GPU waiting for the host through all of layer 0 up to its MLP, and 2.4 ms of queued work
     ahead of the host from layer 0's end on. The count's three launches and its event cost the host ~0.2 ms there;
     after layer 0 they cost the step nothing. The loss reads the count after the whole forward is queued, by when
     the GPU has passed layer 0 (if not, it waits only until it has, with the later layers still queued)."""
@@ -174,3 +174,42 @@ def _fused_loss(dispatch, hidden, weight, rows: LabelledRows, num_items_in_batch
         return dispatch(
             flat.to(dtype), weight.to(dtype), labels, ignore_index=-100, num_items_in_batch=num_items_in_batch
         )
+
+
+def trainer_head(module: torch.nn.Module) -> str | None:
+    """Who else computes this model's loss in a fused head, or None.
+
+    TRL's trainers install a fused LM head as the model's forward (``add_fused_lm_head``: called with
+    ``fused_lm_head=True``, it runs the backbone and its own chunked log-probabilities); Liger's
+    ``fused_linear_cross_entropy`` replaces the class's or the instance's forward. Either computes the loss
+    itself: fusepatch leaves the head to it (and says so), rather than running a second fused loss beside it or
+    answering TRL's call with outputs it does not expect."""
+    for function in _forwards_within(module):
+        code = function.__code__
+        parameters = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        if "fused_lm_head" in parameters:
+            return "TRL's fused LM head" if "trl" in code.co_filename.split("/") else "a fused LM head (fused_lm_head)"
+        if "liger_kernel" in code.co_filename.split("/"):
+            return "Liger's fused linear cross-entropy"
+    return None
+
+
+def _forwards_within(module: torch.nn.Module, depth: int = 8) -> list:
+    """Every function reachable from the module's forward through the wrappers around it: the instance's forward,
+    what accelerate kept as ``_original_forward`` before wrapping it in autocast (the Trainer's mixed precision),
+    ``__wrapped__``/``__func__`` chains and accelerate's fp32-output wrapper, and the class's forward."""
+    found, seen = [], set()
+    pending = [(module.__dict__.get("forward"), 0), (module.__dict__.get("_original_forward"), 0)]
+    pending.append((type(module).forward, 0))
+    while pending:
+        item, level = pending.pop(0)
+        if item is None or id(item) in seen or level > depth:
+            continue
+        seen.add(id(item))
+        if getattr(item, "__code__", None) is not None:
+            found.append(item)
+        for name in ("__func__", "__wrapped__", "model_forward"):
+            inner = getattr(item, name, None)
+            if inner is not None:
+                pending.append((inner, level + 1))
+    return found

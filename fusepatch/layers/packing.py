@@ -32,7 +32,7 @@ def cu_seqlens_from_position_ids(
         return None
     # One wait for the GPU (nonzero's count), and no host-to-device copy: the end offset is written by a fill
     # kernel, not copied from a host tensor (a pageable copy waits for the stream too; the H200 trace of
-    # session 11 listed both, plus an `any()` that waited first).
+    # the H200 run of 2026-11-30 listed both, plus an `any()` that waited first).
     starts = position_ids == 0
     if valid is not None and valid.shape == position_ids.shape:
         valid = valid.to(device=position_ids.device, dtype=torch.bool)
@@ -71,7 +71,7 @@ def host_built(
 
     The builders use NumPy, not torch: torch's CPU ``repeat_interleave`` opens an OpenMP parallel region even for
     eight documents, and in the packed 27B-shaped step on the H200 the GPU sat idle inside those host calls, 9-19
-    ms a step (one gap of 15.5 ms; benchmarks/RESULTS.md, session 15); NumPy's ``repeat`` is single-threaded."""
+    ms a step (one gap of 15.5 ms; the H200 run of 2026-11-30); NumPy's ``repeat`` is single-threaded."""
     host = host_values(cu_seqlens)
     if host is None:
         return None

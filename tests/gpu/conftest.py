@@ -229,7 +229,7 @@ def forward_syncs(model_type: str) -> tuple[str | None, str | None]:
     positions raised)``, ``None`` where nothing waited. The first forward and backward run before, unguarded
     (self-tests, compiles). sdpa attention, as the benchmarks and real models use: with eager attention
     transformers builds a float mask from a scalar it copies to the GPU (masking_utils ``eager_mask``), a wait of
-    its own that the first GPU run of this test found (session 16)."""
+    its own that the first GPU run of this test found (H200 run of 2026-11-30)."""
     import torch
 
     import fusepatch

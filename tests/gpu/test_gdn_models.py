@@ -175,7 +175,7 @@ def test_conditional_generation_text_loss_on_gpu():
 def test_forward_of_a_plain_batch_waits_for_nothing(model_type):
     """Labels and nothing else: no call in the patched hybrid forward waits for the GPU (neither transformers'
     packed-rows check nor fusepatch's boundary search runs, layers/positions.py), so a training loop queues the next
-    step behind the optimizer (the 27B-shaped step idled 6.4 ms in its first 10 ms on the H200, session 16). With
+    step behind the optimizer (the 27B-shaped step idled 6.4 ms in its first 10 ms on the H200, the H200 run of 2026-11-30). With
     the caller's own positions the checks run and wait: the guard sees real waits."""
     plain, own = forward_syncs(model_type)
     assert plain is None, plain

@@ -300,7 +300,7 @@ def test_graphed_delta_rule_replays_fla(batch, length, monkeypatch):
 
 
 def _fp32_is_refused_and_still_off(name, inputs, kwargs):
-    """The checker refuses fla's delta rule at fp32 (session 3 on the H200: gate gradient 4-6%, A_log/dt_bias
+    """The checker refuses fla's delta rule at fp32 (H200 run of 2026-11-29 on the H200: gate gradient 4-6%, A_log/dt_bias
     19-30% off the fp32 reference). Both halves are checked here: the refusal, and that the kernel still misses
     TOL at fp32, so the rule is lifted (this test fails) once a fla release computes fp32 to fp32 precision."""
     from fusepatch.requirements import Inputs

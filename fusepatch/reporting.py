@@ -16,7 +16,6 @@ class LayerReport:
     count: int
     patched: bool
     choices: tuple[Choice, ...]
-    planned: tuple[str, ...] = ()
     note: str = ""
 
     def fallbacks(self) -> list[Choice]:
@@ -28,7 +27,6 @@ class LayerReport:
             "count": self.count,
             "patched": self.patched,
             "ops": [c.to_dict() for c in self.choices],
-            "planned": list(self.planned),
             "note": self.note,
         }
 
@@ -50,6 +48,7 @@ class PatchReport:
     newly_patched: int = 0
     already_patched: int = 0
     environment: dict = field(default_factory=dict)
+    drift: tuple[str, ...] = ()  # a foreign package lacking a name fusepatch uses, and what ran instead
 
     @property
     def patched(self) -> int:
@@ -71,6 +70,37 @@ class PatchReport:
             lines.append(f"fusepatch: {layer.layer} x{layer.count}: {choice.op} -> eager ({choice.reason_text()}{fix})")
         return lines
 
+    def totals(self) -> str:
+        """``fusepatch: Qwen3_5ForCausalLM on cuda/bfloat16: 64 modules patched, 12 ops fused, 2 fell back``"""
+        where = f"{self.model} on {self.device}/{self.dtype}"
+        if self.message and not self.layers:
+            return f"fusepatch: {where}: {self.message}"
+        ops = sum(len(layer.choices) for layer in self.layers)
+        text = f"fusepatch: {where}: {self.patched} modules patched, {len(self.fused_ops)} of {ops} ops fused"
+        falls = len(self.fallbacks())
+        text += f", {falls} fell back to eager" if falls else ""
+        return text + (f" ({self.message})" if self.message else "")
+
+    def grouped_fallbacks(self) -> list[str]:
+        """Each distinct reason once, with the ops it keeps on eager and its fix (a CPU machine's one reason is one
+        line, not one per op and candidate)."""
+        groups: dict[str, tuple[list[str], list[str]]] = {}
+        for _, choice in self.fallbacks():
+            wired = [r for r in choice.rejected if not r.set_aside] or list(choice.rejected)
+            for rejection in wired:
+                for reason, fix in rejection.reasons():
+                    ops, fixes = groups.setdefault(reason, ([], []))
+                    if choice.op not in ops:
+                        ops.append(choice.op)
+                    for one in filter(None, fix.split(" && ")):
+                        if one not in fixes:
+                            fixes.append(one)
+        lines = []
+        for reason, (ops, fixes) in groups.items():
+            fix = f"; fix: {'; '.join(fixes)}" if fixes else ""
+            lines.append(f"fusepatch: eager for {', '.join(ops)}: {reason}{fix}")
+        return lines
+
     def to_dict(self) -> dict:
         return {
             "model": self.model,
@@ -83,6 +113,7 @@ class PatchReport:
             "already_patched": self.already_patched,
             "layers": [layer.to_dict() for layer in self.layers],
             "fallbacks": self.log_lines(),
+            "drift": list(self.drift),
             "environment": self.environment,
         }
 
@@ -107,9 +138,6 @@ class PatchReport:
                     why = f"{first.candidate}: {first.reason}"
                 rows.append((label, choice.op, kernel, why))
                 label = ""
-            for op in layer.planned:
-                rows.append((label, op, "eager", "planned: no fused forward in this release"))
-                label = ""
             if label and layer.patched:  # a forward with no kernel op (the rotary tables): say what it does
                 rows.append((label, "-", "patched", layer.note))
         if rows:
@@ -129,6 +157,8 @@ class PatchReport:
             fixes += [f for f in choice.fixes() if f not in fixes]
         for fix in fixes:  # every distinct fix: a dropped one would leave an op on eager with no way out shown
             lines.append(f"  fix: {fix}")
+        for line in self.drift:
+            lines.append(f"  drift: {line}")
         compiled = sum(c.ready_s for _, c in self.fused_ops if c.compiled)
         if compiled:
             lines.append(

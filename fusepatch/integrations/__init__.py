@@ -1,0 +1,1 @@
+"""fusepatch inside the training stacks people use: transformers' loading and Trainer, TRL."""

@@ -1,0 +1,36 @@
+"""Load and patch in one call, as ``from_pretrained(..., use_kernels=True)`` loads and kernelizes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fusepatch.env import require_transformers
+
+
+def from_pretrained(
+    name_or_path: str, *args: Any, auto_class: Any = None, apply_kwargs: dict | None = None, **kwargs: Any
+):
+    """``AutoModelForCausalLM.from_pretrained(name_or_path, *args, **kwargs)``, then :func:`fusepatch.apply`.
+
+    Args:
+        name_or_path: a Hub id or a local checkpoint folder.
+        auto_class: the transformers auto class to load with (default ``AutoModelForCausalLM``; e.g.
+            ``AutoModelForImageTextToText`` for Qwen3.5 image-text checkpoints).
+        apply_kwargs: keyword arguments for :func:`fusepatch.apply` (``ops``, ``exclude``, ``prefer``, ``strict``,
+            ``verbose``).
+        **kwargs: for ``from_pretrained`` (``dtype``, ``device_map``, ``attn_implementation``, ...).
+
+    Returns:
+        The patched model; ``fusepatch.report(model)`` gives the report ``apply`` logged.
+
+    Example::
+
+        >>> model = fusepatch.from_pretrained("Qwen/Qwen3.5-27B", dtype="bfloat16", device_map="cuda")  # doctest: +SKIP
+    """
+    import fusepatch
+
+    transformers = require_transformers()
+    loader = auto_class or transformers.AutoModelForCausalLM
+    model = loader.from_pretrained(name_or_path, *args, **kwargs)
+    fusepatch.apply(model, **(apply_kwargs or {}))
+    return model

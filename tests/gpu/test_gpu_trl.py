@@ -1,0 +1,58 @@
+"""TRL's SFTTrainer on the GPU with fusepatch's callback: TRL's fused LM head computes the loss, fusepatch's
+kernels run every layer (the head left to TRL, and reported so), and the run's losses are TRL's own run's."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from conftest import MINI, record
+
+import fusepatch
+from fusepatch.tiny import tiny_model
+
+pytestmark = pytest.mark.gpu
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples",
+                       "sft_ultrachat.py")  # fmt: skip
+
+
+def _data():
+    spec = importlib.util.spec_from_file_location("sft_ultrachat", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rows = example.load_conversations(example.DEFAULT_DATA, "train")
+    tokenizer = example.build_tokenizer(rows, vocab_size=512)
+    return datasets.Dataset.from_list([{"messages": r["messages"]} for r in rows]), tokenizer
+
+
+def _train(tmp_path, callbacks=()):
+    dataset, tokenizer = _data()
+    model = tiny_model("qwen3_5_text", vocab_size=len(tokenizer), dtype=torch.bfloat16, **MINI).cuda()
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1,
+        save_strategy="no", report_to="none", max_length=512, seed=0, data_seed=0, bf16=True, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = trl.SFTTrainer(
+        model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=list(callbacks)
+    )
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_trl_fused_head_with_fusepatch_layers_on_gpu(tmp_path):
+    expected = _train(tmp_path / "trl")
+    callback = fusepatch.FusePatchCallback(profile=False)
+    losses = _train(tmp_path / "fp", [callback])
+    report = callback.report
+    (head,) = [layer for layer in report.layers if layer.layer.endswith("ForCausalLM")]
+    assert head.choices[0].chosen == "TRL's fused LM head" and not head.patched
+    fused = {c.op for _, c in report.fused_ops if c.source != "trainer"}
+    assert {"gated_delta_rule", "swiglu"} <= fused, str(report)
+    record("trl-gpu", {"trl": expected, "fusepatch": losses, "fused": sorted(fused)})
+    assert len(losses) == len(expected) == 4
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=2e-2, atol=0)

@@ -1,0 +1,123 @@
+"""TRL's SFTTrainer with fusepatch, on CPU: its fused LM head computes the loss, fusepatch steps aside from the
+head and says so, and the run trains as TRL's own does (packing, padding-free, assistant-only loss, PEFT)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import fusepatch
+from fusepatch.tiny import tiny_model
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "sft_ultrachat.py")
+
+
+@pytest.fixture(scope="module")
+def data():
+    spec = importlib.util.spec_from_file_location("sft_ultrachat", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rows = example.load_conversations(example.DEFAULT_DATA, "train")
+    tokenizer = example.build_tokenizer(rows, vocab_size=512)
+    return datasets.Dataset.from_list([{"messages": r["messages"]} for r in rows.select(range(8))]), tokenizer
+
+
+def _train(data, tmp_path, *, model=None, model_type="qwen3", callbacks=(), peft=False, **config):
+    dataset, tokenizer = data
+    model = model if model is not None else tiny_model(model_type, vocab_size=len(tokenizer))
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        use_cpu=True,
+        **{"max_length": 256, "bf16": False, **config},
+    )
+    peft_config = None
+    if peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=list(callbacks),
+    )
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return trainer, losses
+
+
+def _head(report: fusepatch.PatchReport):
+    (head,) = [layer for layer in report.layers if layer.layer.endswith("ForCausalLM")]
+    return head
+
+
+CASES = {
+    "packing": dict(packing=True),
+    "padding-free": dict(padding_free=True, max_length=None),
+    "assistant-only": dict(assistant_only_loss=True),
+    # mixed precision: accelerate wraps TRL's head in autocast before the callback runs
+    "bf16-autocast": dict(packing=True, bf16=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_callback_steps_aside_for_trls_fused_head(data, tmp_path, case):
+    _, expected = _train(data, tmp_path / "trl", **CASES[case])
+    callback = fusepatch.FusePatchCallback(profile=False)
+    trainer, losses = _train(data, tmp_path / "fp", callbacks=[callback], **CASES[case])
+    head = _head(callback.report)
+    assert not head.patched and head.choices[0].chosen == "TRL's fused LM head"
+    assert head.choices[0].source == "trainer" and "leaves the model's head to it" in head.choices[0].provides
+    assert any(layer.patched for layer in callback.report.layers)  # the layers are fusepatch's
+    assert len(losses) == 3
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-5)
+
+
+def test_apply_before_the_trainer_reports_trls_head(data, tmp_path):
+    _, expected = _train(data, tmp_path / "trl", packing=True)
+    dataset, tokenizer = data
+    model = tiny_model("qwen3", vocab_size=len(tokenizer))
+    fusepatch.apply(model)
+    _, losses = _train(data, tmp_path / "fp", model=model, packing=True)
+    head = _head(fusepatch.report(model))
+    assert head.choices[0].chosen == "TRL's fused LM head" and head.choices[0].source == "trainer"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-5)
+
+
+def test_peft_lora_through_trl(data, tmp_path):
+    _, expected = _train(data, tmp_path / "trl", peft=True, packing=True)
+    callback = fusepatch.FusePatchCallback(profile=False)
+    trainer, losses = _train(data, tmp_path / "fp", callbacks=[callback], peft=True, packing=True)
+    assert _head(callback.report).choices[0].chosen == "TRL's fused LM head"
+    assert any(layer.patched for layer in callback.report.layers)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-5)
+
+
+def test_packed_hybrid_model_trains_through_trl(data, tmp_path):
+    """Qwen3.5 with packed rows: transformers alone refuses on a machine without causal-conv1d (its conv cannot
+    keep documents apart); patched, the documents are kept apart and TRL's head computes the loss."""
+    callback = fusepatch.FusePatchCallback(profile=False)
+    _, losses = _train(
+        data, tmp_path, model_type="qwen3_5_text", callbacks=[callback], padding_free=True, max_length=None
+    )
+    assert _head(callback.report).choices[0].chosen == "TRL's fused LM head"
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
