@@ -3,7 +3,7 @@
     python benchmarks/gemm_bench.py --shape 27b --json-out gemm.json
 
 Why: at the 27B shape the step is its kernels (GPU busy 0.97) and the GEMMs are two thirds of them; the lm_head's
-weight gradient (``dlogits.t() @ hidden``, 10.4 TFLOP) took 21 ms in the training step (session 10), ~500
+weight gradient (``dlogits.t() @ hidden``, 10.4 TFLOP) took 21 ms in the training step (H200 run of 2026-11-30), ~500
 TFLOP/s where the forward GEMMs run ~750. This times, per projection of the model (forward, input gradient,
 weight gradient; bf16, the step's token count), the formulation the step uses and the alternatives that give the
 same matrix: the transposed product transposed back, an operand copied token-minor first (the weight gradient's

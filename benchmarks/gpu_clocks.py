@@ -2,7 +2,7 @@
 process (no thread in the benchmark's own process, so the sampling takes no time from the CPU-bound forward).
 
 Why: in the 27B-shaped step the same cuBLAS GEMMs took 3-4% longer in fusepatch's step than in hf-fast's of the
-same run (RESULTS.md, session 15), and the cuDNN attention backward 10% longer. A denser step (fewer
+same run (H200 run of 2026-11-30), and the cuDNN attention backward 10% longer. A denser step (fewer
 memory-bound kernels between the GEMMs) can draw more power and run at a lower clock; this records whether it
 did. Nothing here changes the card's settings (device METHOD.md): it only reads them.
 """

@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_session.sh bench 27b [layers]  # call 3+: the benchmark table for one shape
 #   CONFIGS=fusepatch bash benchmarks/gpu_session.sh probe 27b  # where a synced step's forward waits for the host
 #   bash benchmarks/gpu_session.sh loss 27b            # the loss alone (benchmarks/loss_bench.py)
+#   bash benchmarks/gpu_session.sh fidelity 27b        # gradients against fp32 eager (benchmarks/fidelity.py)
+#   bash benchmarks/gpu_session.sh curves              # carry .whl-ex: SFT loss curves, two seeds (loss_curves.py)
 #   bash benchmarks/gpu_session.sh norm                # the RMSNorm candidates alone (benchmarks/norm_bench.py)
 #   bash benchmarks/gpu_session.sh moe                 # the MoE experts op alone, per candidate (benchmarks/moe_bench.py)
 #   bash benchmarks/gpu_session.sh gemm 27b            # the step's GEMMs alone, each layout (benchmarks/gemm_bench.py)
@@ -51,7 +53,8 @@ case "$phase" in
     pipi /tmp/site-tl .whl-tl2/*.whl
     pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl .whl/kernels-*.whl
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-    export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl"
+    ls .whl-ex/*.whl >/dev/null 2>&1 && pipi /tmp/site-ex .whl-ex/*.whl
+    export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl:/tmp/site-ex"
     # pytest-xdist: the tests are dominated by Triton/TileLang compiling (CPU), so workers compile in parallel.
     # The op files first: they fill the compile caches (same head sizes) that the model files then reuse.
     # -v, a log per group and the errors each test measured: partial results survive a cut-off call.
@@ -60,15 +63,15 @@ case "$phase" in
     groups=${TESTS:-"tests/gpu/test_gdn_ops.py tests/gpu/test_other_ops.py tests/gpu/test_attention.py|tests/gpu/test_gdn_models.py tests/gpu/test_models.py tests/gpu/test_trainer.py"}
     groups=${groups//,/ }
     # a step's K may list names with commas: K=saved_states,cross_entropy is -k "saved_states or cross_entropy"
-    # (its environment splits on ':', so test ids with '::' cannot go in a step's TESTS; session 14 lost a step so)
+    # (its environment splits on ':', so test ids with '::' cannot go in a step's TESTS; the H200 run of 2026-11-30 lost a step so)
     K=${K:+${K//,/ or }}
     i=0; IFS='|' read -ra parts <<< "$groups"
     for files in "${parts[@]}"; do
       i=$((i + 1))
       # NICE=10: the compiling workers yield the CPU to a benchmark running in the other lane
-      # setsid: the group in a session of its own, killed whole afterwards. In session 24 a group cut off at its
+      # setsid: the group in a session of its own, killed whole afterwards. In the H200 run of 2026-12-02 a group cut off at its
       # limit (pytest hung after its last test) may have left workers or compilers behind, and the benchmarks
-      # after it ran on a host twice as slow (RESULTS.md); nothing of a finished group may outlive it. (Without
+      # after it ran on a host twice as slow; nothing of a finished group may outlive it. (Without
       # setsid the group runs as before, and the kill below finds nothing.)
       FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR=/tmp/errors $(command -v setsid) timeout ${TEST_TIMEOUT:-230} nice -n ${NICE:-0} python3 -m pytest \
         $files ${K:+-k "$K"} -n ${WORKERS:-8} -v -rfE --tb=short --durations=20 --timeout ${PER_TEST:-220} -p no:cacheprovider \
@@ -125,6 +128,33 @@ EOF
       --workdir "/tmp/$name" --out "$OUT/$name.json" --timeout ${BENCH_TIMEOUT:-400} ${VARY:+--vary-seq $VARY} ${DOCS:+--packed-docs $DOCS} ${PROMPT:+--prompt $PROMPT} \
       --configs "${CONFIGS:-hf-fast,fusepatch,liger,eager,fusepatch-no-tilelang,hf-fast-no-tilelang}" 2>&1 | tee "$OUT/$name.md"
     tar czf "$OUT/$name-logs.tgz" -C /tmp "$name" ;;
+  fidelity)
+    # one step's loss and every gradient against fp32 eager, for hf-fast, liger and fusepatch (benchmarks/fidelity.py)
+    need_tilelang
+    pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl .whl/liger_kernel-*.whl 2>/dev/null
+    shape=${2:-27b}
+    timeout ${FIDELITY_TIMEOUT:-900} python3 benchmarks/fidelity.py --shape "$shape" ${LAYERS:+--layers $LAYERS} \
+      --site-fla /tmp/site-fla --site-tl /tmp/site-tl --workdir /tmp/fidelity-$shape --out "$OUT/fidelity.jsonl" 2>&1 | tee "$OUT/fidelity-$shape.md"
+    rm -rf /tmp/fidelity-$shape/reference.pt ;;
+  curves)
+    # the SFT example's loss curve, hf-fast and fusepatch, two seeds each (benchmarks/loss_curves.py)
+    need_tilelang
+    pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
+    pipi /tmp/site-ex .whl-ex/*.whl 2>/dev/null
+    export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl:/tmp/site-ex"
+    steps=${STEPS:-300}; runs=()
+    for seed in 0 1; do
+      for config in hf-fast fusepatch; do
+        flag=$([ "$config" = hf-fast ] && echo --no-fusepatch)
+        log="$OUT/curve-$config-$seed.log"
+        timeout ${CURVE_TIMEOUT:-300} python3 examples/sft_ultrachat.py --config examples/configs/qwen3_5_small_text.json \
+          --max-length 2048 --batch-size ${BATCH:-8} --repeat $(( steps * ${BATCH:-8} / 24 + 1 )) --max-steps "$steps" \
+          --learning-rate ${LR:-3e-4} --seed "$seed" --profile-step 5 --output-dir /tmp/curve-$config-$seed $flag > "$log" 2>&1
+        echo "== $config seed $seed: exit $?"; runs+=("$config:$seed=$log")
+      done
+    done
+    python3 benchmarks/loss_curves.py "${runs[@]}" --out "$OUT/loss_curves.jsonl" \
+      --command "STEPS=$steps bash benchmarks/gpu_session.sh curves" | tee "$OUT/loss-curves.md" ;;
   probe)
     # where the GPU waits for the host in a synced step's forward (benchmarks/step_start.py), per CONFIGS
     need_tilelang
@@ -188,7 +218,7 @@ EOF
     batch=${BATCH:-48}; steps=${STEPS:-12}; repeat=$(( (steps * batch * nproc + 23) / 24 ))
     # SFT_CONFIGS: which configurations, in which order (comma-separated; the table always compares to hf-fast)
     # LR: the learning rate (default 1e-3, the example's; at 24 layers of random 27B-shaped weights it gave loss
-    # spikes in session 6, which make two curves hard to compare)
+    # spikes in the H200 run of 2026-11-29, which make two curves hard to compare)
     # LAYERS may list depths, deepest first (LAYERS=24,16): a depth whose run runs out of GPU memory is given
     # up for the next one, every configuration again, so the table compares one depth (issue 7: the deepest
     # that fits)
@@ -219,7 +249,7 @@ EOF
     rm -rf /tmp/seq && mkdir -p /tmp/seq/out && cp -r . /tmp/seq/tree  # the working tree is replaced by each call
     : > /tmp/seq/progress  # before the runner starts: `poll` tells a started sequence from none by this file
     steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
-    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT)=" > /tmp/seq/env || true
+    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT)=" > /tmp/seq/env || true
     # Lanes: "A B / C D + E" runs A then B on GPU 0 beside C then D on GPU 1 (CUDA_VISIBLE_DEVICES), then E on
     # every GPU once both lanes are done ("+ F / G": a next stage with lanes again). A step is
     # PHASE[-ARG][@K=V:K=V]: its own environment (sft@NPROC=all:LAYERS=24).
@@ -249,8 +279,9 @@ for st in "${stages[@]}"; do
   done
   lanes+=("$lane")
   if [ ${#lanes[@]} -gt 1 ]; then
+    gpus=$(nvidia-smi -L | wc -l)  # more lanes than GPUs: lanes share them (a compile-bound lane beside a GPU-bound one)
     for i in "${!lanes[@]}"; do
-      ( export CUDA_VISIBLE_DEVICES=$i; for w in ${lanes[$i]}; do step "gpu$i" "$w"; done ) &
+      ( export CUDA_VISIBLE_DEVICES=$((i % gpus)); for w in ${lanes[$i]}; do step "gpu$i" "$w"; done ) &
     done
     wait
   else
@@ -261,13 +292,13 @@ echo done >> /tmp/seq/progress
 RUN
     # The redirections close the whole background job's hold on the caller's output: with them on the runner
     # alone, the backgrounded `cd && ...` list kept the caller's pipe open until the sequence ended, so
-    # `start ... | tail -1 && poll N` waited for the whole sequence (session 11 lost two calls' output so).
+    # `start ... | tail -1 && poll N` waited for the whole sequence (H200 run of 2026-11-30 lost two calls' output so).
     (cd /tmp/seq/tree && STEPS_ARG="$steps" setsid nohup bash /tmp/seq/run.sh) > /tmp/seq/runner.log 2>&1 < /dev/null &
     echo "started: $steps" ;;
   poll)
     # No sequence here: a fresh machine (the call came more than ~30 s after the last one) or a `start` that
     # failed behind `| tail -1` (its exit status is the pipe's). Waiting would spend the whole limit on nothing
-    # (session 21 lost 660 s of device time so, twice).
+    # (H200 run of 2026-12-01 lost 660 s of device time so, twice).
     [ -f /tmp/seq/progress ] || { echo "poll: no sequence on this machine (fresh machine, or start failed): nothing to wait for"; exit 4; }
     deadline=$(($(date +%s) + ${2:-560}))
     while [ "$(date +%s)" -lt "$deadline" ] && ! grep -q "^done" /tmp/seq/progress 2>/dev/null; do sleep 5; done

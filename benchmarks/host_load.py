@@ -1,7 +1,7 @@
 """How busy the host's CPUs were while the timed steps ran, and how much of it was other processes.
 
-Why: a CPU-bound forward runs as fast as its one Python thread gets a core. In session 24 (RESULTS.md) the same
-library code spent 113 ms of host time on the 2B-like forward where session 23 spent 41, and hf-fast's profiled
+Why: a CPU-bound forward runs as fast as its one Python thread gets a core. In the H200 run of 2026-12-02 the same
+library code spent 113 ms of host time on the 2B-like forward where the H200 run of 2026-12-01 spent 41, and hf-fast's profiled
 step idled 89 ms where it had idled 12: the benchmarks ran right after a GPU test group that had been cut off at
 its time limit, and nothing recorded whether anything else was running. This does, from ``/proc/stat`` (every
 core's busy time) and this process's own CPU time: what remains is other processes'. Those include the clock

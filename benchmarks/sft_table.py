@@ -1,4 +1,4 @@
-"""Turn the SFT example's logs (one per configuration, same run) into the RESULTS.md table.
+"""Turn the SFT example's logs (one per configuration, same run) into the results table.
 
     python benchmarks/sft_table.py --gpus 8 sft-hf-fast.log sft-fusepatch.log
 

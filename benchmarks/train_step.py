@@ -11,7 +11,7 @@ tokens/s, peak memory, and from one profiled step: aten ops dispatched, GPU kern
 
 ``--vary-seq F`` gives every timed step its own length, drawn from ``[seq * (1 - F), seq]`` (the same draws for
 every configuration), as packed rows of a fine-tuning run have: a kernel that compiles or autotunes per size
-shows up in the step times (the fixed-length tables cannot show it; RESULTS.md, session 6). tokens/s is then
+shows up in the step times (the fixed-length tables cannot show it; the H200 run of 2026-11-29). tokens/s is then
 all timed tokens over all timed step time, and the slowest step is reported beside the median.
 
 ``--prompt F`` sets the first F of every row's labels to -100 (chat SFT's masked prompt: fusepatch's loss then
@@ -95,7 +95,7 @@ def gpu_time_by_op(events, top: int = 40) -> list[tuple[str, float]]:
 # variable -> (module, attribute, value set before apply).
 AB_KNOBS = {
     # the shared-input projections (one accumulated input gradient) and the residual GEMM off, every projection
-    # through its module as in hf-fast (session 15: the same GEMM kernels took ~3.5% longer in fusepatch's step)
+    # through its module as in hf-fast (H200 run of 2026-11-30: the same GEMM kernels took ~3.5% longer in fusepatch's step)
     "BENCH_PLAIN_PROJECTIONS": ("fusepatch.layers.projections", "DEVICES", ()),
     # the forward's packed-rows checks read the GPU as before (transformers' `.all()`, fusepatch's `nonzero`), for
     # batches given no positions (layers/positions.py)
@@ -360,7 +360,7 @@ def host_time_by_phase(
 def count_in_preamble():
     """fusepatch's labelled-row count queued before the forward for this measurement only: it is queued after the
     first decoder layer (layers/causal_lm.py), which here is behind the layers phase's GPU sleep, and the loss
-    phase would then wait out that sleep to read it (session 26's rows showed 330-680 ms of "loss" host time)."""
+    phase would then wait out that sleep to read it (the 2026-12-02 H200 run's rows showed 330-680 ms of "loss" host time)."""
     causal_lm = sys.modules.get("fusepatch.layers.causal_lm")
     if causal_lm is None:  # a configuration without fusepatch
         yield
@@ -487,7 +487,7 @@ def gpu_idle_by_op(events, top: int = 30, longest_gaps: int = 40) -> dict:
         if bool(covering.any()):
             index = int(torch.where(covering, spans, torch.full_like(spans, float("inf"))).argmin())
             event, chain = ops[index], []
-            # three callers up (session 15 read a CPU repeat_interleave in a host-side build as a GPU one in the
+            # three callers up (H200 run of 2026-11-30 read a CPU repeat_interleave in a host-side build as a GPU one in the
             # attention, from "repeat_interleave > repeat_interleave" alone)
             parent = event.cpu_parent
             while parent is not None and len(chain) < 3:
@@ -658,7 +658,7 @@ def run(args, seq: int, batch: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     # the same token batches for every configuration, whatever patching drew from the global generators (until
-    # session 10 fusepatch's self-tests drew a cotangent there, so its batches were not hf-fast's and liger's)
+    # the H200 run of 2026-11-30 fusepatch's self-tests drew a cotangent there, so its batches were not hf-fast's and liger's)
     torch.manual_seed(1)
 
     cuts = random.Random(4321)  # document boundaries of packed rows, the same for every configuration

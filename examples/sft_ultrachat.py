@@ -119,7 +119,7 @@ def build_model(args, tokenizer):
                 values["layer_types"] = values["layer_types"][: args.layers]
         config = AutoConfig.for_model(values.pop("model_type"), **values)
         config.pad_token_id = tokenizer.pad_token_id
-        torch.manual_seed(0)
+        torch.manual_seed(args.seed)
         with on_gpu or contextlib.nullcontext():
             return AutoModelForCausalLM.from_config(config, dtype=dtype)
     from fusepatch.tiny import tiny_config
@@ -127,7 +127,7 @@ def build_model(args, tokenizer):
     config = tiny_config(
         "qwen3_5_text", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, use_cache=False
     )
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     with on_gpu or contextlib.nullcontext():
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=4, help="conversations per micro-batch (packed into one row)")
     parser.add_argument("--max-steps", type=int, default=10)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0, help="the weights' initialisation and the data order")
     parser.add_argument("--output-dir", default="sft-output")
     parser.add_argument("--no-packing", action="store_true")
     parser.add_argument("--no-checkpointing", action="store_true")
@@ -244,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         save_strategy="no",
         disable_tqdm=True,
         remove_unused_columns=False,
+        seed=args.seed,
+        data_seed=args.seed,
         **(fsdp_arguments(model, not args.no_checkpointing) if args.fsdp else {}),
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=collator)

@@ -1,0 +1,212 @@
+"""Fidelity at full layer shapes: one training step's loss and every parameter's gradient, against fp32.
+
+    python benchmarks/fidelity.py --shape 27b --site-fla /tmp/site-fla --site-tl /tmp/site-tl --out fidelity.jsonl
+
+The reference is the same model in fp32 on transformers' eager paths (a process that cannot import fla or
+causal-conv1d), deterministic. Then ``hf-fast``, ``liger`` and ``fusepatch`` each run the same step in bf16 in
+their own process, from the same fp32 weights (built from one seed, cast to bf16) and the same tokens. For every
+parameter the relative error ``||g - g_ref|| / ||g_ref||`` is recorded; the table puts fusepatch's beside
+hf-fast's and names every parameter where fusepatch's error exceeds 1.25x hf-fast's.
+
+One JSON line per configuration goes to ``--out`` (date, GPU, versions, command), and the table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from shapes import SHAPES, build_config  # noqa: E402
+
+CONFIGS = ("hf-fast", "liger", "fusepatch")
+RATIO = 1.25  # fusepatch's error may be at most this times hf-fast's, parameter by parameter
+
+
+def versions() -> dict:
+    import importlib.metadata as metadata
+
+    found = {}
+    for name in ("torch", "transformers", "triton", "fla-core", "causal-conv1d", "tilelang", "liger-kernel"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def model_and_batch(shape: str, layers: int | None, seq: int | None, batch: int | None, device: torch.device):
+    """The fp32 model (one seed) and the token batch (another), the same in every process."""
+    from transformers import AutoModelForCausalLM
+
+    spec = SHAPES[shape]
+    seq, batch = seq or spec["seq"], batch or spec["batch"]
+    config = build_config(shape, layers)
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    generator = torch.Generator(device=device).manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device, generator=generator)
+    return model.train(), ids
+
+
+def step(model, ids) -> float:
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return float(loss.detach())
+
+
+def worker(args) -> int:
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference is fp32 GEMMs, not TF32
+    torch.backends.cudnn.allow_tf32 = False
+    model, ids = model_and_batch(args.shape, args.layers, args.seq, args.batch, device)
+    info: dict = {"config": args.role, "versions": versions()}
+    if args.role == "reference":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        info["loss"] = step(model, ids)
+        grads = {name: p.grad.detach().cpu() for name, p in model.named_parameters()}
+        torch.save({"loss": info["loss"], "grads": grads}, args.reference)
+    else:
+        model.to(torch.bfloat16)
+        if args.role == "liger":
+            import liger_kernel.transformers as liger
+
+            liger.apply_liger_kernel_to_qwen3_5(rope=False, model=model)  # Liger's rope raises for Qwen3.5
+        if args.role == "fusepatch":
+            import fusepatch
+
+            report = fusepatch.apply(model)
+            info["fallbacks"] = report.log_lines()
+        loss = step(model, ids)
+        reference = torch.load(args.reference, mmap=True)
+        info["loss"] = loss
+        info["loss_error"] = abs(loss - reference["loss"]) / abs(reference["loss"])
+        errors = {}
+        for name, p in model.named_parameters():
+            ref = reference["grads"][name].to(device)
+            errors[name] = float((p.grad.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+        info["errors"] = errors
+    with open(args.json_out, "w") as f:
+        json.dump(info, f)
+    return 0
+
+
+def short(name: str) -> str:
+    return name.removeprefix("model.").replace("layers.", "L").replace(".weight", "")
+
+
+def table(results: dict[str, dict], reference: dict) -> tuple[str, list[str]]:
+    """The markdown table (worst parameters per configuration) and fusepatch's parameters beyond the ratio."""
+    lines = [
+        f"reference (fp32, eager) loss {reference['loss']:.6f}",
+        "",
+        "| config | loss rel. error | median param rel. error | max param rel. error (parameter) |",
+        "|---|---|---|---|",
+    ]
+    for config, info in results.items():
+        errors = info["errors"]
+        worst = max(errors, key=errors.get)
+        median = sorted(errors.values())[len(errors) // 2]
+        lines.append(f"| {config} | {info['loss_error']:.2e} | {median:.4f} | {errors[worst]:.4f} ({short(worst)}) |")
+    beyond = []
+    if "fusepatch" in results and "hf-fast" in results:
+        ours, theirs = results["fusepatch"]["errors"], results["hf-fast"]["errors"]
+        for name in ours:
+            if ours[name] > RATIO * theirs[name]:
+                beyond.append(f"{short(name)}: fusepatch {ours[name]:.4f} vs hf-fast {theirs[name]:.4f}")
+        lines += ["", f"fusepatch's error > {RATIO}x hf-fast's for {len(beyond)} of {len(ours)} parameters"]
+        lines += [f"- {b}" for b in beyond[:40]]
+        worst = sorted(ours, key=lambda n: ours[n] / max(theirs[n], 1e-12), reverse=True)[:8]
+        lines += [
+            "",
+            "largest ratios fusepatch/hf-fast: "
+            + ", ".join(f"{short(n)} {ours[n] / max(theirs[n], 1e-12):.2f}" for n in worst),
+        ]
+    return "\n".join(lines), beyond
+
+
+def driver(args) -> int:
+    workdir = args.workdir or f"/tmp/fidelity-{args.shape}"
+    os.makedirs(workdir, exist_ok=True)
+    reference = os.path.join(workdir, "reference.pt")
+    common = ["--shape", args.shape, "--reference", reference, "--device", args.device]
+    for flag in ("layers", "seq", "batch"):
+        if getattr(args, flag):
+            common += [f"--{flag}", str(getattr(args, flag))]
+    results, ref_info = {}, None
+    for role in ("reference", *args.configs.split(",")):
+        paths = [ROOT] + ([] if role == "reference" else [args.site_fla, args.site_tl])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), FLA_FLASH_QLA="0")
+        out = os.path.join(workdir, f"{role}.json")
+        start = time.perf_counter()
+        cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--json-out", out, *common]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        print(f"{role}: exit {done.returncode} after {time.perf_counter() - start:.0f} s", flush=True)
+        if done.returncode != 0:
+            print(done.stderr[-4000:], flush=True)
+            continue
+        with open(out) as f:
+            info = json.load(f)
+        if role == "reference":
+            ref_info = info
+        else:
+            results[role] = info
+    if ref_info is None:
+        return 1
+    text, beyond = table(results, ref_info)
+    print(text)
+    record = {
+        "benchmark": "fidelity",
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+        "command": " ".join([os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
+        "shape": args.shape,
+        "layers": args.layers or SHAPES[args.shape]["layers"],
+        "seq": args.seq or SHAPES[args.shape]["seq"],
+        "batch": args.batch or SHAPES[args.shape]["batch"],
+        "reference_loss": ref_info["loss"],
+        "versions": {role: info["versions"] for role, info in results.items()},
+        "results": {
+            role: {"loss": info["loss"], "loss_error": info["loss_error"], "errors": info["errors"]}
+            for role, info in results.items()
+        },
+        "beyond_ratio": beyond,
+    }
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="27b", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--site-fla", default="/tmp/site-fla")
+    parser.add_argument("--site-tl", default="/tmp/site-tl")
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--out", default=None, help="append the record (one JSON line) to this file")
+    parser.add_argument("--role", default=None, choices=["reference", *CONFIGS], help=argparse.SUPPRESS)
+    parser.add_argument("--reference", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    return worker(args) if args.role else driver(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
