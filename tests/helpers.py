@@ -191,3 +191,21 @@ def assert_released(module, name: str, original) -> None:
         assert getattr(module, name) is not original  # held for them, and for them only
         return
     assert getattr(module, name) is original
+
+
+def sft_sample(conversations: int | None = None):
+    """The shipped ultrachat-format sample as a ``datasets.Dataset`` of ``messages`` (the first ``conversations``),
+    and the example's offline tokenizer trained on the whole sample (512 tokens): what the TRL tests train on."""
+    import importlib.util
+    import os
+
+    import datasets
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "sft_ultrachat.py")
+    spec = importlib.util.spec_from_file_location("sft_ultrachat", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rows = example.load_conversations(example.DEFAULT_DATA, "train")
+    tokenizer = example.build_tokenizer(rows, vocab_size=512)  # trained on every conversation
+    kept = rows if conversations is None else rows.select(range(conversations))
+    return datasets.Dataset.from_list([{"messages": r["messages"]} for r in kept]), tokenizer

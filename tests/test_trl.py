@@ -3,11 +3,9 @@ head and says so, and the run trains as TRL's own does (packing, padding-free, a
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
+from helpers import sft_sample
 
 import fusepatch
 from fusepatch.tiny import tiny_model
@@ -16,18 +14,10 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE = os.path.join(ROOT, "examples", "sft_ultrachat.py")
-
 
 @pytest.fixture(scope="module")
 def data():
-    spec = importlib.util.spec_from_file_location("sft_ultrachat", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    rows = example.load_conversations(example.DEFAULT_DATA, "train")
-    tokenizer = example.build_tokenizer(rows, vocab_size=512)
-    return datasets.Dataset.from_list([{"messages": r["messages"]} for r in rows.select(range(8))]), tokenizer
+    return sft_sample(conversations=8)
 
 
 def _train(data, tmp_path, *, model=None, model_type="qwen3", callbacks=(), peft=False, **config):

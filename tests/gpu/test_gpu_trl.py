@@ -3,12 +3,10 @@ kernels run every layer (the head left to TRL, and reported so), and the run's l
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 from conftest import MINI, record
+from helpers import sft_sample
 
 import fusepatch
 from fusepatch.tiny import tiny_model
@@ -17,21 +15,9 @@ pytestmark = pytest.mark.gpu
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples",
-                       "sft_ultrachat.py")  # fmt: skip
-
-
-def _data():
-    spec = importlib.util.spec_from_file_location("sft_ultrachat", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    rows = example.load_conversations(example.DEFAULT_DATA, "train")
-    tokenizer = example.build_tokenizer(rows, vocab_size=512)
-    return datasets.Dataset.from_list([{"messages": r["messages"]} for r in rows]), tokenizer
-
 
 def _train(tmp_path, callbacks=()):
-    dataset, tokenizer = _data()
+    dataset, tokenizer = sft_sample()
     model = tiny_model("qwen3_5_text", vocab_size=len(tokenizer), dtype=torch.bfloat16, **MINI).cuda()
     args = trl.SFTConfig(
         output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1,
