@@ -146,7 +146,7 @@ def _section(results: list[dict], key: str, header: str, render, absent: str = "
 
 
 def memory_lines(results: list[dict]) -> str:
-    """Each configuration's peak by phase (train_step.memory_by_phase): which part of the step holds the peak
+    """Each configuration's peak by phase (step_diagnostics.memory_by_phase): which part of the step holds the peak
     that the table's peak column reports, and what is allocated when that part ends."""
 
     def render(r: dict, found: dict) -> list[str]:
@@ -162,7 +162,7 @@ def memory_lines(results: list[dict]) -> str:
 
 
 def host_lines(results: list[dict]) -> str:
-    """Each configuration's host and GPU time by phase (train_step.host_time_by_phase) and the forward's host
+    """Each configuration's host and GPU time by phase (step_diagnostics.host_time_by_phase) and the forward's host
     time by layer class: where the CPU, not the GPU, sets a synced step's pace."""
 
     def render(r: dict, found: dict) -> list[str]:
@@ -180,7 +180,7 @@ def host_lines(results: list[dict]) -> str:
 
 
 def profile_lines(results: list[dict], top: int = 14) -> str:
-    """Each profiled configuration's forward by Python function (train_step.host_profile, BENCH_HOST_PROFILE=1):
+    """Each profiled configuration's forward by Python function (step_diagnostics.host_profile, BENCH_HOST_PROFILE=1):
     self time by package, then the functions with the most self time."""
 
     def render(r: dict, found: dict) -> list[str]:

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import SHAPES, build_config  # noqa: E402
-from train_step import passive_hooks  # noqa: E402
+from step_diagnostics import passive_hooks  # noqa: E402
 
 
 class Stamps:
@@ -95,7 +95,7 @@ def _stamped(owner, name: str, stamp: Stamps, before=None, after=None):
 @contextlib.contextmanager
 def instrument(model, stamp: Stamps):
     """Stamps at module boundaries, around every fusepatch dispatch, after every Triton launch and linear. The
-    module hooks are passive (``train_step.passive_hooks``): fusepatch's fused paths, which step aside for a hook
+    module hooks are passive (``step_diagnostics.passive_hooks``): fusepatch's fused paths, which step aside for a hook
     that must see a module's call, run as in an uninstrumented step."""
     from triton.runtime.jit import JITFunction
 

@@ -95,8 +95,8 @@ def test_gpu_idle_is_attributed_to_the_innermost_cpu_op_and_phase():
     and to the ``bench:`` phase it fell in; the lead before the first kernel."""
     from types import SimpleNamespace as Event
 
+    import step_diagnostics
     import torch
-    import train_step
 
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
@@ -122,7 +122,7 @@ def test_gpu_idle_is_attributed_to_the_innermost_cpu_op_and_phase():
     ]
     events.append(event("cudaMemcpyAsync", 560, 600, parent=launch))  # a wait inside the mm (as .item() would)
     events.append(event("cudaDeviceSynchronize", 1100, 1200))  # after the step: not one of its waits
-    idle = train_step.gpu_idle_by_op(events)
+    idle = step_diagnostics.gpu_idle_by_op(events)
     assert idle["host_waits"] == [
         [
             "cudaMemcpyAsync < aten::mm < autograd::engine::evaluate_function: MmBackward0 < "
@@ -143,7 +143,7 @@ def test_gpu_idle_is_attributed_to_the_innermost_cpu_op_and_phase():
         [0.52, 180.0, "fusepatch::Qwen3_5GatedDeltaNet > autograd::engine::evaluate_function: MmBackward0 > aten::mm"],
     ]
     assert idle["by_window_ms"] == {"0-10": 0.38}
-    assert train_step.gpu_idle_by_op(events, longest_gaps=1)["longest"] == [idle["longest"][0]]
+    assert step_diagnostics.gpu_idle_by_op(events, longest_gaps=1)["longest"] == [idle["longest"][0]]
 
 
 @pytest.mark.slow
@@ -322,22 +322,12 @@ def test_trainer_loop_times_steps_that_wait_after_the_backward(monkeypatch):
     assert failed.count("|") == lines[0].count("|")
 
 
-def test_every_ab_knob_names_an_attribute_that_exists():
-    """``train_step.AB_KNOBS``: a renamed module or flag would leave a knob setting an attribute nothing reads."""
-    import importlib
-
-    import train_step
-
-    for knob, (module, attribute, _) in train_step.AB_KNOBS.items():
-        assert hasattr(importlib.import_module(module), attribute), knob
-
-
 def test_memory_by_phase_reads_each_phase_peak_apart():
     """``memory_by_phase``: the allocator's peak is reset at every boundary (the decoder stack's end through a
     forward hook on ``body``, then the step's own marks), so each phase reports its own peak and what is left at
     its end; the hook is passive for fusepatch and removed after; run_all prints the phases and the peak's."""
+    import step_diagnostics
     import torch
-    import train_step
 
     memory = {"now": 10.0, "peak": 10.0}
 
@@ -365,7 +355,7 @@ def test_memory_by_phase_reads_each_phase_peak_apart():
         at("optimizer")
 
     gib = 2**30
-    result = train_step.memory_by_phase(
+    result = step_diagnostics.memory_by_phase(
         step, 64, sync=lambda: None, body=body,
         allocated=lambda: memory["now"] * gib, peak=lambda: memory["peak"] * gib, reset=reset,
     )  # fmt: skip
@@ -381,7 +371,7 @@ def test_memory_by_phase_reads_each_phase_peak_apart():
     assert not body._forward_hooks  # removed
     # without a body the first phase is the whole forward
     memory.update(now=10.0, peak=10.0)
-    plain = train_step.memory_by_phase(
+    plain = step_diagnostics.memory_by_phase(
         step, 64, sync=lambda: None,
         allocated=lambda: memory["now"] * gib, peak=lambda: memory["peak"] * gib, reset=reset,
     )  # fmt: skip
@@ -396,7 +386,7 @@ def test_memory_by_phase_reads_each_phase_peak_apart():
 
 
 class _FakeTimeline:
-    """``train_step.CudaTimeline``'s interface over a GPU clock the test advances: a mark is the GPU time at
+    """``step_diagnostics.CudaTimeline``'s interface over a GPU clock the test advances: a mark is the GPU time at
     which the work queued so far ends; ``passed`` says whether the GPU got past a mark before the CPU finished."""
 
     def __init__(self, sleeps_through: bool = True) -> None:
@@ -430,8 +420,8 @@ def test_host_time_by_phase_reads_the_cpu_and_the_gpu_apart():
     the decoder stack (host time only); layer classes' forward host time through passive hooks, nested ones
     included in their parents, every hook removed after; a phase is not clean when the GPU was past its sleep
     before the CPU had queued it; run_all prints it all."""
+    import step_diagnostics
     import torch
-    import train_step
 
     now = [100.0]
 
@@ -465,7 +455,7 @@ def test_host_time_by_phase_reads_the_cpu_and_the_gpu_apart():
         at("optimizer")
 
     timeline = gpu[0]
-    result = train_step.host_time_by_phase(
+    result = step_diagnostics.host_time_by_phase(
         step, 8, sync=timeline.sync, body=body, layers=[decoder, mixer], sleep_ms=500.0, gpu=timeline,
         clock=lambda: now[0],
     )["host_vs_gpu"]  # fmt: skip
@@ -482,7 +472,7 @@ def test_host_time_by_phase_reads_the_cpu_and_the_gpu_apart():
         assert not module._forward_hooks and not module._forward_pre_hooks
 
     woken = gpu[0] = _FakeTimeline(sleeps_through=False)
-    found = train_step.host_time_by_phase(step, 8, sync=woken.sync, gpu=woken, clock=lambda: now[0])
+    found = step_diagnostics.host_time_by_phase(step, 8, sync=woken.sync, gpu=woken, clock=lambda: now[0])
     assert woken.slept == [0.0, 1000.0, 1000.0, 1000.0, 1000.0]  # no body: the forward behind a sleep too (default)
     assert list(found["host_vs_gpu"]["phases"]) == ["forward", "backward", "optimizer"]
     assert found["host_vs_gpu"]["phases"]["forward"] == {"host_ms": 11.3, "gpu_ms": 5.1, "clean": False}
@@ -508,8 +498,8 @@ def test_host_profile_ranks_the_stack_forwards_python_by_function():
     """``host_profile`` (BENCH_HOST_PROFILE=1): cProfile over the decoder stack's forward only (not the rest of
     the step), behind a GPU sleep calibrated first; functions ranked by self time with their calls, self time
     summed by package; its hooks removed after; run_all prints the ranking, or why there is none."""
+    import step_diagnostics
     import torch
-    import train_step
 
     def slow_part(x):
         total = 0
@@ -532,7 +522,7 @@ def test_host_profile_ranks_the_stack_forwards_python_by_function():
         body(torch.zeros(length))
         outside_the_stack()
 
-    found = train_step.host_profile(step, 8, sync=timeline.sync, body=body, sleep_ms=700.0, gpu=timeline)
+    found = step_diagnostics.host_profile(step, 8, sync=timeline.sync, body=body, sleep_ms=700.0, gpu=timeline)
     profile = found["host_profile"]
     assert timeline.slept == [0.0, 700.0]
     assert profile["clean"] is True and profile["forward_ms"] > 0
@@ -545,8 +535,8 @@ def test_host_profile_ranks_the_stack_forwards_python_by_function():
     text = run_all.profile_lines([{"config": "fusepatch"} | found, {"config": "x", "host_profile_error": "E: boom"}])
     assert "- fusepatch: forward " in text and "(slow_part)" in text
     assert "- x: not profiled (E: boom)" in text and run_all.profile_lines([{"config": "y"}]) == ""
-    assert train_step._package("/a/site-packages/fla/ops/x.py") == "fla"
-    assert train_step._package("~") == "builtins"
+    assert step_diagnostics._package("/a/site-packages/fla/ops/x.py") == "fla"
+    assert step_diagnostics._package("~") == "builtins"
 
 
 def test_registry_modules_are_the_registry_classes_in_the_model():

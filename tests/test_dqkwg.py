@@ -114,7 +114,6 @@ def test_wide_tiling_matches_fla_wiring(fake_fla, heads):
         "wide heads",
         "backend off",
         "backend rejects",
-        "switched off",
         "no w",
         "v not in 64-wide blocks",
         "packed, no table",
@@ -128,8 +127,6 @@ def test_falls_back_to_fla_where_the_tiling_does_not_apply(fake_fla, monkeypatch
         fake_fla.backend.enabled = False
     elif change == "backend rejects":
         fake_fla.backend.accepts = False
-    elif change == "switched off":
-        monkeypatch.setattr(dqkwg, "ENABLED", False)
     elif change == "no w":
         x["w"] = None
     elif change == "v not in 64-wide blocks":

@@ -126,13 +126,10 @@ def test_unknown_wrappers_and_registries_are_kept(fake_fla):
     assert fla_direct.unwrap(f, "f") == (f, "no backend dispatch")
 
 
-def test_direct_builds_the_namespace_and_can_be_switched_off(fake_fla, monkeypatch):
+def test_direct_builds_the_namespace(fake_fla):
     backends, _ = fake_fla
     module = type(sys)("chunk")
     module.f = backends.Registry([]).dispatch(f)
     module.h = backends.Registry([backends.Backend("live", implements=("h",))]).dispatch(f)
     calls = fla_direct.direct(module, ["f", "h"])
     assert calls.f is f and calls.h is module.h
-    monkeypatch.setattr(fla_direct, "ENABLED", False)
-    assert fla_direct.direct(module, ["f"]).f is module.f
-    assert fla_direct.beta_sigmoid(f) is f  # off (and without fla): fla's exported function

@@ -190,9 +190,8 @@ for key_heads, value_heads in ((2, 6), (3, 3)):
     results = []
     # plain; grouped with fla's input functions; grouped with fusepatch's input kernels (the default)
     for grouped, fused in ((False, False), (True, False), (True, True)):
-        fla_saved_states.FUSED_INPUTS = fused
         leaves = [t.clone().requires_grad_(True) for t in inputs]
-        out = fla_saved_states.load(grouped)(*leaves)
+        out = fla_saved_states.load(grouped, fused_inputs=fused)(*leaves)
         results.append([out.detach(), *torch.autograd.grad(out, leaves, cot)])
     names = ["out", "dq", "dk", "dv", "da", "db", "dA_log", "ddt_bias"]
     for name, plain, grouped, fused in zip(names, *results):

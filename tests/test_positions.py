@@ -9,7 +9,7 @@ import transformers.masking_utils as masking
 from helpers import HOST_READS, grads
 
 import fusepatch
-from fusepatch.layers import packing, positions
+from fusepatch.layers import packing
 from fusepatch.layers.positions import is_plain, plain_positions, skip_plain
 from fusepatch.tiny import tiny_model
 
@@ -27,12 +27,6 @@ def test_plain_positions_and_their_views_are_plain_until_changed():
     assert not is_plain(None)
     made[0, 1] = 5  # changed in place through a view (shared version counter): checked again
     assert not is_plain(made) and not is_plain(made[None][0])
-
-
-def test_turned_off_plain_positions_are_checked(monkeypatch):
-    made = plain_positions(1, 4, torch.device("cpu"))
-    monkeypatch.setattr(positions, "ENABLED", False)
-    assert not is_plain(made)
 
 
 def test_packed_check_skips_plain_positions_only():

@@ -78,9 +78,6 @@ def test_anything_but_whole_plain_positions_runs_transformers(monkeypatch):
     monkeypatch.setattr(rotary, "rope_type", "dynamic")
     assert fresh(x, made)
     monkeypatch.setattr(rotary, "rope_type", "default")
-    monkeypatch.setattr(rotary_embedding, "ENABLED", False)
-    assert fresh(x, made)
-    monkeypatch.setattr(rotary_embedding, "ENABLED", True)
     assert not fresh(x, made)
 
 

@@ -130,9 +130,6 @@ def _labelled_rows(labels: torch.Tensor, shift_labels: torch.Tensor | None, star
     return LabelledRows(shift_labels, start=start)
 
 
-COUNT_AFTER_FIRST_LAYER = True  # off: counted before the forward, as before (benchmarks: BENCH_COUNT_FIRST=1)
-
-
 def _count_after_first_layer(model: torch.nn.Module, rows: LabelledRows):
     """Queue the labelled-row count once the first decoder layer's forward is queued; returns the hook's handle
     (None: counted now, for a model without a ``layers`` list).
@@ -145,8 +142,7 @@ def _count_after_first_layer(model: torch.nn.Module, rows: LabelledRows):
     the GPU has passed layer 0 (if not, it waits only until it has, with the later layers still queued)."""
     layers = getattr(model, "layers", None)
     if (
-        not COUNT_AFTER_FIRST_LAYER
-        or torch.compiler.is_compiling()  # no hooks registered inside a traced forward (the count is off there)
+        torch.compiler.is_compiling()  # no hooks registered inside a traced forward (the count is off there)
         or not isinstance(layers, torch.nn.ModuleList)
         or len(layers) == 0
     ):

@@ -19,7 +19,6 @@ import functools
 
 import torch
 
-ENABLED = True  # off: the checks read the GPU as before (benchmarks: BENCH_KEEP_SYNCS=1 for an A/B row)
 _MARK = "_fusepatch_plain_positions"
 
 
@@ -64,7 +63,7 @@ def is_plain(positions: torch.Tensor | None) -> bool:
     """Whether ``positions`` is (a view of) a tensor made by :func:`plain_positions`, unchanged since. A view with
     unit stride along the sequence holds consecutive positions, as the tensor does: no document starts inside it,
     which is what both checks would find."""
-    if not ENABLED or not isinstance(positions, torch.Tensor):
+    if not isinstance(positions, torch.Tensor):
         return False
     if torch.compiler.is_compiling():  # traced graphs keep transformers' own checks (it skips them there too)
         return False
@@ -97,8 +96,7 @@ def wants_plain_positions(
     """Whether a causal-LM call may get :func:`plain_positions`: nothing that says otherwise was given (positions,
     a mask, a cache or cache positions, precomputed varlen boundaries)."""
     return (
-        ENABLED
-        and not torch.is_inference_mode_enabled()  # inference tensors keep no version counter to mark
+        not torch.is_inference_mode_enabled()  # inference tensors keep no version counter to mark
         and position_ids is None
         and attention_mask is None
         and past_key_values is None

@@ -22,7 +22,6 @@ import torch
 
 from fusepatch.layers.positions import is_whole_plain, remember
 
-ENABLED = True  # off: every call recomputes (benchmarks: BENCH_NO_ROPE_TABLES=1 for an A/B row)
 STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # inv_freq and scaling fixed after __init__
 KEPT = 2  # tables kept per module (a training run has one length; an eval pass may add one)
 TABLES = "_fusepatch_rope_tables"  # the module attribute that holds them
@@ -41,7 +40,7 @@ class _Tables:
 
 def _key(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple | None:
     """The tables' key, or None when they must be computed (see the module docstring)."""
-    if not ENABLED or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         return None
     if getattr(self, "rope_type", None) not in STATIC_ROPE_TYPES or not is_whole_plain(position_ids):
         return None

@@ -115,9 +115,6 @@ def _arity(fn) -> int | None:
     return commas + 1
 
 
-DIRECT = True  # off: the package's causal_conv1d_fn, custom ops and all (benchmarks: BENCH_CONV_CUSTOM_OPS=1)
-
-
 def _direct_conv():
     """causal-conv1d's compiled forward and backward called from fusepatch's own autograd function, past the
     package's ``torch.library.custom_op`` wrappers; None where the extension is not the one this call matches.
@@ -177,7 +174,7 @@ def _direct_conv():
 def _load_causal_conv1d():
     from causal_conv1d import causal_conv1d_fn
 
-    direct = _direct_conv() if DIRECT else None
+    direct = _direct_conv()
     if direct is None:
         return _causal_conv1d_adapter(causal_conv1d_fn)
 

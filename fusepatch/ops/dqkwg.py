@@ -24,7 +24,6 @@ from fusepatch.backends import fla as fla_backend
 from fusepatch.backends.fla import DQKWG_BUILDER, DQKWG_BUILDER_ARGS
 from fusepatch.resolve import dtype_name
 
-ENABLED = True  # off: fla's own tiling (benchmarks: BENCH_FLA_DQKWG=1 for an A/B row)
 BLOCK_K = 128
 BLOCK_V = 64
 WARPS = 8
@@ -74,8 +73,7 @@ def load(fla_dqkwg: Callable) -> Callable:
         batch, tokens, heads, dim_k = k.shape
         value_heads, dim_v = v.shape[2], v.shape[-1]
         usable = (
-            ENABLED
-            and w is not None
+            w is not None
             and dv is not None
             and g is not None
             and dim_k <= BLOCK_K

@@ -29,8 +29,6 @@ from fusepatch.backends.fla import NAMES
 
 logger = logging.getLogger("fusepatch")
 
-ENABLED = True  # off: every function as fla exports it (benchmarks: BENCH_FLA_DISPATCH=1 for an A/B row)
-
 
 def _path(*parts: str) -> str:
     return os.sep + os.path.join(*parts)
@@ -107,7 +105,7 @@ def direct(module: Any, names: Iterable[str]) -> SimpleNamespace:
     kept: list[str] = []
     for name in names:
         fn = getattr(module, name)
-        chosen[name], why = unwrap(fn, name) if ENABLED else (fn, "off")
+        chosen[name], why = unwrap(fn, name)
         if why != "direct":
             kept.append(f"{name} ({why})")
     if kept:
@@ -129,7 +127,7 @@ def beta_sigmoid(exported: Callable) -> Callable:
     launcher = getattr(gate, "fused_beta_sigmoid_fwd", None)
     if launcher is None:
         NAMES.drift("fla.ops.common.gate.fused_beta_sigmoid_fwd is missing", fallback)
-    if not ENABLED or launcher is None:
+    if launcher is None:
         return exported
     found, why = unwrap(launcher, "fused_beta_sigmoid_fwd")
     return found if why == "direct" else exported

@@ -27,16 +27,13 @@ from fusepatch.ops._common import on_device
 CHUNK = 64
 SKIP = "gated_delta_rule/fla-saved-states"
 SKIP_GROUPED = "gated_delta_rule/fla-saved-states-grouped"
-# the grouped variant's per-token inputs (q/k L2 norms, beta, the chunk-summed decay) and their gradients in one
-# fusepatch kernel each way instead of fla's four and six launches; off: fla's (benchmarks: BENCH_GDN_INPUTS_FLA=1)
-FUSED_INPUTS = True
 
 # fla's functions called here and every keyword fusepatch passes them (backends/fla.py's table;
 # tests/test_fla_saved_states.py checks it against the calls): check_signatures refuses an fla-core that lost one
 NEEDS = DELTA_RULE_STAGES
 
 
-def load(grouped: bool = False):
+def load(grouped: bool = False, fused_inputs: bool = True):
     """The op function (``gated_delta_rule`` signature), after checking fla's functions take what is passed.
 
     ``grouped``: fla's two backward kernels that produce q/k gradients per value head (``chunk_bwd_dqkwg``,
@@ -45,7 +42,11 @@ def load(grouped: bool = False):
     (kernels/l2norm.py). The expansion costs two copies a layer (kernels/heads.py, 0.20 ms a 27B-shaped step on
     the H200); the three torch sums, fla's L2-norm backward and the add it replaces took 1.14 ms there: 0.59 ms
     less GPU time a step, the same peak memory (H200 run of 2026-11-30). Without grouping (as many key as value heads) there
-    is nothing to expand: only the L2-norm backward and the add are fused."""
+    is nothing to expand: only the L2-norm backward and the add are fused.
+
+    ``fused_inputs`` (grouped only): the per-token inputs (q/k L2 norms, beta, the chunk-summed decay) and their
+    gradients in one fusepatch kernel each way instead of fla's four and six launches, where the kernel takes the
+    shapes; the tests compare both."""
     from fla.ops.gated_delta_rule import chunk as fla
     from fla.ops.utils.constant import RCP_LN2
     from fla.ops.utils.index import prepare_chunk_indices
@@ -71,7 +72,7 @@ def load(grouped: bool = False):
             places = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
             with on_device(q.device):
                 q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
-                ctx.fused_inputs = grouped and FUSED_INPUTS and supported(q, v) is None
+                ctx.fused_inputs = grouped and fused_inputs and supported(q, v) is None
                 if ctx.fused_inputs:  # the four below in one kernel (kernels/delta_rule_inputs.py)
                     q_n, q_rstd, k_n, k_rstd, beta, g = delta_rule_inputs(
                         q, k, a, b, A_log, dt_bias, scale=RCP_LN2, **places
