@@ -239,7 +239,7 @@ EOF
       done
       [ "$oom" = 0 ] && break
     done
-    python3 benchmarks/sft_table.py --gpus "$nproc" "$OUT/sft-${nproc}gpu-hf-fast.log" "$OUT/sft-${nproc}gpu-fusepatch.log" | tee "$OUT/sft-table-${nproc}gpu.md"
+    python3 benchmarks/sft_table.py --gpus "$nproc" "$OUT/sft-${nproc}gpu-hf-fast.log" "$OUT/sft-${nproc}gpu-fusepatch.core.log" | tee "$OUT/sft-table-${nproc}gpu.md"
     echo "layers: $layers" >> "$OUT/sft-table-${nproc}gpu.md" ;;
   start)
     need_tilelang

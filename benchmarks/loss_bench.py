@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import build_config  # noqa: E402
 
-from fusepatch.ops._common import relative_error  # noqa: E402
+from fusepatch.ops.common import relative_error  # noqa: E402
 from fusepatch.ops.linear_cross_entropy import (  # noqa: E402
     DEFAULT_LOGITS_MIB,
     LINEAR_CROSS_ENTROPY,

@@ -9,7 +9,7 @@ zero-centered form; the Gated DeltaNet output norm, 48 value heads of 128, gated
 - varying: ``--lengths`` packed-row lengths, each new to the process, one call each, timed with whatever the
   kernel compiles or autotunes for it (the SFT case: packed rows of a different length every step). Reported:
   the total and the slowest call.
-Eager is transformers' arithmetic (the ops' references in ``fusepatch.ops.norms``).
+Eager is transformers' arithmetic (the ops' references in ``fusepatch.ops.rms_norm``).
 """
 
 from __future__ import annotations

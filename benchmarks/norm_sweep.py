@@ -22,7 +22,7 @@ import torch
 
 from fusepatch.kernels import rms_norm as rn
 from fusepatch.ops import OPS
-from fusepatch.ops._common import relative_error
+from fusepatch.ops.common import relative_error
 
 # site: (op, rows a token, feature size)
 SITES = {

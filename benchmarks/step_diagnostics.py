@@ -21,7 +21,7 @@ from collections import Counter
 
 import torch
 
-from fusepatch.profile import host_waits, in_backward  # noqa: E402
+from fusepatch.diagnostics.profile import host_waits, in_backward  # noqa: E402
 
 
 def gpu_time_by_op(events, top: int = 40) -> list[tuple[str, float]]:
@@ -84,7 +84,7 @@ class HostPauses:
 @contextlib.contextmanager
 def passive_hooks(pre=(), post=()):
     """Forward pre-hooks and hooks, ``(module, hook)`` pairs, for one more step, removed after it. Marked passive:
-    fusepatch's fused paths, which step aside for a hook, ignore them (fusepatch.profile's labels are so too), so
+    fusepatch's fused paths, which step aside for a hook, ignore them (fusepatch.diagnostics.profile's labels are so too), so
     the step runs what the timed ones run."""
     handles = []
     try:

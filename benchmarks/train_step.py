@@ -50,8 +50,8 @@ from step_diagnostics import (  # noqa: E402
     memory_by_phase,
 )
 
-from fusepatch.compiles import CompileCounter  # noqa: E402
-from fusepatch.profile import flops_per_token, label_layers, registry_modules, summarize  # noqa: E402
+from fusepatch.diagnostics.compiles import CompileCounter  # noqa: E402
+from fusepatch.diagnostics.profile import flops_per_token, label_layers, registry_modules, summarize  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # an H200's dense bf16 matmul peak, for MFU (benchmarks/gemm_bench.py measures a GPU's own)
 
@@ -293,7 +293,7 @@ def diagnostics(step, model, seq: int, sync) -> dict:
 
 
 def profiled_step(step, model, sync, device: torch.device, tokens: int) -> dict:
-    """One step under the profiler, read with the callback's trace arithmetic (fusepatch.profile): aten ops,
+    """One step under the profiler, read with the callback's trace arithmetic (fusepatch.diagnostics.profile): aten ops,
     kernels, GPU busy, top kernels, and forward ops by registry layer."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":

@@ -122,7 +122,7 @@ def build_model(args, tokenizer):
         torch.manual_seed(args.seed)
         with on_gpu or contextlib.nullcontext():
             return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    from fusepatch.tiny import tiny_config
+    from fusepatch.tools.tiny import tiny_config
 
     config = tiny_config(
         "qwen3_5_text", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, use_cache=False

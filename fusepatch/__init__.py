@@ -13,34 +13,37 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from fusepatch import log
+from fusepatch.core import log
 
 __version__ = "0.2.0"
 
 # public name -> the module that defines it
 _PUBLIC = {
-    "Environment": "fusepatch.env",
-    "capture": "fusepatch.env",
-    "FusePatchError": "fusepatch.patch",
-    "apply": "fusepatch.patch",
-    "report": "fusepatch.patch",
-    "revert": "fusepatch.patch",
-    "Row": "fusepatch.registry",
-    "add_candidate": "fusepatch.registry",
-    "register": "fusepatch.registry",
-    "PatchReport": "fusepatch.reporting",
-    "FusePatchCallback": "fusepatch.callback",
-    "attach": "fusepatch.callback",
+    "Environment": "fusepatch.core.env",
+    "capture": "fusepatch.core.env",
+    "FusePatchError": "fusepatch.core.patch",
+    "apply": "fusepatch.core.patch",
+    "report": "fusepatch.core.patch",
+    "revert": "fusepatch.core.patch",
+    "Row": "fusepatch.core.registry",
+    "add_candidate": "fusepatch.core.registry",
+    "register": "fusepatch.core.registry",
+    "PatchReport": "fusepatch.core.reporting",
+    "FusePatchCallback": "fusepatch.integrations.trainer",
+    "attach": "fusepatch.integrations.trainer",
     "from_pretrained": "fusepatch.integrations.pretrained",
+    "HubKernel": "fusepatch.backends.kernels_hub",
+    "hub_candidate": "fusepatch.backends.kernels_hub",
 }
 
 if TYPE_CHECKING:
-    from fusepatch.callback import FusePatchCallback, attach  # noqa: F401
-    from fusepatch.env import Environment, capture  # noqa: F401
+    from fusepatch.backends.kernels_hub import HubKernel, hub_candidate  # noqa: F401
+    from fusepatch.core.env import Environment, capture  # noqa: F401
+    from fusepatch.core.patch import FusePatchError, apply, report, revert  # noqa: F401
+    from fusepatch.core.registry import Row, add_candidate, register  # noqa: F401
+    from fusepatch.core.reporting import PatchReport  # noqa: F401
     from fusepatch.integrations.pretrained import from_pretrained  # noqa: F401
-    from fusepatch.patch import FusePatchError, apply, report, revert  # noqa: F401
-    from fusepatch.registry import Row, add_candidate, register  # noqa: F401
-    from fusepatch.reporting import PatchReport  # noqa: F401
+    from fusepatch.integrations.trainer import FusePatchCallback, attach  # noqa: F401
 
 
 def __getattr__(name: str):
@@ -56,6 +59,6 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_PUBLIC])
 
 
-log.configure()  # visible without configuring logging: fusepatch/log.py
+log.configure()  # visible without configuring logging: fusepatch/core/log.py
 
 __all__ = sorted([*_PUBLIC, "__version__"])

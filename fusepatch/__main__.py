@@ -1,5 +1,5 @@
 import sys
 
-from fusepatch.cli import main
+from fusepatch.tools.cli import main
 
 sys.exit(main())

@@ -42,9 +42,9 @@ def chunked_on_cpu(monkeypatch):
     """The fused causal-LM loss on CPU: the GPU-only ``torch-chunked`` candidate let accept CPU tensors, alone."""
     import dataclasses
 
-    from fusepatch import selftest
+    from fusepatch.core import selftest
+    from fusepatch.core.requirements import InputRule
     from fusepatch.ops import OPS
-    from fusepatch.requirements import InputRule
 
     op = OPS["linear_cross_entropy"]
     chunked = next(c for c in op.candidates if c.name == "torch-chunked")
@@ -62,10 +62,10 @@ def calls(monkeypatch):
 
     from helpers import ADD_OPS
 
-    from fusepatch import selftest
+    from fusepatch.core import selftest
+    from fusepatch.core.op import Candidate
+    from fusepatch.core.requirements import InputRule
     from fusepatch.ops import OPS
-    from fusepatch.ops.base import Candidate
-    from fusepatch.requirements import InputRule
 
     seen: list[tuple] = []
     for name in ADD_OPS:

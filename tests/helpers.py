@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fusepatch.env import GPU, Environment
+from fusepatch.core.env import GPU, Environment
 
 H200 = GPU("NVIDIA H200", (9, 0))
 A100 = GPU("NVIDIA A100-SXM4-80GB", (8, 0))
@@ -79,7 +79,7 @@ def loss_and_grads(model, **batch):
 def training_model(model_type: str, checkpointing: bool = False, **kwargs):
     """A tiny model of ``model_type`` in training mode, with transformers' non-reentrant activation checkpointing
     when ``checkpointing`` (the fused paths must also hold under the backward's recompute)."""
-    from fusepatch.tiny import tiny_model
+    from fusepatch.tools.tiny import tiny_model
 
     model = tiny_model(model_type, **kwargs).train()
     if checkpointing:
@@ -151,7 +151,7 @@ def errors_against_fp64(fn, reference, args, dtype, extra=(), **kwargs) -> dict[
     """``fn`` on ``args`` cast to ``dtype`` against ``reference`` on fp64 copies, under one random cotangent: the
     relative error of the output (``out``) and of every float input's gradient (``d<index>``). Integer arguments
     (labels, expert indices) pass through."""
-    from fusepatch.ops._common import relative_error
+    from fusepatch.ops.common import relative_error
 
     floats = [i for i, a in enumerate(args) if a.is_floating_point()]
     leaves = {i: args[i].detach().clone().requires_grad_(True) for i in floats}
@@ -168,10 +168,10 @@ def errors_against_fp64(fn, reference, args, dtype, extra=(), **kwargs) -> dict[
 
 def transformers_own(module, name: str):
     """``module.name`` as transformers defines it, even while a patched model of an earlier test still holds a
-    binding of it (fusepatch/layers/bindings.py)."""
+    binding of it (fusepatch/layers/support/bindings.py)."""
     import gc
 
-    from fusepatch.layers import bindings
+    from fusepatch.layers.support import bindings
 
     gc.collect()  # models of earlier tests that are gone release their bindings
     installed = bindings._installed.get((module.__name__, name))
@@ -183,7 +183,7 @@ def assert_released(module, name: str, original) -> None:
     still alive holds the binding (then that model is its only holder)."""
     import gc
 
-    from fusepatch.layers import bindings
+    from fusepatch.layers.support import bindings
 
     gc.collect()
     holders = bindings._holders.get((module.__name__, name))

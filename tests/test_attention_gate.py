@@ -17,12 +17,13 @@ import torch
 from helpers import assert_same_training, lm_batch, loss_and_grads, training_model
 
 import fusepatch
-from fusepatch import selftest
-from fusepatch.layers import attention, projections
+from fusepatch.core import selftest
+from fusepatch.core.op import Candidate
+from fusepatch.core.requirements import InputRule
+from fusepatch.layers import attention
+from fusepatch.layers.support import projections
 from fusepatch.ops import OPS
-from fusepatch.ops.base import Candidate
-from fusepatch.requirements import InputRule
-from fusepatch.tiny import tiny_model
+from fusepatch.tools.tiny import tiny_model
 
 GATED = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 

@@ -15,7 +15,7 @@ from fusepatch import backends
 from fusepatch.backends import PrivateNames, kernels_hub
 from fusepatch.backends import causal_conv1d as conv_backend
 from fusepatch.backends import fla as fla_backend
-from fusepatch.env import TRANSFORMERS_REQUIREMENT
+from fusepatch.core.env import TRANSFORMERS_REQUIREMENT
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,7 +112,7 @@ def _fake_fla(monkeypatch, modules: dict[str, dict]) -> None:
 
 
 def test_fla_without_the_beta_sigmoid_launcher_warns(monkeypatch, caplog):
-    from fusepatch.ops import fla_direct
+    from fusepatch.ops.gated_delta_rule import fla_direct
 
     _fake_fla(monkeypatch, {"fla.ops.common.gate": {}})
     exported = object()
@@ -124,7 +124,7 @@ def test_fla_without_the_beta_sigmoid_launcher_warns(monkeypatch, caplog):
 
 @pytest.mark.parametrize("builder", ["missing", "other keywords"])
 def test_fla_dqkwg_builder_that_moved_warns(monkeypatch, caplog, builder):
-    from fusepatch.ops import dqkwg
+    from fusepatch.ops.gated_delta_rule import dqkwg
 
     found = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "tilelang" else found(n, *a))

@@ -540,10 +540,10 @@ def test_host_profile_ranks_the_stack_forwards_python_by_function():
 
 
 def test_registry_modules_are_the_registry_classes_in_the_model():
-    """``fusepatch.profile.registry_modules`` (the benchmark's host-time hooks and the profiler's labels): the
+    """``fusepatch.diagnostics.profile.registry_modules`` (the benchmark's host-time hooks and the profiler's labels): the
     modules whose class the registry names."""
-    from fusepatch.profile import registry_modules
-    from fusepatch.tiny import tiny_model
+    from fusepatch.diagnostics.profile import registry_modules
+    from fusepatch.tools.tiny import tiny_model
 
     model = tiny_model("qwen3")
     found = {type(m).__name__ for m in registry_modules(model)}
@@ -613,9 +613,9 @@ def test_step_start_probe_stamps_with_passive_hooks_and_restores_everything():
     from triton.runtime.jit import JITFunction
 
     import fusepatch
-    from fusepatch.layers.projections import _active
-    from fusepatch.resolve import Dispatch
-    from fusepatch.tiny import tiny_model
+    from fusepatch.core.resolve import Dispatch
+    from fusepatch.layers.support.projections import _active
+    from fusepatch.tools.tiny import tiny_model
 
     model = tiny_model("qwen3_5_text")
     fusepatch.apply(model)

@@ -8,8 +8,8 @@ import sys
 import pytest
 from helpers import A100, H200, cpu_env, gpu_env
 
-from fusepatch.build import BuildError, plan_build, run_build
-from fusepatch.nvcc_filter import filter_gencodes
+from fusepatch.tools.build import BuildError, plan_build, run_build
+from fusepatch.tools.nvcc_filter import filter_gencodes
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def test_plan_targets_the_visible_gpu_only(sdist, tmp_path):
     assert plan.wheel_dir == tmp_path / "cache" / plan.cache_key
     assert plan.env["CAUSAL_CONV1D_FORCE_BUILD"] == "TRUE" and plan.env["MAX_JOBS"] == "16"
     assert plan.env["TORCH_CUDA_ARCH_LIST"] == "9.0"
-    assert "--keep 90" in plan.env["PYTORCH_NVCC"] and "nvcc_filter.py" in plan.env["PYTORCH_NVCC"]
+    assert "--keep 90" in plan.env["PYTORCH_NVCC"] and "tools/nvcc_filter.py" in plan.env["PYTORCH_NVCC"]
     assert plan.command[-1] == str(sdist) and "--no-build-isolation" in plan.command
     assert "sm_90 only" in plan.describe()
     assert _plan(gpu_env(A100), sdist, tmp_path).arch == "80"
@@ -55,7 +55,7 @@ def test_plan_refuses_with_the_fix(env, kwargs, message, sdist, tmp_path):
 
 
 def test_plan_refuses_without_nvcc(sdist, tmp_path, monkeypatch):
-    monkeypatch.setattr("fusepatch.build.find_nvcc", lambda: None)
+    monkeypatch.setattr("fusepatch.tools.build.find_nvcc", lambda: None)
     with pytest.raises(BuildError, match="step 'find nvcc' failed.*CUDA toolkit 13.0"):
         plan_build("causal-conv1d", gpu_env(), sdist=sdist, cache_dir=tmp_path, nvcc_release="13.0", ninja=True)
 
@@ -112,7 +112,7 @@ def test_nvcc_filter_runs_the_real_compiler_with_the_filtered_flags(tmp_path):
         [
             sys.executable,
             "-m",
-            "fusepatch.nvcc_filter",
+            "fusepatch.tools.nvcc_filter",
             "--keep",
             "90",
             "--nvcc",

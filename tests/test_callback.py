@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fusepatch import FusePatchCallback, attach
-from fusepatch.profile import flops_per_token, matmul_parameters, peak_tflops_for
-from fusepatch.tiny import tiny_model
+from fusepatch.diagnostics.profile import flops_per_token, matmul_parameters, peak_tflops_for
+from fusepatch.tools.tiny import tiny_model
 
 pytest.importorskip("accelerate")
 
@@ -81,9 +81,9 @@ def test_mixed_precision_survives_patching_after_the_trainer_wrapped_the_model(t
     for bf16, and hand the fused loss bf16 hidden states and weight. A CPU stand-in plays the fused loss."""
     import dataclasses
 
-    from fusepatch import selftest
+    from fusepatch.core import selftest
+    from fusepatch.core.requirements import InputRule
     from fusepatch.ops import OPS
-    from fusepatch.requirements import InputRule
 
     op = OPS["linear_cross_entropy"]
     chunked = next(c for c in op.candidates if c.name == "torch-chunked")
@@ -137,7 +137,7 @@ def test_profile_step_must_count_from_one():
 
 
 def test_cpu_bound_summary_names_layers():
-    from fusepatch.profile import StepProfile
+    from fusepatch.diagnostics.profile import StepProfile
 
     profile = StepProfile(
         step=5,
@@ -197,7 +197,7 @@ def test_gpu_annotations_are_not_kernels_and_not_busy_time():
     span the idle gaps between their kernels, so counting them would report a busy GPU that is not."""
     from torch.autograd import DeviceType
 
-    from fusepatch.profile import summarize
+    from fusepatch.diagnostics.profile import summarize
 
     events = [
         event("aten::mm", 0, 5, device=DeviceType.CPU),
@@ -218,7 +218,7 @@ def test_host_waits_are_counted_and_named_with_their_ops():
     largest once the step spent at least HOST_WAIT_MS in them."""
     from torch.autograd import DeviceType
 
-    from fusepatch.profile import HOST_WAIT_MS, summarize
+    from fusepatch.diagnostics.profile import HOST_WAIT_MS, summarize
 
     cpu = DeviceType.CPU
     item = event("aten::item", 100, 2100, device=cpu)
@@ -311,7 +311,7 @@ def test_long_gpu_idle_stretches_name_the_op_the_cpu_was_in():
     innermost aten op running across it (any thread), in the profile line; gaps under 5 ms are not listed."""
     from torch.autograd import DeviceType
 
-    from fusepatch.profile import summarize
+    from fusepatch.diagnostics.profile import summarize
 
     cpu = DeviceType.CPU
     events = [

@@ -1,4 +1,4 @@
-"""The causal-conv1d candidate calls the package's compiled kernels past its custom ops (ops/causal_conv1d.py).
+"""The causal-conv1d candidate calls the package's compiled kernels past its custom ops (ops/causal_conv1d/).
 
 A stand-in extension module with causal-conv1d 1.7's signatures (pybind11 signature lines in the docstrings) computes the
 package's results with the eager reference, so that on CPU the test checks what fusepatch adds: the argument order

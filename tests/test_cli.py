@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from fusepatch.core.registry import all_rows
 from fusepatch.ops import OPS
-from fusepatch.registry import all_rows
 
 pytestmark = pytest.mark.slow
 
@@ -91,10 +91,10 @@ def test_doctor_logs_each_candidate_and_static_loads_nothing(caplog):
     import torch
     from helpers import cpu_env
 
-    from fusepatch import selftest
-    from fusepatch.doctor import examine_op
-    from fusepatch.ops.base import Candidate
-    from fusepatch.requirements import InputRule
+    from fusepatch.core import selftest
+    from fusepatch.core.op import Candidate
+    from fusepatch.core.requirements import InputRule
+    from fusepatch.tools.doctor import examine_op
 
     loads = []
 
@@ -124,10 +124,10 @@ def test_doctor_self_tests_up_to_the_chosen_candidate():
     import torch
     from helpers import cpu_env
 
-    from fusepatch import selftest
-    from fusepatch.doctor import examine_op, render
-    from fusepatch.ops.base import Candidate
-    from fusepatch.requirements import InputRule
+    from fusepatch.core import selftest
+    from fusepatch.core.op import Candidate
+    from fusepatch.core.requirements import InputRule
+    from fusepatch.tools.doctor import examine_op, render
 
     loads = []
 
@@ -203,7 +203,7 @@ def test_without_transformers_every_command_is_one_line_with_the_fix(tmp_path):
             [sys.executable, "-m", "fusepatch", *args], capture_output=True, text=True, timeout=600, env=env
         )
         assert result.returncode == 0, result.stderr[-2000:]
-    probe = "import fusepatch, fusepatch.tiny\ntry:\n    fusepatch.tiny.tiny_model()\nexcept ImportError as e:\n    print(e)"
+    probe = "import fusepatch, fusepatch.tools.tiny\ntry:\n    fusepatch.tools.tiny.tiny_model()\nexcept ImportError as e:\n    print(e)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=env)
     assert "fix: pip install 'transformers>=5.17,<6'" in result.stdout, result.stderr[-2000:]
 

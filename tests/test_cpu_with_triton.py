@@ -33,7 +33,7 @@ FAKE_FLA = {
 SCRIPT = textwrap.dedent(
     """
     import torch, fusepatch
-    from fusepatch.tiny import tiny_model
+    from fusepatch.tools.tiny import tiny_model
     model = tiny_model("qwen3_5_text")
     ids = torch.randint(0, 512, (2, 40))
     try:

@@ -1,4 +1,4 @@
-"""ops/dqkwg.py: fla's TileLang q/k/w/g-gradient kernel built with one 128-wide K block, wired as fla's own
+"""ops/gated_delta_rule/dqkwg.py: fla's TileLang q/k/w/g-gradient kernel built with one 128-wide K block, wired as fla's own
 wrapper wires it (outputs per value head, group sums, varlen arguments), and fla's own call wherever the tiling
 or fla's TileLang backend does not apply. The kernel itself runs on the GPU only (tests/gpu/test_gdn_ops.py: the
 saved-states candidates against fla's function and the fp64 reference)."""
@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from fusepatch.ops import dqkwg
+from fusepatch.ops.gated_delta_rule import dqkwg
 
 
 class Backend:

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from fusepatch.ops import fla_direct
+from fusepatch.ops.gated_delta_rule import fla_direct
 
 BACKENDS = """
 import functools

@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from fusepatch.ops import fla_saved_states
+from fusepatch.ops.gated_delta_rule import saved_states as fla_saved_states
 
 
 def _fla_calls() -> dict[str, set[str]]:
@@ -26,7 +26,7 @@ def _fla_calls() -> dict[str, set[str]]:
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "fla":
             name = func.attr
         elif isinstance(func, ast.Name) and func.id in fla_saved_states.NEEDS:
-            name = func.id  # a local stand-in that passes the keywords on to fla's (ops/dqkwg.py)
+            name = func.id  # a local stand-in that passes the keywords on to fla's (ops/gated_delta_rule/dqkwg.py)
         if name is not None:
             names = {k.arg for k in node.keywords if k.arg} | (
                 {"cu_seqlens", "chunk_indices"} if any(k.arg is None for k in node.keywords) else set()
@@ -179,8 +179,7 @@ sys.modules["fla.ops.gated_delta_rule"].chunk = chunk
 sys.modules["fla.ops.utils.constant"] = types.SimpleNamespace(RCP_LN2=1.4426950408889634)
 sys.modules["fla.ops.utils.index"] = types.SimpleNamespace(prepare_chunk_indices=None)
 
-from fusepatch.ops import fla_saved_states
-
+from fusepatch.ops.gated_delta_rule import saved_states as fla_saved_states
 torch.manual_seed(0)
 for key_heads, value_heads in ((2, 6), (3, 3)):
     inputs = [torch.randn(2, T, key_heads, K), torch.randn(2, T, key_heads, K), torch.randn(2, T, value_heads, K),

@@ -1,4 +1,4 @@
-"""CUDA-graph replay (fusepatch/graphs.py), on the CPU with a stand-in for torch.cuda's graphs.
+"""CUDA-graph replay (fusepatch/ops/graphs.py), on the CPU with a stand-in for torch.cuda's graphs.
 
 The stand-in keeps a graph's contract: a replay reads the static inputs captured by address and writes the
 static outputs it returned at capture time, in place. What these tests check is fusepatch's bookkeeping around
@@ -13,8 +13,8 @@ import logging
 import pytest
 import torch
 
-from fusepatch import graphs
-from fusepatch.graphs import GraphedOp, Split, recompute
+from fusepatch.ops import graphs
+from fusepatch.ops.graphs import GraphedOp, Split, recompute
 
 
 class StandInGraphs:
@@ -233,7 +233,7 @@ def test_only_the_inputs_the_backward_reads_are_kept(graphed):
 def test_the_graphed_candidate_is_opt_in_and_leaves_packed_rows_to_fla(monkeypatch):
     """fla-graphed comes first but only runs with FUSEPATCH_CUDA_GRAPHS=1 (the graphs' copies cost more GPU time
     than the launches they save unless the CPU holds the step back); refused, it says how to turn it on."""
-    from fusepatch.env import Environment
+    from fusepatch.core.env import Environment
     from fusepatch.ops import OPS
 
     candidates = OPS["gated_delta_rule"].candidates
@@ -253,7 +253,7 @@ def test_the_graphed_candidate_is_opt_in_and_leaves_packed_rows_to_fla(monkeypat
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_graphed_candidate_routes_packed_calls_around_the_graphs(monkeypatch, packed):
     """The loaded function: equal-length calls go through GraphedOp, packed ones to fla's function directly."""
-    from fusepatch.ops import gated_delta_rule as gdr
+    from fusepatch.ops.gated_delta_rule import fla as gdr
 
     calls = []
 
@@ -261,9 +261,9 @@ def test_the_graphed_candidate_routes_packed_calls_around_the_graphs(monkeypatch
         calls.append(cu_seqlens is not None)
         return tensors[2] * 1.0
 
-    monkeypatch.setattr(gdr, "_load_fla", lambda gate_in_kernel: fake_fla)
-    monkeypatch.setattr(gdr, "_fla_split", lambda: Split(lambda *t: (t[2] * 1.0, ()), None))
-    fn = gdr._load_fla_graphed()
+    monkeypatch.setattr(gdr, "load_fla", lambda gate_in_kernel: fake_fla)
+    monkeypatch.setattr(gdr, "fla_split", lambda: Split(lambda *t: (t[2] * 1.0, ()), None))
+    fn = gdr.load_fla_graphed()
     fn.graphed.backend = StandInGraphs()
     t = torch.randn(1, 8, 2, 4)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32) if packed else None

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import fusepatch
-from fusepatch import selftest
-from fusepatch.hub import HubKernel, TrustedPublisher, hub_candidate, locked_commit, variant_trace
+from fusepatch.backends.kernels_hub import HubKernel, TrustedPublisher, hub_candidate, locked_commit, variant_trace
+from fusepatch.core import selftest
+from fusepatch.core.requirements import InputRule
 from fusepatch.ops import OPS
-from fusepatch.requirements import InputRule
-from fusepatch.tiny import tiny_model
+from fusepatch.tools.tiny import tiny_model
 
 kernels = pytest.importorskip("kernels")
 CPU = InputRule(devices=("cpu",), dtypes=("float32",), kernel="test kernel")
@@ -145,8 +145,8 @@ def test_add_candidate_validates():
 
 def test_installed_package_with_an_abi_error_reports_the_import_error(tmp_path, monkeypatch):
     """A pip-style package that is installed (its dist-info is there) but whose import fails."""
-    from fusepatch.ops.base import Candidate
-    from fusepatch.requirements import DistributionVersion, Importable
+    from fusepatch.core.op import Candidate
+    from fusepatch.core.requirements import DistributionVersion, Importable
 
     package = tmp_path / "fp_broken_kernels"
     package.mkdir()
@@ -209,7 +209,7 @@ def test_builtin_hub_causal_conv1d_candidate_adapts_the_hub_entry_point(tmp_path
     x, weight = torch.randn(1, 50, 12, dtype=torch.float64), torch.randn(12, 4, dtype=torch.float64)
     cu = torch.tensor([0, 17, 18, 50], dtype=torch.int32) if packed else None
     if packed == "from-position-ids":  # boundaries that carry their host values: seq_idx built on the host, kept
-        from fusepatch.layers.packing import cu_seqlens_from_position_ids, host_values
+        from fusepatch.layers.support.packing import cu_seqlens_from_position_ids, host_values
 
         cu = cu_seqlens_from_position_ids(torch.cat([torch.arange(n) for n in (17, 1, 32)])[None])
         assert host_values(cu) == (0, 17, 18, 50)
@@ -223,7 +223,7 @@ def test_builtin_hub_causal_conv1d_candidate_adapts_the_hub_entry_point(tmp_path
         # kept on boundaries with host values (every layer's call shares it), built again for the others
         assert (sequence_index(cu, 50, x.device) is seq_idx) == (packed == "from-position-ids")
     # on this CPU machine the checks refuse it before any load, with the reason
-    verdict, _ = fusepatch.resolve.static_verdict(candidate, fusepatch.env.capture(refresh=True))
+    verdict, _ = fusepatch.core.resolve.static_verdict(candidate, fusepatch.core.env.capture(refresh=True))
     assert not verdict.ok and "CPU-only" in verdict.reason
 
 

@@ -29,9 +29,8 @@ SCRIPT = textwrap.dedent(
     """
     import torch
     from fusepatch.kernels.swiglu import swiglu
-    from fusepatch.ops._common import relative_error
-    from fusepatch.ops.swiglu import swiglu_reference
-
+    from fusepatch.ops.common import relative_error
+    from fusepatch.ops.swiglu.reference import swiglu_reference
     torch.manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
         for shape in ((3, 77, 301), (4097,), (1, 1, 5)):
@@ -63,9 +62,8 @@ ROTARY_SCRIPT = textwrap.dedent(
     """
     import torch
     from fusepatch.kernels.rotary import rotary
-    from fusepatch.ops._common import relative_error
-    from fusepatch.ops.rotary import rotary_reference
-
+    from fusepatch.ops.common import relative_error
+    from fusepatch.ops.rotary.reference import rotary_reference
     torch.manual_seed(0)
     # (batch, q heads, k heads, tokens, head dim, rotary dim, cos batch): full and partial rotary, odd sizes,
     # cos shared over the batch (1) or per row
@@ -102,9 +100,8 @@ RMS_NORM_SCRIPT = textwrap.dedent(
     """
     import torch
     from fusepatch.kernels.rms_norm import rms_norm, rms_norm_zero_centered
-    from fusepatch.ops._common import relative_error
-    from fusepatch.ops.norms import rms_norm_reference, rms_norm_zero_centered_reference
-
+    from fusepatch.ops.common import relative_error
+    from fusepatch.ops.rms_norm.reference import rms_norm_reference, rms_norm_zero_centered_reference
     torch.manual_seed(0)
     forms = ((rms_norm, rms_norm_reference, 1.0), (rms_norm_zero_centered, rms_norm_zero_centered_reference, 0.0))
     # (x dtype, weight dtype, bound): the weight in fp32 under the activation dtype is autocast's case. The
@@ -134,8 +131,7 @@ RMS_NORM_SCRIPT = textwrap.dedent(
                 assert max(errors) < tol, (fn.__name__, x_dtype, w_dtype, shape, errors)
     # the gated form (Gated DeltaNet's output norm): output, x, gate and weight gradients
     from fusepatch.kernels.rms_norm import gated_rms_norm
-    from fusepatch.ops.norms import gated_rms_norm_reference
-
+    from fusepatch.ops.rms_norm.reference import gated_rms_norm_reference
     for x_dtype, w_dtype, tol in dtypes:
         for shape in ((61, 128), (1000, 5), (2, 7, 3, 64)):
             x = torch.randn(shape).to(x_dtype).requires_grad_(True)
@@ -155,8 +151,7 @@ RMS_NORM_SCRIPT = textwrap.dedent(
     # gradients, with a cotangent on each output (the sum is the next residual); x and residual in the
     # activation dtype, or a bf16 x on an fp32 residual stream (the sum is fp32 then)
     from fusepatch.kernels.rms_norm import add_rms_norm, add_rms_norm_zero_centered
-    from fusepatch.ops.norms import add_rms_norm_reference, add_rms_norm_zero_centered_reference
-
+    from fusepatch.ops.rms_norm.reference import add_rms_norm_reference, add_rms_norm_zero_centered_reference
     add_forms = ((add_rms_norm, add_rms_norm_reference, 1.0),
                  (add_rms_norm_zero_centered, add_rms_norm_zero_centered_reference, 0.0))
     add_dtypes = ((torch.float32, torch.float32, torch.float32, 1e-6),
@@ -232,8 +227,8 @@ LOSS_BACKWARD_SCRIPT = textwrap.dedent(
     import torch
     from fusepatch.kernels.scale import scale_unless_one_
     from fusepatch.kernels.cross_entropy import cross_entropy_
-    from fusepatch.ops.linear_cross_entropy import _LinearCrossEntropyLoop, linear_cross_entropy_reference
-
+    from fusepatch.ops.linear_cross_entropy import _LinearCrossEntropyLoop
+    from fusepatch.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
     # the kernel: scales in place by a device scalar, leaves the tensor alone when it is 1, any length
     for n in (1, 4095, 4097, 10001, 40961):  # 40961: more blocks than programs, each program strides
         for dtype in (torch.float32, torch.bfloat16):
@@ -283,7 +278,7 @@ CROSS_ENTROPY_SCRIPT = textwrap.dedent(
     """
     import torch
     from fusepatch.kernels.cross_entropy import BLOCK, cross_entropy_
-    from fusepatch.ops._common import relative_error
+    from fusepatch.ops.common import relative_error
 
     torch.manual_seed(0)
     # vocabularies under one block, one past a block, several blocks with a ragged last one; rows of ignored
@@ -353,7 +348,7 @@ L2NORM_SCRIPT = textwrap.dedent(
     """
     import torch
     from fusepatch.kernels.l2norm import l2norm_bwd_grouped
-    from fusepatch.ops._common import relative_error
+    from fusepatch.ops.common import relative_error
 
     torch.manual_seed(0)
     # (batch, tokens, key heads, value heads per key head, head size): grouped 3, none, odd sizes
@@ -392,7 +387,7 @@ DELTA_INPUTS_SCRIPT = textwrap.dedent(
     import torch
     import torch.nn.functional as F
     from fusepatch.kernels.delta_rule_inputs import delta_rule_inputs, delta_rule_inputs_bwd
-    from fusepatch.ops._common import relative_error
+    from fusepatch.ops.common import relative_error
 
     torch.manual_seed(0)
 
@@ -496,9 +491,8 @@ GATE_SCRIPT = textwrap.dedent(
     """
     import torch
     from fusepatch.kernels.gate import sigmoid_gate
-    from fusepatch.ops._common import relative_error
-    from fusepatch.ops.attention_gate import attention_gate_reference
-
+    from fusepatch.ops.common import relative_error
+    from fusepatch.ops.attention_gate.reference import attention_gate_reference
     torch.manual_seed(0)
     # (batch, tokens, heads, head dim): a power-of-two head dim, an odd one, one token
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
@@ -542,9 +536,9 @@ MOE_SWIGLU_SCRIPT = textwrap.dedent(
     from helpers import errors_against_fp64
 
     from fusepatch.kernels.moe_swiglu import weighted_swiglu
-    from fusepatch.ops._common import relative_error
-    from fusepatch.ops.moe_experts import _load_triton, moe_experts_reference, weighted_swiglu_reference
-
+    from fusepatch.ops.common import relative_error
+    from fusepatch.ops.moe_experts import _load_triton
+    from fusepatch.ops.moe_experts.reference import moe_experts_reference, weighted_swiglu_reference
     torch.manual_seed(0)
     # odd widths; 4100 columns take two steps of the kernel's column loop
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):

@@ -10,10 +10,10 @@ import torch
 from helpers import grads
 
 import fusepatch
-from fusepatch import selftest
+from fusepatch.core import selftest
 from fusepatch.ops import OPS
 from fusepatch.ops import linear_cross_entropy as lce
-from fusepatch.tiny import tiny_image_text_model, tiny_model
+from fusepatch.tools.tiny import tiny_image_text_model, tiny_model
 
 
 def _data(tokens=301, hidden=48, vocab=777, dtype=torch.float64):
@@ -276,7 +276,7 @@ def test_conditional_generation_forward_uses_the_fused_loss(chunked_on_cpu):
 
 def _record_count_order(layers, monkeypatch) -> list[str]:
     """A list that records, in order, layers 0 and 1 starting and the labelled-row count being queued."""
-    from fusepatch.layers import labelled_rows
+    from fusepatch.layers.support import labelled_rows
 
     order = []
     layers[0].register_forward_pre_hook(lambda *_: order.append("layer 0"))
@@ -309,8 +309,8 @@ def test_labelled_rows_selects_the_labelled_rows_in_order(monkeypatch):
     """``LabelledRows``: the labelled rows of hidden and labels, in their order, when at least ``MIN_DROPPED`` of
     the rows are ignored; everything untouched below that, when nothing is labelled, and while compiling. The
     loss over the selected rows and its gradient equal the loss over all rows."""
-    from fusepatch.layers import labelled_rows
-    from fusepatch.layers.labelled_rows import LabelledRows
+    from fusepatch.layers.support import labelled_rows
+    from fusepatch.layers.support.labelled_rows import LabelledRows
 
     h, w, y = _data(tokens=64)  # every 5th label ignored: 13 of 64
     rows = LabelledRows(y.view(2, 32))
@@ -365,7 +365,7 @@ def test_labelled_rows_are_counted_after_the_first_decoder_layer(chunked_on_cpu,
     """The count is queued once layer 0's forward is (the GPU then has work ahead of the host; a synced step's
     GPU waited on each of its launches before the forward), once a forward, and the hook is gone afterwards, also
     when the forward raises. A ``LabelledRows`` nobody started counts when the loss reads it."""
-    from fusepatch.layers import labelled_rows
+    from fusepatch.layers.support import labelled_rows
 
     model = tiny_model("qwen3")
     fusepatch.apply(model)

@@ -9,11 +9,11 @@ import sys
 import pytest
 
 import fusepatch
-from fusepatch.tiny import tiny_model
+from fusepatch.tools.tiny import tiny_model
 
 pytestmark = pytest.mark.slow
 
-APPLY = "import fusepatch\nfrom fusepatch.tiny import tiny_model\nfusepatch.apply(tiny_model('qwen3'){args})\n"
+APPLY = "import fusepatch\nfrom fusepatch.tools.tiny import tiny_model\nfusepatch.apply(tiny_model('qwen3'){args})\n"
 
 
 def _stderr(code: str, **env: str) -> str:
@@ -44,7 +44,7 @@ def test_with_logging_configured_each_line_is_shown_once():
 
 
 def test_verbosity_switches(monkeypatch, caplog):
-    from fusepatch import log
+    from fusepatch.core import log
 
     monkeypatch.setenv("FUSEPATCH_VERBOSITY", "warning")
     assert log.verbosity() == logging.WARNING

@@ -9,9 +9,10 @@ import torch
 from helpers import assert_same_training, lm_batch, loss_and_grads, training_model
 
 import fusepatch
-from fusepatch.layers import mlp_recompute, projections
-from fusepatch.ops.swiglu import swiglu_reference
-from fusepatch.tiny import FAMILIES
+from fusepatch.layers import mlp_recompute
+from fusepatch.layers.support import projections
+from fusepatch.ops.swiglu.reference import swiglu_reference
+from fusepatch.tools.tiny import FAMILIES
 
 
 @pytest.fixture

@@ -9,11 +9,12 @@ import torch
 from helpers import HOST_READS, loss_and_grads
 
 import fusepatch
-from fusepatch import selftest
+from fusepatch.core import selftest
+from fusepatch.core.requirements import InputRule
 from fusepatch.ops import OPS
-from fusepatch.ops.moe_experts import moe_experts_grouped, moe_experts_reference
-from fusepatch.requirements import InputRule
-from fusepatch.tiny import tiny_model
+from fusepatch.ops.moe_experts import moe_experts_grouped
+from fusepatch.ops.moe_experts.reference import moe_experts_reference
+from fusepatch.tools.tiny import tiny_model
 
 
 def _inputs(tokens=53, experts=6, hidden=24, inter=16, top_k=2):

@@ -16,11 +16,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusepatch
-from fusepatch import selftest
+from fusepatch.core import selftest
+from fusepatch.core.op import Candidate
+from fusepatch.core.requirements import InputRule
 from fusepatch.ops import OPS
-from fusepatch.ops.base import Candidate
-from fusepatch.requirements import InputRule
-from fusepatch.tiny import tiny_model
+from fusepatch.tools.tiny import tiny_model
 
 KERNEL_OPS = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm")
 _inside_kernel = [0]

@@ -5,10 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusepatch.ops._common import relative_error
 from fusepatch.ops.causal_conv1d import causal_conv1d_reference
-from fusepatch.ops.gated_delta_rule import gated_delta_rule_recurrent, gated_delta_rule_reference
-from fusepatch.ops.norms import gated_rms_norm_reference, rms_norm_reference, rms_norm_zero_centered_reference
+from fusepatch.ops.common import relative_error
+from fusepatch.ops.gated_delta_rule.reference import gated_delta_rule_recurrent, gated_delta_rule_reference
+from fusepatch.ops.rms_norm.reference import (
+    gated_rms_norm_reference,
+    rms_norm_reference,
+    rms_norm_zero_centered_reference,
+)
 
 
 def _gdn_inputs(batch, length, hk, hv, dk, dv, dtype=torch.float64):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fusepatch
-from fusepatch.tiny import FAMILIES, tiny_model
+from fusepatch.tools.tiny import FAMILIES, tiny_model
 
 FAMILY_TYPES = sorted(FAMILIES)
 MOE_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "qwen3_next")

@@ -9,9 +9,14 @@ import pytest
 import torch
 
 import fusepatch
-from fusepatch.layers import gated_deltanet, packing
-from fusepatch.layers.packing import PackedSequenceError, attention_crosses_documents, cu_seqlens_from_position_ids
-from fusepatch.tiny import tiny_model
+from fusepatch.layers import gated_deltanet
+from fusepatch.layers.support import packing
+from fusepatch.layers.support.packing import (
+    PackedSequenceError,
+    attention_crosses_documents,
+    cu_seqlens_from_position_ids,
+)
+from fusepatch.tools.tiny import tiny_model
 
 LENGTHS = [23, 1, 40, 17]
 
@@ -36,7 +41,7 @@ def test_boundaries_keep_their_host_values_for_the_chunk_table():
     """The boundaries carry their values as host integers (read in their one wait), and the Gated DeltaNet's
     fla path builds fla's chunk table from them: document and chunk within it, 64 tokens a chunk, a partial
     chunk at every document's end (what fla's ``prepare_chunk_indices`` builds, checked against it on the GPU)."""
-    from fusepatch.ops.gated_delta_rule import chunk_table
+    from fusepatch.ops.gated_delta_rule.fla import chunk_table
 
     lengths = [1, 64, 65, 130, 7]
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -228,10 +233,10 @@ def test_first_packed_self_test_inside_a_checkpointed_forward(monkeypatch):
     own backward must not make the checkpoint recompute the layer from inside that forward (on the H200 this
     deadlocked the first FSDP2 + activation-checkpointing step). A CPU stand-in candidate makes the self-test run
     here; the step runs in a thread so that a deadlock fails the test instead of hanging the suite."""
-    from fusepatch import selftest
+    from fusepatch.core import selftest
+    from fusepatch.core.op import Candidate
+    from fusepatch.core.requirements import InputRule
     from fusepatch.ops import OPS
-    from fusepatch.ops.base import Candidate
-    from fusepatch.requirements import InputRule
 
     op = OPS["causal_conv1d"]
     standin = Candidate(

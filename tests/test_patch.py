@@ -10,7 +10,7 @@ import torch
 from helpers import lm_batch, loss_and_grads
 
 import fusepatch
-from fusepatch.tiny import FAMILIES, tiny_model
+from fusepatch.tools.tiny import FAMILIES, tiny_model
 
 FAMILY_NAMES = sorted(FAMILIES)
 
@@ -164,7 +164,7 @@ def test_fusepatch_disable(monkeypatch):
 
 
 def test_conditional_generation_wrapper_text_stack_is_found():
-    from fusepatch.tiny import tiny_image_text_model
+    from fusepatch.tools.tiny import tiny_image_text_model
 
     model = tiny_image_text_model()
     report = fusepatch.apply(model)
@@ -175,7 +175,7 @@ def test_conditional_generation_wrapper_text_stack_is_found():
 
 
 def test_register_user_row():
-    from fusepatch.registry import _USER_ROWS, Row, register
+    from fusepatch.core.registry import _USER_ROWS, Row, register
 
     def forward(self, x):
         return self._fusepatch.original(x) * 1.0
@@ -277,7 +277,7 @@ def test_every_fallback_names_its_reason_when_prefer_leaves_sources_out(prefer):
     assert report.fallbacks()
     for line in report.log_lines():
         assert "-> eager ()" not in line
-    from fusepatch.resolve import names
+    from fusepatch.core.resolve import names
 
     wanted = set(names(prefer, "prefer"))
     for layer, choice in report.fallbacks():

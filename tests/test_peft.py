@@ -7,7 +7,7 @@ import torch
 from helpers import lm_batch
 
 import fusepatch
-from fusepatch.tiny import tiny_model
+from fusepatch.tools.tiny import tiny_model
 
 peft = pytest.importorskip("peft")
 

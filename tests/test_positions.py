@@ -1,4 +1,4 @@
-"""Plain positions (layers/positions.py): a batch without positions, mask or cache gets no read of the GPU to
+"""Plain positions (layers/support/positions.py): a batch without positions, mask or cache gets no read of the GPU to
 find out that it is not packed, and the same loss and gradients as before."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import transformers.masking_utils as masking
 from helpers import HOST_READS, grads
 
 import fusepatch
-from fusepatch.layers import packing
-from fusepatch.layers.positions import is_plain, plain_positions, skip_plain
-from fusepatch.tiny import tiny_model
+from fusepatch.layers.support import packing
+from fusepatch.layers.support.positions import is_plain, plain_positions, skip_plain
+from fusepatch.tools.tiny import tiny_model
 
 
 def test_plain_positions_and_their_views_are_plain_until_changed():
@@ -86,7 +86,7 @@ def test_forward_of_a_plain_batch_runs_no_op_that_reads_the_gpu(chunked_on_cpu, 
     """The CPU stand-in for tests/gpu's sync-debug test: in the patched forward of a plain batch (sdpa attention,
     labels only) no op runs that would wait for a GPU (``nonzero``, ``all``/``any`` read back, ``item``), except
     the one scalar read of the labelled-rows count, which reads pinned host memory behind an event on a GPU
-    (layers/labelled_rows.py). The caller's own positions bring transformers' packed-rows check back."""
+    (layers/support/labelled_rows.py). The caller's own positions bring transformers' packed-rows check back."""
     model = tiny_model(model_type, attn_implementation="sdpa")
     fusepatch.apply(model)
     ids = torch.randint(0, model.config.vocab_size, (2, 19))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fusepatch
-from fusepatch.tiny import tiny_model
+from fusepatch.tools.tiny import tiny_model
 
 FAMILIES = ["qwen3_5_text", "qwen3", "qwen3_next", "qwen2_moe"]
 
@@ -34,7 +34,7 @@ def _changed(before: dict, after: dict) -> list:
 
 REVERT_SCRIPT = """
 import sys, torch, fusepatch
-from fusepatch.tiny import tiny_model
+from fusepatch.tools.tiny import tiny_model
 sys.path.insert(0, {tests!r})
 from test_process_state import _changed, _module_names
 

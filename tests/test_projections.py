@@ -1,4 +1,4 @@
-"""Projections the fused layers compute themselves (fusepatch.layers.projections), on the CPU.
+"""Projections the fused layers compute themselves (fusepatch.layers.support.projections), on the CPU.
 
 The fused paths run on CUDA only (``DEVICES``); these tests add "cpu" so that they run here, in fp64 where the
 arithmetic is compared with autograd's, and say when each path steps aside for the modules themselves.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusepatch.layers import projections
+from fusepatch.layers.support import projections
 
 
 @pytest.fixture(params=[0, 6, 256], ids=["separate", "some-joined", "all-joined"])
@@ -201,7 +201,7 @@ def test_hooked_sees_own_and_global_hooks_but_not_passive_labels(monkeypatch):
     profiler label marked passive does not; a bias in another dtype than the input keeps the module's call."""
     from torch.nn.modules import module as torch_module
 
-    from fusepatch.layers import projections
+    from fusepatch.layers.support import projections
 
     linear = torch.nn.Linear(4, 3)
     assert not projections.hooked(linear)

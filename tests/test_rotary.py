@@ -13,12 +13,13 @@ import torch
 from helpers import assert_released, grads, transformers_own
 
 import fusepatch
-from fusepatch import selftest
+from fusepatch.core import selftest
+from fusepatch.core.op import Candidate
+from fusepatch.core.requirements import InputRule
 from fusepatch.ops import OPS
-from fusepatch.ops.base import Candidate
-from fusepatch.ops.rotary import rotary_reference, unsupported
-from fusepatch.requirements import InputRule
-from fusepatch.tiny import FAMILIES, tiny_model
+from fusepatch.ops.rotary import unsupported
+from fusepatch.ops.rotary.reference import rotary_reference
+from fusepatch.tools.tiny import FAMILIES, tiny_model
 
 CALLS = []
 BEFORE_CALL = []  # hooks a test runs inside the stand-in kernel

@@ -1,5 +1,5 @@
 """The rotary tables of plain positions (layers/rotary_embedding.py), the reused ``arange`` of plain positions
-(layers/positions.py) and the labels counted before the forward (layers/labelled_rows.py): the step-start work
+(layers/support/positions.py) and the labels counted before the forward (layers/support/labelled_rows.py): the step-start work
 fusepatch does once instead of every step, with everything else left to transformers."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ import torch
 from helpers import grads
 
 import fusepatch
-from fusepatch.layers import positions, rotary_embedding
-from fusepatch.layers.labelled_rows import LabelledRows
-from fusepatch.layers.positions import is_whole_plain, plain_positions, wants_plain_positions
-from fusepatch.tiny import tiny_model
+from fusepatch.layers import rotary_embedding
+from fusepatch.layers.support import positions
+from fusepatch.layers.support.labelled_rows import LabelledRows
+from fusepatch.layers.support.positions import is_whole_plain, plain_positions, wants_plain_positions
+from fusepatch.tools.tiny import tiny_model
 
 FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3", "qwen3_moe", "qwen2", "qwen2_moe"]
 

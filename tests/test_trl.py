@@ -8,7 +8,7 @@ import torch
 from helpers import sft_sample
 
 import fusepatch
-from fusepatch.tiny import tiny_model
+from fusepatch.tools.tiny import tiny_model
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")

@@ -11,13 +11,15 @@ import torch
 import torch.nn.functional as F
 
 import fusepatch
-from fusepatch.layers import attention, packing
-from fusepatch.layers.packing import mask_plan
+from fusepatch.core.op import Candidate
+from fusepatch.core.requirements import InputRule
+from fusepatch.layers import attention
+from fusepatch.layers.support import packing
+from fusepatch.layers.support.packing import mask_plan
 from fusepatch.ops import OPS
-from fusepatch.ops.base import Candidate
-from fusepatch.ops.varlen_attention import torch_varlen_adapter, varlen_attention_reference
-from fusepatch.requirements import InputRule
-from fusepatch.tiny import tiny_model
+from fusepatch.ops.varlen_attention import torch_varlen_adapter
+from fusepatch.ops.varlen_attention.reference import varlen_attention_reference
+from fusepatch.tools.tiny import tiny_model
 from tests.helpers import grads
 
 LENGTHS = [23, 1, 40, 17]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from fusepatch.tiny import tiny_config
-from fusepatch.warmup import OpTiming, cache_locations, warmup, warmup_config
+from fusepatch.tools.tiny import tiny_config
+from fusepatch.tools.warmup import OpTiming, cache_locations, warmup, warmup_config
 
 
 def test_warmup_config_keeps_one_layer_of_each_kind(tmp_path):

@@ -1,4 +1,4 @@
-"""causal-conv1d: its compiled extension, called past the package's custom-op wrappers (ops/causal_conv1d.py).
+"""causal-conv1d: its compiled extension, called past the package's custom-op wrappers (ops/causal_conv1d/).
 
 The extension's functions are pybind11 bindings with positional arguments only; fusepatch checks their arity
 (1.7's: ``causal_conv1d_fwd`` 8, ``causal_conv1d_bwd`` 12) before calling them, and otherwise calls the

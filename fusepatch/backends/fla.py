@@ -56,7 +56,7 @@ CROSS_ENTROPY: dict[str, set[str]] = {
         *("logits", "target", "lse", "dloss", "ignore_index", "total_classes", "class_start_idx", "inplace_backward")
     },
 }
-# The builder fusepatch calls with one 128-wide K block (ops/dqkwg.py), and the keywords it passes.
+# The builder fusepatch calls with one 128-wide K block (ops/gated_delta_rule/dqkwg.py), and the keywords it passes.
 DQKWG_BUILDER = "_build_chunk_bwd_dqkwg_kernel"
 DQKWG_BUILDER_ARGS: set[str] = {
     *("B", "H", "HV", "K", "V", "BT", "BK", "BV", "NK", "hD1", "hD2", "dtype_str"),
@@ -74,7 +74,9 @@ NAMES = PrivateNames(
         "fla.ops.common.backends": ("CommonTileLangBackend",),
         "fla.ops.common.backends.tilelang.chunk_bwd": (DQKWG_BUILDER,),
         "fla.modules.fused_cross_entropy.ops": tuple(CROSS_ENTROPY),
-        "fla.backends": ("BackendRegistry",),  # the per-call dispatch fusepatch looks past (ops/fla_direct.py)
+        "fla.backends": (
+            "BackendRegistry",
+        ),  # the per-call dispatch fusepatch looks past (ops/gated_delta_rule/fla_direct.py)
     },
     fix=FIX,
 )

@@ -1,9 +1,27 @@
-"""The Hugging Face ``kernels`` package: fusepatch uses its public ``get_kernel``, ``get_local_kernel`` and ``load_kernel`` and two
-internals, the lock-file parser and the build-variant resolver (for the reason a Hub kernel does not fit)."""
+"""Kernels from the Hugging Face Kernel Hub, through the ``kernels`` package, and the table of its private names.
+
+Resolution uses ``kernels`` itself, in this order: a local kernel directory (``LOCAL_KERNELS=repo=path``, for
+offline and air-gapped use), a lock file (``FUSEPATCH_KERNELS_LOCK=kernels.lock``: the pinned commit, from the
+local cache only, never downloaded), else the Hub (``HF_HUB_OFFLINE=1``: the local cache only). Publishers
+other than ``kernels-community`` are refused unless the user opts in with ``FUSEPATCH_TRUST_KERNELS``. When no
+build variant fits this machine, the reason carries ``kernels``' accept/reject trace of every variant.
+
+The Hugging Face ``kernels`` package: fusepatch uses its public ``get_kernel``, ``get_local_kernel`` and ``load_kernel`` and two
+internals, the lock-file parser and the build-variant resolver (for the reason a Hub kernel does not fit).
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
 from fusepatch.backends import PrivateNames
+from fusepatch.core.env import Environment, offline_mode
+from fusepatch.core.op import Candidate
+from fusepatch.core.requirements import OK, DistributionVersion, Importable, InputRule, Verdict, reject
 
 DISTRIBUTION = "kernels"
 REQUIRED = ">=0.17"
@@ -19,3 +37,181 @@ NAMES = PrivateNames(
     },
     fix=FIX,
 )
+
+
+TRUSTED_PUBLISHERS: tuple[str, ...] = ("kernels-community",)
+
+
+def local_overrides() -> dict[str, Path]:
+    """``LOCAL_KERNELS``, parsed as ``kernels`` does: ``repo_a=path_a:repo_b=path_b``."""
+    text = os.environ.get("LOCAL_KERNELS", "")
+    found = {}
+    for entry in filter(None, text.split(":")):
+        if "=" in entry:
+            repo, path = entry.split("=", 1)
+            found[repo] = Path(path)
+    return found
+
+
+def lock_file() -> Path | None:
+    path = os.environ.get("FUSEPATCH_KERNELS_LOCK")
+    return Path(path) if path else None
+
+
+def locked_commit(repo_id: str, lockfile: Path) -> str | None:
+    """The commit ``lockfile`` pins ``repo_id`` to (read with ``kernels``' own parser), or None."""
+    from kernels._rust import KernelLocks
+
+    locks = KernelLocks.from_json(lockfile.read_text())
+    for dependency, lock in locks.items():
+        if dependency.repo_id == repo_id:
+            return lock.commit
+    return None
+
+
+class KernelNotCached(RuntimeError):
+    """A Hub kernel that offline mode cannot fetch; ``fix`` says how to get it there."""
+
+    def __init__(self, message: str, fix: str):
+        super().__init__(message)
+        self.fix = fix
+
+
+def trusted(repo_id: str) -> bool:
+    allowed = os.environ.get("FUSEPATCH_TRUST_KERNELS", "")
+    if allowed.strip().lower() in ("1", "true", "all", "*"):
+        return True
+    return repo_id.split("/", 1)[0] in TRUSTED_PUBLISHERS or repo_id in {a.strip() for a in allowed.split(",")}
+
+
+def variant_trace(path: Path) -> list[str]:
+    """``kernels``' accept/reject decision for every build variant in a local kernel directory."""
+    from kernels.variants import VariantAccepted, get_variants_local, resolve_variants
+
+    variants = get_variants_local(path / "build") or get_variants_local(path)
+    _, decisions = resolve_variants(variants)
+    return [
+        f"{d.variant.variant_str}: " + ("compatible" if isinstance(d, VariantAccepted) else d.reason) for d in decisions
+    ]
+
+
+@dataclass(frozen=True)
+class TrustedPublisher:
+    """A Hub repo from a trusted publisher, or one the user opted into. Local directories and lock-pinned
+    commits are the user's own choice and need no opt-in."""
+
+    repo_id: str
+
+    def check(self, env: Environment) -> Verdict:
+        if self.repo_id in local_overrides() or lock_file() is not None or trusted(self.repo_id):
+            return OK
+        publisher = self.repo_id.split("/", 1)[0]
+        return reject(
+            f"publisher {publisher!r} is not a trusted kernel publisher ({', '.join(TRUSTED_PUBLISHERS)})",
+            f"opt in: FUSEPATCH_TRUST_KERNELS={self.repo_id}",
+        )
+
+    def describe(self) -> str:
+        return f"trusted publisher of {self.repo_id}"
+
+
+@dataclass(frozen=True)
+class HubKernel:
+    """Where a Hub kernel lives and which function of it implements the op.
+
+    Args:
+        repo_id: ``"kernels-community/activation"``.
+        function: the attribute of the loaded kernel module to call.
+        version: the kernel's major version (``kernels``' ``version=``), or
+        revision: a branch, tag or commit.
+        adapter: turns the kernel's function into the op's signature (default: used as it is).
+    """
+
+    repo_id: str
+    function: str
+    version: int | None = 1
+    revision: str | None = None
+    adapter: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+
+    def load_module(self):
+        import kernels
+
+        overrides = local_overrides()
+        if self.repo_id in overrides:
+            path = overrides[self.repo_id]
+            try:
+                return kernels.get_local_kernel(path)
+            except FileNotFoundError as exc:
+                trace = "; ".join(variant_trace(path)) or "no build variants"
+                raise RuntimeError(f"no build variant of {self.repo_id} fits this machine ({trace})") from exc
+        lockfile = lock_file()
+        if lockfile is not None:
+            commit = locked_commit(self.repo_id, lockfile)
+            if commit is None:
+                raise RuntimeError(f"{self.repo_id} is not pinned in {lockfile}; lock it with `kernels lock`")
+            return kernels.load_kernel(self.repo_id, lockfile=lockfile)
+        try:
+            return kernels.get_kernel(
+                self.repo_id, version=self.version, revision=self.revision, trust_remote_code=trusted(self.repo_id)
+            )
+        except Exception as exc:
+            if not offline_mode():
+                raise
+            pin = f"revision={self.revision!r}" if self.revision else f"version={self.version}"
+            raise KernelNotCached(
+                f"{self.repo_id} ({pin}) is not in the local Hugging Face cache and offline mode is set "
+                f"({type(exc).__name__})",
+                fix=(
+                    f'download it once where there is network: python -c "import kernels; '
+                    f"kernels.get_kernel('{self.repo_id}', {pin})\" (then copy ~/.cache/huggingface), "
+                    f"or LOCAL_KERNELS={self.repo_id}=/path/to/kernel"
+                ),
+            ) from exc
+
+    def load(self) -> Callable[..., Any]:
+        module = self.load_module()
+        if not hasattr(module, self.function):
+            raise AttributeError(f"{self.repo_id} has no function {self.function!r}")
+        fn = getattr(module, self.function)
+        return self.adapter(fn) if self.adapter else fn
+
+    def where(self) -> str:
+        overrides = local_overrides()
+        if self.repo_id in overrides:
+            return f"local {overrides[self.repo_id]}"
+        lockfile = lock_file()
+        if lockfile is not None:
+            return f"locked {locked_commit(self.repo_id, lockfile) or '?'} ({lockfile})"
+        pin = f"revision {self.revision}" if self.revision else f"version {self.version}"
+        return f"hub {pin}"
+
+
+def hub_candidate(
+    kernel: HubKernel,
+    *,
+    name: str | None = None,
+    inputs: InputRule | None = None,
+    requirements: tuple = (),
+) -> Candidate:
+    """A ``source="hub"`` candidate for an op. Add it with :func:`fusepatch.add_candidate`.
+
+    Example::
+
+        >>> from fusepatch.backends.kernels_hub import HubKernel, hub_candidate
+        >>> kernel = HubKernel("kernels-community/activation", "silu_and_mul", version=1, adapter=my_adapter)
+        >>> fusepatch.add_candidate("swiglu", hub_candidate(kernel))  # doctest: +SKIP
+    """
+    return Candidate(
+        name=name or f"hub:{kernel.repo_id}",
+        source="hub",
+        requirements=(
+            *requirements,
+            DistributionVersion("kernels", ">=0.17", FIX),
+            Importable("kernels", "kernels", FIX),
+            TrustedPublisher(kernel.repo_id),
+        ),
+        load=kernel.load,
+        inputs=inputs or InputRule(),
+        provides=f"{kernel.repo_id}:{kernel.function}",
+        where=kernel.where,  # at choice time: LOCAL_KERNELS or a lock file set after import count
+    )

@@ -1,6 +1,6 @@
 """Cross-entropy over one chunk's logits: the per-token loss, then the logits gradient written in place.
 
-The fused linear cross-entropy (ops/linear_cross_entropy.py) makes a chunk's logits with one GEMM and needs,
+The fused linear cross-entropy (ops/linear_cross_entropy/) makes a chunk's logits with one GEMM and needs,
 per token, the loss and ``(softmax - onehot) / denominator`` in place of the logits for the two gradient GEMMs.
 Two kernels: ``_loss``, one program per token streaming its row once (an online log-sum-exp), and
 ``_gradient``, one program per block of a row. Rows of ignored labels get loss 0 and a zero gradient.

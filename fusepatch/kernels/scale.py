@@ -10,7 +10,7 @@ SFT run built it once a step: the H200 run of 2026-11-29); here the count is a r
 The grid is a few programs per SM, each striding over the blocks, rather than one program per 4096 elements
 (310 k programs for the 27B shape's 1.27 G-element weight gradient). Measured on the H200 at that shape, where
 the pass did run (the loss divided after the kernel, so its gradient was 1/count): 4.4 ms against 4.8 ms. fla's
-"mean" now makes that gradient 1 where the Trainer passes no count (ops/linear_cross_entropy.py).
+"mean" now makes that gradient 1 where the Trainer passes no count (ops/linear_cross_entropy/).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ release is what this avoids: the layer's own forward runs unchanged, with those 
 the call to the chosen kernel, or back to transformers for anything the kernel
 does not reproduce exactly (another ``unsqueeze_dim``, mixed dtypes, cos/sin that need gradients, a fallback).
 Those names are bound once while a layer of the module is patched and put back by ``revert``
-(``layers/bindings.py``); each call finds its own layer's choices in a thread-local, so threads
+(``layers/support/bindings.py``); each call finds its own layer's choices in a thread-local, so threads
 (``nn.DataParallel`` replicas, the checkpoint recompute in the autograd thread) and unpatched models of the same
 family are not affected.
 
@@ -35,12 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
-from fusepatch.layers.bindings import hold
-from fusepatch.layers.packing import boundaries_for_call, mask_plan
-from fusepatch.layers.projections import project
-from fusepatch.layers.signature import CACHE_NAMES, forward_parameters
+from fusepatch.core.resolve import Dispatch, autocast_dtype, dtype_name
+from fusepatch.layers.support.bindings import hold
+from fusepatch.layers.support.packing import boundaries_for_call, mask_plan
+from fusepatch.layers.support.projections import project
+from fusepatch.layers.support.signature import CACHE_NAMES, forward_parameters
 from fusepatch.ops.rotary import unsupported
-from fusepatch.resolve import Dispatch, autocast_dtype, dtype_name
 
 logger = logging.getLogger("fusepatch")
 
@@ -158,7 +158,7 @@ def _route(self, args: tuple, kwargs: dict) -> _Route | None:
 def _with_bindings(self, args: tuple, kwargs: dict, body):
     """``body(module)`` with the layer's modeling module's rotary (and, for a packed call, its attention
     interfaces) sending this thread's calls to fusepatch's dispatch. The module's names are bound once, while
-    the layer is patched (``layers/bindings.py``); a call only sets this thread's choices."""
+    the layer is patched (``layers/support/bindings.py``); a call only sets this thread's choices."""
     state = self._fusepatch
     name = type(self).__module__
     module = sys.modules[name]

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from fusepatch.layers.bindings import hold
-from fusepatch.layers.labelled_rows import LabelledRows
-from fusepatch.layers.packing import note_padding
-from fusepatch.layers.positions import FIND_PACKED, MASKING, plain_positions, skip_plain, wants_plain_positions
-from fusepatch.resolve import autocast_dtype, dtype_name
+from fusepatch.core.resolve import autocast_dtype, dtype_name
+from fusepatch.layers.support.bindings import hold
+from fusepatch.layers.support.labelled_rows import LabelledRows
+from fusepatch.layers.support.packing import note_padding
+from fusepatch.layers.support.positions import FIND_PACKED, MASKING, plain_positions, skip_plain, wants_plain_positions
 
 
 def causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
@@ -97,7 +97,7 @@ def _loss_dtype(weight: torch.Tensor, model: torch.nn.Module | None = None) -> t
     if auto is not None:
         return auto
     if model is not None and _is_sharded(weight):
-        from fusepatch.patch import fsdp_compute_dtype
+        from fusepatch.core.patch import fsdp_compute_dtype
 
         return fsdp_compute_dtype(model) or weight.dtype
     return weight.dtype
@@ -161,7 +161,7 @@ def _count_after_first_layer(model: torch.nn.Module, rows: LabelledRows):
 def _fused_loss(dispatch, hidden, weight, rows: LabelledRows, num_items_in_batch):
     """transformers' causal-LM loss (labels shifted by one, -100 ignored, summed over ``num_items_in_batch``
     when the Trainer gives it) through the fused linear cross-entropy, over the labelled rows only where many are
-    ignored (layers/labelled_rows.py). Under autocast the hidden states and the weight are cast to autocast's
+    ignored (layers/support/labelled_rows.py). Under autocast the hidden states and the weight are cast to autocast's
     dtype first (differentiably, as autocast casts them for ``lm_head``) and the kernel runs with autocast off: it
     gets exactly the dtype it was chosen and self-tested for."""
     flat, labels = rows.select(hidden.reshape(-1, hidden.shape[-1]))

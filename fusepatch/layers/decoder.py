@@ -24,10 +24,10 @@ import functools
 
 import torch
 
-from fusepatch.layers.packing import packed_kwargs
-from fusepatch.layers.signature import CACHE_NAMES, forward_parameters
+from fusepatch.core.resolve import dtype_name
 from fusepatch.layers.simple import _eps, swiglu_mlp_plus
-from fusepatch.resolve import dtype_name
+from fusepatch.layers.support.packing import packed_kwargs
+from fusepatch.layers.support.signature import CACHE_NAMES, forward_parameters
 
 ADD_NORM_OPS = ("add_rms_norm", "add_rms_norm_zero_centered")
 

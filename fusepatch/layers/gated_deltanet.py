@@ -3,7 +3,7 @@
 The flow is transformers' (projections, conv + SiLU, gated delta rule, gated RMSNorm, out projection), with
 three differences: every op goes through a per-call dispatcher (fused on GPU, eager elsewhere), q/k are not
 copied for grouped value heads in the forward (the kernels take them natively; the default delta rule's backward
-expands them once, ops/fla_saved_states.py), and packed documents are exact
+expands them once, ops/gated_delta_rule/saved_states.py), and packed documents are exact
 (``cu_seqlens`` reaches the conv and the recurrence). With a cache (generation) the original forward runs.
 """
 
@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from fusepatch.layers.projections import project
+from fusepatch.layers.support.projections import project
 
 logger = logging.getLogger("fusepatch")
 _NOTED: set[str] = set()

@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from fusepatch.env import flag_set
-from fusepatch.layers.projections import gemm_ready
+from fusepatch.core.env import flag_set
+from fusepatch.layers.support.projections import gemm_ready
 
 RECOMPUTE = flag_set("FUSEPATCH_MLP_RECOMPUTE")
 

@@ -5,7 +5,7 @@ transformers recomputes cos/sin from ``position_ids`` on every forward (5.17's Q
 and layer 0's first GEMM, where nothing else is queued and the GPU waits on each launch: ~0.8 ms of idle GPU in
 the synced 27B-shaped step on the H200 (run of 2026-12-02, the step's idle timeline).
 
-For the plain positions fusepatch's causal-LM forward builds (``0..T-1`` in every row, layers/positions.py) the
+For the plain positions fusepatch's causal-LM forward builds (``0..T-1`` in every row, layers/support/positions.py) the
 tables depend only on the positions' shape, ``x``'s dtype and device, and the module's ``inv_freq`` and
 ``attention_scaling``. So the first call runs transformers' own forward and later calls with the same key get its
 result: the same tensors, bit for bit. Anything else runs transformers' forward: positions the caller gave (or a
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusepatch.layers.positions import is_whole_plain, remember
+from fusepatch.layers.support.positions import is_whole_plain, remember
 
 STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # inv_freq and scaling fixed after __init__
 KEPT = 2  # tables kept per module (a training run has one length; an eval pass may add one)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from fusepatch.core.resolve import dtype_name
 from fusepatch.layers.mlp_recompute import recomputed_down
-from fusepatch.layers.projections import hooked, linear_plus, project
-from fusepatch.resolve import dtype_name
+from fusepatch.layers.support.projections import hooked, linear_plus, project
 
 
 def _eps(self) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fusepatch.core.registry import Row
 from fusepatch.layers.attention import attention_forward, gated_attention_forward
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward
 from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
@@ -13,7 +14,6 @@ from fusepatch.layers.simple import (
     rms_norm_zero_centered_forward,
     swiglu_mlp_forward,
 )
-from fusepatch.registry import Row
 
 GDN_OPS = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm")
 ATTENTION_OPS = ("rotary", "varlen_attention")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from fusepatch.core.op import Candidate, Op, SelfTest
 from fusepatch.ops.attention_gate import ATTENTION_GATE
-from fusepatch.ops.base import Candidate, Op, SelfTest
 from fusepatch.ops.causal_conv1d import CAUSAL_CONV1D
 from fusepatch.ops.gated_delta_rule import GATED_DELTA_RULE
 from fusepatch.ops.linear_cross_entropy import LINEAR_CROSS_ENTROPY
 from fusepatch.ops.moe_experts import MOE_EXPERTS
-from fusepatch.ops.norms import (
+from fusepatch.ops.rms_norm import (
     ADD_RMS_NORM,
     ADD_RMS_NORM_ZERO_CENTERED,
     GATED_RMS_NORM,

@@ -14,16 +14,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import fusepatch
-from fusepatch.tiny import tiny_model
+from fusepatch.tools.tiny import tiny_model
 
 
 def _standin_add_norm() -> list:
     """Give the add-norm op a CPU candidate (its eager reference, counting calls)."""
     import dataclasses
 
+    from fusepatch.core.op import Candidate
+    from fusepatch.core.requirements import InputRule
     from fusepatch.ops import OPS
-    from fusepatch.ops.base import Candidate
-    from fusepatch.requirements import InputRule
 
     calls: list = []
     op = OPS["add_rms_norm_zero_centered"]
@@ -42,7 +42,8 @@ def _standin_add_norm() -> list:
 
 def _fused_projections() -> list:
     """The projections' GPU paths on the CPU too; returns the list each use appends to."""
-    from fusepatch.layers import projections, simple
+    from fusepatch.layers import simple
+    from fusepatch.layers.support import projections
 
     seen: list[str] = []
     projections.DEVICES = ("cpu", "cuda")
@@ -74,7 +75,7 @@ def main() -> None:
     parser.add_argument(
         "--fused-projections",
         action="store_true",
-        help="run the GPU-only shared-input projections and residual GEMM (fusepatch.layers.projections) on the CPU",
+        help="run the GPU-only shared-input projections and residual GEMM (fusepatch.layers.support.projections) on the CPU",
     )
     args = parser.parse_args()
     calls = _standin_add_norm() if args.standin_add_norm else []

@@ -18,10 +18,10 @@ def require(verdict, what: str):
 
 def kernel(op: str, name: str, dtype):
     """Load candidate ``name`` of ``op`` after its checks (skip, or fail under FUSEPATCH_GPU_REQUIRE=1, if refused)."""
-    from fusepatch.env import capture
+    from fusepatch.core.env import capture
+    from fusepatch.core.requirements import Inputs
+    from fusepatch.core.resolve import dtype_name, static_verdict
     from fusepatch.ops import OPS
-    from fusepatch.requirements import Inputs
-    from fusepatch.resolve import dtype_name, static_verdict
 
     candidate = next(c for c in OPS[op].candidates if c.name == name)
     verdict, _ = static_verdict(candidate, capture(refresh=True))
@@ -139,8 +139,8 @@ def compare_models(model_type: str, length: int = 301, prompt: int = 0) -> tuple
     import torch
 
     import fusepatch
-    from fusepatch.ops._common import relative_error
-    from fusepatch.tiny import tiny_model
+    from fusepatch.ops.common import relative_error
+    from fusepatch.tools.tiny import tiny_model
 
     base = tiny_model(model_type, **MINI)
     ids = torch.randint(0, base.config.vocab_size, (2, length), device="cuda")
@@ -202,7 +202,7 @@ def loss_curves(model_type: str, steps: int = 30) -> tuple[list[float], list[flo
     import torch
 
     import fusepatch
-    from fusepatch.tiny import tiny_model
+    from fusepatch.tools.tiny import tiny_model
 
     base = tiny_model(model_type, **MINI)
     models = [eager(copy.deepcopy(base).cuda().to(torch.bfloat16)), copy.deepcopy(base).cuda().to(torch.bfloat16)]
@@ -233,7 +233,7 @@ def forward_syncs(model_type: str) -> tuple[str | None, str | None]:
     import torch
 
     import fusepatch
-    from fusepatch.tiny import tiny_model
+    from fusepatch.tools.tiny import tiny_model
 
     torch.manual_seed(0)
     model = tiny_model(model_type, attn_implementation="sdpa", **MINI).cuda().to(torch.bfloat16)

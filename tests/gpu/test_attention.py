@@ -29,8 +29,8 @@ from conftest import (
 import fusepatch
 from fusepatch.layers import attention
 from fusepatch.ops import OPS
-from fusepatch.ops._common import relative_error
-from fusepatch.tiny import tiny_model
+from fusepatch.ops.common import relative_error
+from fusepatch.tools.tiny import tiny_model
 
 pytestmark = pytest.mark.gpu
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}

@@ -22,10 +22,10 @@ import torch
 from conftest import MINI, compare_models, eager, forward_syncs, loss_curves, model_failures, record, require
 
 import fusepatch
-from fusepatch import selftest
+from fusepatch.core import selftest
 from fusepatch.ops import OPS
-from fusepatch.ops._common import relative_error
-from fusepatch.tiny import tiny_model
+from fusepatch.ops.common import relative_error
+from fusepatch.tools.tiny import tiny_model
 
 pytestmark = pytest.mark.gpu
 HYBRID = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
@@ -147,7 +147,7 @@ def test_conditional_generation_text_loss_on_gpu():
     every kernel that takes fp32) against its eager self, fp32, loss and every parameter gradient. The reference
     is fusepatch's eager forward, not transformers' own: with a causal-conv1d build that lacks fp32 (the H200's
     bf16-only wheel) transformers' fast path raises "not implemented for type 'Float'" (measured there)."""
-    from fusepatch.tiny import tiny_image_text_model
+    from fusepatch.tools.tiny import tiny_image_text_model
 
     base = tiny_image_text_model(**MINI, vocab_size=1024)
     reference, model = eager(copy.deepcopy(base).cuda()), copy.deepcopy(base).cuda()
@@ -174,7 +174,7 @@ def test_conditional_generation_text_loss_on_gpu():
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
 def test_forward_of_a_plain_batch_waits_for_nothing(model_type):
     """Labels and nothing else: no call in the patched hybrid forward waits for the GPU (neither transformers'
-    packed-rows check nor fusepatch's boundary search runs, layers/positions.py), so a training loop queues the next
+    packed-rows check nor fusepatch's boundary search runs, layers/support/positions.py), so a training loop queues the next
     step behind the optimizer (the 27B-shaped step idled 6.4 ms in its first 10 ms on the H200, the H200 run of 2026-11-30). With
     the caller's own positions the checks run and wait: the guard sees real waits."""
     plain, own = forward_syncs(model_type)

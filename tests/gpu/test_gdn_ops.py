@@ -15,10 +15,10 @@ import pytest
 import torch
 from conftest import compare, kernel, require
 
-from fusepatch import selftest
-from fusepatch.env import capture
+from fusepatch.core import selftest
+from fusepatch.core.env import capture
+from fusepatch.core.resolve import static_verdict
 from fusepatch.ops import OPS
-from fusepatch.resolve import static_verdict
 
 pytestmark = pytest.mark.gpu
 TOL = {torch.bfloat16: 2e-2, torch.float32: 5e-3}
@@ -85,8 +85,8 @@ def test_fla_with_fusepatch_chunk_table_equals_fla_building_its_own():
     or where fla's own two runs differ (atomic sums in its backward), no further off than they are."""
     from fla.ops.utils.index import prepare_chunk_indices
 
-    from fusepatch.layers.packing import cu_seqlens_from_position_ids, host_values
-    from fusepatch.ops.gated_delta_rule import chunk_table
+    from fusepatch.layers.support.packing import cu_seqlens_from_position_ids, host_values
+    from fusepatch.ops.gated_delta_rule.fla import chunk_table
 
     fn = kernel("gated_delta_rule", "fla", torch.bfloat16)
     lengths = [64, 1, 335, 300]
@@ -125,7 +125,7 @@ def test_saved_states_equal_fla(name, batch, length, bounds):
     test_gated_delta_rule[...fla-saved-states]. The grouped variant sums the q/k gradients' groups in fp32 in its
     own kernel where fla sums them in bf16 tensors, and computes the per-token inputs in its own kernels: its
     output within 4e-3 of fla's, its q/k/v, a and b gradients within 1e-2."""
-    from fusepatch.ops._common import relative_error
+    from fusepatch.ops.common import relative_error
 
     saved = kernel("gated_delta_rule", name, torch.bfloat16)
     plain = kernel("gated_delta_rule", "fla", torch.bfloat16)
@@ -180,7 +180,7 @@ def test_delta_rule_inputs_equal_fla(batch, length, hk, groups, dim, bounds):
     from fla.ops.utils.index import prepare_chunk_indices
 
     from fusepatch.kernels.delta_rule_inputs import delta_rule_inputs, delta_rule_inputs_bwd
-    from fusepatch.ops._common import relative_error
+    from fusepatch.ops.common import relative_error
 
     hv = hk * groups
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
@@ -220,7 +220,7 @@ def test_grouped_l2norm_backward(shape):
     """fusepatch's L2-norm backward with the group sum folded in (fla-saved-states-grouped), compiled, against
     autograd through the L2 norm in fp64: bf16 inputs as the layer has them, within 2e-2."""
     from fusepatch.kernels.l2norm import l2norm_bwd_grouped
-    from fusepatch.ops._common import relative_error
+    from fusepatch.ops.common import relative_error
 
     b, t, hk, g, k = shape
     x = torch.randn(b, t, hk, k, device="cuda", dtype=torch.float64, requires_grad=True)
@@ -256,7 +256,7 @@ def test_graphed_delta_rule_replays_fla(batch, length, monkeypatch):
     shapes get) match too. The fp64 reference check of the same candidate is test_gated_delta_rule[...fla-graphed]."""
     from conftest import record
 
-    from fusepatch.ops._common import relative_error
+    from fusepatch.ops.common import relative_error
 
     monkeypatch.setenv("FUSEPATCH_CUDA_GRAPHS", "1")
     graphed = kernel("gated_delta_rule", "fla-graphed", torch.bfloat16)
@@ -303,7 +303,7 @@ def _fp32_is_refused_and_still_off(name, inputs, kwargs):
     """The checker refuses fla's delta rule at fp32 (H200 run of 2026-11-29 on the H200: gate gradient 4-6%, A_log/dt_bias
     19-30% off the fp32 reference). Both halves are checked here: the refusal, and that the kernel still misses
     TOL at fp32, so the rule is lifted (this test fails) once a fla release computes fp32 to fp32 precision."""
-    from fusepatch.requirements import Inputs
+    from fusepatch.core.requirements import Inputs
 
     candidate = next(c for c in OPS["gated_delta_rule"].candidates if c.name == name)
     refusal = candidate.inputs.check(Inputs("cuda", "float32"))

@@ -36,10 +36,10 @@ OPS_CHECKED = (
 
 def _loaded(op_name: str):
     """(candidate name, kernel) of every non-eager candidate of ``op_name`` whose checks pass here."""
-    from fusepatch.env import capture
+    from fusepatch.core.env import capture
+    from fusepatch.core.requirements import Inputs
+    from fusepatch.core.resolve import static_verdict
     from fusepatch.ops import OPS
-    from fusepatch.requirements import Inputs
-    from fusepatch.resolve import static_verdict
 
     found = []
     for candidate in OPS[op_name].candidates:
@@ -54,7 +54,7 @@ def _loaded(op_name: str):
 
 @pytest.mark.parametrize("op_name", OPS_CHECKED)
 def test_real_kernels_pass_their_bounds(op_name):
-    from fusepatch import selftest
+    from fusepatch.core import selftest
     from fusepatch.ops import OPS
 
     op = OPS[op_name]
@@ -75,7 +75,7 @@ def test_real_kernels_pass_their_bounds(op_name):
 
 @pytest.mark.parametrize("op_name,fault", cases())
 def test_faults_around_real_kernels_are_refused(op_name, fault):
-    from fusepatch import selftest
+    from fusepatch.core import selftest
     from fusepatch.ops import OPS
 
     kernels = _loaded(op_name)

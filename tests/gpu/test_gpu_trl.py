@@ -9,7 +9,7 @@ from conftest import MINI, record
 from helpers import sft_sample
 
 import fusepatch
-from fusepatch.tiny import tiny_model
+from fusepatch.tools.tiny import tiny_model
 
 pytestmark = pytest.mark.gpu
 trl = pytest.importorskip("trl")

@@ -32,9 +32,9 @@ def test_thirty_training_steps_track_the_eager_loss_curve(model_type):
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2_moe"])
 def test_prompt_masked_labels_run_the_loss_on_the_labelled_rows(model_type, monkeypatch):
     """Chat-SFT labels (the first 120 of every 301 labels -100): the fused loss gets the labelled rows only
-    (layers/labelled_rows.py), and loss, logits and every gradient stay within the mini-model bounds against the
+    (layers/support/labelled_rows.py), and loss, logits and every gradient stay within the mini-model bounds against the
     fp32 eager model on the same labels."""
-    from fusepatch.layers import labelled_rows
+    from fusepatch.layers.support import labelled_rows
 
     seen = []
     select = labelled_rows.LabelledRows.select
@@ -75,8 +75,39 @@ def test_mini_model_with_the_mlp_product_recomputed(model_type, monkeypatch):
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2_moe"])
 def test_forward_of_a_plain_batch_waits_for_nothing(model_type):
     """Labels and nothing else (no positions, mask or cache): the patched forward makes no call that waits for the
-    GPU (layers/positions.py), so a training loop queues the next step behind the optimizer. The same batch with
+    GPU (layers/support/positions.py), so a training loop queues the next step behind the optimizer. The same batch with
     the caller's own positions makes transformers' packed-rows check wait: the guard sees real waits."""
     plain, own = forward_syncs(model_type)
     assert plain is None, plain
     assert own is not None and "synchroniz" in own, own
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_inductor_compiled_patched_model_matches_the_uncompiled_one(model_type):
+    """``torch.compile`` (inductor) of a patched bf16 mini model: loss, logits and every gradient are as close to
+    the fp32 eager model as the uncompiled patched model's (within 1.25x, plus a 1e-3 floor for rounding that
+    inductor's own fusions reorder). The CPU tests trace with AOTAutograd only."""
+    import copy
+
+    import torch
+    from conftest import MINI, eager, outputs
+
+    import fusepatch
+    from fusepatch.ops.common import relative_error
+    from fusepatch.tools.tiny import tiny_model
+
+    base = tiny_model(model_type, **MINI)
+    ids = torch.randint(0, base.config.vocab_size, (2, 301), device="cuda")
+    reference = outputs(eager(copy.deepcopy(base).cuda()), ids)
+    model = copy.deepcopy(base).cuda().to(torch.bfloat16)
+    fusepatch.apply(model)
+    plain = outputs(model, ids)
+    compiled = outputs(torch.compile(model), ids)
+    compiled = {name.removeprefix("_orig_mod."): value for name, value in compiled.items()}
+    worse = {}
+    for name, ref in reference.items():
+        bound = 1.25 * relative_error(plain[name], ref) + 1e-3
+        got = relative_error(compiled[name], ref)
+        if got > bound:
+            worse[name] = (round(got, 5), round(bound, 5))
+    assert not worse, worse

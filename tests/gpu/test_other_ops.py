@@ -91,7 +91,7 @@ def test_triton_rms_norm_compiles_once_for_every_row_count():
 def test_fla_rms_norm_autotunes_again_for_new_row_buckets():
     """The measured reason fla's RMSNorm is second (H200 run of 2026-11-29): at feature sizes <= 512
     its kernels autotune (and compile) per row-count bucket cdiv(rows, 2048). When this fails, fla no longer
-    does that, and the candidate order in fusepatch/ops/norms.py can be revisited."""
+    does that, and the candidate order in fusepatch/ops/rms_norm/__init__.py can be revisited."""
     from fla.modules.norm import layernorm
 
     fn = kernel("rms_norm_zero_centered", "fla", torch.bfloat16)
@@ -295,7 +295,7 @@ def test_rotary(dtype, batch, hq, hk, tokens, dim, rot):
     """q and k as the attention makes them (transposed views), per-token angles with a packed restart."""
     from conftest import record
 
-    from fusepatch.ops._common import relative_error
+    from fusepatch.ops.common import relative_error
 
     fn = kernel("rotary", "triton", dtype)
     q = torch.randn(batch, tokens, hq, dim, device="cuda").to(dtype).transpose(1, 2).requires_grad_(True)

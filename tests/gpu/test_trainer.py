@@ -17,7 +17,7 @@ import torch
 from conftest import MINI, eager, record
 
 import fusepatch
-from fusepatch.tiny import tiny_model
+from fusepatch.tools.tiny import tiny_model
 
 pytestmark = pytest.mark.gpu
 

@@ -1,0 +1,1 @@
+"""The engine: environment, requirements, op and candidate values, self-test, dispatch, registry, patch, report."""

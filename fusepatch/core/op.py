@@ -1,0 +1,86 @@
+"""What an op and a kernel candidate are."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusepatch.core.requirements import InputRule, Requirement
+
+SOURCES = ("pip", "hub", "eager")  # pip: an installed package (a wheel fusepatch built included); hub: the Kernel Hub
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One kernel that implements an op, from one source.
+
+    ``load`` returns a callable with the op's signature (the adapter to the upstream API lives in the op's
+    module). It is only called after every requirement passed, so it may import freely.
+    """
+
+    name: str
+    source: str  # one of SOURCES
+    requirements: tuple[Requirement, ...]
+    load: Callable[[], Callable[..., Any]]
+    inputs: InputRule = field(default_factory=InputRule)
+    provides: str = ""  # the upstream function, for the report ("fla.ops.gated_delta_rule.chunk_gated_delta_rule")
+    distribution: str | None = None  # the distribution loaded, for "which copy was loaded"
+    varlen: bool = True  # honours cu_seqlens (packed documents); a candidate that cannot is skipped for them
+    where: Callable[[], str] | None = None  # where it loads from, asked at choice time (Hub: local dir, lock, pin)
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"unknown source {self.source!r}; expected one of {SOURCES}")
+
+
+@dataclass(frozen=True)
+class SelfTest:
+    """How to check a candidate against the reference on tiny fresh random inputs.
+
+    ``make_inputs(device, dtype, generator, packed, dims)`` returns ``(args, kwargs)``; float tensors that
+    require grad get gradients compared too. ``packed`` asks for a packed (varlen) call and ``dims`` for the
+    layer's own feature sizes (from ``dims_from(module)``): the self-test then compiles and autotunes the very
+    kernel variants training will use, instead of a second set.
+
+    Bounds come from measured error (``selftest.bounds``): the candidate's relative error (norm of the
+    difference over norm of the fp32 reference; for a packed call also per document) may be at most ``ratio``
+    times the error of the reference itself run in the same dtype on the same inputs, plus a floor:
+    ``tolerance`` maps dtype name -> floor, for the output and every gradient. The floors are set from the
+    errors of the real kernels measured on the H200 (docs/kernels.md), below the 2% a wrong kernel shows.
+    """
+
+    make_inputs: Callable[..., tuple[tuple, dict]]
+    tolerance: dict[str, float]
+    dims_from: Callable[[Any], dict[str, int]] | None = None
+    # Per dtype, quantities with their own floor, e.g. {"bfloat16": {"grad[5]": 0.25}}: gradients that sum over
+    # every token with cancellation amplify rounding (see the op's module for the measurement).
+    looser: dict[str, dict[str, float]] = field(default_factory=dict)
+    ratio: float = 2.0
+    # How many leading outputs to compare (and backpropagate through) when the op returns a tuple: rotary
+    # returns (q, k) and both count; other ops' extra outputs (states, caches) do not.
+    outputs: int = 1
+
+
+@dataclass(frozen=True)
+class Op:
+    """One computation with an eager reference and fused candidates in priority order."""
+
+    name: str
+    summary: str
+    reference: Callable[..., Any]
+    candidates: tuple[Candidate, ...]
+    selftest: SelfTest | None = None
+
+    @property
+    def eager(self) -> Candidate:
+        return Candidate(
+            name="eager",
+            source="eager",
+            requirements=(),
+            load=lambda: self.reference,
+            inputs=InputRule(
+                devices=("cpu", "cuda", "mps", "xpu", "meta"), dtypes=("bfloat16", "float16", "float32", "float64")
+            ),
+            provides=f"{self.reference.__module__}.{self.reference.__qualname__}",
+        )

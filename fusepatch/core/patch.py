@@ -1,0 +1,420 @@
+"""apply / revert / report: replace ``forward`` on matching module instances, and undo it exactly.
+
+Only the instance's ``forward`` attribute changes, so parameter names, ``state_dict()``, checkpoints and the
+module tree stay as they were, and ``revert`` restores the previous forward object itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import types
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fusepatch import backends
+from fusepatch.core.env import capture, flag_set
+from fusepatch.core.registry import Row, known_model_types, rows_for
+from fusepatch.core.reporting import LayerReport, PatchReport
+from fusepatch.core.resolve import Choice, Dispatch, autocast_dtype, dtype_name, make_dispatch, names, preferred_sources
+from fusepatch.layers import mlp_recompute, rotary_embedding
+from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward, trainer_head
+from fusepatch.layers.simple import swiglu_mlp_forward
+from fusepatch.layers.support import bindings
+from fusepatch.ops import OPS
+
+logger = logging.getLogger("fusepatch")
+
+
+class _ClassForward:
+    """Marks a module that had no forward of its own before ``apply`` (its class's ran); one object, also after a
+    copy or a pickle round trip."""
+
+    def __reduce__(self) -> str:
+        return "_NO_INSTANCE_FORWARD"
+
+    def __repr__(self) -> str:
+        return "<the class's forward>"
+
+
+_NO_INSTANCE_FORWARD = _ClassForward()
+
+
+class _Bound:
+    """A replacement forward bound to its module as a method is (``__func__``, ``__self__``), that copies and
+    pickles with the module: a bound method pickles as the module's attribute of its function's name, which a
+    patched module does not have. Its signature is the original forward's, which the Trainer reads to keep a
+    dataset's columns."""
+
+    def __init__(self, function: Callable[..., Any], module: torch.nn.Module) -> None:
+        self.__func__ = function
+        self.__self__ = module
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        state = self.__self__.__dict__.get("_fusepatch")
+        return inspect.signature(
+            state.original if state is not None else types.MethodType(self.__func__, self.__self__)
+        )
+
+    def __repr__(self) -> str:
+        return f"<fusepatch {self.__func__.__name__} of {type(self.__self__).__name__}>"
+
+
+class FusePatchError(RuntimeError):
+    """Raised by ``apply(..., strict=True)`` when any op would fall back; nothing was patched."""
+
+
+@dataclass
+class PatchState:
+    """Kept on each patched module as ``module._fusepatch``.
+
+    It copies and pickles with the module (``copy.deepcopy``: EMA copies, TRL's reference model; ``torch.save``):
+    the copy is patched too, its dispatchers shared with the source (a copy) or made anew (a pickle), and its
+    ``original`` bound to itself."""
+
+    row: Row
+    ops: dict[str, Dispatch]
+    owner: torch.nn.Module
+    instance_forward: Any  # what ``module.__dict__['forward']`` held, or _NO_INSTANCE_FORWARD
+    original: Callable[..., Any] = dataclasses.field(init=False, repr=False)  # the forward before apply (bound)
+
+    def __post_init__(self) -> None:
+        self.original = self._forward_before()
+
+    def _forward_before(self) -> Callable[..., Any]:
+        if self.instance_forward is _NO_INSTANCE_FORWARD:
+            return types.MethodType(type(self.owner).forward, self.owner)
+        return self.instance_forward
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["original"]  # a bound method of the owner: derived again, never pickled by name
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.original = self._forward_before()
+
+
+def _model_types(model: torch.nn.Module) -> tuple[str, ...]:
+    config = getattr(model, "config", None)
+    found: list[str] = []
+    for cfg in (config, getattr(config, "text_config", None), getattr(config, "get_text_config", lambda: None)()):
+        model_type = getattr(cfg, "model_type", None)
+        if isinstance(model_type, str) and model_type not in found:
+            found.append(model_type)
+    return tuple(found)
+
+
+def _device_and_dtype(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> tuple[str, str]:
+    """Where and in which dtype the layers compute: ``compute_dtype`` if given (mixed precision: the Trainer's
+    ``bf16=True`` on fp32 weights), else FSDP2's compute dtype, else an active autocast's, else the parameters'."""
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            device = parameter.device.type
+            running = None if device == "meta" else autocast_dtype(device)  # autocast has no meta device
+            compute = compute_dtype or fsdp_compute_dtype(model) or running or parameter.dtype
+            return device, dtype_name(compute)
+    return "cpu", "float32"
+
+
+def fsdp_compute_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """FSDP2's MixedPrecisionPolicy.param_dtype, if the model is sharded with one. The Trainer keeps sharded
+    parameters in fp32 and computes in bf16: self-testing fp32 there compiles kernels training never calls
+    (minutes at 27B shapes) and reports choices for a dtype that never runs."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return None
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
+            return getattr(policy, "param_dtype", None)
+    return None
+
+
+def _disabled() -> bool:
+    return flag_set("FUSEPATCH_DISABLE")
+
+
+def _matches(model: torch.nn.Module, rows: list[Row]) -> dict[Row, list[torch.nn.Module]]:
+    found: dict[Row, list[torch.nn.Module]] = defaultdict(list)
+    for module in model.modules():
+        for row in rows:
+            if row.matches(module):
+                found[row].append(module)
+                break
+    return found
+
+
+def _build_report(
+    model: torch.nn.Module,
+    layers: list[LayerReport],
+    *,
+    message: str = "",
+    newly: int = 0,
+    already: int = 0,
+    compute_dtype: torch.dtype | None = None,
+) -> PatchReport:
+    device, dtype = _device_and_dtype(model, compute_dtype)
+    env = capture()
+    return PatchReport(
+        model=type(model).__name__,
+        model_types=_model_types(model),
+        device=device,
+        dtype=dtype,
+        layers=tuple(layers),
+        message=message,
+        newly_patched=newly,
+        already_patched=already,
+        drift=backends.drifted(),
+        environment={
+            "torch": env.torch,
+            "cuda": env.torch_cuda,
+            "transformers": env.transformers,
+            "triton": env.triton,
+        },
+    )
+
+
+def apply(
+    model: torch.nn.Module,
+    *,
+    ops: str | Iterable[str] | None = None,
+    exclude: str | Iterable[str] = (),
+    prefer: str | Iterable[str] | None = None,
+    strict: bool = False,
+    compute_dtype: torch.dtype | None = None,
+    verbose: bool | None = None,
+) -> PatchReport:
+    """Patch every layer of ``model`` that the registry knows, in place.
+
+    Each op of each layer gets the first candidate kernel (by ``prefer``) that passes its checks and its
+    self-test for the model's current device and dtype; the choice is re-made per call if the model moves.
+    Anything that falls back to eager is logged at WARNING with the reason and the fix.
+
+    Args:
+        model: a Hugging Face model (``Qwen3_5ForCausalLM``, ``Qwen3ForCausalLM``, ...).
+        ops: only these ops may use fused kernels (default: all); a list, or one string (``"swiglu"``,
+            ``"swiglu,rms_norm"``).
+        exclude: ops that stay eager (a list or one string).
+        prefer: kernel source priority, e.g. ``("pip", "hub")`` or ``"hub"``; default
+            ``FUSEPATCH_PREFER`` or ``("pip", "hub")``. Sources left out are reported as the reason
+            their candidates were not tried.
+        strict: raise :class:`FusePatchError` listing every fallback instead of patching anything.
+        compute_dtype: the dtype the layers will compute in when it is not the parameters' (autocast over fp32
+            weights, e.g. ``Trainer(bf16=True)``): choices and self-tests are made for it. Default: FSDP2's
+            ``MixedPrecisionPolicy.param_dtype``, else an active autocast's dtype, else the parameters'.
+        verbose: ``True``: log the whole report table; ``None``: one line of totals; ``False``: neither. Every
+            fallback is logged at WARNING in all three (each distinct reason once, with its fix). The log shows
+            without any logging set up (``FUSEPATCH_VERBOSITY``: error, warning, info, debug; default info).
+
+    Returns:
+        The :class:`PatchReport`. Example::
+
+            >>> report = fusepatch.apply(model)
+            >>> print(report)  # doctest: +SKIP
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fusepatch.apply expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    ops = None if ops is None else names(ops, "ops")
+    exclude = names(exclude, "exclude")
+    for name in [*(ops or []), *exclude]:
+        if name not in OPS:
+            raise ValueError(f"unknown op {name!r}; known ops: {', '.join(sorted(OPS))}")
+    prefer = preferred_sources(prefer)
+    model_types = _model_types(model)
+
+    if _disabled():
+        message = "FUSEPATCH_DISABLE is set: nothing patched, the model runs as transformers ships it"
+        logger.warning("fusepatch: %s", message)
+        return _build_report(model, [], message=message, compute_dtype=compute_dtype)
+
+    rows = rows_for(set(model_types))
+    found = _matches(model, rows) if rows else {}
+    if not found:
+        label = ", ".join(repr(t) for t in model_types) or "(no config.model_type)"
+        message = (
+            f"no fusepatch rows for model_type {label}; the model is left untouched "
+            f"(supported: {', '.join(known_model_types())})"
+        )
+        if strict:
+            raise FusePatchError(message)
+        logger.warning("fusepatch: %s", message)
+        return _build_report(model, [], message=message, compute_dtype=compute_dtype)
+
+    device, dtype = _device_and_dtype(model, compute_dtype)
+    on_meta = device == "meta"
+    if on_meta and strict:
+        raise FusePatchError(
+            "fusepatch.apply(strict=True): the model is on the meta device, so no kernel can be self-tested; "
+            "call apply after materialising it (model.to_empty(device=...) and loading the weights)"
+        )
+    env = capture()
+    layers: list[LayerReport] = []
+    dispatches: dict[Row, dict[str, Dispatch]] = {}
+    owners = _trainer_heads(found)
+    for row, modules in found.items():
+        if row in owners:  # a trainer's fused head computes the loss: the head is left to it, and the report says so
+            choices = tuple(_stepped_aside(name, owners[row]) for name in row.ops)
+            layers.append(LayerReport(row.layer, len(modules), False, choices, note=row.note))
+            logger.info(
+                "fusepatch: %s's loss is computed by %s; fusepatch leaves the head to it", row.layer, owners[row]
+            )
+            continue
+        existing = [m for m in modules if hasattr(m, "_fusepatch")]
+        if existing:  # reuse the dispatchers of an earlier apply: choices and self-tests stay as they were
+            dispatches[row] = existing[0]._fusepatch.ops
+        else:
+            dispatches[row] = {
+                name: make_dispatch(
+                    name, env=env, prefer=prefer, label=row.layer, ops=ops, exclude=exclude, module=modules[0]
+                )
+                for name in row.ops
+            }
+        # On the meta device nothing can run: each op is chosen (and self-tested) at its first real call.
+        choices = () if on_meta else tuple(d.choice(device, dtype) for d in dispatches[row].values())
+        layers.append(LayerReport(row.layer, len(modules), row.forward is not None, choices, note=row.note))
+
+    if strict:
+        pending = _build_report(model, layers, compute_dtype=compute_dtype)
+        if pending.fallbacks():
+            raise FusePatchError(
+                "fusepatch.apply(strict=True): nothing patched; fallbacks:\n" + "\n".join(pending.log_lines())
+            )
+
+    newly = already = 0
+    for row, modules in found.items():
+        if row.forward is None or row in owners:
+            continue
+        for module in modules:
+            if hasattr(module, "_fusepatch"):
+                already += 1
+                continue
+            instance_forward = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)
+            module._fusepatch = PatchState(row, dispatches[row], module, instance_forward)
+            module.forward = _Bound(row.forward, module)
+            module._replicate_for_data_parallel = _Bound(_replicate_patched, module)
+            newly += 1
+
+    message = ""
+    if on_meta:
+        message = (
+            "the model is on the meta device: its layers are patched, and each op's kernel is chosen and "
+            "self-tested at its first call on a real device (fusepatch.report(model) shows the choices then)"
+        )
+    elif newly == 0 and already:
+        message = f"already patched ({already} modules); nothing changed"
+    report = _build_report(model, layers, message=message, newly=newly, already=already, compute_dtype=compute_dtype)
+    for row_dispatches in dispatches.values():
+        for dispatch in row_dispatches.values():
+            dispatch.announce = True
+    if verbose:
+        logger.info("%s", report)
+    elif verbose is None:
+        logger.info("%s", report.totals())
+    if newly or on_meta:
+        for line in report.grouped_fallbacks():
+            logger.warning(line)
+    if newly and mlp_recompute.RECOMPUTE and any(row.forward is swiglu_mlp_forward for row in dispatches):
+        logger.info(
+            "fusepatch: FUSEPATCH_MLP_RECOMPUTE=1: the SwiGLU MLPs' down projections recompute their input in the "
+            "backward instead of keeping it (less activation memory, one more SwiGLU kernel per MLP a step)"
+        )
+    return report
+
+
+HEAD_FORWARDS = (causal_lm_forward, conditional_generation_forward)
+
+
+def _trainer_heads(found: dict[Row, list[torch.nn.Module]]) -> dict[Row, str]:
+    """The head rows whose loss a trainer's own fused head computes (TRL's, Liger's): row -> who."""
+    owners = {}
+    for row, modules in found.items():
+        if row.forward in HEAD_FORWARDS and (owner := trainer_head(modules[0])) is not None:
+            owners[row] = owner
+    return owners
+
+
+def _stepped_aside(op: str, owner: str) -> Choice:
+    return Choice(op, owner, "trainer", f"{owner} computes the loss; fusepatch leaves the model's head to it")
+
+
+def _rebind(fn: Any, old: torch.nn.Module, new: torch.nn.Module) -> Any:
+    """``fn`` bound to ``new`` where it was a method bound to ``old``; anything else as it is."""
+    if isinstance(fn, types.MethodType) and fn.__self__ is old:
+        return types.MethodType(fn.__func__, new)
+    return fn
+
+
+def _replicate_patched(self: torch.nn.Module) -> torch.nn.Module:
+    """``nn.DataParallel`` (what the Trainer uses when it sees several GPUs without torchrun) copies each module's
+    ``__dict__`` into its replicas, so the patched forward and the saved original, both bound to this module,
+    would make replica 1 run replica 0's weights on another GPU's inputs. Each replica gets its own binding."""
+    replica = type(self)._replicate_for_data_parallel(self)
+    state = self._fusepatch
+    replica._fusepatch = dataclasses.replace(
+        state, owner=replica, instance_forward=_rebind(state.instance_forward, self, replica)
+    )
+    replica.forward = _Bound(state.row.forward, replica)
+    replica.__dict__.pop(rotary_embedding.TABLES, None)  # the tables are per device: the replica keeps its own
+    replica._replicate_for_data_parallel = _Bound(_replicate_patched, replica)
+    return replica
+
+
+def revert(model: torch.nn.Module) -> int:
+    """Restore every forward ``apply`` replaced, exactly as it was. Returns how many modules were restored."""
+    restored = 0
+    for module in model.modules():
+        state = module.__dict__.get("_fusepatch")
+        if state is None:
+            continue
+        if state.instance_forward is _NO_INSTANCE_FORWARD:
+            del module.forward
+        else:
+            module.forward = state.instance_forward
+        module.__dict__.pop("_replicate_for_data_parallel", None)
+        module.__dict__.pop(rotary_embedding.TABLES, None)
+        del module._fusepatch
+        bindings.release(module)  # transformers' module-level names back once no patched layer holds them
+        restored += 1
+    logger.info("fusepatch: reverted %d modules", restored)
+    return restored
+
+
+def report(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> PatchReport:
+    """The current report for a model: patched layers, and each op's choice for the model's present device
+    and dtype (a model moved to the GPU after ``apply`` shows its GPU choices; ``compute_dtype`` as in
+    :func:`apply`)."""
+    device, dtype = _device_and_dtype(model, compute_dtype)
+    groups: dict[Row, list[torch.nn.Module]] = defaultdict(list)
+    for module in model.modules():
+        state = module.__dict__.get("_fusepatch")
+        if state is not None:
+            groups[state.row].append(module)
+    layers = []
+    for row, modules in groups.items():
+        owner = trainer_head(modules[0]) if row.forward in HEAD_FORWARDS else None
+        if owner is not None:  # a trainer wrapped the patched head since: its fused head computes the loss
+            choices = tuple(_stepped_aside(name, owner) for name in row.ops)
+        elif device == "meta":
+            choices = ()
+        else:
+            choices = tuple(d.choice(device, dtype) for d in modules[0]._fusepatch.ops.values())
+        layers.append(LayerReport(row.layer, len(modules), True, choices, note=row.note))
+    found = _matches(model, rows_for(set(_model_types(model))))
+    for row, owner in _trainer_heads({r: m for r, m in found.items() if r not in groups}).items():
+        layers.append(LayerReport(row.layer, len(found[row]), False, tuple(_stepped_aside(n, owner) for n in row.ops)))
+    total = sum(len(m) for m in groups.values())
+    return _build_report(
+        model, layers, message="" if total else "not patched", already=total, compute_dtype=compute_dtype
+    )

@@ -1,0 +1,300 @@
+"""A transformers ``TrainerCallback``: apply the patches, log the report, and profile one step.
+
+The profiled step is logged through the Trainer's own logging (``state.log_history``, console, and the
+reporters that run after this callback; ``fusepatch.attach(trainer)`` puts it first so that TensorBoard and
+W&B see the metrics too).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from fusepatch.core.patch import apply, report
+from fusepatch.diagnostics import profile as profiling
+from fusepatch.diagnostics.compiles import CompileCounter, describe
+
+logger = logging.getLogger("fusepatch")
+
+
+def _patched(model: torch.nn.Module) -> bool:
+    return any("_fusepatch" in m.__dict__ for m in model.modules())
+
+
+def _mixed_precision(args) -> torch.dtype | None:
+    """The dtype the Trainer's mixed precision computes in (``bf16=True`` / ``fp16=True``: autocast)."""
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return None
+
+
+def _keep_autocast(model: torch.nn.Module, dtype: torch.dtype | None) -> bool:
+    """The Trainer's accelerate wraps ``model.forward`` in autocast when training starts, before this callback
+    runs; patching the model's head then replaced that wrapper, and the whole model ran in its weights' dtype
+    (fp32 weights: fp32 instead of bf16, seen on CPU with a fused stand-in loss). Put autocast back around the
+    patched forward. Returns whether it did."""
+    if dtype is None or "_original_forward" not in model.__dict__ or "_fusepatch" not in model.__dict__:
+        return False
+    patched = model.forward
+    device = next((p.device.type for p in model.parameters()), "cpu")
+
+    @functools.wraps(patched)
+    def forward(*args, **kwargs):
+        with torch.autocast(device, dtype=dtype):
+            return patched(*args, **kwargs)
+
+    model.forward = forward
+    return True
+
+
+class FusePatchCallback(TrainerCallback):
+    """Apply fusepatch when training begins and show what a torch trace of one step shows.
+
+    Args:
+        apply_patches: call ``fusepatch.apply`` on the model if it is not patched yet.
+        apply_kwargs: keyword arguments for ``fusepatch.apply`` (``ops``, ``exclude``, ``prefer``, ``strict``).
+        profile: profile one optimizer step with ``torch.profiler``.
+        profile_step: which optimizer step (1-based) to profile; the default leaves warm-up and autotuning behind.
+        trace_dir: also write the Chrome trace of that step there.
+        peak_tflops: the GPU's peak for MFU; default from the GPU name (datasheet dense bf16), none on CPU.
+        time_steps: time every optimizer step (one device sync at each end) for ``steady_state()``: the median
+            over the steps after the first two (compiling) and the profiled one (profiler overhead).
+
+    Example::
+
+        >>> trainer = Trainer(model, args, train_dataset=ds, callbacks=[FusePatchCallback()])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        apply_patches: bool = True,
+        apply_kwargs: dict | None = None,
+        profile: bool = True,
+        profile_step: int = 5,
+        trace_dir: str | None = None,
+        peak_tflops: float | None = None,
+        time_steps: bool = True,
+    ) -> None:
+        if profile_step < 1:
+            raise ValueError(f"profile_step counts optimizer steps from 1, got {profile_step}")
+        self.apply_patches = apply_patches
+        self.apply_kwargs = dict(apply_kwargs or {})
+        self.profile = profile
+        self.profile_step = profile_step
+        self.trace_dir = trace_dir
+        self.peak_tflops = peak_tflops
+        self.report = None
+        self.last_profile: profiling.StepProfile | None = None
+        self._pending: dict[str, float] = {}
+        self._tokens = 0
+        self._seq_len = 0
+        self._hook = None
+        self._profiler = None
+        self._labels = None
+        self._start = 0.0
+        self.time_steps = time_steps
+        self.step_times: dict[int, tuple[float, int]] = {}  # optimizer step -> (wall s, tokens on this rank)
+        self._step_start = 0.0
+        self._step_tokens = 0
+        # Triton kernel builds per step: after the first two steps they mean sizes that keep changing
+        self.compiles = CompileCounter()
+        self.late_builds: collections.Counter[str] = collections.Counter()  # builds in steps 3 and later
+        self._late_steps = 0
+        self._builds_before: collections.Counter[str] = collections.Counter()
+
+    # -- training begins: patch, report, start counting tokens ---------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            return
+        # Mixed precision (autocast) over fp32 weights: kernels are chosen and self-tested for the dtype the
+        # layers compute in, not for the weights' storage dtype.
+        amp = _mixed_precision(args)
+        weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        compute = amp if amp is not None and weights == torch.float32 else None
+        if self.apply_patches and not _patched(model):
+            # the table is logged once, below; apply itself logs only the fallbacks
+            self.report = apply(model, **{"compute_dtype": compute, "verbose": False, **self.apply_kwargs})
+            if _keep_autocast(model, amp):
+                logger.info("fusepatch: kept the Trainer's %s autocast around the patched forward", amp)
+        else:
+            self.report = report(model, self.apply_kwargs.get("compute_dtype", compute))
+        logger.info("%s", self.report)
+        self._pending.update(
+            {"fusepatch/fused_ops": len(self.report.fused_ops), "fusepatch/fallbacks": len(self.report.fallbacks())}
+        )
+        self._hook = model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
+        self._model = model
+        self.compiles.install()
+
+    def _count_tokens(self, module, args, kwargs):
+        if not module.training:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+            shape = None if ids is None else ids.shape[:2]
+        else:
+            shape = ids.shape
+        if shape is None:
+            return
+        mask = kwargs.get("attention_mask")
+        count = int(mask.sum()) if isinstance(mask, torch.Tensor) and mask.ndim == 2 else int(shape[0] * shape[-1])
+        self._tokens += count
+        self._step_tokens += count
+        self._seq_len = int(shape[-1])
+
+    # -- one profiled step -------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._builds_before = self.compiles.counts.copy()
+        if self._hook is not None and (self.time_steps or state.global_step + 1 <= 2):
+            self._sync()
+            self._step_start = time.perf_counter()
+            self._step_tokens = 0
+        if not self.profile or state.global_step + 1 != self.profile_step or self._hook is None:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        self._sync()
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.reset_peak_memory_stats()
+        self._labels = profiling.label_layers(self._model)
+        self._labels.__enter__()
+        self._profiler = torch.profiler.profile(activities=activities)
+        self._profiler.__enter__()
+        self._tokens = 0
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._hook is not None and (self.time_steps or state.global_step <= 2):
+            self._sync()
+            self.step_times[state.global_step] = (time.perf_counter() - self._step_start, self._step_tokens)
+            if state.global_step == 2:
+                self._report_first_step()
+        builds = self.compiles.since(self._builds_before)
+        if builds and state.global_step > 2:
+            self._late_builds(state.global_step, builds)
+        if self._profiler is None:
+            return
+        self._sync()
+        wall = time.perf_counter() - self._start
+        self._profiler.__exit__(None, None, None)
+        self._labels.__exit__(None, None, None)
+        prof, self._profiler, self._labels = self._profiler, None, None
+        peak = self.peak_tflops
+        if peak is None and torch.cuda.is_available():
+            peak = profiling.peak_tflops_for(torch.cuda.get_device_name())
+        flops = profiling.flops_per_token(self._model, self._seq_len) if self._seq_len else None
+        result = profiling.summarize(
+            prof.events(), step=state.global_step, wall_s=wall, tokens=self._tokens, flops=flops, peak_tflops=peak
+        )
+        self.last_profile = result
+        self._pending.update(result.metrics())
+        summary = result.summary()
+        if self.compiles.active:
+            self._pending["fusepatch/triton_builds"] = sum(builds.values())
+            if builds:
+                summary += f" During this step: {describe(builds)}."
+        (logger.warning if result.cpu_bound or builds else logger.info)("%s", summary)
+        if self.trace_dir:
+            os.makedirs(self.trace_dir, exist_ok=True)
+            # one file per rank: under torchrun every rank profiles the same step into the same folder
+            rank = f"-rank{dist.get_rank()}" if dist.is_available() and dist.is_initialized() else ""
+            path = os.path.join(self.trace_dir, f"fusepatch-step{state.global_step}{rank}.json")
+            prof.export_chrome_trace(path)
+            logger.info("fusepatch: trace of step %d written to %s", state.global_step, path)
+        control.should_log = True  # the Trainer logs right after this step; on_log adds the metrics
+
+    def steady_state(self) -> dict[str, float]:
+        """Median step time and tokens/s on this rank over the timed steps after the first two and other than
+        the profiled one; empty before there are any."""
+        steady = [
+            t for step, t in self.step_times.items() if step > 2 and not (self.profile and step == self.profile_step)
+        ]
+        if not steady:
+            return {}
+        seconds = sorted(wall for wall, _ in steady)
+        rates = sorted(tokens / wall for wall, tokens in steady if wall > 0)
+        return {
+            "steps": len(steady),
+            "median_step_s": round(seconds[len(seconds) // 2], 4),
+            "median_tokens_per_s": round(rates[len(rates) // 2], 1) if rates else 0.0,
+        }
+
+    def _late_builds(self, step: int, builds: collections.Counter[str]) -> None:
+        self.late_builds.update(builds)
+        self._late_steps += 1
+        if self._late_steps == 1:
+            logger.warning(
+                "fusepatch: step %d made %s after the warm-up steps. A kernel that specializes on a size that "
+                "changes from step to step (a packed row's length) is compiled, and autotuned, again for each new "
+                "size; the end of training says how often it happened.",
+                step,
+                describe(builds),
+            )
+
+    def _report_first_step(self) -> None:
+        first, second = self.step_times.get(1, (0.0, 0))[0], self.step_times.get(2, (0.0, 0))[0]
+        self._pending["fusepatch/first_step_s"] = round(first, 3)
+        if second > 0 and first > 5 * second and first > 10.0:
+            logger.warning(
+                "fusepatch: the first step took %.0f s, %.0fx the second: compiling and autotuning kernels for these "
+                "shapes. Run `python -m fusepatch warmup` at image build time and keep TRITON_CACHE_DIR and "
+                "TILELANG_CACHE_DIR in the image to start warm.",
+                first,
+                first / second,
+            )
+
+    # -- logging -------------------------------------------------------------------------------------------
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self._pending:
+            return
+        if logs is not None:
+            logs.update(self._pending)
+        if state.log_history:
+            state.log_history[-1].update(self._pending)
+        self._pending.clear()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        steady = self.steady_state()
+        if steady:
+            logger.info(
+                "fusepatch: %d steady steps, median %.1f ms, %.0f tokens/s on this rank",
+                steady["steps"],
+                steady["median_step_s"] * 1000,
+                steady["median_tokens_per_s"],
+            )
+        if self.late_builds:
+            logger.warning(
+                "fusepatch: %s in %d steps after the first two. Each costs a compile (or a load from the disk "
+                "cache) and, for an autotuned kernel, a benchmark of every configuration; if it keeps happening, "
+                "that kernel specializes on a size your batches change (report it; fusepatch's own norm, SwiGLU "
+                "and rotary kernels do not).",
+                describe(self.late_builds),
+                self._late_steps,
+            )
+        self.compiles.remove()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+def attach(trainer, callback: FusePatchCallback | None = None) -> FusePatchCallback:
+    """Add ``callback`` (a new FusePatchCallback by default) as the Trainer's first callback, so that every
+    reporter (TensorBoard, W&B, ...) receives the metrics it adds to the logs."""
+    callback = callback or FusePatchCallback()
+    trainer.callback_handler.callbacks.insert(0, callback)
+    return callback

@@ -1,0 +1,190 @@
+"""Linear projections the fused layers call themselves: several of one input, and the MLP's last one with the
+residual added by the GEMM.
+
+Several projections of one input (the Gated DeltaNet's ``in_proj_qkv/z/b/a``, the MLP's ``gate_proj`` and
+``up_proj``): called one by one, autograd gives each its own input gradient and adds them, one elementwise
+kernel per extra projection over the whole ``[tokens, hidden]`` tensor (0.88 ms of the 27B-shaped step on the
+H200: ``ViewBackward0 > aten::add``, the H200 run of 2026-11-30). ``project`` computes the same outputs
+with the same kernels and, in its backward, accumulates the input gradient in place through the GEMMs'
+``beta = 1`` (``addmm_``): no add kernels, one buffer. The narrow ones among them (``in_proj_b`` and
+``in_proj_a``, one output per value head) share one GEMM, forward and backward (``narrow_group``).
+
+The MLP's down projection plus the decoder layer's residual (``residual + down_proj(act)``): one
+``addmm(residual, act, W.t())`` instead of a GEMM and an add kernel (each forward, and again in the checkpoint
+recompute). The sum is rounded once, from fp32, instead of twice: within one bf16 ulp of transformers' result.
+
+Both paths take plain ``nn.Linear`` modules only (no subclass such as a LoRA, quantised or FSDP-wrapped layer,
+no hooks), outside ``torch.compile``, on the devices in ``DEVICES``; the projections in one dtype or under
+autocast (cast as autocast casts them), the residual GEMM in one dtype outside autocast (there the residual
+stream is fp32 and the MLP output bf16). Anything else calls the modules as transformers does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.modules import module as _module
+
+DEVICES = ("cuda",)  # where the fused paths run (the tests add "cpu" to run them in a model)
+
+
+def _active(hooks) -> bool:
+    """Whether ``hooks`` (a module's or the global hook dict) holds one that must see the module's call. The
+    profiler labels of ``fusepatch.diagnostics.profile.label_layers`` are marked passive: skipping them only moves the ops
+    into the enclosing label, and honouring them would make the profiled step differ from the timed ones."""
+    return any(not getattr(hook, "_fusepatch_passive", False) for hook in (hooks or {}).values())
+
+
+def hooked(module: torch.nn.Module) -> bool:
+    """Whether calling ``module``'s parts directly would skip a hook (its own or a global one). Asked for every
+    projection of every forward, so the usual case, no hook anywhere, is answered from the dicts' truth alone:
+    ``plain_linears`` took 5.6 ms of the 2B-like forward's 86 under cProfile with a generator over all eight
+    (H200 run of 2026-12-01)."""
+    every = (
+        module._forward_hooks,
+        module._forward_pre_hooks,
+        module._backward_hooks,
+        getattr(module, "_backward_pre_hooks", None),
+        _module._global_forward_hooks,
+        _module._global_forward_pre_hooks,
+        _module._global_backward_hooks,
+        getattr(_module, "_global_backward_pre_hooks", None),
+    )
+    return any(every) and any(_active(hooks) for hooks in every)
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def plain_linears(x: torch.Tensor, linears: tuple[torch.nn.Module, ...], autocast: bool = False) -> bool:
+    """Whether ``linears`` can be computed here instead of through their modules, with the same result: plain
+    ``nn.Linear`` without hooks, on a device in ``DEVICES``, outside ``torch.compile``; in ``x``'s dtype, or,
+    where the caller casts as autocast would (``autocast=True``), under autocast."""
+    if x.device.type not in DEVICES or torch.compiler.is_compiling():
+        return False
+    cast = _autocast_dtype(x) is not None
+    if cast and not autocast:
+        return False
+    for linear in linears:
+        if type(linear) is not torch.nn.Linear or hooked(linear):
+            return False
+        bias = linear.bias  # an exact nn.Linear: its parameters are these two
+        if not cast and (linear.weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype)):
+            return False
+    return True
+
+
+NARROW = 256  # out_features up to which bias-free projections of one input share one GEMM
+
+
+def narrow_group(linears) -> tuple[int, ...]:
+    """Indices of the bias-free projections with at most ``NARROW`` outputs, when there are two or more: their
+    GEMMs are too narrow to fill the GPU, each costing about what one GEMM of their summed width does (the
+    Gated DeltaNet's ``in_proj_b`` and ``in_proj_a``, 48 outputs each at the 27B shape: 0.04 ms a GEMM, three
+    GEMMs each a layer's step, benchmarks/gemm_bench.py). One GEMM over their concatenated weights (a copy of
+    ``n x hidden`` values a step) computes them together."""
+    group = tuple(i for i, linear in enumerate(linears) if linear.bias is None and linear.out_features <= NARROW)
+    return group if len(group) > 1 else ()
+
+
+class _SharedInputLinears(torch.autograd.Function):
+    """``F.linear(x, w_i, b_i)`` for every i; the backward accumulates ``dx`` through ``addmm_``. The projections
+    named in ``narrow`` run as one GEMM over their concatenated weights, forward and backward; their outputs are
+    views of its output."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, count: int, narrow: tuple[int, ...], *params: torch.Tensor | None):
+        weights, biases = params[:count], params[count:]
+        ctx.count, ctx.narrow, ctx.has_bias = count, narrow, tuple(b is not None for b in biases)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, and costs nothing
+        outs = [None if i in narrow else F.linear(x, w, b) for i, (w, b) in enumerate(zip(weights, biases))]
+        joined = None
+        if narrow:
+            joined = torch.cat([weights[i] for i in narrow])
+            sizes = [weights[i].shape[0] for i in narrow]
+            for i, out in zip(narrow, F.linear(x, joined).split(sizes, dim=-1)):
+                outs[i] = out
+        ctx.save_for_backward(x, joined, *weights)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        x, joined, *weights = ctx.saved_tensors
+        flat = x.reshape(-1, x.shape[-1])
+        wants_x, wants = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
+        dx = None
+        dweights: list[torch.Tensor | None] = [None] * ctx.count
+        dbiases: list[torch.Tensor | None] = [None] * ctx.count
+        jobs = [(grad, weight, (i,)) for i, (grad, weight) in enumerate(zip(grads, weights)) if i not in ctx.narrow]
+        if ctx.narrow and any(grads[i] is not None for i in ctx.narrow):
+            parts = [
+                grads[i] if grads[i] is not None else flat.new_zeros(*x.shape[:-1], weights[i].shape[0])
+                for i in ctx.narrow
+            ]
+            jobs.append((torch.cat(parts, dim=-1), joined, ctx.narrow))
+        for grad, weight, owners in jobs:
+            if grad is None:
+                continue
+            grad = grad.reshape(-1, grad.shape[-1])
+            if wants_x:
+                dx = grad.mm(weight) if dx is None else dx.addmm_(grad, weight)
+            if any(wants[i] for i in owners):
+                dweight = grad.t().mm(flat)
+                rows = [weights[i].shape[0] for i in owners]
+                for i, part in zip(owners, dweight.split(rows) if len(owners) > 1 else (dweight,)):
+                    # a narrow weight's gradient is a copy of its rows, not a view of the joined one
+                    if wants[i] and grads[i] is not None:  # an unused output's weight gets no gradient
+                        dweights[i] = part.clone() if len(owners) > 1 else part
+            if len(owners) == 1 and ctx.has_bias[owners[0]] and wants[ctx.count + owners[0]]:
+                dbiases[owners[0]] = grad.sum(0)
+        if dx is not None:
+            dx = dx.view(x.shape)
+        elif wants_x:
+            dx = torch.zeros_like(x)
+        return dx, None, None, *dweights, *dbiases
+
+
+def project(x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """``tuple(linear(x) for linear in linears)``, with one accumulated input gradient where it can
+    (``plain_linears``), the narrow bias-free ones through one GEMM (``narrow_group``); the modules themselves
+    otherwise, or when no gradient is being recorded. Under autocast (the Trainer's bf16 over fp32 weights) the
+    input, weights and biases are cast to autocast's dtype first, as autocast casts them for ``F.linear``; the
+    casts' backward returns the weight gradients in fp32."""
+    if len(linears) < 2 or not torch.is_grad_enabled() or not plain_linears(x, linears, autocast=True):
+        return tuple(linear(x) for linear in linears)
+    weights = [linear.weight for linear in linears]
+    biases = [linear.bias for linear in linears]
+    narrow = narrow_group(linears)
+    dtype = _autocast_dtype(x)
+    if dtype is None:
+        return _SharedInputLinears.apply(x, len(linears), narrow, *weights, *biases)
+    cast = [t.to(dtype) if t is not None and t.is_floating_point() else t for t in (x, *weights, *biases)]
+    with torch.autocast(x.device.type, enabled=False):
+        return _SharedInputLinears.apply(cast[0], len(linears), narrow, *cast[1:])
+
+
+def gemm_ready(linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether ``[residual +] linear(x)`` may run as one GEMM here: a bias-free plain ``nn.Linear``
+    (``plain_linears``, no autocast) and ``residual``, if any, of the output's shape and ``x``'s dtype."""
+    return (
+        linear.bias is None
+        and (
+            residual is None
+            or (
+                residual.dtype == x.dtype
+                and residual.shape[:-1] == x.shape[:-1]
+                and residual.shape[-1] == linear.out_features
+            )
+        )
+        and plain_linears(x, (linear,))
+    )
+
+
+def linear_plus(linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + linear(x)`` as one ``addmm`` where it can (``gemm_ready``); as that sum otherwise."""
+    if gemm_ready(linear, x, residual):
+        out = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), linear.weight.t())
+        return out.view(residual.shape)
+    return residual + linear(x)

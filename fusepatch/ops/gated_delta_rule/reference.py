@@ -1,0 +1,126 @@
+"""The gated delta rule in plain PyTorch: the chunked fp32 form the self-test compares against, and the
+token-by-token form the tests take as ground truth."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+def gate_and_beta(a, b, A_log, dt_bias):
+    """The decay (log space, fp32) and beta, computed as transformers' Qwen3.5/Qwen3-Next layers do."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, b.sigmoid()
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+_first_solve = threading.Lock()
+
+
+_solved_once = False
+
+
+def _solve_unit_lower(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """``solve_triangular`` for a unit lower-triangular system. PyTorch loads its CUDA linear-algebra backend
+    lazily on the first such call of a process, and two threads making that first call together fail (`lazy
+    wrapper should be called at most once`): nn.DataParallel's replicas do (seen on two H200s, where the fp32
+    Trainer test runs this eager path). The first call is made under a lock."""
+    global _solved_once
+    with contextlib.nullcontext() if _solved_once else _first_solve:
+        result = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        _solved_once = True
+    return result
+
+
+def _chunked(q, k, v, g, beta):
+    """Chunk-parallel form of the recurrence for one batch of equal-length rows. Inputs [B, H, T, *], fp32."""
+    batch, heads, length, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-length) % CHUNK
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    n = (length + pad) // CHUNK
+    q, k, v = (t.reshape(batch, heads, n, CHUNK, -1) for t in (q, k, v))
+    g, beta = (t.reshape(batch, heads, n, CHUNK) for t in (g, beta))
+
+    gc = g.cumsum(-1)  # decay from the chunk start to (and including) each token
+    lower = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    # exp(gc_i - gc_j) for j <= i, 0 above the diagonal (masked before exp so it cannot overflow)
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+
+    # Within a chunk the corrections u solve (I + A) u = beta v - beta exp(gc) (k S0),
+    # with A[i, j] = beta_i exp(gc_i - gc_j) k_i.k_j for j < i.
+    system = (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
+    system = system + torch.eye(CHUNK, dtype=q.dtype, device=q.device)
+    u_values = _solve_unit_lower(system, beta[..., None] * v)
+    w_keys = _solve_unit_lower(system, beta[..., None] * gc.exp()[..., None] * k)
+    scores = (q @ k.transpose(-1, -2)) * decay  # causal, decayed q.k within the chunk
+    q_decayed = q * gc.exp()[..., None]
+    k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]
+    chunk_decay = gc[..., -1].exp()[..., None, None]
+
+    state = q.new_zeros(batch, heads, dk, dv)
+    out = torch.empty_like(v)
+    for i in range(n):
+        u = u_values[:, :, i] - w_keys[:, :, i] @ state
+        out[:, :, i] = q_decayed[:, :, i] @ state + scores[:, :, i] @ u
+        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
+    return out.reshape(batch, heads, n * CHUNK, dv)[:, :, :length]
+
+
+def gated_delta_rule_reference(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
+    """Eager gated delta rule in fp32 (chunked, exact per document when packed)."""
+    g, beta = gate_and_beta(a, b, A_log, dt_bias)
+    groups = v.shape[2] // q.shape[2]
+    if groups > 1:
+        q = q.repeat_interleave(groups, dim=2)
+        k = k.repeat_interleave(groups, dim=2)
+    out_dtype = q.dtype
+    q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))
+    q = _l2norm(q) * q.shape[-1] ** -0.5
+    k = _l2norm(k)
+    if cu_seqlens is None:
+        out = _chunked(q, k, v, g, beta)
+    else:
+        if q.shape[0] != 1:
+            raise ValueError(f"packed inputs (cu_seqlens) need batch size 1, got {q.shape[0]}")
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+        pieces = [
+            _chunked(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], g[:, :, s:e], beta[:, :, s:e])
+            for s, e in zip(bounds[:-1], bounds[1:])
+            if e > s
+        ]
+        out = torch.cat(pieces, dim=2)
+    return out.transpose(1, 2).to(out_dtype).contiguous()
+
+
+def gated_delta_rule_recurrent(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
+    """Token-by-token form of the same recurrence: slow, obviously right; the tests' ground truth."""
+    g, beta = gate_and_beta(a, b, A_log, dt_bias)
+    groups = v.shape[2] // q.shape[2]
+    q = q.repeat_interleave(groups, dim=2).double()
+    k = k.repeat_interleave(groups, dim=2).double()
+    v, g, beta = v.double(), g.double(), beta.double()
+    q = _l2norm(q) * q.shape[-1] ** -0.5
+    k = _l2norm(k)
+    batch, length, heads, dk = q.shape
+    starts = set([0] if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()])
+    out = torch.zeros_like(v)
+    state = q.new_zeros(batch, heads, dk, v.shape[-1])
+    for t in range(length):
+        if t in starts:
+            state = torch.zeros_like(state)
+        state = state * g[:, t].exp()[..., None, None]
+        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t]))
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
+    return out

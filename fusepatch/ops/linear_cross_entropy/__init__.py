@@ -1,0 +1,280 @@
+"""linear_cross_entropy: lm_head matmul + cross-entropy without materialising the ``tokens x vocab`` logits.
+
+Op signature::
+
+    loss = linear_cross_entropy(hidden [N, H], weight [V, H], labels [N], ignore_index=-100, num_items_in_batch=None)
+
+The loss is the sum over the tokens whose label is not ``ignore_index``, divided by ``num_items_in_batch``
+when given (the Trainer's gradient-accumulation normaliser) and by their count otherwise: transformers'
+``ForCausalLMLoss`` after its label shift.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fusepatch.backends.fla import CROSS_ENTROPY, check_signatures
+from fusepatch.core.op import Candidate, Op, SelfTest
+from fusepatch.core.requirements import InputRule, TorchVersion
+from fusepatch.ops.common import fla_requirements, on_device, own_triton_candidate, rand
+from fusepatch.ops.linear_cross_entropy.reference import _denominator, _upcast, linear_cross_entropy_reference
+
+CHUNK_ELEMENTS = 2**27  # logits per chunk: 128 M fp32 values (512 MiB) whatever the vocabulary
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Loss and both gradients chunk by chunk in the forward pass (the logits of one chunk live at a time);
+    the backward pass only scales the stored gradients by the incoming one."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, denominator, chunk):
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if needs_grad else None
+        accumulate = torch.promote_types(weight.dtype, torch.float32)
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=accumulate) if needs_grad else None
+        total = torch.zeros((), device=hidden.device, dtype=torch.promote_types(hidden.dtype, torch.float32))
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start : start + chunk]
+            y = labels[start : start + chunk]
+            logits = _upcast(h @ weight.t())
+            lse = torch.logsumexp(logits, dim=-1)
+            valid = y != ignore_index
+            target = logits.gather(1, y.clamp_min(0)[:, None]).squeeze(1)
+            total += torch.where(valid, lse - target, 0.0).sum()
+            if needs_grad:
+                probs = torch.exp(logits - lse[:, None])
+                probs[torch.arange(len(y), device=y.device), y.clamp_min(0)] -= 1.0
+                probs *= (valid.to(probs.dtype) / denominator)[:, None]
+                g = probs.to(hidden.dtype)
+                grad_hidden[start : start + chunk] = g @ weight
+                grad_weight += (g.t() @ h).to(accumulate)
+                del probs, g
+            del logits  # before the next chunk's logits are made: one chunk's at a time
+        if needs_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return total / denominator
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (
+            grad_hidden * grad_output.to(grad_hidden.dtype),
+            grad_weight * grad_output.to(grad_weight.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def linear_cross_entropy_chunked(hidden, weight, labels, ignore_index: int = -100, num_items_in_batch=None):
+    chunk = max(1, min(hidden.shape[0], CHUNK_ELEMENTS // weight.shape[0]))
+    denominator = _denominator(labels, ignore_index, num_items_in_batch)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, denominator, chunk)
+
+
+DEFAULT_LOGITS_MIB = 1024
+
+
+def fla_chunk_budget() -> int:
+    """``FUSEPATCH_CE_LOGITS_MIB`` (default 1024): the most memory one chunk's logits may take in the fused loss's
+    chunk loop (one chunk's logits live at a time). fla's own function splits the tokens into 8 chunks whatever
+    their number (512 tokens at seq 4096): each chunk re-reads and re-writes the whole lm_head weight gradient (2.5
+    GB at Qwen3.5's 248k x 5120 in bf16) and runs GEMMs with a 512-long inner dimension. Fewer, larger chunks trade
+    logits memory for both. The loss alone at the 27B shape (loss_bench.py, the H200 run of 2026-11-29): fwd+bwd 60.2 ms with fla's 8
+    chunks, 55.0 / 53.7 / 53.0 ms at 512 / 1024 / 2048 MiB. Why 1024 and not 2048 (the default of the H200 runs of 2026-11-30 to 2026-12-01):
+    the loss holds the step's peak since the delta rule keeps its chunk states for the backward (H200 run of 2026-11-30), and
+    there one 4096-token chunk's 1.9 GiB of logits sat on top of every activation. Measured on the H200 (run of 2026-12-01):
+    1024 lowers the peak from 43.79 to 42.84 GiB at the 27B shape and from 35.03 to 34.08 at the 2B-like shape (both
+    under Liger Kernel's, 43.07 and 34.32), its step time within the run-to-run spread (27B back to back 1.209 and
+    1.207x hf-fast against 1.211, 1.203 and 1.213x at 2048). At long rows a budget also bounds the logits where
+    fla's fixed 8 chunks would grow."""
+    value = os.environ.get("FUSEPATCH_CE_LOGITS_MIB", "").strip()
+    if not value:
+        return DEFAULT_LOGITS_MIB * 2**20
+    try:
+        mib = int(value)
+    except ValueError as exc:
+        raise ValueError(f"FUSEPATCH_CE_LOGITS_MIB={value!r}: expected a whole number of MiB, e.g. 1024") from exc
+    if mib <= 0:
+        raise ValueError(f"FUSEPATCH_CE_LOGITS_MIB={value!r}: expected a positive number of MiB")
+    return mib * 2**20
+
+
+def fla_chunk_tokens(vocab: int, element_size: int, budget_bytes: int) -> int:
+    """Tokens per chunk of the fla loss loop: the largest power of two whose ``chunk x vocab`` logits fit in
+    ``budget_bytes`` (at least 1). At the 27B shape (vocab 248,320, bf16) the 1024 MiB default gives 2048: two
+    chunks of a 4096-token row."""
+    chunk = max(1, budget_bytes // (vocab * element_size))
+    return 1 << (chunk.bit_length() - 1)
+
+
+def fla_num_chunks(tokens: int, vocab: int, element_size: int, budget_bytes: int) -> int:
+    """How many chunks ``tokens`` make at ``fla_chunk_tokens``."""
+    return max(1, -(-tokens // fla_chunk_tokens(vocab, element_size, budget_bytes)))
+
+
+class _LinearCrossEntropyLoop(torch.autograd.Function):
+    """fusepatch's chunk loop around a cross-entropy kernel. Per chunk of tokens: the logits (one GEMM), the
+    kernel's per-token losses with the logits' gradient written over them, every token's gradient already divided
+    by the loss's denominator, then the hidden-state gradient (a GEMM into its rows) and the weight gradient (the
+    first chunk's GEMM writes it, later chunks add to it). ``ce(logits, target, inverse, ignore_index, grad)``
+    is the kernel: fla's two functions (``_load_fla``) or fusepatch's (kernels/cross_entropy.py).
+
+    Why not fla's ``fused_linear_cross_entropy_fwd``: it zero-fills the weight gradient (2.5 GB at the 27B
+    shape) and then adds every chunk into it, the first included (1.56 ms of fill plus a GEMM that reads the
+    zeros back, per step on the H200, the H200 run of 2026-11-29); it divides only by its own token count, so the Trainer's
+    ``num_items_in_batch`` needed a pass over both gradients afterwards; and its backward compiles a kernel per
+    token count (10 builds in 10 steps of the SFT example, the H200 run of 2026-11-29). Here the backward only scales the stored
+    gradients by the incoming one, and skips that when it is 1 (plain training)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, denominator, ignore_index: int, chunk: int, ce, grad_wanted: bool):
+        # under no_grad (evaluation) needs_input_grad still says True: the caller says whether a backward can come
+        needs_grad = grad_wanted and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        with on_device(hidden.device):
+            hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
+            tokens = hidden.shape[0]
+            losses = hidden.new_empty(tokens, dtype=torch.float32)
+            inverse = denominator.float().reciprocal().reshape(1)
+            grad_hidden = torch.empty_like(hidden) if needs_grad else None
+            grad_weight = None
+            for start in range(0, tokens, chunk):
+                end = min(start + chunk, tokens)
+                h, y = hidden[start:end], labels[start:end]
+                logits = torch.mm(h, weight.t())
+                losses[start:end] = ce(logits, y, inverse, ignore_index, needs_grad)
+                if needs_grad:  # the logits now hold their gradient
+                    torch.mm(logits, weight, out=grad_hidden[start:end])
+                    if grad_weight is None:
+                        grad_weight = torch.mm(logits.t(), h)
+                    else:
+                        grad_weight.addmm_(logits.t(), h)
+                # freed before the next chunk's GEMM allocates its logits, else two chunks' logits live at once
+                # (fla's loop has that peak: 0.6 GiB over Liger's at the Qwen3-32B shape, the H200 run of 2026-11-30)
+                del logits
+            if needs_grad and grad_weight is None:  # no tokens at all
+                grad_weight = torch.zeros_like(weight)
+            total = losses.sum() / denominator
+        if needs_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.done = False
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        from fusepatch.kernels.scale import scale_unless_one_
+
+        if ctx.done:  # the stored gradients were scaled in place by the first backward
+            raise RuntimeError(
+                "fusepatch's fused linear cross-entropy supports one backward per forward (the first scales its "
+                "stored gradients in place); for a second backward through the same graph set "
+                f"FUSEPATCH_SKIP={LOOP_SKIP} (the torch-chunked loss keeps them)"
+            )
+        ctx.done = True
+        grad_hidden, grad_weight = ctx.saved_tensors
+        factor = grad_output.detach().float()
+        grads = scale_unless_one_(grad_hidden, factor), scale_unless_one_(grad_weight, factor)
+        return *grads, None, None, None, None, None, None
+
+
+LOOP_SKIP = "linear_cross_entropy/fla,linear_cross_entropy/triton"  # every candidate that runs the loop
+
+
+def _loop(ce):
+    """The op function: the chunk loop around ``ce`` (chunk length from FUSEPATCH_CE_LOGITS_MIB, read once)."""
+    budget = fla_chunk_budget()
+
+    def linear_cross_entropy_loop(hidden, weight, labels, ignore_index: int = -100, num_items_in_batch=None):
+        # the GEMMs run in the weight's dtype (tensor cores for bf16, fp32 accumulation inside each GEMM; fla's
+        # own default accumulates the weight gradient in fp32 SIMT GEMMs: 222 ms of a 430 ms 27B step)
+        chunk = fla_chunk_tokens(weight.shape[0], hidden.element_size(), budget)
+        denominator = _denominator(labels, ignore_index, num_items_in_batch)
+        grad_wanted = torch.is_grad_enabled()
+        return _LinearCrossEntropyLoop.apply(hidden, weight, labels, denominator, ignore_index, chunk, ce, grad_wanted)
+
+    return linear_cross_entropy_loop
+
+
+def _load_fla():
+    from fla.modules.fused_cross_entropy import ops
+
+    check_signatures(ops, CROSS_ENTROPY, "linear_cross_entropy/fla")
+    ce_forward, ce_backward = ops.cross_entropy_fwd, ops.cross_entropy_bwd
+
+    def fla_ce(logits, target, inverse, ignore_index: int, grad: bool):
+        loss, _, lse, classes, first_class = ce_forward(logits=logits, target=target, ignore_index=ignore_index)
+        if grad:
+            ce_backward(
+                logits=logits,
+                target=target,
+                lse=lse,
+                dloss=inverse.expand(logits.shape[0]),
+                ignore_index=ignore_index,
+                total_classes=classes,
+                class_start_idx=first_class,
+                inplace_backward=True,
+            )
+        return loss
+
+    return _loop(fla_ce)
+
+
+def _load_triton():
+    from fusepatch.kernels.cross_entropy import cross_entropy_
+
+    return _loop(cross_entropy_)
+
+
+def _inputs(device, dtype, generator, packed=False, dims=None):
+    dims = dims or {}
+    tokens, hidden_size, vocab = 257, dims.get("hidden", 128), 1000
+    hidden = rand((tokens, hidden_size), device, dtype, generator)
+    weight = rand((vocab, hidden_size), device, dtype, generator, scale=hidden_size**-0.5)
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+    labels[::7] = -100
+    # the Trainer's count over the whole accumulated batch, not this call's: a kernel that ignores it is refused
+    num_items = int((labels != -100).sum()) + 37
+    return (hidden, weight, labels.to(device)), {"num_items_in_batch": num_items}
+
+
+def _dims(module) -> dict[str, int]:
+    return {"hidden": module.config.get_text_config().hidden_size}
+
+
+LINEAR_CROSS_ENTROPY = Op(
+    name="linear_cross_entropy",
+    summary="lm_head + cross-entropy without materialising the tokens x vocab logits",
+    reference=linear_cross_entropy_reference,
+    candidates=(
+        Candidate(
+            name="fla",
+            source="pip",
+            requirements=fla_requirements("fla.modules.fused_cross_entropy"),
+            load=_load_fla,
+            inputs=InputRule(kernel="fla's fused linear cross-entropy"),
+            provides="fla.modules.fused_cross_entropy.ops.cross_entropy_fwd/_bwd in fusepatch's chunk loop",
+            distribution="fla-core",
+        ),
+        # fusepatch's own kernels: as fast as fla's at the 27B shape (1.92 against 1.93 ms alone, the H200 run of 2026-11-30) and
+        # as exact; after fla, which is the one measured in the training step, and before torch-chunked (no fla
+        # needed: Qwen2/Qwen3 installs without fla get the same loop)
+        own_triton_candidate(
+            _load_triton,
+            "fusepatch's fused linear cross-entropy",
+            "fusepatch.kernels.cross_entropy (a loss kernel and an in-place gradient kernel) in fusepatch's chunk loop",
+        ),
+        Candidate(
+            name="torch-chunked",
+            source="pip",
+            requirements=(TorchVersion(">=2.7"),),
+            load=lambda: linear_cross_entropy_chunked,
+            inputs=InputRule(devices=("cuda",), kernel="fusepatch's chunked linear cross-entropy"),
+            provides="fusepatch.ops.linear_cross_entropy.linear_cross_entropy_chunked (logits one chunk at a time)",
+            distribution="torch",
+        ),
+    ),
+    selftest=SelfTest(_inputs, {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-4}, _dims),
+)

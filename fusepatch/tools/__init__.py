@@ -1,0 +1,1 @@
+"""The command-line tools: ``python -m fusepatch doctor / list / demo / warmup / build``."""

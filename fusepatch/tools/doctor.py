@@ -1,0 +1,275 @@
+"""What this machine can run: every candidate of every op, ok or rejected with the reason and the fix."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+from fusepatch import __version__, backends
+from fusepatch.core.env import Environment, capture
+from fusepatch.core.known_issues import KNOWN_ISSUES
+from fusepatch.core.op import Op
+from fusepatch.core.registry import all_rows
+from fusepatch.core.requirements import version_in
+from fusepatch.core.resolve import evaluate, first_verdict, ordered, preferred_sources
+from fusepatch.core.selftest import COMPILED_S
+from fusepatch.ops import OPS
+
+logger = logging.getLogger("fusepatch")
+
+# The versions fusepatch's GPU tests and benchmarks ran with: what doctor pins.
+TESTED_VERSIONS = {
+    "flash-linear-attention": "0.6.0",
+    "causal-conv1d": "1.7.0",
+    "tilelang": "0.1.15",
+    "kernels": "0.17.2",
+}
+
+
+def recommendations(env: Environment) -> list[str]:
+    """What to install at container build time for this machine, pinned to the versions fusepatch was run with."""
+    if not env.cuda_available or not env.gpus:
+        return ["no CUDA GPU here: fusepatch runs eager on this machine; install the kernels on the GPU machines"]
+    out = []
+    fla = env.version("fla-core")
+    if fla is None or env.import_error("fla.ops.gated_delta_rule"):
+        out.append(f'pip install "flash-linear-attention[cuda]=={TESTED_VERSIONS["flash-linear-attention"]}"')
+    if env.version("causal-conv1d") is None or env.import_error("causal_conv1d"):
+        out.append(
+            f"python -m fusepatch build causal-conv1d --sdist causal_conv1d-{TESTED_VERSIONS['causal-conv1d']}.tar.gz"
+            "   # for this GPU only"
+        )
+    probed = env.with_imports(["tilelang"]) if env.version("tilelang") else env
+    if any(issue.unless_importable == "tilelang" and issue.matches(probed) for issue in KNOWN_ISSUES) or (
+        fla is None and env.capability and env.capability[0] == 9 and env.triton and version_in(env.triton, "<3.7.1")
+    ):
+        out.append(f"pip install tilelang=={TESTED_VERSIONS['tilelang']}   # fla's Hopper backward on Triton < 3.7.1")
+    if env.triton is None:
+        out.append("pip install triton   # fla's kernels are Triton kernels (torch's CUDA wheels bring it)")
+    out.append(
+        "python -m fusepatch warmup <model_type or config> --seq-len <L> --micro-batch <B>   # fill the compile caches"
+    )
+    return out
+
+
+def _target(env: Environment) -> tuple[str, str]:
+    return ("cuda", "bfloat16") if env.cuda_available and env.gpus else ("cpu", "float32")
+
+
+def examine_op(
+    op: Op,
+    env: Environment,
+    device: str,
+    dtype: str,
+    prefer: tuple[str, ...],
+    static_only: bool = False,
+    every: bool = False,
+) -> dict:
+    """Every candidate's verdict for ``device``/``dtype``: self-tests run where the checks pass (a first run
+    compiles and autotunes, minutes on a fresh GPU machine, so each is logged as it finishes), or, with
+    ``static_only``, the version/device/dtype checks alone, without loading anything.
+
+    Self-tests stop at the candidate ``apply`` would choose (the first that passes); the ones after it get the
+    checks only, unless ``every``: on the H200 a cold doctor spent minutes autotuning backup kernels (fla's
+    SwiGLU after fusepatch's) that no model would run."""
+    candidates = []
+    chosen = None
+    for candidate in ordered(op, prefer):
+        started = time.perf_counter()
+        static, env = first_verdict(op, candidate, env)
+        checks_only = static_only or (chosen is not None and not every)
+        verdict, _ = evaluate(op, candidate, static, device, dtype, checks_only=checks_only)
+        seconds = time.perf_counter() - started
+        status = "ok" if verdict.ok else ("off" if verdict.off else "rejected")
+        if verdict.ok and checks_only and not static_only:
+            status = "passes the checks (not self-tested: an earlier candidate is chosen)"
+        logger.info("doctor: %s/%s %s (%.1f s)", op.name, candidate.name, status, seconds)
+        candidates.append(
+            {
+                "name": candidate.name,
+                "source": candidate.source,
+                "provides": candidate.provides,
+                "ok": verdict.ok,
+                "off": verdict.off,
+                "reason": verdict.reason,
+                "fix": verdict.fix,
+                # each failed check's reason and fix: render() says a reason most candidates share once
+                "parts": [list(p) for p in (verdict.parts or ((verdict.reason, verdict.fix),))]
+                if not verdict.ok
+                else [],
+                "checked": "static" if checks_only or not static.ok else "self-test",
+                "seconds": round(seconds, 2),
+            }
+        )
+        if verdict.ok and chosen is None:
+            chosen = candidate.name
+    candidates.append(
+        {
+            "name": "eager",
+            "source": "eager",
+            "provides": op.reference.__qualname__,
+            "ok": True,
+            "off": False,
+            "reason": "",
+            "fix": "",
+            "checked": "reference",
+            "seconds": 0.0,
+        }
+    )
+    return {"summary": op.summary, "chosen": chosen or "eager", "candidates": candidates}
+
+
+def diagnose(
+    *,
+    model_types: list[str] | None = None,
+    prefer: tuple[str, ...] | None = None,
+    static_only: bool = False,
+    every: bool = False,
+) -> dict:
+    """The doctor report as a JSON-serialisable dict."""
+    env = capture()
+    prefer = preferred_sources(prefer)
+    device, dtype = _target(env)
+    rows = [r for r in all_rows() if not model_types or set(r.model_types) & set(model_types)]
+    if model_types and not rows:
+        known = sorted({t for r in all_rows() for t in r.model_types})
+        raise ValueError(f"no fusepatch rows for model_type {model_types}; known: {', '.join(known)}")
+    op_names = [name for name in OPS if any(name in r.ops for r in rows)]
+    ops = {name: examine_op(OPS[name], env, device, dtype, prefer, static_only, every) for name in op_names}
+    families: dict[str, dict] = {}
+    fallbacks: list[str] = []
+    fixes: list[str] = []
+    for row in rows:
+        for model_type in row.model_types:
+            layer = families.setdefault(model_type, {}).setdefault(row.layer, {})
+            for name in row.ops:
+                layer[name] = {
+                    "kernel": ops[name]["chosen"],
+                    "status": "fused" if ops[name]["chosen"] != "eager" else "fallback",
+                }
+    for name in sorted({n for r in rows for n in r.ops}):
+        if ops[name]["chosen"] == "eager":
+            wired = [c for c in ops[name]["candidates"] if c["source"] != "eager" and not c["off"]]
+            reasons = "; ".join(f"{c['name']}: {c['reason']}" for c in wired)
+            fallbacks.append(f"{name} -> eager ({reasons})")
+            for c in wired:
+                if c["fix"] and c["fix"] not in fixes:
+                    fixes.append(c["fix"])
+    probed = env.with_imports([i.unless_importable for i in KNOWN_ISSUES if i.unless_importable])
+    matching = [issue for issue in KNOWN_ISSUES if issue.matches(probed)]
+    return {
+        "fusepatch": __version__,
+        "target": {"device": device, "dtype": dtype},
+        "self_tests": not static_only,
+        "self_tested": "none" if static_only else ("every candidate" if every else "up to the one chosen"),
+        "environment": probed.to_dict(),
+        "known_issues": [dict(issue.to_dict(), affects_this_machine=issue in matching) for issue in KNOWN_ISSUES],
+        "ops": ops,
+        "families": families,
+        "fallbacks": fallbacks,
+        "fixes": fixes,
+        "recommended": recommendations(probed),
+        # imported only where their kernels could run (a GPU, and checks beyond --static)
+        "private_names": [t.to_dict(probe=device == "cuda" and not static_only) for t in backends.tables()],
+        "drift": list(backends.drifted()),
+    }
+
+
+SHARED = 5  # a reason at least this many candidates give is listed once, above the ops
+
+
+def render(report: dict) -> str:
+    env = report["environment"]
+    gpus = ", ".join(f"{g['name']} ({g['arch']})" for g in env["gpus"]) or "none"
+    lines = [
+        f"fusepatch {report['fusepatch']} doctor",
+        "",
+        "Environment",
+        f"  python {env['python']}  torch {env['torch']} (CUDA {env['torch_cuda'] or 'none: CPU build'})",
+        f"  GPU: {gpus}",
+        f"  triton {env['triton'] or '-'}  transformers {env['transformers'] or '-'}",
+        "  packages: " + (", ".join(f"{k} {v}" for k, v in sorted(env["distributions"].items())) or "-"),
+        f"  checked for: {report['target']['device']}/{report['target']['dtype']}"
+        + ("" if report.get("self_tests", True) else " (--static: checks only; no kernel loaded or self-tested)"),
+        "",
+        "Known-bad stacks",
+    ]
+    for issue in report["known_issues"]:
+        mark = "AFFECTS THIS MACHINE" if issue["affects_this_machine"] else "not this machine"
+        lines.append(
+            f"  [{mark}] {issue['package']} {issue['package_spec']} + triton {issue['triton_spec']} on sm_{issue['capability_major']}x: "
+            f"{issue['what']} ({issue['link']}); fix: {issue['fix']}"
+        )
+    lines += ["", "Private names of kernel packages (backends/)"]
+    for table in report.get("private_names", []):
+        count = sum(len(a) or 1 for a in table["names"].values())
+        checked = ", ".join(table["checked"])
+        if table["installed"] is None:
+            lines.append(f"  {table['distribution']}: not installed ({count} names, checked on {checked})")
+            continue
+        state = "a checked version" if table["checked_here"] else f"NOT a checked version ({checked})"
+        missing = table.get("missing")
+        names = "not probed" if missing is None else ("all present" if not missing else f"MISSING {missing}")
+        lines.append(f"  {table['distribution']} {table['installed']}: {state}; {count} names: {names}")
+    for line in report.get("drift", []):
+        lines.append(f"  drift: {line}")
+    counts = collections.Counter(
+        tuple(part) for op in report["ops"].values() for c in op["candidates"] for part in c.get("parts", [])
+    )
+    shared = [part for part, n in counts.items() if n >= SHARED]  # a machine-wide reason (no GPU): said once
+    if shared:
+        lines += ["", "Reasons most candidates share (said once here, [shared N] below)"]
+        for i, (reason, fix) in enumerate(shared, 1):
+            lines.append(f"  [shared {i}] {reason}" + (f"; fix: {fix}" if fix else ""))
+    lines += ["", "Ops (candidates in priority order)"]
+    for name, op in report["ops"].items():
+        lines.append(f"  {name}: {op['chosen']}   -- {op['summary']}")
+        for c in op["candidates"]:
+            if c["source"] == "eager":
+                continue
+            status = "ok" if c["ok"] else ("off" if c["off"] else "rejected")
+            detail = ""
+            if not c["ok"]:
+                parts = [tuple(p) for p in c.get("parts") or [(c["reason"], c["fix"])]]
+                own = [p for p in parts if p not in shared]
+                marks = [f"[shared {shared.index(p) + 1}]" for p in parts if p in shared]
+                fixes = " && ".join(dict.fromkeys(f for _, f in own if f))
+                detail = ": " + "; ".join([r for r, _ in own] + marks) + (f"  [fix: {fixes}]" if fixes else "")
+            if c["ok"] and c.get("checked") == "static" and report.get("self_tests", True):
+                status, detail = (
+                    "checks",
+                    ": passes the checks; not self-tested (a candidate before it is chosen; --all)",
+                )
+            slow = c.get("checked") == "self-test" and c["seconds"] >= COMPILED_S
+            took = f" [self-test {c['seconds']:.0f} s]" if slow else ""
+            lines.append(f"    {status:8s} {c['name']} ({c['source']}){took}{detail}")
+    lines += ["", "Families"]
+    for model_type, layers in report["families"].items():
+        parts = []
+        for layer, ops in layers.items():
+            for name, info in ops.items():
+                parts.append(f"{layer}.{name}={info['kernel']}")
+        lines.append(f"  {model_type}: " + ", ".join(parts))
+    lines += ["", "Would fall back"]
+    fixes: list[str] = []
+    for name, op in report["ops"].items():
+        if op["chosen"] != "eager" or not any(name in ops for layers in report["families"].values() for ops in
+                                             layers.values()):  # fmt: skip
+            continue
+        reasons: list[str] = []
+        for c in op["candidates"]:
+            if c["source"] == "eager" or c["off"]:
+                continue
+            for part in map(tuple, c.get("parts") or [(c["reason"], c["fix"])]):
+                label = f"[shared {shared.index(part) + 1}]" if part in shared else part[0]
+                reasons += [label] if label not in reasons else []
+                fixes += [f for f in part[1].split(" && ") if f and f not in fixes]
+        lines.append(f"  {name}: " + "; ".join(reasons))
+    if len(lines) and lines[-1] == "Would fall back":
+        lines.append("  nothing")
+    if fixes:
+        lines += ["", "Fix"] + [f"  {f}" for f in fixes]
+    lines += ["", "Recommended at container build time (pinned to the versions fusepatch was run with)"]
+    lines += [f"  {r}" for r in report["recommended"]]
+    return "\n".join(lines)
