@@ -171,6 +171,7 @@ def driver(args) -> int:
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
         "command": " ".join([os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
+        "environment": {name: value for name, value in sorted(os.environ.items()) if name.startswith("FUSEPATCH_")},
         "shape": args.shape,
         "layers": args.layers or SHAPES[args.shape]["layers"],
         "seq": args.seq or SHAPES[args.shape]["seq"],

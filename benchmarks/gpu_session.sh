@@ -14,7 +14,7 @@
 #   bash benchmarks/gpu_session.sh moe                 # the MoE experts op alone, per candidate (benchmarks/moe_bench.py)
 #   bash benchmarks/gpu_session.sh gemm 27b            # the step's GEMMs alone, each layout (benchmarks/gemm_bench.py)
 #   bash benchmarks/gpu_session.sh sft                 # carry .whl .whl-ex: the SFT example, FSDP2 world size 1
-#                                                      #   (NPROC=all STEPS=30 LAYERS=N: every GPU, issue 7)
+#                                                      #   (NPROC=all STEPS=30 LAYERS=N: every GPU)
 #   bash benchmarks/gpu_session.sh start [STEPS...]    # carry .whl-tl2 .whl .whl-ex: run STEPS (default: bench-27b
 #                                                      #   tests bench-2b sft) one after another in the background
 #   bash benchmarks/gpu_session.sh poll SECONDS        # wait (at most SECONDS) and bring back what is done so far
@@ -206,10 +206,10 @@ EOF
     # a call that installed .whl into /tmp/site-fla)
     ls .whl-pa/*.whl >/dev/null 2>&1 && pipi /tmp/site-ex .whl-pa/*.whl
     python3 -c "import sys; sys.path[:0] = ['/tmp/site-ex']; import datasets, pyarrow; print('datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)"
-    # OMP_NUM_THREADS: torchrun sets 1 otherwise (the session-4 runs built 27B-shaped layers on the CPU with one
+    # OMP_NUM_THREADS: torchrun sets 1 otherwise (runs built 27B-shaped layers on the CPU with one
     # thread and spent their whole limit there; the example now draws random weights on the GPU)
     export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl:/tmp/site-ex" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 OMP_NUM_THREADS=8
-    # NPROC: processes (= GPUs) for torchrun, "all" for every GPU of the machine (issue 7's multi-GPU run:
+    # NPROC: processes (= GPUs) for torchrun, "all" for every GPU of the machine (a multi-GPU run:
     # NPROC=all STEPS=30 LAYERS=<deepest that fits>); the table goes to $OUT/sft-table.md.
     nproc=${NPROC:-1}; [ "$nproc" = all ] && nproc=$(nvidia-smi -L | wc -l)
     [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && [ "$nproc" -gt 1 ] && nproc=$(echo "$CUDA_VISIBLE_DEVICES" | tr , '\n' | wc -l)
@@ -220,7 +220,7 @@ EOF
     # LR: the learning rate (default 1e-3, the example's; at 24 layers of random 27B-shaped weights it gave loss
     # spikes in the H200 run of 2026-11-29, which make two curves hard to compare)
     # LAYERS may list depths, deepest first (LAYERS=24,16): a depth whose run runs out of GPU memory is given
-    # up for the next one, every configuration again, so the table compares one depth (issue 7: the deepest
+    # up for the next one, every configuration again, so the table compares one depth (the deepest
     # that fits)
     for layers in $(echo "${LAYERS:-4}" | tr , ' '); do
       oom=0
@@ -239,7 +239,7 @@ EOF
       done
       [ "$oom" = 0 ] && break
     done
-    python3 benchmarks/sft_table.py --gpus "$nproc" "$OUT/sft-${nproc}gpu-hf-fast.log" "$OUT/sft-${nproc}gpu-fusepatch.core.log" | tee "$OUT/sft-table-${nproc}gpu.md"
+    python3 benchmarks/sft_table.py --gpus "$nproc" "$OUT/sft-${nproc}gpu-hf-fast.log" "$OUT/sft-${nproc}gpu-fusepatch.log" | tee "$OUT/sft-table-${nproc}gpu.md"
     echo "layers: $layers" >> "$OUT/sft-table-${nproc}gpu.md" ;;
   start)
     need_tilelang

@@ -123,8 +123,8 @@ def test_sft_table_reads_two_ranks_lines_run_together(tmp_path):
         '{"steps": 27, "median_step_s": 1.07, "median_tokens_per_s": 3700.0}\n'
         'steady state (rank 0): {"steps": 27, "median_step_s": 1.0588, "median_tokens_per_s": 3715.2}\n'
     )
-    (tmp_path / "sft-2gpu-fusepatch.core.log").write_text(log)
-    run = sft_table.parse(str(tmp_path / "sft-2gpu-fusepatch.core.log"))
+    (tmp_path / "sft-2gpu-fusepatch.log").write_text(log)
+    run = sft_table.parse(str(tmp_path / "sft-2gpu-fusepatch.log"))
     assert run["losses"] == [13.5, 6.281, 1.43]
     assert run["profile"] == metrics
     assert run["steady"]["median_tokens_per_s"] == 3715.2
