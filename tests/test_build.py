@@ -77,6 +77,27 @@ def test_cached_wheel_is_reused(sdist, tmp_path):
     assert messages == [f"cached: {wheel}"]
 
 
+def test_compile_steps_reach_the_progress_callback(sdist, tmp_path):
+    """ninja's ``[done/total]`` lines go to ``progress`` (the CLI's tqdm bar), the other lines of note to ``echo``,
+    and the wheel the command leaves in the cache is what the build returns."""
+    import dataclasses
+
+    plan = _plan(gpu_env(H200), sdist, tmp_path)
+    plan.wheel_dir.mkdir(parents=True)
+    wheel = plan.wheel_dir / "causal_conv1d-1.7.0-cp312-cp312-linux_x86_64.whl"
+    script = (
+        "import sys\n"
+        "for i in (1, 2, 3): print(f'[{i}/3] nvcc -c file{i}.cu', flush=True)\n"
+        "print('Building wheel for causal-conv1d')\n"
+        f"open({str(wheel)!r}, 'wb').close()\n"
+    )
+    fake = dataclasses.replace(plan, command=[sys.executable, "-c", script])
+    steps, messages = [], []
+    assert run_build(fake, install=False, echo=messages.append, progress=lambda *s: steps.append(s)) == wheel
+    assert steps == [(1, 3), (2, 3), (3, 3)]
+    assert any("Building wheel" in m for m in messages) and not any(m.startswith("[") for m in messages)
+
+
 def test_failed_build_says_which_step(sdist, tmp_path):
     plan = _plan(gpu_env(), sdist, tmp_path)
     failing = plan.__class__(

@@ -34,7 +34,7 @@ TRACKED_DISTRIBUTIONS: tuple[str, ...] = (
 OFFLINE_VARIABLES: tuple[str, ...] = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
-TRANSFORMERS_REQUIREMENT = "transformers>=5.17,<6"
+TRANSFORMERS_REQUIREMENT = "transformers>=5.17,<5.25"
 
 
 class MissingDependency(ImportError):

@@ -188,8 +188,14 @@ def _failure_summary(output: str) -> str:
     return "\n".join((errors or output.splitlines())[-8:])
 
 
-def run_build(plan: BuildPlan, *, install: bool = True, echo=print) -> Path:
-    """Build (or reuse the cached wheel), then install it with pip (no dependencies, no index)."""
+NINJA_STEP = re.compile(r"^\[(\d+)/(\d+)\]")  # ninja's "[done/total] command" lines
+
+
+def run_build(plan: BuildPlan, *, install: bool = True, echo=print, progress=None) -> Path:
+    """Build (or reuse the cached wheel), then install it with pip (no dependencies, no index).
+
+    ``progress(done, total)``, where given, gets ninja's compile steps as they finish (the CLI draws a bar from
+    them; a build of causal-conv1d for one GPU takes minutes); other lines of note go to ``echo``."""
     wheel = cached_wheel(plan)
     if wheel is not None:
         echo(f"cached: {wheel}")
@@ -202,7 +208,10 @@ def run_build(plan: BuildPlan, *, install: bool = True, echo=print) -> Path:
         assert process.stdout is not None
         for line in process.stdout:
             lines.append(line)
-            if line.startswith(("[", "Successfully")) or "Building wheel" in line:  # ninja's [n/N] progress
+            step = NINJA_STEP.match(line)
+            if step is not None and progress is not None:
+                progress(int(step[1]), int(step[2]))
+            elif line.startswith(("[", "Successfully")) or "Building wheel" in line:
                 echo(line.rstrip()[:200])
         if process.wait() != 0:
             raise BuildError(

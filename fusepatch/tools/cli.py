@@ -103,6 +103,26 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+class _CompileBar:
+    """A tqdm bar over ninja's compile steps, made when the first step reports the total."""
+
+    def __init__(self, description: str) -> None:
+        self.description = description
+        self.bar = None
+
+    def update(self, done: int, total: int) -> None:
+        if self.bar is None:
+            from tqdm.auto import tqdm  # transformers' dependency: present wherever fusepatch runs
+
+            self.bar = tqdm(total=total, desc=self.description, unit="file", file=sys.stderr)
+        self.bar.total = max(self.bar.total or 0, total)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _build(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -121,7 +141,11 @@ def _build(args: argparse.Namespace) -> int:
         if args.dry_run:
             print(plan.describe())
             return 0
-        run_build(plan, install=not args.no_install)
+        bar = _CompileBar(f"compiling {plan.package.distribution}")
+        try:
+            run_build(plan, install=not args.no_install, progress=bar.update)
+        finally:
+            bar.close()
     except BuildError as exc:
         print(f"fusepatch build: {exc}", file=sys.stderr)
         return 1
