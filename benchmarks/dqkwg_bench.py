@@ -4,7 +4,7 @@ with q/k expanded to them, K = V = 128): time, and the largest difference from f
 
 fla builds it with K split in 64-wide blocks (two programs per chunk and head), so each program reads the chunk's
 ``v``, ``do`` and ``dv`` and computes ``do @ v^T`` again for its half of K; one 128-wide block reads and computes
-them once. Run on the GPU machine: ``bash benchmarks/gpu_session.sh dqkwg``."""
+them once. Run on the GPU machine: ``bash benchmarks/gpu_run.sh dqkwg``."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ Triton launch) and reads, for each point, when the host queued it and when the G
 - ``lead``: ``gpu_ms - host_ms``, how far the host was ahead of the GPU there (the work queued in front of the
   point). Near zero, the GPU had run out of work and was waiting for the host at that point.
 
-Run on the GPU machine (``bash benchmarks/gpu_session.sh probe 27b``):
+Run on the GPU machine (``bash benchmarks/gpu_run.sh probe 27b``):
 
     python benchmarks/step_start.py --shape 27b --config fusepatch --json-out start.json
 

@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
 # Everything the H200 run needs, in phases (the device tool's calls are short; tilelang must travel alone):
-#   bash benchmarks/gpu_session.sh tilelang            # call 1, carry .whl-tl1 .src: install tilelang, and start
+#   bash benchmarks/gpu_run.sh tilelang            # call 1, carry .whl-tl1 .src: install tilelang, and start
 #                                                      #   `fusepatch build causal-conv1d` in the background
-#   bash benchmarks/gpu_session.sh tests               # call 2, carry .whl-tl2 .whl: deps, fla, all GPU tests
+#   bash benchmarks/gpu_run.sh tests               # call 2, carry .whl-tl2 .whl: deps, fla, all GPU tests
 #                                                      #   (TESTS=files, K=filter, TAG=log name suffix)
-#   bash benchmarks/gpu_session.sh built               # the built causal-conv1d wheel: install it, test it, doctor
-#   bash benchmarks/gpu_session.sh bench 27b [layers]  # call 3+: the benchmark table for one shape
-#   CONFIGS=fusepatch bash benchmarks/gpu_session.sh probe 27b  # where a synced step's forward waits for the host
-#   bash benchmarks/gpu_session.sh loss 27b            # the loss alone (benchmarks/loss_bench.py)
-#   bash benchmarks/gpu_session.sh fidelity 27b        # gradients against fp32 eager (benchmarks/fidelity.py)
-#   bash benchmarks/gpu_session.sh curves              # carry .whl-ex: SFT loss curves, two seeds (loss_curves.py)
-#   bash benchmarks/gpu_session.sh norm                # the RMSNorm candidates alone (benchmarks/norm_bench.py)
-#   bash benchmarks/gpu_session.sh moe                 # the MoE experts op alone, per candidate (benchmarks/moe_bench.py)
-#   bash benchmarks/gpu_session.sh gemm 27b            # the step's GEMMs alone, each layout (benchmarks/gemm_bench.py)
-#   bash benchmarks/gpu_session.sh sft                 # carry .whl .whl-ex: the SFT example, FSDP2 world size 1
+#   bash benchmarks/gpu_run.sh built               # the built causal-conv1d wheel: install it, test it, doctor
+#   bash benchmarks/gpu_run.sh bench 27b [layers]  # call 3+: the benchmark table for one shape
+#   CONFIGS=fusepatch bash benchmarks/gpu_run.sh probe 27b  # where a synced step's forward waits for the host
+#   bash benchmarks/gpu_run.sh loss 27b            # the loss alone (benchmarks/loss_bench.py)
+#   bash benchmarks/gpu_run.sh fidelity 27b        # gradients against fp32 eager (benchmarks/fidelity.py)
+#   bash benchmarks/gpu_run.sh curves              # carry .whl-ex: SFT loss curves, two seeds (loss_curves.py)
+#   bash benchmarks/gpu_run.sh norm                # the RMSNorm candidates alone (benchmarks/norm_bench.py)
+#   bash benchmarks/gpu_run.sh moe                 # the MoE experts op alone, per candidate (benchmarks/moe_bench.py)
+#   bash benchmarks/gpu_run.sh gemm 27b            # the step's GEMMs alone, each layout (benchmarks/gemm_bench.py)
+#   bash benchmarks/gpu_run.sh sft                 # carry .whl .whl-ex: the SFT example, FSDP2 world size 1
 #                                                      #   (NPROC=all STEPS=30 LAYERS=N: every GPU)
-#   bash benchmarks/gpu_session.sh start [STEPS...]    # carry .whl-tl2 .whl .whl-ex: run STEPS (default: bench-27b
+#   bash benchmarks/gpu_run.sh start [STEPS...]    # carry .whl-tl2 .whl .whl-ex: run STEPS (default: bench-27b
 #                                                      #   tests bench-2b sft) one after another in the background
-#   bash benchmarks/gpu_session.sh poll SECONDS        # wait (at most SECONDS) and bring back what is done so far
+#   bash benchmarks/gpu_run.sh poll SECONDS        # wait (at most SECONDS) and bring back what is done so far
 # start/poll: one sequence longer than a call's limit, with no idle gap between its steps; each poll must
 # follow the last call within ~30 s or the machine (and the sequence) is gone.
 # Wheels: bash ../shared/gpu/wheels.sh, plus the causal-conv1d wheel copied into .whl; the sdist into .src.
@@ -154,7 +154,7 @@ EOF
       done
     done
     python3 benchmarks/loss_curves.py "${runs[@]}" --out "$OUT/loss_curves.jsonl" \
-      --command "STEPS=$steps bash benchmarks/gpu_session.sh curves" | tee "$OUT/loss-curves.md" ;;
+      --command "STEPS=$steps bash benchmarks/gpu_run.sh curves" | tee "$OUT/loss-curves.md" ;;
   probe)
     # where the GPU waits for the host in a synced step's forward (benchmarks/step_start.py), per CONFIGS
     need_tilelang
@@ -261,7 +261,7 @@ step() {  # step LANE STEP: its log is named by lane and step, so a step in two 
   # (cut: a step with several test ids made a name over the file system's 255 bytes, and the step never ran)
   [ "$extra" = "$2" ] && extra=
   echo "== [$1] $2 started $(date +%T)" >> /tmp/seq/progress
-  env ${extra//:/ } OUT=/tmp/seq/out bash benchmarks/gpu_session.sh ${name%%-*} $(echo "$name" | sed -n 's/^[a-z]*-//p') > "$log" 2>&1
+  env ${extra//:/ } OUT=/tmp/seq/out bash benchmarks/gpu_run.sh ${name%%-*} $(echo "$name" | sed -n 's/^[a-z]*-//p') > "$log" 2>&1
   echo "== [$1] $2 exit $? after $(($(date +%s) - s)) s" >> /tmp/seq/progress
 }
 # Stages: "A / B + C / D + E": each "+" waits for every lane of the stage before it; within a stage, "/"
