@@ -209,7 +209,8 @@ def test_builtin_hub_causal_conv1d_candidate_adapts_the_hub_entry_point(tmp_path
     x, weight = torch.randn(1, 50, 12, dtype=torch.float64), torch.randn(12, 4, dtype=torch.float64)
     cu = torch.tensor([0, 17, 18, 50], dtype=torch.int32) if packed else None
     if packed == "from-position-ids":  # boundaries that carry their host values: seq_idx built on the host, kept
-        from fusepatch.layers.support.packing import cu_seqlens_from_position_ids, host_values
+        from fusepatch.layers.support.packing import cu_seqlens_from_position_ids
+        from fusepatch.ops.boundaries import host_values
 
         cu = cu_seqlens_from_position_ids(torch.cat([torch.arange(n) for n in (17, 1, 32)])[None])
         assert host_values(cu) == (0, 17, 18, 50)

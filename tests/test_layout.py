@@ -74,6 +74,23 @@ def test_every_module_imports_alone():
     assert result.stdout.strip() == "ok", result.stdout + result.stderr[-2000:]
 
 
+def test_ops_and_backends_import_nothing_above_them():
+    """The ops and the foreign-package backends sit below the forwards, the patching and the tools
+    (docs/design.md): nothing they import at module level comes from there."""
+    above = (
+        "fusepatch.layers",
+        "fusepatch.models",
+        "fusepatch.tools",
+        "fusepatch.integrations",
+        "fusepatch.core.patch",
+    )
+    modules = _modules()
+    for name, path in modules.items():
+        if name.startswith(("fusepatch.ops", "fusepatch.backends")):
+            wrong = {m for m in _imports(path, modules) if m.startswith(above)}
+            assert not wrong, f"{name} imports {wrong}"
+
+
 def test_kernels_import_only_kernels():
     modules = _modules()
     for name, path in modules.items():

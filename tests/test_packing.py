@@ -16,6 +16,7 @@ from fusepatch.layers.support.packing import (
     attention_crosses_documents,
     cu_seqlens_from_position_ids,
 )
+from fusepatch.ops import boundaries
 from fusepatch.tools.tiny import tiny_model
 
 LENGTHS = [23, 1, 40, 17]
@@ -46,14 +47,14 @@ def test_boundaries_keep_their_host_values_for_the_chunk_table():
     lengths = [1, 64, 65, 130, 7]
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     cu = cu_seqlens_from_position_ids(pos)
-    assert packing.host_values(cu) == (0, 1, 65, 130, 260, 267) == tuple(cu.tolist())
+    assert boundaries.host_values(cu) == (0, 1, 65, 130, 260, 267) == tuple(cu.tolist())
     expected = [[0, 0], [1, 0], [2, 0], [2, 1], [3, 0], [3, 1], [3, 2], [4, 0]]
     table = chunk_table(cu)
     assert table.dtype == cu.dtype and table.tolist() == expected
     assert chunk_table(cu) is table  # once per boundaries tensor: the recompute and backward reuse it
     assert chunk_table(cu, 32).tolist()[:5] == [[0, 0], [1, 0], [1, 1], [2, 0], [2, 1]]
     # boundaries from elsewhere (a caller's cu_seq_lens_q, a copy): no host values, fla builds its own table
-    assert packing.host_values(cu.clone()) is None and chunk_table(cu.clone()) is None
+    assert boundaries.host_values(cu.clone()) is None and chunk_table(cu.clone()) is None
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])

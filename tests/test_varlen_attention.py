@@ -16,7 +16,7 @@ from fusepatch.core.requirements import InputRule
 from fusepatch.layers import attention
 from fusepatch.layers.support import packing
 from fusepatch.layers.support.packing import mask_plan
-from fusepatch.ops import OPS
+from fusepatch.ops import OPS, boundaries
 from fusepatch.ops.varlen_attention import torch_varlen_adapter
 from fusepatch.ops.varlen_attention.reference import varlen_attention_reference
 from fusepatch.tools.tiny import tiny_model
@@ -112,7 +112,7 @@ def test_adapter_refuses_a_signature_without_causality():
 
 def _block_causal(lengths, rows: int = 1) -> torch.Tensor:
     total = sum(lengths)
-    docs = packing.document_ids(_cu(lengths), total).view(rows, total // rows)
+    docs = boundaries.document_ids(_cu(lengths), total).view(rows, total // rows)
     pos = torch.arange(total // rows)
     return ((docs[:, :, None] == docs[:, None, :]) & (pos[None, None, :] <= pos[None, :, None]))[:, None]
 

@@ -88,7 +88,8 @@ def test_fla_with_fusepatch_chunk_table_equals_fla_building_its_own():
     or where fla's own two runs differ (atomic sums in its backward), no further off than they are."""
     from fla.ops.utils.index import prepare_chunk_indices
 
-    from fusepatch.layers.support.packing import cu_seqlens_from_position_ids, host_values
+    from fusepatch.layers.support.packing import cu_seqlens_from_position_ids
+    from fusepatch.ops.boundaries import host_values
     from fusepatch.ops.gated_delta_rule.fla import chunk_table
 
     fn = kernel("gated_delta_rule", "fla", torch.bfloat16)

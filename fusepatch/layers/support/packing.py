@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from fusepatch.layers.support.positions import _root, is_plain
 from fusepatch.layers.support.signature import CACHE_NAMES
+from fusepatch.ops.boundaries import _HOST_VALUES, block_causal_rows, document_ids
 
 
 def cu_seqlens_from_position_ids(
@@ -47,41 +47,6 @@ def cu_seqlens_from_position_ids(
     # of its own, and kernels that need them on the host (fla's chunk table) need not wait again.
     setattr(cu_seqlens, _HOST_VALUES, (*flat.tolist(), position_ids.numel()))
     return cu_seqlens
-
-
-_HOST_VALUES = "_fusepatch_host_values"
-
-
-def host_values(cu_seqlens: torch.Tensor) -> tuple[int, ...] | None:
-    """The values of boundaries that :func:`cu_seqlens_from_position_ids` made, as host integers read in its one
-    wait; ``None`` for boundaries from elsewhere (a caller's ``cu_seq_lens_q``, a copy to another device)."""
-    return getattr(cu_seqlens, _HOST_VALUES, None)
-
-
-_HOST_BUILT = "_fusepatch_host_built"
-
-
-def host_built(
-    cu_seqlens: torch.Tensor, key: str, build: Callable[[tuple[int, ...]], torch.Tensor], device: torch.device
-) -> torch.Tensor | None:
-    """A tensor a kernel needs, derived from the boundaries: ``build(host_values)`` on the host, copied to
-    ``device`` without a wait (from pinned memory), and kept on the boundaries tensor under ``key``, so the
-    layers of a forward, its recompute and its backward share one. ``None`` where the host values are not known
-    (the caller then derives it from the GPU tensor).
-
-    The builders use NumPy, not torch: torch's CPU ``repeat_interleave`` opens an OpenMP parallel region even for
-    eight documents, and in the packed 27B-shaped step on the H200 the GPU sat idle inside those host calls, 9-19
-    ms a step (one gap of 15.5 ms; the H200 run of 2026-11-30); NumPy's ``repeat`` is single-threaded."""
-    host = host_values(cu_seqlens)
-    if host is None:
-        return None
-    kept = cu_seqlens.__dict__.setdefault(_HOST_BUILT, {})
-    tensor = kept.get((key, device))
-    if tensor is None:
-        tensor = build(host)
-        tensor = tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
-        kept[(key, device)] = tensor
-    return tensor
 
 
 _MEMO_ENTRIES = 4  # per slot: the last few calls' tensors (a forward, its recompute, a second replica)
@@ -150,21 +115,6 @@ _LEAKS = (
     "attend across boundaries. Fix: call the model with use_cache=False and no attention_mask "
     "(DataCollatorWithFlattening does this), or use attn_implementation='flash_attention_2'."
 )
-
-
-def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """The document index of each of ``total`` flattened tokens (0 for the first document)."""
-    marks = torch.zeros(total, dtype=torch.int32, device=cu_seqlens.device)
-    starts = cu_seqlens[1:-1].long().clamp_max(total - 1)  # boundaries past ``total``: the caller checks cu[-1]
-    marks.index_add_(0, starts, torch.ones_like(starts, dtype=torch.int32))
-    return marks.cumsum(0)
-
-
-def block_causal_rows(docs: torch.Tensor, first: int, last: int) -> torch.Tensor:
-    """Rows ``first:last`` of the mask a varlen kernel computes over tokens of documents ``docs``: a query sees
-    the keys of its own document up to itself."""
-    position = torch.arange(docs.numel(), device=docs.device)
-    return (docs[first:last, None] == docs[None, :]) & (position[None, :] <= position[first:last, None])
 
 
 @dataclass(frozen=True)

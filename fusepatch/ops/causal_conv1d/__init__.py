@@ -12,13 +12,13 @@ from fusepatch.backends import causal_conv1d as conv_backend
 from fusepatch.backends.kernels_hub import HubKernel, hub_candidate
 from fusepatch.core.op import Candidate, Op, SelfTest
 from fusepatch.core.requirements import CudaDevice, InputRule
-from fusepatch.layers.support.packing import host_built, host_values
+from fusepatch.ops.boundaries import host_built, host_values
 from fusepatch.ops.causal_conv1d.reference import causal_conv1d_reference
 from fusepatch.ops.common import CAUSAL_CONV1D_FIX, fla_requirements, package_requirements, rand
 
 
 def _document_numbers(host: tuple[int, ...]) -> torch.Tensor:
-    import numpy as np  # packing.host_built says why not torch
+    import numpy as np  # boundaries.host_built says why not torch
 
     lengths = np.diff(np.asarray(host, dtype=np.int64))
     return torch.from_numpy(np.repeat(np.arange(len(lengths), dtype=np.int32), lengths))[None]
@@ -26,7 +26,7 @@ def _document_numbers(host: tuple[int, ...]) -> torch.Tensor:
 
 def sequence_index(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> torch.Tensor:
     """causal-conv1d's ``seq_idx``, ``[1, total]`` int32: every position's document number. From the boundaries'
-    host values where they are known (``packing.host_built``: built on the host, copied without a wait, shared by
+    host values where they are known (``boundaries.host_built``: built on the host, copied without a wait, shared by
     the layers of a forward, its recompute and its backward; else every layer's call ran five small GPU kernels to
     make it, in the packed forward that the CPU holds back). Other boundaries (a caller's ``cu_seq_lens_q``):
     built on the GPU from the tensor, without a wait."""

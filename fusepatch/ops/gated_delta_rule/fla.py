@@ -6,19 +6,19 @@ from __future__ import annotations
 import torch
 
 from fusepatch.backends.fla import DELTA_RULE_WHOLE, check_signatures
-from fusepatch.layers.support.packing import host_built
+from fusepatch.ops.boundaries import host_built
 from fusepatch.ops.gated_delta_rule.reference import CHUNK, gate_and_beta
 
 
 def chunk_table(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor | None:
     """fla's table of chunks for packed rows, ``[chunks, 2]`` (document, chunk within it), in ``cu_seqlens``'
-    dtype and device, built from the boundaries' host values and copied without a wait (``packing.host_built``).
+    dtype and device, built from the boundaries' host values and copied without a wait (``boundaries.host_built``).
     fla builds it from the GPU tensor (``repeat_interleave`` reads its length on the host): two waits for the GPU
     per new boundaries on the H200 trace of 2026-11-30, mid-forward. ``None`` where the host values are not
     known: fla then builds it itself."""
 
     def build(host: tuple[int, ...]) -> torch.Tensor:
-        import numpy as np  # packing.host_built says why not torch
+        import numpy as np  # boundaries.host_built says why not torch
 
         counts = (np.diff(np.asarray(host, dtype=np.int64)) + chunk - 1) // chunk
         documents = np.repeat(np.arange(len(counts)), counts)

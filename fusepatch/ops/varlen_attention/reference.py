@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from fusepatch.layers.support.packing import block_causal_rows, document_ids
+from fusepatch.ops.boundaries import block_causal_rows, document_ids
 
 
 def varlen_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale=None):
