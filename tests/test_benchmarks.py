@@ -38,12 +38,23 @@ def _train_step_on_cpu(tmp_path, config: str, *flags: str) -> dict:
     return result
 
 
-def test_varying_lengths_give_every_timed_step_its_own_size(tmp_path):
-    """``--vary-seq``: the harness case the fixed-length tables missed (H200 run of 2026-11-29). Same draws for every
-    configuration; tokens/s over all timed tokens and time; the slowest step in the table."""
+def test_varying_packed_and_prompt_masked_steps(tmp_path):
+    """``--vary-seq``, ``--packed-docs`` and ``--prompt`` in one run. Varying lengths: the harness case the
+    fixed-length tables missed (H200 run of 2026-11-29); the same draws for every configuration, tokens/s over all
+    timed tokens and time, the slowest step in the table. Packed rows: K documents a row, new cut points every
+    step, the same for every configuration, passed to the model as ``position_ids``. Prompt: the first F of every
+    row's labels are -100, so the loss differs from the same run without it."""
+    import math
     import random
 
-    result = _train_step_on_cpu(tmp_path, "fusepatch", "--steps", "3", "--warmup", "1", "--vary-seq", "0.5")
+    import train_step
+
+    for length, docs in ((256, 4), (5, 9)):
+        positions = train_step.packed_positions(length, docs, random.Random(0))
+        assert positions.shape == (length,) and int((positions == 0).sum()) == min(docs, length)
+        assert positions.tolist() == train_step.packed_positions(length, docs, random.Random(0)).tolist()
+    flags = ("--steps", "3", "--warmup", "1", "--vary-seq", "0.5", "--packed-docs", "3")
+    result = _train_step_on_cpu(tmp_path, "fusepatch", *flags, "--prompt", "0.5")
     draws = random.Random(1234)
     assert result["lengths"] == [draws.randint(128, 256) for _ in range(3)]
     seconds = sum(result["step_ms"]) / 1000
@@ -58,6 +69,11 @@ def test_varying_lengths_give_every_timed_step_its_own_size(tmp_path):
     assert {"busy_cores", "own_cores", "other_cores", "shared"} <= set(result["host_load"])  # Linux: /proc/stat
     row = run_all.table([result | {"config": "fusepatch"}]).splitlines()[-1]
     assert f"| {result['median_step_ms']} | {result['max_step_ms']} |" in row
+    assert result["packed_docs"] == 3 and len(result["step_ms"]) == 3
+    (tmp_path / "unmasked").mkdir()
+    unmasked = _train_step_on_cpu(tmp_path / "unmasked", "fusepatch", *flags)
+    assert result["prompt"] == 0.5 and "prompt" not in unmasked
+    assert math.isfinite(result["losses"][0]) and result["losses"][0] != unmasked["losses"][0]
 
 
 def test_a_label_with_a_slash_gets_its_own_files(tmp_path):
@@ -72,21 +88,6 @@ def test_a_label_with_a_slash_gets_its_own_files(tmp_path):
     assert result["config"] == "eager+FUSEPATCH_SKIP=rms_norm/triton"
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["tiny-eager+FUSEPATCH_SKIP=rms_norm_triton.json", "tiny-eager+FUSEPATCH_SKIP=rms_norm_triton.log"]
-
-
-def test_packed_rows_restart_positions_at_every_document(tmp_path):
-    """``--packed-docs K``: K documents a row, new cut points every step, the same for every configuration;
-    the run passes them to the model as ``position_ids``."""
-    import random
-
-    import train_step
-
-    for length, docs in ((256, 4), (5, 9)):
-        positions = train_step.packed_positions(length, docs, random.Random(0))
-        assert positions.shape == (length,) and int((positions == 0).sum()) == min(docs, length)
-        assert positions.tolist() == train_step.packed_positions(length, docs, random.Random(0)).tolist()
-    result = _train_step_on_cpu(tmp_path, "hf-fast", "--steps", "2", "--warmup", "1", "--packed-docs", "3")
-    assert result["packed_docs"] == 3 and len(result["step_ms"]) == 2
 
 
 def test_gpu_idle_is_attributed_to_the_innermost_cpu_op_and_phase():
@@ -234,17 +235,6 @@ def test_clock_sampler_falls_back_to_the_basic_fields_and_says_when_it_cannot_sa
     with gpu_clocks.ClockSampler(torch.device("cuda", 0)) as missing:
         pass
     assert missing.summary()["error"].startswith("nvidia-smi")
-
-
-def test_prompt_masked_labels_reach_the_model(tmp_path):
-    """``--prompt F``: the first F of every row's labels are -100 (the same for every configuration), so a
-    table can show the fused loss running on the labelled rows only; the loss differs from the unmasked run's."""
-    import math
-
-    masked = _train_step_on_cpu(tmp_path, "fusepatch", "--steps", "1", "--warmup", "0", "--prompt", "0.5")
-    plain = _train_step_on_cpu(tmp_path, "fusepatch", "--steps", "1", "--warmup", "0")
-    assert masked["prompt"] == 0.5 and "prompt" not in plain
-    assert math.isfinite(masked["losses"][0]) and masked["losses"][0] != plain["losses"][0]
 
 
 def test_back_to_back_times_each_step_between_the_events_around_it(monkeypatch):
