@@ -353,13 +353,14 @@ def run(args, seq: int, batch: int) -> dict:
 
     median = statistics.median(times)
     tokens = batch * seq
+    flops = flops_per_token(model, seq) * tokens  # one step at the full length
     if args.vary_seq:  # every step its own size: all tokens over all time, FLOPs per step at its length
         info.update(lengths=lengths, max_step_ms=round(max(times) * 1000, 2))
         rate = batch * sum(lengths) / sum(times)
         flops_per_s = sum(flops_per_token(model, n) * batch * n for n in lengths) / sum(times)
     else:
         rate = tokens / median
-        flops_per_s = flops_per_token(model, seq) * tokens / median
+        flops_per_s = flops / median
     if args.packed_docs > 1:
         info["packed_docs"] = args.packed_docs
     if args.prompt:
@@ -374,7 +375,7 @@ def run(args, seq: int, batch: int) -> dict:
         peak_mem_gib=round(max(peaks[0], torch.cuda.max_memory_allocated()) / 2**30, 2) if cuda else None,
         peak_reserved_gib=round(max(peaks[1], torch.cuda.max_memory_reserved()) / 2**30, 2) if cuda else None,
         mfu=round(flops_per_s / (PEAK_TFLOPS * 1e12), 3),
-        tflop_per_step=round(flops_per_token(model, seq) * tokens / 1e12, 2),
+        tflop_per_step=round(flops / 1e12, 2),
         losses=[round(x, 4) for x in losses],
     )
     return info

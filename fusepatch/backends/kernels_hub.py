@@ -6,8 +6,8 @@ local cache only, never downloaded), else the Hub (``HF_HUB_OFFLINE=1``: the loc
 other than ``kernels-community`` are refused unless the user opts in with ``FUSEPATCH_TRUST_KERNELS``. When no
 build variant fits this machine, the reason carries ``kernels``' accept/reject trace of every variant.
 
-The Hugging Face ``kernels`` package: fusepatch uses its public ``get_kernel``, ``get_local_kernel`` and ``load_kernel`` and two
-internals, the lock-file parser and the build-variant resolver (for the reason a Hub kernel does not fit).
+Of ``kernels``, fusepatch uses the public ``get_kernel``, ``get_local_kernel`` and ``load_kernel`` and two internals,
+the lock-file parser and the build-variant resolver: ``NAMES`` lists them with the versions they were checked on.
 """
 
 from __future__ import annotations
@@ -197,17 +197,16 @@ def hub_candidate(
 
     Example::
 
-        >>> from fusepatch.backends.kernels_hub import HubKernel, hub_candidate
-        >>> kernel = HubKernel("kernels-community/activation", "silu_and_mul", version=1, adapter=my_adapter)
-        >>> fusepatch.add_candidate("swiglu", hub_candidate(kernel))  # doctest: +SKIP
+        >>> kernel = fusepatch.HubKernel("kernels-community/activation", "silu_and_mul", version=1, adapter=my_adapter)
+        >>> fusepatch.add_candidate("swiglu", fusepatch.hub_candidate(kernel))  # doctest: +SKIP
     """
     return Candidate(
         name=name or f"hub:{kernel.repo_id}",
         source="hub",
         requirements=(
             *requirements,
-            DistributionVersion("kernels", ">=0.17", FIX),
-            Importable("kernels", "kernels", FIX),
+            DistributionVersion(DISTRIBUTION, REQUIRED, FIX),
+            Importable("kernels", DISTRIBUTION, FIX),
             TrustedPublisher(kernel.repo_id),
         ),
         load=kernel.load,
