@@ -25,7 +25,7 @@ from fusepatch.core.resolve import Choice, Dispatch, autocast_dtype, dtype_name,
 from fusepatch.layers import mlp_recompute, rotary_embedding
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward, trainer_head
 from fusepatch.layers.simple import swiglu_mlp_forward
-from fusepatch.layers.support import bindings
+from fusepatch.layers.support import bindings, lora
 from fusepatch.ops import OPS
 
 logger = logging.getLogger("fusepatch")
@@ -142,6 +142,17 @@ def fsdp_compute_dtype(model: torch.nn.Module) -> torch.dtype | None:
     return None
 
 
+def _lora_survey(model: torch.nn.Module, device: str, compute_dtype: torch.dtype | None) -> dict:
+    """``lora.survey`` in the dtype the layers compute in: cast when that is not the parameters' own (autocast,
+    FSDP2's mixed precision, ``compute_dtype``)."""
+    first = next((p for p in model.parameters() if p.is_floating_point()), None)
+    running = None if device == "meta" else autocast_dtype(device)
+    compute = compute_dtype or fsdp_compute_dtype(model) or running
+    dtype = compute or (first.dtype if first is not None else torch.float32)
+    found = lora.survey(model, dtype, cast=compute is not None)
+    return found if found["linears"] else {}
+
+
 def _disabled() -> bool:
     return flag_set("FUSEPATCH_DISABLE")
 
@@ -177,6 +188,7 @@ def _build_report(
         newly_patched=newly,
         already_patched=already,
         drift=backends.drifted(),
+        lora=_lora_survey(model, device, compute_dtype),
         environment={
             "torch": env.torch,
             "cuda": env.torch_cuda,
@@ -325,6 +337,11 @@ def apply(
     if newly or on_meta:
         for line in report.grouped_fallbacks():
             logger.warning(line)
+        lines = report.lora_lines()
+        if lines:
+            logger.info(lines[0])
+            for line in lines[1:]:
+                logger.warning(line)
     if newly and mlp_recompute.RECOMPUTE and any(row.forward is swiglu_mlp_forward for row in dispatches):
         logger.info(
             "fusepatch: FUSEPATCH_MLP_RECOMPUTE=1: the SwiGLU MLPs' down projections recompute their input in the "

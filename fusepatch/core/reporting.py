@@ -49,6 +49,7 @@ class PatchReport:
     already_patched: int = 0
     environment: dict = field(default_factory=dict)
     drift: tuple[str, ...] = ()  # a foreign package lacking a name fusepatch uses, and what ran instead
+    lora: dict = field(default_factory=dict)  # peft LoRA linears: count, fusable, the others by reason
 
     @property
     def patched(self) -> int:
@@ -80,6 +81,17 @@ class PatchReport:
         falls = len(self.fallbacks())
         text += f", {falls} fell back to eager" if falls else ""
         return text + (f" ({self.message})" if self.message else "")
+
+    def lora_lines(self) -> list[str]:
+        """``fusepatch: 112 of 112 peft LoRA linears fusable ...``; each reason others are not, with its count."""
+        if not self.lora.get("linears"):
+            return []
+        lines = [
+            f"fusepatch: {self.lora['fusable']} of {self.lora['linears']} peft LoRA linears can run fused with "
+            "their base GEMM where fusepatch's layers call them"
+        ]
+        lines += [f"fusepatch: x{count}: {line}" for line, count in self.lora.get("unfused", {}).items()]
+        return lines
 
     def grouped_fallbacks(self) -> list[str]:
         """Each distinct reason once, with the ops it keeps on eager and its fix (a CPU machine's one reason is one
@@ -114,6 +126,7 @@ class PatchReport:
             "layers": [layer.to_dict() for layer in self.layers],
             "fallbacks": self.log_lines(),
             "drift": list(self.drift),
+            "lora": self.lora,
             "environment": self.environment,
         }
 

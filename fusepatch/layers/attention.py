@@ -38,7 +38,7 @@ import torch
 from fusepatch.core.resolve import Dispatch, autocast_dtype, dtype_name
 from fusepatch.layers.support.bindings import hold
 from fusepatch.layers.support.packing import boundaries_for_call, mask_plan
-from fusepatch.layers.support.projections import project
+from fusepatch.layers.support.projections import apply_linear, project
 from fusepatch.layers.support.signature import CACHE_NAMES, forward_parameters
 from fusepatch.ops.rotary import unsupported
 
@@ -243,7 +243,7 @@ def gated_attention_forward(self, *args, **kwargs):
             **named,
         )
         attn_output = attn_output.reshape(*input_shape, -1)
-        return self.o_proj(_gate(self, attn_output, gate)), attn_weights
+        return apply_linear(self.o_proj, _gate(self, attn_output, gate)), attn_weights
 
     return _with_bindings(self, args, kwargs, body)
 

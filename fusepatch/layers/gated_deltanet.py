@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from fusepatch.layers.support.projections import project
+from fusepatch.layers.support.projections import apply_linear, project
 
 logger = logging.getLogger("fusepatch")
 _NOTED: set[str] = set()
@@ -175,4 +175,4 @@ def gated_deltanet_forward(
     core = ops["gated_rms_norm"](
         core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight, self.norm.variance_epsilon
     )
-    return self.out_proj(core.reshape(batch, length, -1))
+    return apply_linear(self.out_proj, core.reshape(batch, length, -1))

@@ -6,7 +6,7 @@ import torch
 
 from fusepatch.core.resolve import dtype_name
 from fusepatch.layers.mlp_recompute import recomputed_down
-from fusepatch.layers.support.projections import hooked, linear_plus, project
+from fusepatch.layers.support.projections import apply_linear, hooked, linear_plus, project
 
 
 def _eps(self) -> float:
@@ -33,7 +33,7 @@ def swiglu_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = No
     if out is not None:
         return out
     act = swiglu(gate, up)
-    return self.down_proj(act) if residual is None else linear_plus(self.down_proj, act, residual)
+    return apply_linear(self.down_proj, act) if residual is None else linear_plus(self.down_proj, act, residual)
 
 
 def swiglu_mlp_plus(mlp: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:

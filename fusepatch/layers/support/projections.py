@@ -13,8 +13,8 @@ The MLP's down projection plus the decoder layer's residual (``residual + down_p
 ``addmm(residual, act, W.t())`` instead of a GEMM and an add kernel (each forward, and again in the checkpoint
 recompute). The sum is rounded once, from fp32, instead of twice: within one bf16 ulp of transformers' result.
 
-Both paths take plain ``nn.Linear`` modules only (no subclass such as a LoRA, quantised or FSDP-wrapped layer,
-no hooks), outside ``torch.compile``, on the devices in ``DEVICES``; the projections in one dtype or under
+peft's LoRA linears go to ``lora.project``, which fuses their adapters into these GEMMs. Otherwise both paths
+take plain ``nn.Linear`` modules only (no subclass such as a quantised or FSDP-wrapped layer, no hooks), outside ``torch.compile``, on the devices in ``DEVICES``; the projections in one dtype or under
 autocast (cast as autocast casts them), the residual GEMM in one dtype outside autocast (there the residual
 stream is fp32 and the MLP output bf16). Anything else calls the modules as transformers does.
 """
@@ -23,39 +23,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.modules import module as _module
+
+from fusepatch.layers.support import lora
+from fusepatch.layers.support.hooks import autocast_dtype as _autocast_dtype
+from fusepatch.layers.support.hooks import hooked
 
 DEVICES = ("cuda",)  # where the fused paths run (the tests add "cpu" to run them in a model)
-
-
-def _active(hooks) -> bool:
-    """Whether ``hooks`` (a module's or the global hook dict) holds one that must see the module's call. The
-    profiler labels of ``fusepatch.diagnostics.profile.label_layers`` are marked passive: skipping them only moves the ops
-    into the enclosing label, and honouring them would make the profiled step differ from the timed ones."""
-    return any(not getattr(hook, "_fusepatch_passive", False) for hook in (hooks or {}).values())
-
-
-def hooked(module: torch.nn.Module) -> bool:
-    """Whether calling ``module``'s parts directly would skip a hook (its own or a global one). Asked for every
-    projection of every forward, so the usual case, no hook anywhere, is answered from the dicts' truth alone:
-    ``plain_linears`` took 5.6 ms of the 2B-like forward's 86 under cProfile with a generator over all eight
-    (H200 run of 2026-12-01)."""
-    every = (
-        module._forward_hooks,
-        module._forward_pre_hooks,
-        module._backward_hooks,
-        getattr(module, "_backward_pre_hooks", None),
-        _module._global_forward_hooks,
-        _module._global_forward_pre_hooks,
-        _module._global_backward_hooks,
-        getattr(_module, "_global_backward_pre_hooks", None),
-    )
-    return any(every) and any(_active(hooks) for hooks in every)
-
-
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 def plain_linears(x: torch.Tensor, linears: tuple[torch.nn.Module, ...], autocast: bool = False) -> bool:
@@ -152,6 +125,10 @@ def project(x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tensor, .
     otherwise, or when no gradient is being recorded. Under autocast (the Trainer's bf16 over fp32 weights) the
     input, weights and biases are cast to autocast's dtype first, as autocast casts them for ``F.linear``; the
     casts' backward returns the weight gradients in fp32."""
+    if _adapted(x, linears):
+        fused = lora.project(x, linears)
+        if fused is not None:
+            return fused
     if len(linears) < 2 or not torch.is_grad_enabled() or not plain_linears(x, linears, autocast=True):
         return tuple(linear(x) for linear in linears)
     weights = [linear.weight for linear in linears]
@@ -182,8 +159,31 @@ def gemm_ready(linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor 
     )
 
 
+def _adapted(x: torch.Tensor, linears: tuple[torch.nn.Module, ...]) -> bool:
+    """Whether ``linears`` hold a peft LoRA linear that ``lora.project`` may compute (device, no compiling)."""
+    return (
+        any(type(linear) is not torch.nn.Linear and lora.is_lora(linear) for linear in linears)
+        and x.device.type in DEVICES
+        and not torch.compiler.is_compiling()
+    )
+
+
+def apply_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``; a peft LoRA linear with its adapters fused into its base GEMM (``lora.project``)."""
+    if _adapted(x, (module,)):
+        fused = lora.project(x, (module,))
+        if fused is not None:
+            return fused[0]
+    return module(x)
+
+
 def linear_plus(linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """``residual + linear(x)`` as one ``addmm`` where it can (``gemm_ready``); as that sum otherwise."""
+    """``residual + linear(x)`` as one ``addmm`` where it can (``gemm_ready``; for a peft LoRA linear
+    ``lora.project``); as that sum otherwise."""
+    if _adapted(x, (linear,)):
+        fused = lora.project(x, (linear,), residual=residual)
+        if fused is not None:
+            return fused[0]
     if gemm_ready(linear, x, residual):
         out = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), linear.weight.t())
         return out.view(residual.shape)

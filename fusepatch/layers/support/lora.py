@@ -1,0 +1,361 @@
+"""peft's LoRA linears inside the fused layers: the base GEMM and every adapter of one input in one autograd
+function.
+
+peft computes ``base(x) + lora_B(lora_A(dropout(x))) * scaling`` module by module: per adapter two GEMMs plus
+a scale and an add kernel over the whole ``[tokens, out]`` output in the forward, their backwards, and one more
+add for the input gradient of every LoRA linear. ``project`` computes the same sum with the base GEMM's output
+as the accumulator, ``out.addmm_(s * x A^T, B^T)`` (the scale applied to the narrow ``[tokens, r]`` product),
+and the adapters of several projections of one input share their GEMMs: one ``x [A_1; A_2; ...]^T`` in the
+forward; in the backward one ``dx += [s_1 g_1 B_1, ...] [A_1; A_2; ...]`` and one ``[...]^T x`` for all the
+``A`` gradients. The input gradient is accumulated in one buffer through the GEMMs (``addmm_``), as
+``projections.project`` does for plain linears.
+
+fusepatch reads the adapters' parameters and replaces nothing: peft's modules, adapter switching, merging and
+saving work as before. Dropout (``lora_dropout > 0`` while training) is peft's own module, called in peft's
+order, so one generator state gives peft's masks; each dropped input gets its own ``A`` GEMM.
+
+It runs for peft's ``lora.Linear`` over a plain ``nn.Linear`` with vanilla adapters (no DoRA or other variant,
+no LoRA bias), enabled and unmerged, without hooks, in one dtype or under autocast. Merged or disabled adapters
+and hooked modules go through peft's forward as they should; anything else that cannot be fused (a QLoRA
+4-bit base, DoRA, fp32 adapters over bf16 inputs without autocast) goes through peft's forward too, and the
+first such call says why (``survey`` says it at ``apply``).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fusepatch.core.log import logger
+from fusepatch.layers.support.hooks import autocast_dtype, hooked
+
+PEFT_LAYER = "peft.tuners.lora.layer"  # the module defining peft's LoRA ``Linear``
+
+AUTOCAST_FIX = (
+    "train under autocast (Trainer(bf16=True)), or keep the adapters in the model's dtype "
+    "(peft.get_peft_model(model, config, autocast_adapter_dtype=False))"
+)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One active adapter of a LoRA linear: ``B (A dropout(x)) * scaling``."""
+
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
+    scaling: float
+    dropout: torch.nn.Module | None  # None: the identity (p = 0, or not training)
+
+
+@dataclass(frozen=True)
+class Unfused:
+    """Why a LoRA linear runs through peft's forward, and what would let it fuse (empty: nothing to fix)."""
+
+    reason: str
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One projection: the base linear's weight and bias, and its adapters (none for a plain ``nn.Linear``)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    adapters: tuple[Adapter, ...] = ()
+
+
+def lora_linear_type() -> type | None:
+    """peft's LoRA ``Linear`` class if peft is imported (a model cannot hold one otherwise: no import here)."""
+    module = sys.modules.get(PEFT_LAYER)
+    return getattr(module, "Linear", None) if module is not None else None
+
+
+def is_lora(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a peft LoRA layer of any kind (``lora.Linear``, a quantised one, ...)."""
+    return hasattr(module, "lora_A") and hasattr(module, "base_layer")
+
+
+def _dropout(module: torch.nn.Module) -> torch.nn.Module | None | Unfused:
+    if type(module) is torch.nn.Identity:
+        return None
+    if type(module) is torch.nn.Dropout:
+        return module if module.training and module.p > 0 else None
+    return Unfused(f"its dropout is a {type(module).__name__}, not nn.Dropout")
+
+
+def part(module: torch.nn.Module, x: torch.Tensor, cast: bool) -> Part | Unfused | None:
+    """``module`` as a ``Part``; ``None`` where it must be called as itself for a plain reason (a hook, merged or
+    disabled adapters, not a linear of fusepatch's kind); ``Unfused`` where it is a LoRA layer that cannot be
+    fused. ``cast``: under autocast (every tensor is cast to its dtype, as autocast would)."""
+    if type(module) is torch.nn.Linear:
+        if hooked(module):
+            return None
+        if not cast and (module.weight.dtype != x.dtype or (module.bias is not None and module.bias.dtype != x.dtype)):
+            return None
+        return Part(module.weight, module.bias)
+    if not is_lora(module):
+        return None
+    if type(module) is not lora_linear_type():
+        base = type(module.base_layer).__name__
+        return Unfused(
+            f"{type(module).__module__}.{type(module).__name__} over a {base} computes its base with its own GEMM "
+            "(QLoRA's 4-bit base, or another layer kind); the fused path covers LoRA over nn.Linear"
+        )
+    if module.disable_adapters or module.merged or hooked(module):
+        return None
+    base = module.base_layer
+    if type(base) is not torch.nn.Linear:
+        return Unfused(f"its base layer is a {type(base).__name__}, not nn.Linear")
+    if hooked(base):
+        return None
+    adapters = []
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        if name in getattr(module, "lora_variant", {}):
+            return Unfused(f"adapter {name!r} is a LoRA variant ({type(module.lora_variant[name]).__name__})")
+        a, b = module.lora_A[name], module.lora_B[name]
+        if type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear or a.bias is not None or b.bias is not None:
+            return Unfused(f"adapter {name!r} has a LoRA bias or A/B modules other than nn.Linear")
+        if hooked(a) or hooked(b):
+            return None
+        dropout = _dropout(module.lora_dropout[name])
+        if isinstance(dropout, Unfused):
+            return dropout
+        if not cast and (a.weight.dtype != x.dtype or b.weight.dtype != x.dtype):
+            return Unfused(
+                f"adapter weights in {str(a.weight.dtype).removeprefix('torch.')} over "
+                f"{str(x.dtype).removeprefix('torch.')} inputs without autocast (peft computes the adapters apart)",
+                AUTOCAST_FIX,
+            )
+        adapters.append(Adapter(a.weight, b.weight, float(module.scaling[name]), dropout))
+    if not cast and (base.weight.dtype != x.dtype or (base.bias is not None and base.bias.dtype != x.dtype)):
+        return None
+    return Part(base.weight, base.bias, tuple(adapters))
+
+
+_said: set[str] = set()
+
+
+def say_once(module: torch.nn.Module, why: Unfused) -> None:
+    """Log, once per reason, that a LoRA linear runs through peft's forward, and why."""
+    if why.reason in _said:
+        return
+    _said.add(why.reason)
+    logger.warning("fusepatch: %s", describe(type(module).__name__, why))
+
+
+def describe(name: str, why: Unfused) -> str:
+    fix = f"; fix: {why.fix}" if why.fix else ""
+    return f"peft LoRA {name} runs through peft's own forward, not fused with its base GEMM: {why.reason}{fix}"
+
+
+class _LoraLinears(torch.autograd.Function):
+    """``base_i(x) + sum_a B_a (A_a dropout_a(x)) s_a`` for every projection i of one input ``x``; with
+    ``residual`` (one projection) ``residual + ...``. ``layout``: per projection, its bias flag and per adapter
+    ``(scaling, dropped)``; ``tensors``: the weights, the biases, then ``A, B, dropped input`` per adapter."""
+
+    @staticmethod
+    def forward(ctx, x, residual, layout, *tensors):
+        n = len(layout)
+        weights, biases, rest = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
+        flat = x.reshape(-1, x.shape[-1])
+        if residual is not None:
+            outs = [torch.addmm(residual.reshape(-1, residual.shape[-1]), flat, weights[0].t())]
+        else:
+            outs = [F.linear(flat, w, b) for w, b in zip(weights, biases)]
+        adapters = []  # (projection, scaling, A, B, dropped input or None)
+        for i, (_, plan) in enumerate(layout):
+            for scaling, _ in plan:
+                a, b, dropped = rest[3 * len(adapters) : 3 * len(adapters) + 3]
+                adapters.append((i, scaling, a, b, dropped))
+        shared = [ad for ad in adapters if ad[4] is None]
+        joined = h = None
+        if shared:
+            joined = torch.cat([ad[2] for ad in shared]) if len(shared) > 1 else shared[0][2]
+            h = flat.mm(joined.t())
+            _scale_columns(h, [(ad[1], ad[2].shape[0]) for ad in shared])
+            start = 0
+            for i, _, _, b, _ in shared:
+                outs[i].addmm_(h[:, start : start + b.shape[1]], b.t())
+                start += b.shape[1]
+        own = []
+        for i, scaling, a, b, dropped in adapters:
+            if dropped is not None:
+                hd = dropped.reshape(-1, dropped.shape[-1]).mm(a.t())
+                if scaling != 1.0:
+                    hd.mul_(scaling)
+                outs[i].addmm_(hd, b.t())
+                own.append(hd)
+        ctx.layout, ctx.has_residual = layout, residual is not None
+        ctx.set_materialize_grads(False)
+        droppeds = [ad[4] for ad in adapters if ad[4] is not None]
+        ctx.save_for_backward(x, joined, h, *weights, *[t for ad in adapters for t in ad[2:4]], *own, *droppeds)
+        return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        layout = ctx.layout
+        n = len(layout)
+        x, joined, h, *saved = ctx.saved_tensors
+        weights, saved = saved[:n], saved[n:]
+        count = sum(len(plan) for _, plan in layout)
+        pairs, saved = saved[: 2 * count], saved[2 * count :]
+        adapters = []
+        for i, (_, plan) in enumerate(layout):
+            for scaling, dropped in plan:
+                k = len(adapters)
+                adapters.append((i, scaling, pairs[2 * k], pairs[2 * k + 1], dropped))
+        dropped_count = sum(1 for ad in adapters if ad[4])
+        own, droppeds = saved[:dropped_count], saved[dropped_count:]
+        needs = ctx.needs_input_grad
+        flat = x.reshape(-1, x.shape[-1])
+        grads = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grads]
+        dx = None
+        dweights: list = [None] * n
+        dbiases: list = [None] * n
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if needs[0]:
+                dx = g.mm(weights[i]) if dx is None else dx.addmm_(g, weights[i])
+            if needs[3 + i]:
+                dweights[i] = g.t().mm(flat)
+            if layout[i][0] and needs[3 + n + i]:
+                dbiases[i] = g.sum(0)
+        dpairs: list = [None] * (2 * count)
+        ddropped: list = []
+        shared_cols, start, k_own = [], 0, 0
+        for k, (i, scaling, a, b, dropped) in enumerate(adapters):
+            g = grads[i]
+            rank = a.shape[0]
+            if dropped:
+                hd, xd = own[k_own], droppeds[k_own]
+                k_own += 1
+                if g is None:
+                    ddropped.append(None)
+                    continue
+                gb = g.mm(b)
+                if scaling != 1.0:
+                    gb.mul_(scaling)
+                if needs[3 + 2 * n + 3 * k]:
+                    dpairs[2 * k] = gb.t().mm(xd.reshape(-1, xd.shape[-1]))
+                if needs[4 + 2 * n + 3 * k]:
+                    dpairs[2 * k + 1] = g.t().mm(hd)
+                ddropped.append(gb.mm(a).view(xd.shape) if needs[5 + 2 * n + 3 * k] else None)
+                continue
+            part = h[:, start : start + rank]
+            start += rank
+            if g is None:
+                shared_cols.append((k, scaling, flat.new_zeros(flat.shape[0], rank)))
+                continue
+            if needs[4 + 2 * n + 3 * k]:
+                dpairs[2 * k + 1] = g.t().mm(part)
+            shared_cols.append((k, scaling, g.mm(b)))
+        if shared_cols and any(grads[adapters[k][0]] is not None for k, _, _ in shared_cols):
+            gcat = torch.cat([c for _, _, c in shared_cols], dim=1) if len(shared_cols) > 1 else shared_cols[0][2]
+            _scale_columns(gcat, [(s, c.shape[1]) for _, s, c in shared_cols])
+            if needs[0]:
+                dx = gcat.mm(joined) if dx is None else dx.addmm_(gcat, joined)
+            wants_a = [k for k, _, _ in shared_cols if needs[3 + 2 * n + 3 * k] and grads[adapters[k][0]] is not None]
+            da = gcat.t().mm(flat) if wants_a else None
+            start = 0
+            for k, _, c in shared_cols:
+                rank = c.shape[1]
+                if k in wants_a:
+                    dpairs[2 * k] = (
+                        da[start : start + rank] if len(shared_cols) == 1 else da[start : start + rank].clone()
+                    )
+                start += rank
+        if dx is not None:
+            dx = dx.view(x.shape)
+        elif needs[0]:
+            dx = torch.zeros_like(x)
+        dresidual = (
+            grads[0].view(x.shape[:-1] + grads[0].shape[-1:]) if ctx.has_residual and grads[0] is not None else None
+        )
+        # the A/B gradients, then the dropped inputs', in the order ``tensors`` held them (A, B, dropped per adapter)
+        dtensors = []
+        it = iter(ddropped)
+        for k, ad in enumerate(adapters):
+            dtensors += [dpairs[2 * k], dpairs[2 * k + 1], next(it) if ad[4] else None]
+        return dx, dresidual, None, *dweights, *dbiases, *dtensors
+
+
+def _scale_columns(t: torch.Tensor, blocks: list[tuple[float, int]]) -> None:
+    """Multiply ``t``'s consecutive column blocks by their scalings in place: one kernel when they are equal."""
+    scales = {s for s, _ in blocks}
+    if len(scales) == 1:
+        (s,) = scales
+        if s != 1.0:
+            t.mul_(s)
+        return
+    start = 0
+    for s, width in blocks:
+        if s != 1.0:
+            t[:, start : start + width].mul_(s)
+        start += width
+
+
+def project(
+    x: torch.Tensor, linears: tuple[torch.nn.Module, ...], residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...] | None:
+    """``tuple(linear(x) for linear in linears)`` (``residual + linear(x)`` for one linear with ``residual``)
+    through ``_LoraLinears`` when at least one is a LoRA linear and every one can be fused; ``None`` otherwise
+    (the caller calls the modules), having said why for a LoRA linear that cannot be fused."""
+    cast_to = autocast_dtype(x)
+    parts = []
+    for linear in linears:
+        found = part(linear, x, cast_to is not None)
+        if isinstance(found, Unfused):
+            say_once(linear, found)
+            return None
+        if found is None:
+            return None
+        parts.append(found)
+    if not any(p.adapters for p in parts):
+        return None
+    if residual is not None and (
+        parts[0].bias is not None
+        or residual.dtype != (cast_to or x.dtype)
+        or residual.shape != (*x.shape[:-1], parts[0].weight.shape[0])
+    ):
+        return None
+    droppeds = []
+    for p in parts:  # peft's order: each linear's adapters in turn (same generator draws, same masks)
+        droppeds.append([None if ad.dropout is None else ad.dropout(x) for ad in p.adapters])
+    layout = tuple(
+        (p.bias is not None, tuple((ad.scaling, ad.dropout is not None) for ad in p.adapters)) for p in parts
+    )
+    tensors = [p.weight for p in parts] + [p.bias for p in parts]
+    for p, drops in zip(parts, droppeds):
+        for ad, dropped in zip(p.adapters, drops):
+            tensors += [ad.a, ad.b, dropped]
+    if cast_to is None:
+        return _LoraLinears.apply(x, residual, layout, *tensors)
+    cast = [t.to(cast_to) if t is not None and t.is_floating_point() else t for t in (x, *tensors)]
+    with torch.autocast(x.device.type, enabled=False):
+        return _LoraLinears.apply(cast[0], residual, layout, *cast[1:])
+
+
+def survey(model: torch.nn.Module, dtype: torch.dtype, cast: bool) -> dict:
+    """The model's peft LoRA linears as ``apply`` reports them: how many; how many can be fused when computing
+    in ``dtype`` (``cast``: under autocast or a mixed-precision policy; only dtypes are read); the others as
+    log lines with their reason and fix (QLoRA, DoRA, fp32 adapters without autocast) and their count. Merged,
+    disabled or hooked adapters count as neither: they run through peft's forward as they should."""
+    probe = torch.empty(0, dtype=dtype)
+    total, fusable, unfused = 0, 0, {}
+    for module in model.modules():
+        if not is_lora(module):
+            continue
+        total += 1
+        found = part(module, probe, cast)
+        if isinstance(found, Unfused):
+            line = describe(type(module).__name__, found)
+            unfused[line] = unfused.get(line, 0) + 1
+        elif found is not None:
+            fusable += 1
+    return {"linears": total, "fusable": fusable, "unfused": unfused}
