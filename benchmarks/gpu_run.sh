@@ -9,6 +9,7 @@
 #   CONFIGS=fusepatch bash benchmarks/gpu_run.sh probe 27b  # where a synced step's forward waits for the host
 #   bash benchmarks/gpu_run.sh loss 27b            # the loss alone (benchmarks/loss_bench.py)
 #   bash benchmarks/gpu_run.sh fidelity 27b        # gradients against fp32 eager (benchmarks/fidelity.py)
+#   bash benchmarks/gpu_run.sh warmstart 27b       # `fusepatch warmup` on fresh caches, then a new process's first step
 #   bash benchmarks/gpu_run.sh curves              # carry .whl-ex: SFT loss curves, two seeds (loss_curves.py)
 #   bash benchmarks/gpu_run.sh norm                # the RMSNorm candidates alone (benchmarks/norm_bench.py)
 #   bash benchmarks/gpu_run.sh moe                 # the MoE experts op alone, per candidate (benchmarks/moe_bench.py)
@@ -121,13 +122,34 @@ EOF
     # VARY=F: every timed step its own length in [seq*(1-F), seq] (train_step.py --vary-seq), its own files;
     # DOCS=K: K documents packed in every row (--packed-docs: transformers' block mask, fusepatch's varlen route)
     # PROMPT=F: the first F of every row's labels -100 (--prompt: chat SFT's masked prompt)
-    name=bench-$shape${VARY:+-vary$VARY}${DOCS:+-docs$DOCS}${PROMPT:+-prompt$PROMPT}${TAG:+-$TAG}  # TAG: a second table of one shape in a sequence
+    # SFT=1: packed chat-SFT rows (--sft, DOC_TOKENS mean document length); LORA=R: peft LoRA of rank R (--lora)
+    name=bench-$shape${VARY:+-vary$VARY}${DOCS:+-docs$DOCS}${PROMPT:+-prompt$PROMPT}${SFT:+-sft}${LORA:+-lora$LORA}${TAG:+-$TAG}  # TAG: a second table of one shape in a sequence
     # what else runs on the host as the benchmark starts (each row also records its own host_load)
     { echo "host at start: $(cut -d' ' -f1-3 /proc/loadavg) (load 1/5/15 min, $(nproc) cores)"; ps -eo pcpu,etimes,args --sort=-pcpu | head -6 | cut -c1-150; } > "$OUT/$name-host.txt" 2>&1
     timeout ${RUN_TIMEOUT:-3000} python3 benchmarks/run_all.py --shape "$shape" ${layers:+--layers $layers} --site-fla /tmp/site-fla --site-tl /tmp/site-tl \
       --workdir "/tmp/$name" --out "$OUT/$name.json" --timeout ${BENCH_TIMEOUT:-400} ${VARY:+--vary-seq $VARY} ${DOCS:+--packed-docs $DOCS} ${PROMPT:+--prompt $PROMPT} \
+      ${SFT:+--sft --doc-tokens ${DOC_TOKENS:-1024}} ${LORA:+--lora $LORA} \
       --configs "${CONFIGS:-hf-fast,fusepatch,liger,eager,fusepatch-no-tilelang,hf-fast-no-tilelang}" 2>&1 | tee "$OUT/$name.md"
     tar czf "$OUT/$name-logs.tgz" -C /tmp "$name" ;;
+  warmstart)
+    # A warm first step: fresh compile caches, `python -m fusepatch warmup` for the shape (a container build's
+    # step), then a new process's first training step (train_step.py: apply_s, first_step_s, first_step_builds).
+    need_tilelang
+    pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
+    shape=${2:-27b}; warm=/tmp/cache-warm-$shape
+    rm -rf "$warm"; mkdir -p "$warm"
+    export TRITON_CACHE_DIR=$warm/triton TILELANG_CACHE_DIR=$warm/tilelang FUSEPATCH_CACHE=$warm/fusepatch
+    export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl"
+    read -r seq batch < <(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from shapes import SHAPES, build_config; \
+      build_config('$shape').save_pretrained('$warm/config'); print(SHAPES['$shape']['seq'], SHAPES['$shape']['batch'])")
+    s=$(date +%s)
+    timeout ${WARM_TIMEOUT:-400} python3 -m fusepatch warmup "$warm/config" --seq-len "$seq" --micro-batch "$batch" ${PACKED:+--packed} \
+      > "$OUT/warmstart-$shape-warmup.log" 2>&1
+    echo "warmup: exit $? after $(($(date +%s) - s)) s (seq $seq, micro-batch $batch)"; tail -5 "$OUT/warmstart-$shape-warmup.log"
+    timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/train_step.py --config fusepatch --shape "$shape" --warmup 1 --steps 3 \
+      --label fusepatch-after-warmup --json-out "$OUT/warmstart-$shape.json" > "$OUT/warmstart-$shape.log" 2>&1
+    python3 -c "import json; r = json.load(open('$OUT/warmstart-$shape.json')); \
+      print({k: r.get(k) for k in ('config', 'error', 'apply_s', 'first_step_s', 'first_step_builds', 'median_step_ms', 'tokens_per_s')})" ;;
   fidelity)
     # one step's loss and every gradient against fp32 eager, for hf-fast, liger and fusepatch (benchmarks/fidelity.py)
     need_tilelang

@@ -32,23 +32,30 @@ CONFIGS = {
 }
 
 
-def parse_label(label: str) -> tuple[str, dict[str, str]]:
-    """``fusepatch+FUSEPATCH_CE_LOGITS_MIB=1024``: a configuration plus environment settings for its process, so
-    that variants are measured in the same run as their baselines."""
+# label words that are train_step options: fusepatch+compile, hf-fast+compile+quick
+FLAGS = {"compile": ["--compile"], "quick": ["--no-diagnostics"]}
+
+
+def parse_label(label: str) -> tuple[str, dict[str, str], list[str]]:
+    """``fusepatch+FUSEPATCH_CE_LOGITS_MIB=1024``, ``hf-fast+compile``: a configuration plus environment settings
+    or options (``FLAGS``) for its process, so that variants are measured in the same run as their baselines."""
     base, *settings = label.split("+")
     if base not in CONFIGS:
         raise ValueError(f"unknown configuration {base!r} in {label!r}; known: {', '.join(CONFIGS)}")
-    env = {}
+    env, flags = {}, []
     for setting in settings:
+        if setting in FLAGS:
+            flags += FLAGS[setting]
+            continue
         name, sep, value = setting.partition("=")
         if not sep or not name:
-            raise ValueError(f"{label!r}: expected NAME=VALUE after '+', got {setting!r}")
+            raise ValueError(f"{label!r}: expected NAME=VALUE or one of {', '.join(FLAGS)} after '+', got {setting!r}")
         env[name] = value
-    return base, env
+    return base, env, flags
 
 
 def run_one(label: str, args) -> dict:
-    base, overrides = parse_label(label)
+    base, overrides, flags = parse_label(label)
     config, fla, tilelang = CONFIGS[base]
     paths = [ROOT] + ([args.site_fla] if fla else []) + ([args.site_tl] if tilelang else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), FLA_FLASH_QLA="0", **overrides)
@@ -78,6 +85,11 @@ def run_one(label: str, args) -> dict:
         cmd += ["--vary-seq", str(args.vary_seq)]
     if args.packed_docs:
         cmd += ["--packed-docs", str(args.packed_docs)]
+    if args.sft:
+        cmd += ["--sft", "--doc-tokens", str(args.doc_tokens)]
+    if args.lora:
+        cmd += ["--lora", str(args.lora)]
+    cmd += flags
     if args.prompt:
         cmd += ["--prompt", str(args.prompt)]
     start = time.perf_counter()
@@ -231,6 +243,9 @@ def main() -> int:
     parser.add_argument(
         "--prompt", type=float, default=0.0, help="the first F of every row's labels -100 (train_step.py)"
     )
+    parser.add_argument("--sft", action="store_true", help="packed chat-SFT rows (train_step.py, sft_rows.py)")
+    parser.add_argument("--doc-tokens", type=int, default=1024, help="--sft: the documents' mean length")
+    parser.add_argument("--lora", type=int, default=0, help="peft LoRA of this rank on every linear (train_step.py)")
     parser.add_argument("--timeout", type=int, default=300)
     parser.add_argument("--workdir", default=".")
     parser.add_argument("--out", default=None)

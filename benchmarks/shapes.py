@@ -40,6 +40,25 @@ SHAPES: dict[str, dict] = {
         seq=2048,
         batch=4,
     ),
+    # Qwen3.5-0.8B (Qwen/Qwen3.5-0.8B's text config, all 24 layers): hidden 1024, intermediate 3584, 8 q / 2 kv
+    # heads of 256, 16/16 linear heads of 128 (its embeddings are tied; every shape here is built untied).
+    "0.8b": dict(
+        model_type="qwen3_5_text",
+        vocab_size=248320,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        layers=24,
+        seq=2048,
+        batch=8,
+    ),
     # Qwen3-32B layer shapes (plain RMSNorm, full attention): hidden 5120, intermediate 25600, 64 q / 8 kv heads
     # of 128, vocab 151936.
     "32b": dict(

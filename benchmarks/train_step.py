@@ -39,6 +39,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_clocks import ClockSampler  # noqa: E402
 from host_load import HostLoad  # noqa: E402
+from sft_rows import conversations, packed_batch  # noqa: E402
+from sft_rows import shape as sample_shape  # noqa: E402
 from shapes import SHAPES, build_config  # noqa: E402
 from step_diagnostics import (  # noqa: E402
     HostPauses,
@@ -133,6 +135,17 @@ def main() -> int:
     parser.add_argument(
         "--prompt", type=float, default=0.0, help="the first F of every row's labels -100, as chat SFT masks prompts"
     )
+    parser.add_argument(
+        "--sft",
+        action="store_true",
+        help="packed chat SFT: batch x seq tokens of ultrachat-shaped documents in one flattened row (sft_rows.py)",
+    )
+    parser.add_argument("--doc-tokens", type=int, default=1024, help="--sft: the documents' mean length")
+    parser.add_argument("--lora", type=int, default=0, help="peft LoRA of this rank on every linear (alpha 2r)")
+    parser.add_argument("--compile", action="store_true", help="model.compile() after patching (and peft)")
+    parser.add_argument(
+        "--no-diagnostics", action="store_true", help="skip the memory, host and idle views (the profiled step stays)"
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
@@ -182,6 +195,12 @@ def build(args) -> tuple:
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     info: dict = {"layers": config.num_hidden_layers, "params": sum(p.numel() for p in model.parameters())}
+    if args.lora:  # adapters in the model's dtype, as the Trainer's autocast computes them (one dtype, no autocast)
+        import peft
+
+        lora = peft.LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear", lora_dropout=0.0)
+        model = peft.get_peft_model(model, lora, autocast_adapter_dtype=False)
+        info["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if args.config == "liger":  # the peer: hf-fast plus Liger's norms, SwiGLU and fused loss (its rope raises for 3.5)
         import liger_kernel.transformers as liger
 
@@ -200,7 +219,12 @@ def build(args) -> tuple:
         info["apply_s"] = round(time.perf_counter() - start, 1)  # loads + self-tests: first-use compiles
         info["report"] = report.to_dict()["layers"]
         info["fallbacks"] = report.log_lines()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    if args.lora and args.config == "fusepatch":
+        info["lora"] = report.lora
+    if args.compile:
+        model.compile()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-5, fused=device.type == "cuda")
     return model, optimizer, info
 
 
@@ -212,16 +236,22 @@ def make_step(args, model, optimizer, seq: int, batch: int):
     # the same token batches for every configuration, whatever patching drew from the global generators
     torch.manual_seed(1)
     cuts = random.Random(4321)
+    sft_draws = random.Random(2468)
 
     def step(length: int = seq, wait_after_backward: bool = False, at=None):
         """One training step; ``at(phase)``, where given, is called at the end of each phase (memory_by_phase)."""
         mark = at or (lambda phase: None)
-        ids = torch.randint(0, vocab, (batch, length), device=device)
-        labels = ids
+        extra = {}
+        if args.sft:  # one flattened row of documents, as TRL's padding-free collator gives it
+            packed = packed_batch(batch * length, args.doc_tokens, vocab, sft_draws, device)
+            ids, labels = packed.pop("input_ids"), packed.pop("labels")
+            extra = {k: v for k, v in packed.items() if k not in ("documents", "labelled")}
+        else:
+            ids = torch.randint(0, vocab, (batch, length), device=device)
+            labels = ids
         if args.prompt:  # the same positions for every configuration
             labels = ids.clone()
             labels[:, : int(args.prompt * length)] = -100
-        extra = {}
         if args.packed_docs > 1:
             rows = [packed_positions(length, args.packed_docs, cuts) for _ in range(batch)]
             extra["position_ids"] = torch.stack(rows).to(device)
@@ -332,8 +362,18 @@ def run(args, seq: int, batch: int) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     first = time.perf_counter()
-    for _ in range(args.warmup):
-        step()
+    builds = CompileCounter()  # what the first step compiles or loads (a warm cache: loads only)
+    builds.install()
+    try:
+        for i in range(args.warmup):
+            step()
+            if i == 0:
+                sync()
+                info["first_step_s"] = round(time.perf_counter() - first, 2)
+                # Triton kernels compiled or loaded from the disk cache in the first step (after apply's self-tests)
+                info["first_step_builds"] = sum(builds.counts.values())
+    finally:
+        builds.remove()
     sync()
     info["warmup_s"] = time.perf_counter() - first
     if cuda:
@@ -349,7 +389,8 @@ def run(args, seq: int, batch: int) -> dict:
         info.update(trainer_loop(step, lengths, batch, sync))
         # the whole run's peaks so far: memory_by_phase resets the allocator's peak statistics
         peaks = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-        info.update(diagnostics(step, model, seq, sync))
+        if not args.no_diagnostics:
+            info.update(diagnostics(step, model, seq, sync))
 
     median = statistics.median(times)
     tokens = batch * seq
@@ -363,6 +404,12 @@ def run(args, seq: int, batch: int) -> dict:
         flops_per_s = flops / median
     if args.packed_docs > 1:
         info["packed_docs"] = args.packed_docs
+    if args.sft:
+        info["sft"] = {"doc_tokens": args.doc_tokens, **sample_shape(conversations())}
+    if args.lora:
+        info["lora_rank"] = args.lora
+    if args.compile:
+        info["compiled"] = True
     if args.prompt:
         info["prompt"] = args.prompt
     info.update(profiled_step(step, model, sync, device, tokens))

@@ -13,11 +13,13 @@ import run_all  # noqa: E402
 
 
 def test_labels_carry_environment_settings_for_variants():
-    assert run_all.parse_label("hf-fast") == ("hf-fast", {})
+    assert run_all.parse_label("hf-fast") == ("hf-fast", {}, [])
     assert run_all.parse_label("fusepatch+FUSEPATCH_CE_LOGITS_MIB=1024+X=a=b") == (
         "fusepatch",
         {"FUSEPATCH_CE_LOGITS_MIB": "1024", "X": "a=b"},
+        [],
     )
+    assert run_all.parse_label("hf-fast+compile") == ("hf-fast", {}, ["--compile"])
     with pytest.raises(ValueError, match="unknown configuration 'fusepach'"):
         run_all.parse_label("fusepach")
     with pytest.raises(ValueError, match="expected NAME=VALUE"):
@@ -82,7 +84,7 @@ def test_a_label_with_a_slash_gets_its_own_files(tmp_path):
 
     args = argparse.Namespace(
         shape="tiny", steps=1, warmup=0, timeout=300, workdir=str(tmp_path), site_fla="", site_tl="", layers=None,
-        checkpointing=False, vary_seq=0.0, packed_docs=0, prompt=0.0,
+        checkpointing=False, vary_seq=0.0, packed_docs=0, prompt=0.0, sft=False, doc_tokens=1024, lora=0,
     )  # fmt: skip
     result = run_all.run_one("eager+FUSEPATCH_SKIP=rms_norm/triton", args)
     assert result["config"] == "eager+FUSEPATCH_SKIP=rms_norm/triton"
@@ -604,7 +606,7 @@ def test_step_start_probe_stamps_with_passive_hooks_and_restores_everything():
 
     import fusepatch
     from fusepatch.core.resolve import Dispatch
-    from fusepatch.layers.support.projections import _active
+    from fusepatch.layers.support.hooks import _active
     from fusepatch.tools.tiny import tiny_model
 
     model = tiny_model("qwen3_5_text")
@@ -620,3 +622,39 @@ def test_step_start_probe_stamps_with_passive_hooks_and_restores_everything():
     assert any(point.startswith("op ") for point in seen)  # the dispatchers (eager choices on CPU) are stamped
     assert (Dispatch.__call__, JITFunction.run, torch.nn.functional.linear) == originals
     assert not model.model.layers[0].mlp._forward_hooks and not model._forward_pre_hooks
+
+
+def test_sft_rows_are_flattened_documents_with_masked_prompts():
+    """``sft_rows.packed_batch``: documents fill the row exactly; positions restart at each; every label of a
+    prompt turn and the first of every document are -100, every assistant label is the token; the flash varlen
+    arguments match the documents; the mean length follows ``doc_tokens``."""
+    import random
+    import statistics
+
+    import sft_rows
+    import torch
+
+    batch = sft_rows.packed_batch(4096, 512, 100, random.Random(0), "cpu")
+    ids, labels, positions, cu = batch["input_ids"], batch["labels"], batch["position_ids"], batch["cu_seq_lens_q"]
+    assert ids.shape == labels.shape == positions.shape == (1, 4096)
+    assert cu[0] == 0 and cu[-1] == 4096 and len(cu) == batch["documents"] + 1 > 2
+    starts = cu[:-1].tolist()
+    assert (positions[0] == 0).nonzero().flatten().tolist() == starts
+    assert batch["max_length_q"] == int((cu[1:] - cu[:-1]).max())
+    assert all(labels[0, s] == -100 for s in starts)
+    kept = labels != -100
+    assert torch.equal(labels[kept], ids[kept]) and 0.5 < batch["labelled"] / 4096 < 0.9  # the sample: 26% prompt
+    lengths = [sum(t for _, t in d) for d in sft_rows.documents(200_000, 512, random.Random(1))]
+    assert abs(statistics.mean(lengths[:-1]) - 512) < 40
+
+
+def test_sft_lora_steps(tmp_path):
+    """``--sft`` (flattened chat rows) and ``--lora`` in one CPU run: the step trains only the adapters, reports
+    the LoRA linears fusepatch found, the sample's shape and the first step's time."""
+    result = _train_step_on_cpu(
+        tmp_path, "fusepatch", "--steps", "2", "--warmup", "1", "--sft", "--doc-tokens", "96", "--lora", "4"
+    )
+    assert result["lora_rank"] == 4 and result["lora"]["linears"] == result["lora"]["fusable"] > 0
+    assert 0 < result["trainable"] < result["params"]
+    assert result["sft"]["doc_tokens"] == 96 and result["sft"]["conversations"] == 24
+    assert result["first_step_s"] > 0 and result["first_step_builds"] == 0
