@@ -455,3 +455,25 @@ def cpu_profile(prof, step, sync, activities) -> dict:
         "python_total_ms": rows(total, 120),
         "aten_ms_by_thread": threads,
     }
+
+
+GEMM_NAMES = ("gemm", "nvjet", "cutlass", "xmma", "cublas")  # cuBLAS/CUTLASS matmul kernels on Hopper
+OPTIMIZER_NAMES = ("multi_tensor", "adam")  # fused AdamW and the foreach helpers
+
+
+def kernel_split(kernels: list[tuple[str, float]], rest_terms: int = 8) -> dict:
+    """A step's GPU kernel time as GEMMs, the optimizer and the rest (ms), with the rest's largest kernels:
+    where a GEMM-bound step's remaining time goes."""
+    split = {"gemm_ms": 0.0, "optimizer_ms": 0.0, "rest_ms": 0.0}
+    rest = []
+    for name, ms in kernels:
+        low = name.lower()
+        if any(word in low for word in GEMM_NAMES):
+            split["gemm_ms"] += ms
+        elif any(word in low for word in OPTIMIZER_NAMES):
+            split["optimizer_ms"] += ms
+        else:
+            split["rest_ms"] += ms
+            rest.append((name[:120], round(ms, 3)))
+    rounded = {k: round(v, 2) for k, v in split.items()}
+    return {**rounded, "rest_top": sorted(rest, key=lambda r: -r[1])[:rest_terms]}

@@ -49,6 +49,7 @@ from step_diagnostics import (  # noqa: E402
     gpu_time_by_op,
     host_profile,
     host_time_by_phase,
+    kernel_split,
     memory_by_phase,
 )
 
@@ -347,6 +348,7 @@ def profiled_step(step, model, sync, device: torch.device, tokens: int) -> dict:
         gpu_ms_by_op=gpu_time_by_op(prof.events()),
         gpu_idle=gpu_idle_by_op(prof.events()) if device.type == "cuda" else {},
         top_kernels_ms=profiled.top_kernels[:60],
+        kernel_split=kernel_split(profiled.top_kernels),
         forward_ops_by_layer=profiled.ops_by_layer[:15],
         idle_gaps=profiled.idle_gaps,
     )

@@ -658,3 +658,18 @@ def test_sft_lora_steps(tmp_path):
     assert 0 < result["trainable"] < result["params"]
     assert result["sft"]["doc_tokens"] == 96 and result["sft"]["conversations"] == 24
     assert result["first_step_s"] > 0 and result["first_step_builds"] == 0
+
+
+def test_kernel_split_names_gemms_optimizer_and_the_rest():
+    from step_diagnostics import kernel_split
+
+    kernels = [
+        ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", 5.0),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", 3.0),
+        ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 2.0),
+        ("chunk_gated_delta_rule_fwd_kernel_h", 1.5),
+        ("rms_norm_fwd", 0.5),
+    ]
+    split = kernel_split(kernels)
+    assert (split["gemm_ms"], split["optimizer_ms"], split["rest_ms"]) == (8.0, 2.0, 2.0)
+    assert [name for name, _ in split["rest_top"]] == ["chunk_gated_delta_rule_fwd_kernel_h", "rms_norm_fwd"]
