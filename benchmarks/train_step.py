@@ -410,8 +410,15 @@ def run(args, seq: int, batch: int) -> dict:
         info["sft"] = {"doc_tokens": args.doc_tokens, **sample_shape(conversations())}
     if args.lora:
         info["lora_rank"] = args.lora
-    if args.compile:
-        info["compiled"] = True
+    if args.compile:  # what dynamo made of the model: graphs, and why it broke them (the first step's tracing)
+        from torch._dynamo.utils import counters
+
+        breaks = counters["graph_break"]
+        info["compiled"] = {
+            "unique_graphs": counters["stats"].get("unique_graphs", 0),
+            "graph_breaks": sum(breaks.values()),
+            "break_reasons": [(reason[:200], n) for reason, n in breaks.most_common(8)],
+        }
     if args.prompt:
         info["prompt"] = args.prompt
     info.update(profiled_step(step, model, sync, device, tokens))

@@ -343,7 +343,8 @@ class Dispatch:
         return (_restored_dispatch, (self.op.name, self._prefer, self.label, self.disabled_reason, self.dims))
 
     def choice(self, device: str, dtype: str, packed: bool = False) -> Choice:
-        return self._resolve(device, dtype, packed)[0]
+        found = self._choices.get((device, dtype, packed))  # made once: read without the lock (torch.compile
+        return found[0] if found is not None else self._resolve(device, dtype, packed)[0]  # cannot trace one)
 
     def implementation(self, device: str, dtype: str, packed: bool = False) -> Callable[..., Any]:
         key = (device, dtype, packed)

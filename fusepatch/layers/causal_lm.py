@@ -11,7 +11,7 @@ import torch
 from fusepatch.core.resolve import autocast_dtype, dtype_name
 from fusepatch.layers.support.bindings import hold
 from fusepatch.layers.support.labelled_rows import LabelledRows
-from fusepatch.layers.support.packing import note_padding
+from fusepatch.layers.support.packing import note_padding, traced_plain_call
 from fusepatch.layers.support.positions import FIND_PACKED, MASKING, plain_positions, skip_plain, wants_plain_positions
 
 
@@ -27,7 +27,27 @@ def causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
     The fused loss runs for a training call (``labels`` given, the model in training mode, every position's
     logits asked for); logits are then not returned, as Liger and TRL's own fused heads do, unless the call
     passes ``return_logits=True``. ``return_logits=False`` asks for the fused loss outside training too. Any other
-    call, and any call the op falls back for, is transformers' forward unchanged."""
+    call, and any call the op falls back for, is transformers' forward unchanged.
+
+    Traced by torch.compile, a call given no positions, mask, cache or varlen boundaries tells the layers that
+    its rows hold one document each (``packing.traced_plain_call``), as the positions' marks tell them in eager
+    mode, so that no layer looks for document starts in the data (a graph break in every layer)."""
+    if not torch.compiler.is_compiling():
+        return _causal_lm_forward(self, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    reference = kwargs.get("input_ids", args[0] if args else None)
+    reference = reference if reference is not None else kwargs.get("inputs_embeds")
+    cache = next((kwargs[name] for name in ("past_key_values", "cache") if kwargs.get(name) is not None), None)
+    plain = len(args) <= 1 and wants_plain_positions(
+        kwargs.get("position_ids"), kwargs.get("attention_mask"), cache, kwargs, reference, marked=False
+    )
+    previous = traced_plain_call(plain)
+    try:
+        return _causal_lm_forward(self, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    finally:
+        traced_plain_call(previous)
+
+
+def _causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
     state = self._fusepatch
     note_padding(kwargs.get("position_ids"), kwargs.get("attention_mask"))  # padded rows are not packed ones
     return_logits = kwargs.pop("return_logits", None)

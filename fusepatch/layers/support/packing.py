@@ -62,7 +62,8 @@ def _once_per_call(slot: str, tensors: tuple[torch.Tensor, ...], compute):
     threads: an activation-checkpoint recompute runs in the autograd engine's thread with the forward's own
     tensors, and found nothing in a per-thread memo (a trace of the two-GPU SFT run showed the recompute's waits).
     The same ``cu_seqlens`` object for every layer also lets fla reuse the chunk indices it caches per tensor."""
-    if any(t.is_inference() for t in tensors):  # inference tensors keep no version counter
+    # inference tensors keep no version counter; a traced graph (torch.compile) computes it in its graph
+    if torch.compiler.is_compiling() or any(t.is_inference() for t in tensors):
         return compute()
     versions = tuple(t._version for t in tensors)
     with _memo_lock:
@@ -78,11 +79,24 @@ def _once_per_call(slot: str, tensors: tuple[torch.Tensor, ...], compute):
     return result
 
 
+_traced_plain = False  # see traced_plain_call
+
+
+def traced_plain_call(value: bool) -> bool:
+    """Say (``True``) that the causal-LM call being traced by torch.compile has one document a row (it was given
+    no positions, mask, cache or varlen boundaries), or clear it; returns what was said before. A traced graph
+    cannot read the positions' marks (:func:`is_plain`), and finding document starts in the data (``nonzero``)
+    splits the graph at every layer; dynamo traces this flag as the Python value it is."""
+    global _traced_plain
+    previous, _traced_plain = _traced_plain, value
+    return previous
+
+
 def boundaries_for_call(position_ids: torch.Tensor | None) -> torch.Tensor | None:
     """``cu_seqlens_from_position_ids``, computed once per ``position_ids`` tensor (see ``_once_per_call``) and the
     padding mask noted on it (:func:`note_padding`); no read of the GPU at all for the positions the fused forward
-    made (layers/support/positions.py)."""
-    if position_ids is None or is_plain(position_ids):
+    made (layers/support/positions.py), nor in a traced call known to hold one document a row."""
+    if position_ids is None or is_plain(position_ids) or (_traced_plain and torch.compiler.is_compiling()):
         return None
     valid = getattr(_root(position_ids), _PADDING, None)
     tensors = (position_ids,) if valid is None else (position_ids, valid)
@@ -100,10 +114,8 @@ def note_padding(position_ids, attention_mask) -> None:
         return
     root = _root(position_ids)
     mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
-    if mask is None or mask.shape != position_ids.shape[-2:]:
-        root.__dict__.pop(_PADDING, None)
-    else:
-        setattr(root, _PADDING, mask)
+    # (an attribute set to None, not removed: torch.compile traces setattr on a tensor, not its __dict__)
+    setattr(root, _PADDING, None if mask is None or mask.shape != position_ids.shape[-2:] else mask)
 
 
 class PackedSequenceError(ValueError):

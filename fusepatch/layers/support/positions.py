@@ -91,12 +91,13 @@ def is_whole_plain(positions: torch.Tensor | None) -> bool:
 
 
 def wants_plain_positions(
-    position_ids, attention_mask, past_key_values, kwargs: dict, reference: torch.Tensor | None
+    position_ids, attention_mask, past_key_values, kwargs: dict, reference: torch.Tensor | None, marked: bool = True
 ) -> bool:
     """Whether a causal-LM call may get :func:`plain_positions`: nothing that says otherwise was given (positions,
-    a mask, a cache or cache positions, precomputed varlen boundaries)."""
+    a mask, a cache or cache positions, precomputed varlen boundaries). ``marked=False``: whether its rows hold
+    one document each, for a traced call that marks no tensor (torch.compile cannot ask for inference mode)."""
     return (
-        not torch.is_inference_mode_enabled()  # inference tensors keep no version counter to mark
+        (not marked or not torch.is_inference_mode_enabled())  # inference tensors keep no version counter to mark
         and position_ids is None
         and attention_mask is None
         and past_key_values is None
