@@ -405,3 +405,41 @@ def test_labelled_rows_are_counted_after_the_first_decoder_layer(chunked_on_cpu,
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     handle.remove()
     assert len(layers[0]._forward_hooks) == hooks_before
+
+
+class _WeightShapedGemms(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products whose result has the lm_head weight's shape (its gradient's GEMMs)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm_.default, torch.ops.aten.mm.out):
+            if isinstance(out, torch.Tensor) and tuple(out.shape) == self.shape:
+                self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("path", ["chunked", "fla-loop"])
+def test_a_frozen_lm_head_gets_no_weight_gradient_gemm(monkeypatch, path):
+    """LoRA freezes the lm_head: the fused loss computes the hidden-state gradient alone (a vocab x hidden x
+    tokens GEMM and a vocab x hidden buffer less per step), equal to the reference's; a trainable head gets both."""
+    if path == "chunked":
+        monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 777 * 64)
+        fn, dtype = lce.linear_cross_entropy_chunked, torch.float64
+    else:
+        (fn, _), dtype = _fla_loop(monkeypatch, 1), torch.float32
+    h, w, y = _data(dtype=dtype)
+    w.requires_grad_(False)
+    with _WeightShapedGemms(w.shape) as frozen:
+        out = fn(h, w, y)
+        (gh,) = torch.autograd.grad(out * 0.5, (h,))
+    (want,) = torch.autograd.grad(lce.linear_cross_entropy_reference(h, w, y) * 0.5, (h,))
+    torch.testing.assert_close(gh, want, rtol=1e-5, atol=1e-7)
+    assert frozen.count == 0
+    w.requires_grad_(True)
+    with _WeightShapedGemms(w.shape) as trainable:
+        torch.autograd.grad(fn(h, w, y), (h, w))
+    assert trainable.count > 0  # the counter sees the weight gradient's GEMMs where they run

@@ -30,10 +30,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, denominator, chunk):
-        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if needs_grad else None
+        # each gradient only when asked for: a frozen lm_head (LoRA) takes no weight GEMM and no vocab x hidden buffer
+        wants_hidden, wants_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        needs_grad = wants_hidden or wants_weight
+        grad_hidden = torch.empty_like(hidden) if wants_hidden else None
         accumulate = torch.promote_types(weight.dtype, torch.float32)
-        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=accumulate) if needs_grad else None
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=accumulate) if wants_weight else None
         total = torch.zeros((), device=hidden.device, dtype=torch.promote_types(hidden.dtype, torch.float32))
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start : start + chunk]
@@ -48,20 +50,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 probs[torch.arange(len(y), device=y.device), y.clamp_min(0)] -= 1.0
                 probs *= (valid.to(probs.dtype) / denominator)[:, None]
                 g = probs.to(hidden.dtype)
-                grad_hidden[start : start + chunk] = g @ weight
-                grad_weight += (g.t() @ h).to(accumulate)
+                if wants_hidden:
+                    grad_hidden[start : start + chunk] = g @ weight
+                if wants_weight:
+                    grad_weight += (g.t() @ h).to(accumulate)
                 del probs, g
             del logits  # before the next chunk's logits are made: one chunk's at a time
         if needs_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+            ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
         return total / denominator
 
     @staticmethod
     def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
         return (
-            grad_hidden * grad_output.to(grad_hidden.dtype),
-            grad_weight * grad_output.to(grad_weight.dtype),
+            None if grad_hidden is None else grad_hidden * grad_output.to(grad_hidden.dtype),
+            None if grad_weight is None else grad_weight * grad_output.to(grad_weight.dtype),
             None,
             None,
             None,
@@ -133,21 +137,26 @@ class _LinearCrossEntropyLoop(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, denominator, ignore_index: int, chunk: int, ce, grad_wanted: bool):
         # under no_grad (evaluation) needs_input_grad still says True: the caller says whether a backward can come
-        needs_grad = grad_wanted and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        # each gradient only when asked for: a frozen lm_head (LoRA) takes no weight GEMM (a vocab x hidden x tokens
+        # GEMM per step, 14 ms at the 27B shape) and no vocab x hidden buffer
+        wants_hidden = grad_wanted and ctx.needs_input_grad[0]
+        wants_weight = grad_wanted and ctx.needs_input_grad[1]
+        needs_grad = wants_hidden or wants_weight
         with on_device(hidden.device):
             hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
             tokens = hidden.shape[0]
             losses = hidden.new_empty(tokens, dtype=torch.float32)
             inverse = denominator.float().reciprocal().reshape(1)
-            grad_hidden = torch.empty_like(hidden) if needs_grad else None
+            grad_hidden = torch.empty_like(hidden) if wants_hidden else None
             grad_weight = None
             for start in range(0, tokens, chunk):
                 end = min(start + chunk, tokens)
                 h, y = hidden[start:end], labels[start:end]
                 logits = torch.mm(h, weight.t())
                 losses[start:end] = ce(logits, y, inverse, ignore_index, needs_grad)
-                if needs_grad:  # the logits now hold their gradient
+                if wants_hidden:  # the logits now hold their gradient
                     torch.mm(logits, weight, out=grad_hidden[start:end])
+                if wants_weight:
                     if grad_weight is None:
                         grad_weight = torch.mm(logits.t(), h)
                     else:
@@ -155,7 +164,7 @@ class _LinearCrossEntropyLoop(torch.autograd.Function):
                 # freed before the next chunk's GEMM allocates its logits, else two chunks' logits live at once
                 # (fla's loop has that peak: 0.6 GiB over Liger's at the Qwen3-32B shape, the H200 run of 2026-11-30)
                 del logits
-            if needs_grad and grad_weight is None:  # no tokens at all
+            if wants_weight and grad_weight is None:  # no tokens at all
                 grad_weight = torch.zeros_like(weight)
             total = losses.sum() / denominator
         if needs_grad:
@@ -174,9 +183,8 @@ class _LinearCrossEntropyLoop(torch.autograd.Function):
                 f"FUSEPATCH_SKIP={LOOP_SKIP} (the torch-chunked loss keeps them)"
             )
         ctx.done = True
-        grad_hidden, grad_weight = ctx.saved_tensors
         factor = grad_output.detach().float()
-        grads = scale_unless_one_(grad_hidden, factor), scale_unless_one_(grad_weight, factor)
+        grads = [None if g is None else scale_unless_one_(g, factor) for g in ctx.saved_tensors]
         return *grads, None, None, None, None, None, None
 
 
