@@ -56,6 +56,8 @@ class _Bound:
         self.__self__ = module
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling() and self.__self__._fusepatch.outside_dynamo:
+            return _outside_dynamo(self.__func__, self.__self__, args, kwargs)
         return self.__func__(self.__self__, *args, **kwargs)
 
     @property
@@ -67,6 +69,25 @@ class _Bound:
 
     def __repr__(self) -> str:
         return f"<fusepatch {self.__func__.__name__} of {type(self.__self__).__name__}>"
+
+
+OUTSIDE_DYNAMO = (
+    "fusepatch: torch.compile: the patched model runs outside dynamo, on its fused kernels; the rest compiles "
+    "as usual. Its kernels are not traceable ops yet, and every call of one splits the graph: compiled around "
+    "them, a training step ran at 0.89x (Qwen3.5-27B layers) and 0.67x (2B-like) of the uncompiled patched step "
+    "(H200, 2026-12-03, benchmarks/records/2026-12-03-speed-h200.jsonl)"
+)
+_said_outside = False
+
+
+@torch.compiler.disable
+def _outside_dynamo(function: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    """A patched forward that torch.compile reached, run as it runs uncompiled; said once per process."""
+    global _said_outside
+    if not _said_outside:
+        _said_outside = True
+        logger.warning(OUTSIDE_DYNAMO)
+    return function(module, *args, **kwargs)
 
 
 class FusePatchError(RuntimeError):
@@ -86,6 +107,8 @@ class PatchState:
     owner: torch.nn.Module
     instance_forward: Any  # what ``module.__dict__['forward']`` held, or _NO_INSTANCE_FORWARD
     original: Callable[..., Any] = dataclasses.field(init=False, repr=False)  # the forward before apply (bound)
+    # torch.compile runs the forward outside dynamo (``_Bound``): set by apply when the model runs fused kernels
+    outside_dynamo: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         self.original = self._forward_before()
@@ -327,6 +350,11 @@ def apply(
     elif newly == 0 and already:
         message = f"already patched ({already} modules); nothing changed"
     report = _build_report(model, layers, message=message, newly=newly, already=already, compute_dtype=compute_dtype)
+    outside = bool(report.fused_ops) or on_meta  # kernels dynamo cannot trace (on meta: chosen at the first call)
+    for module in model.modules():
+        state = module.__dict__.get("_fusepatch")
+        if isinstance(state, PatchState):
+            state.outside_dynamo = outside
     for row_dispatches in dispatches.values():
         for dispatch in row_dispatches.values():
             dispatch.announce = True

@@ -62,8 +62,10 @@ def _causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
     reference = kwargs.get("input_ids", args[0] if args else None)
     reference = reference if reference is not None else kwargs.get("inputs_embeds")
     cache = next((kwargs[name] for name in ("past_key_values", "cache") if kwargs.get(name) is not None), None)
-    if len(args) <= 1 and wants_plain_positions(
-        kwargs.get("position_ids"), kwargs.get("attention_mask"), cache, kwargs, reference
+    if (
+        not torch.compiler.is_compiling()
+        and len(args) <= 1
+        and wants_plain_positions(kwargs.get("position_ids"), kwargs.get("attention_mask"), cache, kwargs, reference)
     ):
         # the positions transformers would build, known to hold one document a row: no read of the GPU to find out
         kwargs["position_ids"] = plain_positions(reference.shape[0], reference.shape[1], reference.device)

@@ -83,10 +83,13 @@ def test_forward_of_a_plain_batch_waits_for_nothing(model_type):
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
-def test_inductor_compiled_patched_model_matches_the_uncompiled_one(model_type):
+@pytest.mark.parametrize("traced", [False, True], ids=["outside-dynamo", "traced"])
+def test_inductor_compiled_patched_model_matches_the_uncompiled_one(model_type, traced):
     """``torch.compile`` (inductor) of a patched bf16 mini model: loss, logits and every gradient are as close to
     the fp32 eager model as the uncompiled patched model's (within 1.25x, plus a 1e-3 floor for rounding that
-    inductor's own fusions reorder). The CPU tests trace with AOTAutograd only."""
+    inductor's own fusions reorder). By default the patched model runs outside dynamo (its fused kernels are not
+    traceable ops); ``traced`` lets dynamo trace through the fused forwards, breaking the graph at each kernel,
+    as it did before. The CPU tests trace with AOTAutograd only."""
     import copy
 
     import torch
@@ -101,6 +104,10 @@ def test_inductor_compiled_patched_model_matches_the_uncompiled_one(model_type):
     reference = outputs(eager(copy.deepcopy(base).cuda()), ids)
     model = copy.deepcopy(base).cuda().to(torch.bfloat16)
     fusepatch.apply(model)
+    for module in model.modules():
+        if hasattr(module, "_fusepatch"):
+            assert module._fusepatch.outside_dynamo
+            module._fusepatch.outside_dynamo = not traced
     plain = outputs(model, ids)
     compiled = outputs(torch.compile(model), ids)
     compiled = {name.removeprefix("_orig_mod."): value for name, value in compiled.items()}
