@@ -648,15 +648,24 @@ def test_sft_rows_are_flattened_documents_with_masked_prompts():
     assert abs(statistics.mean(lengths[:-1]) - 512) < 40
 
 
-def test_sft_lora_steps(tmp_path):
-    """``--sft`` (flattened chat rows) and ``--lora`` in one CPU run: the step trains only the adapters, reports
-    the LoRA linears fusepatch found, the sample's shape and the first step's time."""
-    result = _train_step_on_cpu(
-        tmp_path, "fusepatch", "--steps", "2", "--warmup", "1", "--sft", "--doc-tokens", "96", "--lora", "4"
-    )
+def test_sft_lora_steps(tmp_path, monkeypatch):
+    """``--sft`` (flattened chat rows) and ``--lora`` in one CPU run, in this process (the harness's own imports
+    are most of a subprocess's time): the step trains only the adapters, reports the LoRA linears fusepatch
+    found, the sample's shape and the first step's time."""
+    import json
+
+    import train_step
+
+    out = tmp_path / "sft-lora.json"
+    argv = ["train_step.py", "--config", "fusepatch", "--shape", "tiny", "--device", "cpu", "--seq", "128"]
+    argv += ["--steps", "1", "--warmup", "1", "--sft", "--doc-tokens", "48", "--lora", "4", "--json-out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert train_step.main() == 0
+    result = json.loads(out.read_text())
+    assert "error" not in result, result.get("traceback")
     assert result["lora_rank"] == 4 and result["lora"]["linears"] == result["lora"]["fusable"] > 0
     assert 0 < result["trainable"] < result["params"]
-    assert result["sft"]["doc_tokens"] == 96 and result["sft"]["conversations"] == 24
+    assert result["sft"]["doc_tokens"] == 48 and result["sft"]["conversations"] == 24
     assert result["first_step_s"] > 0 and result["first_step_builds"] == 0
 
 
