@@ -138,16 +138,22 @@ def _model_types(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _device_and_dtype(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> tuple[str, str]:
-    """Where and in which dtype the layers compute: ``compute_dtype`` if given (mixed precision: the Trainer's
-    ``bf16=True`` on fp32 weights), else FSDP2's compute dtype, else an active autocast's, else the parameters'."""
+def _compute(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> tuple[str, torch.dtype, bool]:
+    """Where and in which dtype the layers compute, and whether that dtype is cast to (not the parameters' own):
+    ``compute_dtype`` if given (mixed precision: the Trainer's ``bf16=True`` on fp32 weights), else FSDP2's
+    compute dtype, else an active autocast's, else the parameters'."""
     for parameter in model.parameters():
         if parameter.is_floating_point():
             device = parameter.device.type
             running = None if device == "meta" else autocast_dtype(device)  # autocast has no meta device
-            compute = compute_dtype or fsdp_compute_dtype(model) or running or parameter.dtype
-            return device, dtype_name(compute)
-    return "cpu", "float32"
+            cast = compute_dtype or fsdp_compute_dtype(model) or running
+            return device, cast or parameter.dtype, cast is not None
+    return "cpu", torch.float32, False
+
+
+def _device_and_dtype(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> tuple[str, str]:
+    device, dtype, _ = _compute(model, compute_dtype)
+    return device, dtype_name(dtype)
 
 
 def fsdp_compute_dtype(model: torch.nn.Module) -> torch.dtype | None:
@@ -163,17 +169,6 @@ def fsdp_compute_dtype(model: torch.nn.Module) -> torch.dtype | None:
             policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
             return getattr(policy, "param_dtype", None)
     return None
-
-
-def _lora_survey(model: torch.nn.Module, device: str, compute_dtype: torch.dtype | None) -> dict:
-    """``lora.survey`` in the dtype the layers compute in: cast when that is not the parameters' own (autocast,
-    FSDP2's mixed precision, ``compute_dtype``)."""
-    first = next((p for p in model.parameters() if p.is_floating_point()), None)
-    running = None if device == "meta" else autocast_dtype(device)
-    compute = compute_dtype or fsdp_compute_dtype(model) or running
-    dtype = compute or (first.dtype if first is not None else torch.float32)
-    found = lora.survey(model, dtype, cast=compute is not None)
-    return found if found["linears"] else {}
 
 
 def _disabled() -> bool:
@@ -199,19 +194,20 @@ def _build_report(
     already: int = 0,
     compute_dtype: torch.dtype | None = None,
 ) -> PatchReport:
-    device, dtype = _device_and_dtype(model, compute_dtype)
+    device, compute, cast = _compute(model, compute_dtype)
     env = capture()
+    adapters = lora.survey(model, compute, cast)  # in the dtype the layers compute in
     return PatchReport(
         model=type(model).__name__,
         model_types=_model_types(model),
         device=device,
-        dtype=dtype,
+        dtype=dtype_name(compute),
         layers=tuple(layers),
         message=message,
         newly_patched=newly,
         already_patched=already,
         drift=backends.drifted(),
-        lora=_lora_survey(model, device, compute_dtype),
+        lora=adapters if adapters["linears"] else {},
         environment={
             "torch": env.torch,
             "cuda": env.torch_cuda,
@@ -351,10 +347,11 @@ def apply(
         message = f"already patched ({already} modules); nothing changed"
     report = _build_report(model, layers, message=message, newly=newly, already=already, compute_dtype=compute_dtype)
     outside = bool(report.fused_ops) or on_meta  # kernels dynamo cannot trace (on meta: chosen at the first call)
-    for module in model.modules():
-        state = module.__dict__.get("_fusepatch")
-        if isinstance(state, PatchState):
-            state.outside_dynamo = outside
+    for modules in found.values():
+        for module in modules:
+            state = module.__dict__.get("_fusepatch")  # a trainer-owned head or a row without a forward: none
+            if state is not None:
+                state.outside_dynamo = outside
     for row_dispatches in dispatches.values():
         for dispatch in row_dispatches.values():
             dispatch.announce = True
