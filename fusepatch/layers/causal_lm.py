@@ -34,9 +34,7 @@ def causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
     mode, so that no layer looks for document starts in the data (a graph break in every layer)."""
     if not torch.compiler.is_compiling():
         return _causal_lm_forward(self, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
-    reference = kwargs.get("input_ids", args[0] if args else None)
-    reference = reference if reference is not None else kwargs.get("inputs_embeds")
-    cache = next((kwargs[name] for name in ("past_key_values", "cache") if kwargs.get(name) is not None), None)
+    reference, cache = _reference_and_cache(args, kwargs)
     plain = len(args) <= 1 and wants_plain_positions(
         kwargs.get("position_ids"), kwargs.get("attention_mask"), cache, kwargs, reference, marked=False
     )
@@ -45,6 +43,14 @@ def causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
         return _causal_lm_forward(self, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     finally:
         traced_plain_call(previous)
+
+
+def _reference_and_cache(args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, object | None]:
+    """A causal-LM call's token ids (or embeddings), whose shape the positions take, and its cache, if any."""
+    reference = kwargs.get("input_ids", args[0] if args else None)
+    reference = reference if reference is not None else kwargs.get("inputs_embeds")
+    cache = next((kwargs[name] for name in ("past_key_values", "cache") if kwargs.get(name) is not None), None)
+    return reference, cache
 
 
 def _causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
@@ -59,9 +65,7 @@ def _causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
-    reference = kwargs.get("input_ids", args[0] if args else None)
-    reference = reference if reference is not None else kwargs.get("inputs_embeds")
-    cache = next((kwargs[name] for name in ("past_key_values", "cache") if kwargs.get(name) is not None), None)
+    reference, cache = _reference_and_cache(args, kwargs)
     if (
         not torch.compiler.is_compiling()
         and len(args) <= 1
