@@ -1,4 +1,5 @@
-"""Whether a module's parts may be called directly: the hooks a fused path would skip, and autocast's dtype."""
+"""Whether a module's parts may be called directly: the hooks a fused path would skip, the dtypes its GEMM would
+meet, and autocast's dtype."""
 
 from __future__ import annotations
 
@@ -34,3 +35,9 @@ def hooked(module: torch.nn.Module) -> bool:
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def in_dtype(linear: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether a linear's weight and bias (if any) are in ``dtype``: outside autocast, its GEMM then takes an input
+    of that dtype as the module itself would."""
+    return linear.weight.dtype == dtype and (linear.bias is None or linear.bias.dtype == dtype)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fusepatch.core.log import logger
-from fusepatch.layers.support.hooks import autocast_dtype, hooked
+from fusepatch.layers.support.hooks import autocast_dtype, hooked, in_dtype
 
 PEFT_LAYER = "peft.tuners.lora.layer"  # the module defining peft's LoRA ``Linear``
 
@@ -91,9 +91,7 @@ def part(module: torch.nn.Module, x: torch.Tensor, cast: bool) -> Part | Unfused
     disabled adapters, not a linear of fusepatch's kind); ``Unfused`` where it is a LoRA layer that cannot be
     fused. ``cast``: under autocast (every tensor is cast to its dtype, as autocast would)."""
     if type(module) is torch.nn.Linear:
-        if hooked(module):
-            return None
-        if not cast and (module.weight.dtype != x.dtype or (module.bias is not None and module.bias.dtype != x.dtype)):
+        if hooked(module) or (not cast and not in_dtype(module, x.dtype)):
             return None
         return Part(module.weight, module.bias)
     if not is_lora(module):
@@ -132,7 +130,7 @@ def part(module: torch.nn.Module, x: torch.Tensor, cast: bool) -> Part | Unfused
                 AUTOCAST_FIX,
             )
         adapters.append(Adapter(a.weight, b.weight, float(module.scaling[name]), dropout))
-    if not cast and (base.weight.dtype != x.dtype or (base.bias is not None and base.bias.dtype != x.dtype)):
+    if not cast and not in_dtype(base, x.dtype):
         return None
     return Part(base.weight, base.bias, tuple(adapters))
 

@@ -14,9 +14,10 @@ The MLP's down projection plus the decoder layer's residual (``residual + down_p
 recompute). The sum is rounded once, from fp32, instead of twice: within one bf16 ulp of transformers' result.
 
 peft's LoRA linears go to ``lora.project``, which fuses their adapters into these GEMMs. Otherwise both paths
-take plain ``nn.Linear`` modules only (no subclass such as a quantised or FSDP-wrapped layer, no hooks), outside ``torch.compile``, on the devices in ``DEVICES``; the projections in one dtype or under
-autocast (cast as autocast casts them), the residual GEMM in one dtype outside autocast (there the residual
-stream is fp32 and the MLP output bf16). Anything else calls the modules as transformers does.
+take plain ``nn.Linear`` modules only (no subclass such as a quantised or FSDP-wrapped layer, no hooks), outside
+``torch.compile``, on the devices in ``DEVICES``; the projections in one dtype or under autocast (cast as
+autocast casts them), the residual GEMM in one dtype outside autocast (there the residual stream is fp32 and the
+MLP output bf16). Anything else calls the modules as transformers does.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from fusepatch.layers.support import lora
 from fusepatch.layers.support.hooks import autocast_dtype as _autocast_dtype
-from fusepatch.layers.support.hooks import hooked
+from fusepatch.layers.support.hooks import hooked, in_dtype
 
 DEVICES = ("cuda",)  # where the fused paths run (the tests add "cpu" to run them in a model)
 
@@ -43,8 +44,7 @@ def plain_linears(x: torch.Tensor, linears: tuple[torch.nn.Module, ...], autocas
     for linear in linears:
         if type(linear) is not torch.nn.Linear or hooked(linear):
             return False
-        bias = linear.bias  # an exact nn.Linear: its parameters are these two
-        if not cast and (linear.weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype)):
+        if not cast and not in_dtype(linear, x.dtype):  # an exact nn.Linear: its parameters are these two
             return False
     return True
 
