@@ -165,11 +165,8 @@ class _LoraLinears(torch.autograd.Function):
             outs = [torch.addmm(residual.reshape(-1, residual.shape[-1]), flat, weights[0].t())]
         else:
             outs = [F.linear(flat, w, b) for w, b in zip(weights, biases)]
-        adapters = []  # (projection, scaling, A, B, dropped input or None)
-        for i, (_, plan) in enumerate(layout):
-            for scaling, _ in plan:
-                a, b, dropped = rest[3 * len(adapters) : 3 * len(adapters) + 3]
-                adapters.append((i, scaling, a, b, dropped))
+        # (projection, scaling, A, B, dropped input or None)
+        adapters = [(i, scaling, *rest[3 * k : 3 * k + 3]) for k, (i, scaling, _) in enumerate(_adapter_plan(layout))]
         shared = [ad for ad in adapters if ad[4] is None]
         joined = h = None
         if shared:
@@ -197,19 +194,13 @@ class _LoraLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         layout = ctx.layout
-        n = len(layout)
+        n, plan = len(layout), _adapter_plan(layout)
+        count, dropped_count = len(plan), sum(dropped for _, _, dropped in plan)
         x, joined, h, *saved = ctx.saved_tensors
-        weights, saved = saved[:n], saved[n:]
-        count = sum(len(plan) for _, plan in layout)
-        pairs, saved = saved[: 2 * count], saved[2 * count :]
-        adapters = []
-        for i, (_, plan) in enumerate(layout):
-            for scaling, dropped in plan:
-                k = len(adapters)
-                adapters.append((i, scaling, pairs[2 * k], pairs[2 * k + 1], dropped))
-        dropped_count = sum(1 for ad in adapters if ad[4])
-        own, droppeds = saved[:dropped_count], saved[dropped_count:]
+        weights, pairs, kept = saved[:n], saved[n : n + 2 * count], saved[n + 2 * count :]
+        own = iter(zip(kept[:dropped_count], kept[dropped_count:]))  # (scaled x_d A^T, x_d) per dropped adapter
         needs = ctx.needs_input_grad
+        first = 3 + 2 * n  # needs_input_grad's index of the first adapter's A (then its B, its dropped input)
         flat = x.reshape(-1, x.shape[-1])
         grads = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grads]
         dx = None
@@ -224,49 +215,48 @@ class _LoraLinears(torch.autograd.Function):
                 dweights[i] = g.t().mm(flat)
             if layout[i][0] and needs[3 + n + i]:
                 dbiases[i] = g.sum(0)
-        dpairs: list = [None] * (2 * count)
-        ddropped: list = []
-        shared_cols, start, k_own = [], 0, 0
-        for k, (i, scaling, a, b, dropped) in enumerate(adapters):
-            g = grads[i]
+        da: list = [None] * count
+        db: list = [None] * count
+        dd: list = [None] * count
+        shared_cols, start = [], 0
+        for k, (i, scaling, dropped) in enumerate(plan):
+            a, b, g = pairs[2 * k], pairs[2 * k + 1], grads[i]
             rank = a.shape[0]
             if dropped:
-                hd, xd = own[k_own], droppeds[k_own]
-                k_own += 1
+                hd, xd = next(own)
                 if g is None:
-                    ddropped.append(None)
                     continue
                 gb = g.mm(b)
                 if scaling != 1.0:
                     gb.mul_(scaling)
-                if needs[3 + 2 * n + 3 * k]:
-                    dpairs[2 * k] = gb.t().mm(xd.reshape(-1, xd.shape[-1]))
-                if needs[4 + 2 * n + 3 * k]:
-                    dpairs[2 * k + 1] = g.t().mm(hd)
-                ddropped.append(gb.mm(a).view(xd.shape) if needs[5 + 2 * n + 3 * k] else None)
+                if needs[first + 3 * k]:
+                    da[k] = gb.t().mm(xd.reshape(-1, xd.shape[-1]))
+                if needs[first + 3 * k + 1]:
+                    db[k] = g.t().mm(hd)
+                if needs[first + 3 * k + 2]:
+                    dd[k] = gb.mm(a).view(xd.shape)
                 continue
             part = h[:, start : start + rank]
             start += rank
             if g is None:
                 shared_cols.append((k, scaling, flat.new_zeros(flat.shape[0], rank)))
                 continue
-            if needs[4 + 2 * n + 3 * k]:
-                dpairs[2 * k + 1] = g.t().mm(part)
+            if needs[first + 3 * k + 1]:
+                db[k] = g.t().mm(part)
             shared_cols.append((k, scaling, g.mm(b)))
-        if shared_cols and any(grads[adapters[k][0]] is not None for k, _, _ in shared_cols):
+        if shared_cols and any(grads[plan[k][0]] is not None for k, _, _ in shared_cols):
             gcat = torch.cat([c for _, _, c in shared_cols], dim=1) if len(shared_cols) > 1 else shared_cols[0][2]
             _scale_columns(gcat, [(s, c.shape[1]) for _, s, c in shared_cols])
             if needs[0]:
                 dx = gcat.mm(joined) if dx is None else dx.addmm_(gcat, joined)
-            wants_a = [k for k, _, _ in shared_cols if needs[3 + 2 * n + 3 * k] and grads[adapters[k][0]] is not None]
-            da = gcat.t().mm(flat) if wants_a else None
+            wants_a = [k for k, _, _ in shared_cols if needs[first + 3 * k] and grads[plan[k][0]] is not None]
+            joined_da = gcat.t().mm(flat) if wants_a else None
             start = 0
             for k, _, c in shared_cols:
                 rank = c.shape[1]
                 if k in wants_a:
-                    dpairs[2 * k] = (
-                        da[start : start + rank] if len(shared_cols) == 1 else da[start : start + rank].clone()
-                    )
+                    rows = joined_da[start : start + rank]
+                    da[k] = rows if len(shared_cols) == 1 else rows.clone()  # a copy, not a view of the joined one
                 start += rank
         if dx is not None:
             dx = dx.view(x.shape)
@@ -275,12 +265,13 @@ class _LoraLinears(torch.autograd.Function):
         dresidual = (
             grads[0].view(x.shape[:-1] + grads[0].shape[-1:]) if ctx.has_residual and grads[0] is not None else None
         )
-        # the A/B gradients, then the dropped inputs', in the order ``tensors`` held them (A, B, dropped per adapter)
-        dtensors = []
-        it = iter(ddropped)
-        for k, ad in enumerate(adapters):
-            dtensors += [dpairs[2 * k], dpairs[2 * k + 1], next(it) if ad[4] else None]
+        dtensors = [t for k in range(count) for t in (da[k], db[k], dd[k])]  # as ``tensors`` held them
         return dx, dresidual, None, *dweights, *dbiases, *dtensors
+
+
+def _adapter_plan(layout: tuple) -> list[tuple[int, float, bool]]:
+    """Per adapter, in the order ``tensors`` holds them: its projection, its scaling, whether its input is dropped."""
+    return [(i, scaling, dropped) for i, (_, plan) in enumerate(layout) for scaling, dropped in plan]
 
 
 def _scale_columns(t: torch.Tensor, blocks: list[tuple[float, int]]) -> None:
