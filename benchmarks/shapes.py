@@ -2,40 +2,41 @@
 
 from __future__ import annotations
 
+# What the Qwen3.5 dense family shares at every size: vocabulary, attention head size, linear-attention head
+# sizes and conv width (Qwen/Qwen3.5-0.8B, -2B and -27B's text configs).
+QWEN3_5 = dict(
+    model_type="qwen3_5_text",
+    vocab_size=248320,
+    head_dim=256,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+)
+
 SHAPES: dict[str, dict] = {
     # Qwen3.5-27B layer shapes: hidden 5120, intermediate 17408, 24 q / 4 kv heads of 256,
     # 16 key / 48 value linear heads of 128, conv 4, vocab 248320, 3 linear : 1 full.
     "27b": dict(
-        model_type="qwen3_5_text",
-        vocab_size=248320,
+        QWEN3_5,
         hidden_size=5120,
         intermediate_size=17408,
         num_attention_heads=24,
         num_key_value_heads=4,
-        head_dim=256,
         linear_num_key_heads=16,
         linear_num_value_heads=48,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
         layers=8,
         seq=4096,
         batch=1,
     ),
     # Qwen3.5-2B-like: hidden 2048, intermediate 6144, 8 q / 2 kv heads of 256, 16/16 linear heads of 128.
     "2b": dict(
-        model_type="qwen3_5_text",
-        vocab_size=248320,
+        QWEN3_5,
         hidden_size=2048,
         intermediate_size=6144,
         num_attention_heads=8,
         num_key_value_heads=2,
-        head_dim=256,
         linear_num_key_heads=16,
         linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
         layers=24,
         seq=2048,
         batch=4,
@@ -43,18 +44,13 @@ SHAPES: dict[str, dict] = {
     # Qwen3.5-0.8B (Qwen/Qwen3.5-0.8B's text config, all 24 layers): hidden 1024, intermediate 3584, 8 q / 2 kv
     # heads of 256, 16/16 linear heads of 128 (its embeddings are tied; every shape here is built untied).
     "0.8b": dict(
-        model_type="qwen3_5_text",
-        vocab_size=248320,
+        QWEN3_5,
         hidden_size=1024,
         intermediate_size=3584,
         num_attention_heads=8,
         num_key_value_heads=2,
-        head_dim=256,
         linear_num_key_heads=16,
         linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
         layers=24,
         seq=2048,
         batch=8,
