@@ -11,6 +11,7 @@ varlen arguments ``cu_seq_lens_q/k`` and ``max_length_q/k``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -25,14 +26,16 @@ SAMPLE = os.path.join(
 )
 
 
-def conversations(path: str = SAMPLE) -> list[list[tuple[bool, int]]]:
-    """Each conversation as ``(is_prompt, characters)`` per turn (system and user turns are prompt)."""
+@functools.cache
+def conversations(path: str = SAMPLE) -> tuple[tuple[tuple[bool, int], ...], ...]:
+    """Each conversation as ``(is_prompt, characters)`` per turn (system and user turns are prompt). Read once a
+    process: every timed step draws its rows from it, and a file read there would be host time in the step."""
     with open(path) as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
-    return [[(m["role"] != "assistant", len(m["content"])) for m in row["messages"]] for row in rows]
+    return tuple(tuple((m["role"] != "assistant", len(m["content"])) for m in row["messages"]) for row in rows)
 
 
-def shape(convs: list[list[tuple[bool, int]]]) -> dict:
+def shape(convs) -> dict:
     """What the rows take from the sample: the log-length spread and the prompt share (reported with a run)."""
     totals = [sum(chars for _, chars in conv) for conv in convs]
     prompt = [sum(c for p, c in conv if p) / sum(c for _, c in conv) for conv in convs]
