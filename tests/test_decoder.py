@@ -131,7 +131,7 @@ def test_torch_compile_through_the_fused_forward(calls):
     fusepatch.apply(model, ops=ADD_OPS)
     for module in model.modules():
         if hasattr(module, "_fusepatch"):
-            module._fusepatch.outside_dynamo = False
+            module._fusepatch.traceable_on = "cpu"
     compiled = torch.compile(model, backend="aot_eager_decomp_partition")
     loss, logits, grads = loss_and_grads(compiled, **batch)
     got = (loss, logits, {name.removeprefix("_orig_mod."): grad for name, grad in grads.items()})

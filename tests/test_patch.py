@@ -363,7 +363,7 @@ def test_torch_compile_runs_a_model_with_fused_kernels_outside_dynamo(chunked_on
     model = tiny_model("qwen3_5_text").train()
     report = fusepatch.apply(model)
     assert [c.op for _, c in report.fused_ops] == ["linear_cross_entropy"]
-    assert all(m._fusepatch.outside_dynamo for m in model.modules() if hasattr(m, "_fusepatch"))
+    assert all(m._fusepatch.traceable_on is None for m in model.modules() if hasattr(m, "_fusepatch"))
     ids = torch.randint(0, 512, (2, 40))
     expected = model(input_ids=ids, labels=ids, use_cache=False)
     expected.loss.backward()
@@ -381,3 +381,39 @@ def test_torch_compile_runs_a_model_with_fused_kernels_outside_dynamo(chunked_on
     said = [r.getMessage() for r in caplog.records if "outside dynamo" in r.getMessage()]
     assert len(said) == 1 and "0.89x" in said[0], said
     assert counters["stats"].get("unique_graphs", 0) <= 1  # at most the empty graph before the patched call
+
+
+def test_torch_compile_keeps_a_call_on_another_device_than_apply_saw_outside_dynamo(caplog):
+    """apply traces a model without fused kernels (here: on the CPU), but only on the device type it patched it
+    on: a model patched on the CPU and moved to a GPU chooses its kernels at its first call there, and tracing
+    through them gave wrong logits (a Qwen3.5 mini model on the H200). Here the states say the model was patched
+    on a GPU, and the call on the CPU is kept outside dynamo, says so, and gives the uncompiled results."""
+    import logging
+
+    from helpers import grads
+    from torch._dynamo.utils import counters
+
+    from fusepatch.core import patch as patch_module
+
+    torch._dynamo.reset()
+    counters.clear()
+    caplog.set_level(logging.WARNING, logger="fusepatch")
+    model = tiny_model("qwen3_5_text").train()
+    fusepatch.apply(model)
+    states = [m._fusepatch for m in model.modules() if hasattr(m, "_fusepatch")]
+    assert states and all(state.traceable_on == "cpu" for state in states)
+    for state in states:
+        state.traceable_on = "cuda"
+    ids = torch.randint(0, 512, (2, 40))
+    expected = model(input_ids=ids, labels=ids, use_cache=False)
+    expected.loss.backward()
+    expected_grads = grads(model)
+    patch_module._said_outside = False
+    model.zero_grad(set_to_none=True)
+    out = torch.compile(model, backend="eager")(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, expected.loss, rtol=0, atol=0)
+    for name, grad in grads(model).items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=0, atol=0, msg=name)
+    assert sum("outside dynamo" in r.getMessage() for r in caplog.records) == 1
+    assert counters["stats"].get("unique_graphs", 0) <= 1

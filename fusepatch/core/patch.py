@@ -56,7 +56,7 @@ class _Bound:
         self.__self__ = module
 
     def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling() and self.__self__._fusepatch.outside_dynamo:
+        if torch.compiler.is_compiling() and not _traceable(self.__self__._fusepatch, args, kwargs):
             return _outside_dynamo(self.__func__, self.__self__, args, kwargs)
         return self.__func__(self.__self__, *args, **kwargs)
 
@@ -78,6 +78,17 @@ OUTSIDE_DYNAMO = (
     "(H200, 2026-12-03, benchmarks/records/2026-12-03-speed-h200.jsonl)"
 )
 _said_outside = False
+
+
+def _traceable(state: PatchState, args: tuple, kwargs: dict) -> bool:
+    """Whether dynamo may trace this call of a patched forward: only on the device type where ``apply`` found
+    that no op runs a fused kernel. A model patched on the CPU and moved to a GPU afterwards chooses its kernels
+    at its first call there, so a call on another device type is kept outside too. (Traced through the fused
+    kernels, a Qwen3.5 mini model gave wrong logits on the H200, 2026-12-03: tests/gpu/test_models.py.)"""
+    if state.traceable_on is None:
+        return False
+    device = next((v.device.type for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+    return device is None or device == state.traceable_on
 
 
 @torch.compiler.disable
@@ -107,8 +118,9 @@ class PatchState:
     owner: torch.nn.Module
     instance_forward: Any  # what ``module.__dict__['forward']`` held, or _NO_INSTANCE_FORWARD
     original: Callable[..., Any] = dataclasses.field(init=False, repr=False)  # the forward before apply (bound)
-    # torch.compile runs the forward outside dynamo (``_Bound``): set by apply when the model runs fused kernels
-    outside_dynamo: bool = dataclasses.field(default=False, repr=False)
+    # the device type on which torch.compile may trace the forward (``_traceable``): set by apply where no op runs
+    # a fused kernel; None: it always runs outside dynamo
+    traceable_on: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.original = self._forward_before()
@@ -346,12 +358,13 @@ def apply(
     elif newly == 0 and already:
         message = f"already patched ({already} modules); nothing changed"
     report = _build_report(model, layers, message=message, newly=newly, already=already, compute_dtype=compute_dtype)
-    outside = bool(report.fused_ops) or on_meta  # kernels dynamo cannot trace (on meta: chosen at the first call)
+    # dynamo traces the patched forwards only where no op runs a kernel it cannot trace (on meta: chosen later)
+    traceable_on = None if report.fused_ops or on_meta else report.device
     for modules in found.values():
         for module in modules:
             state = module.__dict__.get("_fusepatch")  # a trainer-owned head or a row without a forward: none
             if state is not None:
-                state.outside_dynamo = outside
+                state.traceable_on = traceable_on
     for row_dispatches in dispatches.values():
         for dispatch in row_dispatches.values():
             dispatch.announce = True
