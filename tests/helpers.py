@@ -14,6 +14,10 @@ T4 = GPU("Tesla T4", (7, 5))
 # the CPU stand-ins of tests/gpu's sync-debug tests look for them in a profile
 HOST_READS = ("aten::nonzero", "aten::is_nonzero", "aten::all", "aten::any", "aten::_local_scalar_dense")
 
+# tiny_model overrides for a Qwen3.5 stack of one layer of each attention kind: what the torch.compile traces need,
+# at half the tracing time of the default four layers
+HYBRID_PAIR = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+
 # the residual-add norms: conftest's ``calls`` fixture gives them CPU stand-ins, so the fused decoder forward runs
 ADD_OPS = ("add_rms_norm", "add_rms_norm_zero_centered")
 

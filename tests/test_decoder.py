@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ADD_OPS, assert_same_training, lm_batch, loss_and_grads, training_model
+from helpers import ADD_OPS, HYBRID_PAIR, assert_same_training, lm_batch, loss_and_grads, training_model
 
 import fusepatch
 from fusepatch.tools.tiny import FAMILIES, tiny_model
@@ -125,7 +125,7 @@ def test_torch_compile_through_the_fused_forward(calls):
     """The fused decoder forward stays traceable: AOTAutograd traces it, forward and backward, as inductor would
     get it, and the loss and gradients are the uncompiled ones. (A model running fused kernels is kept outside
     dynamo, test_patch.py; here the stand-in kernels are traced as the plain torch code they are.)"""
-    model = tiny_model("qwen3_5_text").train()
+    model = tiny_model("qwen3_5_text", **HYBRID_PAIR).train()
     batch = lm_batch(model)
     expected = loss_and_grads(model, **batch)
     fusepatch.apply(model, ops=ADD_OPS)

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from helpers import lm_batch, loss_and_grads
+from helpers import HYBRID_PAIR, lm_batch, loss_and_grads
 
 import fusepatch
 from fusepatch.tools.tiny import FAMILIES, tiny_model
@@ -213,7 +213,7 @@ def test_torch_compile_of_a_patched_model_traces_one_graph():
 
     torch._dynamo.reset()
     counters.clear()
-    model = tiny_model("qwen3_5_text").train()  # full attention and linear attention layers
+    model = tiny_model("qwen3_5_text", **HYBRID_PAIR).train()  # a linear attention and a full attention layer
     ids = torch.randint(0, 512, (2, 40))
     packed = torch.cat([torch.arange(15), torch.arange(25)]).expand(2, 40)
     fusepatch.apply(model)
@@ -360,7 +360,7 @@ def test_torch_compile_runs_a_model_with_fused_kernels_outside_dynamo(chunked_on
     torch._dynamo.reset()
     counters.clear()
     caplog.set_level(logging.WARNING, logger="fusepatch")
-    model = tiny_model("qwen3_5_text").train()
+    model = tiny_model("qwen3_5_text", **HYBRID_PAIR).train()
     report = fusepatch.apply(model)
     assert [c.op for _, c in report.fused_ops] == ["linear_cross_entropy"]
     assert all(m._fusepatch.traceable_on is None for m in model.modules() if hasattr(m, "_fusepatch"))
@@ -398,7 +398,7 @@ def test_torch_compile_keeps_a_call_on_another_device_than_apply_saw_outside_dyn
     torch._dynamo.reset()
     counters.clear()
     caplog.set_level(logging.WARNING, logger="fusepatch")
-    model = tiny_model("qwen3_5_text").train()
+    model = tiny_model("qwen3_5_text", **HYBRID_PAIR).train()
     fusepatch.apply(model)
     states = [m._fusepatch for m in model.modules() if hasattr(m, "_fusepatch")]
     assert states and all(state.traceable_on == "cpu" for state in states)
