@@ -32,8 +32,8 @@ CONFIGS = {
 }
 
 
-# label words that are train_step options: fusepatch+compile, hf-fast+compile+quick
-FLAGS = {"compile": ["--compile"], "quick": ["--no-diagnostics"]}
+# label words that are train_step options: fusepatch+compile, hf-fast+compile+quick, fusepatch+graphs+quick
+FLAGS = {"compile": ["--compile"], "quick": ["--no-diagnostics"], "graphs": ["--graph-layers"]}
 
 
 def parse_label(label: str) -> tuple[str, dict[str, str], list[str]]:

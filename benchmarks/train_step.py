@@ -145,6 +145,11 @@ def main() -> int:
     parser.add_argument("--lora", type=int, default=0, help="peft LoRA of this rank on every linear (alpha 2r)")
     parser.add_argument("--compile", action="store_true", help="model.compile() after patching (and peft)")
     parser.add_argument(
+        "--graph-layers",
+        action="store_true",
+        help="replay every decoder layer from CUDA graphs after the warm-up (graph_layers: fixed shapes only)",
+    )
+    parser.add_argument(
         "--no-diagnostics", action="store_true", help="skip the memory, host and idle views (the profiled step stays)"
     )
     parser.add_argument("--device", default="cuda")
@@ -355,6 +360,64 @@ def profiled_step(step, model, sync, device: torch.device, tokens: int) -> dict:
     return found
 
 
+class _LayerCall(torch.nn.Module):
+    """One decoder layer as a function of tensors alone (what ``make_graphed_callables`` takes): the hidden states
+    and the rotary tables, with the rest of the call's arguments as the model passed them."""
+
+    def __init__(self, layer: torch.nn.Module, kwargs: dict) -> None:
+        super().__init__()
+        self.layer, self.kwargs = layer, kwargs
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        out = self.layer(hidden, position_embeddings=(cos, sin), **self.kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class _Replayed(torch.nn.Module):
+    """Stands in a model's layer list for a graphed ``_LayerCall``; keeps the attributes the model's loop reads."""
+
+    def __init__(self, call: torch.nn.Module, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.call = call
+        for name in ("block_type", "layer_type", "attention_type"):
+            if hasattr(layer, name):
+                setattr(self, name, getattr(layer, name))
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, **kwargs) -> torch.Tensor:
+        return self.call(hidden_states, *position_embeddings)
+
+
+def graph_layers(model: torch.nn.Module, step) -> int:
+    """How far CUDA graphs over whole layers would take a host-bound step: every decoder layer captured, forward
+    and backward, by ``torch.cuda.make_graphed_callables`` (one memory pool, the layers in call order), then
+    replayed in place of the layer. The arguments of one real step's layer calls are kept as they were: fixed
+    shapes, no padding or packing, no autocast, no hooks (so: with ``--no-diagnostics``). Returns the number of
+    layers graphed."""
+    stack = model.get_base_model().model if hasattr(model, "get_base_model") else model.model
+    layers = list(stack.layers)
+    seen: dict[int, tuple] = {}
+
+    def keep(module, args, kwargs) -> None:
+        seen.setdefault(id(module), (args, dict(kwargs)))
+
+    handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in layers]
+    try:
+        step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    calls, samples = [], []
+    for layer in layers:
+        args, kwargs = seen[id(layer)]
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        cos, sin = kwargs.pop("position_embeddings")
+        calls.append(_LayerCall(layer, kwargs))
+        samples.append((hidden.detach().clone().requires_grad_(), cos.detach(), sin.detach()))
+    graphed = torch.cuda.make_graphed_callables(tuple(calls), tuple(samples))
+    stack.layers = torch.nn.ModuleList(_Replayed(call, layer) for call, layer in zip(graphed, layers))
+    return len(layers)
+
+
 def run(args, seq: int, batch: int) -> dict:
     """Build, warm up, time ``--steps`` steps (synced, back to back, as the Trainer loops), diagnose, profile."""
     device = torch.device(args.device)
@@ -376,6 +439,9 @@ def run(args, seq: int, batch: int) -> dict:
                 info["first_step_builds"] = sum(builds.counts.values())
     finally:
         builds.remove()
+    if args.graph_layers:
+        info["graphed_layers"] = graph_layers(model, step)
+        step()
     sync()
     info["warmup_s"] = time.perf_counter() - first
     if cuda:

@@ -685,3 +685,45 @@ def test_kernel_split_names_gemms_optimizer_and_the_rest():
     split = kernel_split(kernels)
     assert (split["gemm_ms"], split["optimizer_ms"], split["rest_ms"]) == (8.0, 2.0, 2.0)
     assert [name for name, _ in split["rest_top"]] == ["chunk_gated_delta_rule_fwd_kernel_h", "rms_norm_fwd"]
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["transformers", "fusepatch"])
+def test_graph_layers_stands_each_layer_in_with_the_arguments_of_a_real_call(monkeypatch, patched):
+    """``--graph-layers``: every decoder layer is called as a function of the hidden states and the rotary tables,
+    with the rest of its arguments as one real step passed them, and the model's loop still runs over them (the
+    layer kinds it reads). The capture itself needs CUDA: here it is the identity, so the model must compute
+    exactly what it did."""
+    import copy
+
+    import torch
+    import train_step
+
+    import fusepatch
+    from fusepatch.tools.tiny import tiny_model
+
+    model = tiny_model("qwen3_5_text").train()
+    if patched:
+        fusepatch.apply(model, verbose=False)
+    before = copy.deepcopy(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24))
+    given = []
+
+    def graphed(calls, samples):
+        given.extend(samples)
+        return calls
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", graphed)
+    assert train_step.graph_layers(model, lambda: model(input_ids=ids, labels=ids, use_cache=False)) == 4
+    assert [s[0].shape for s in given] == [(2, 24, model.config.hidden_size)] * 4
+    assert all(s[0].requires_grad and not s[1].requires_grad for s in given)
+    assert [layer.block_type for layer in model.model.layers] == model.config.layer_types
+    for run in (before, model):
+        run.zero_grad(set_to_none=True)
+    want, got = (m(input_ids=ids, labels=ids, use_cache=False) for m in (before, model))
+    want.loss.backward()
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=0)
+    grads = {n: p.grad for n, p in before.named_parameters()}
+    for name, param in model.named_parameters():
+        original = name.replace(".call.layer.", ".")
+        torch.testing.assert_close(param.grad, grads[original], rtol=0, atol=0, msg=name)
