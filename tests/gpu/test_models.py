@@ -105,14 +105,15 @@ THROUGH_KERNELS_WRONG = (
 def test_inductor_compiled_patched_model_matches_the_uncompiled_one(model_type, mode):
     """``torch.compile`` (inductor) of a patched bf16 mini model: loss, logits and every gradient are as close to
     the fp32 eager model as the uncompiled patched model's (within 1.25x, plus a 1e-3 floor for rounding that
-    inductor's own fusions reorder). A model with fused kernels runs outside dynamo (its kernels are not
+    inductor's own fusions reorder; the decay parameters' gradients within DECAY_TOL, as in every model test:
+    on the CPU, inductor moved dt_bias's error from 0.019 to 0.026 on the eager ops). A model with fused kernels runs outside dynamo (its kernels are not
     traceable ops); one whose ops all run eagerly (here: every op excluded) is traced by dynamo, as on a GPU
     without the kernel packages. ``traced-through-kernels`` forces dynamo through the fused forwards, breaking
     the graph at each kernel, as before apply kept such models out. The CPU tests trace with AOTAutograd only."""
     import copy
 
     import torch
-    from conftest import MINI, eager, outputs
+    from conftest import DECAY_TOL, MINI, eager, outputs
 
     import fusepatch
     from fusepatch.ops import OPS
@@ -136,6 +137,8 @@ def test_inductor_compiled_patched_model_matches_the_uncompiled_one(model_type, 
     worse = {}
     for name, ref in reference.items():
         bound = 1.25 * relative_error(plain[name], ref) + 1e-3
+        if name.endswith(("A_log", "dt_bias")):  # sums that cancel: any reordering moves them (conftest.py)
+            bound = max(bound, DECAY_TOL)
         got = relative_error(compiled[name], ref)
         if got > bound:
             worse[name] = (round(got, 5), round(bound, 5))
