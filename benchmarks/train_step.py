@@ -390,7 +390,8 @@ class _Replayed(torch.nn.Module):
 def graph_layers(model: torch.nn.Module, step) -> int:
     """How far CUDA graphs over whole layers would take a host-bound step: every decoder layer captured, forward
     and backward, by ``torch.cuda.make_graphed_callables`` (one memory pool, the layers in call order), then
-    replayed in place of the layer. The arguments of one real step's layer calls are kept as they were: fixed
+    replayed in place of the layer. The arguments of one real step's layer calls are kept as they were (the first
+    layer's input needs no gradient under LoRA, whose embedding is frozen, and its sample says so): fixed
     shapes, no padding or packing, no autocast, no hooks (so: with ``--no-diagnostics``). Returns the number of
     layers graphed."""
     stack = model.get_base_model().model if hasattr(model, "get_base_model") else model.model
@@ -412,7 +413,7 @@ def graph_layers(model: torch.nn.Module, step) -> int:
         hidden = args[0] if args else kwargs.pop("hidden_states")
         cos, sin = kwargs.pop("position_embeddings")
         calls.append(_LayerCall(layer, kwargs))
-        samples.append((hidden.detach().clone().requires_grad_(), cos.detach(), sin.detach()))
+        samples.append((hidden.detach().clone().requires_grad_(hidden.requires_grad), cos.detach(), sin.detach()))
     graphed = torch.cuda.make_graphed_callables(tuple(calls), tuple(samples))
     stack.layers = torch.nn.ModuleList(_Replayed(call, layer) for call, layer in zip(graphed, layers))
     return len(layers)

@@ -687,14 +687,16 @@ def test_kernel_split_names_gemms_optimizer_and_the_rest():
     assert [name for name, _ in split["rest_top"]] == ["chunk_gated_delta_rule_fwd_kernel_h", "rms_norm_fwd"]
 
 
-@pytest.mark.parametrize("patched", [False, True], ids=["transformers", "fusepatch"])
-def test_graph_layers_stands_each_layer_in_with_the_arguments_of_a_real_call(monkeypatch, patched):
+@pytest.mark.parametrize("setup", ["transformers", "fusepatch", "fusepatch-lora"])
+def test_graph_layers_stands_each_layer_in_with_the_arguments_of_a_real_call(monkeypatch, setup):
     """``--graph-layers``: every decoder layer is called as a function of the hidden states and the rotary tables,
     with the rest of its arguments as one real step passed them, and the model's loop still runs over them (the
-    layer kinds it reads). The capture itself needs CUDA: here it is the identity, so the model must compute
+    layer kinds it reads). Under LoRA the first layer's input needs no gradient (the embedding is frozen), and
+    its sample says so. The capture itself needs CUDA: here it is the identity, so the model must compute
     exactly what it did."""
     import copy
 
+    import peft
     import torch
     import train_step
 
@@ -702,10 +704,12 @@ def test_graph_layers_stands_each_layer_in_with_the_arguments_of_a_real_call(mon
     from fusepatch.tools.tiny import tiny_model
 
     model = tiny_model("qwen3_5_text").train()
-    if patched:
+    if setup == "fusepatch-lora":
+        model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules="all-linear"))
+    if setup != "transformers":
         fusepatch.apply(model, verbose=False)
     before = copy.deepcopy(model)
-    ids = torch.randint(0, model.config.vocab_size, (2, 24))
+    ids = torch.randint(0, 512, (2, 24))
     given = []
 
     def graphed(calls, samples):
@@ -714,16 +718,20 @@ def test_graph_layers_stands_each_layer_in_with_the_arguments_of_a_real_call(mon
 
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", graphed)
     assert train_step.graph_layers(model, lambda: model(input_ids=ids, labels=ids, use_cache=False)) == 4
-    assert [s[0].shape for s in given] == [(2, 24, model.config.hidden_size)] * 4
-    assert all(s[0].requires_grad and not s[1].requires_grad for s in given)
-    assert [layer.block_type for layer in model.model.layers] == model.config.layer_types
+    config = model.config
+    assert [s[0].shape for s in given] == [(2, 24, config.hidden_size)] * 4
+    assert [s[0].requires_grad for s in given] == [setup != "fusepatch-lora", True, True, True]
+    assert not any(s[1].requires_grad or s[2].requires_grad for s in given)
+    stack = model.get_base_model().model if setup == "fusepatch-lora" else model.model
+    assert [layer.block_type for layer in stack.layers] == config.layer_types
     for run in (before, model):
         run.zero_grad(set_to_none=True)
     want, got = (m(input_ids=ids, labels=ids, use_cache=False) for m in (before, model))
     want.loss.backward()
     got.loss.backward()
     torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=0)
-    grads = {n: p.grad for n, p in before.named_parameters()}
-    for name, param in model.named_parameters():
-        original = name.replace(".call.layer.", ".")
-        torch.testing.assert_close(param.grad, grads[original], rtol=0, atol=0, msg=name)
+    grads = {n: p.grad for n, p in before.named_parameters() if p.grad is not None}
+    found = {n.replace(".call.layer.", "."): p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert found.keys() == grads.keys() and grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(found[name], grad, rtol=0, atol=0, msg=name)
