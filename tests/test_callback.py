@@ -329,3 +329,31 @@ def test_long_gpu_idle_stretches_name_the_op_the_cpu_was_in():
     assert (
         "Longest GPU idle stretches: 60 ms in aten::_cudnn_attention_forward, 18 ms in Python code" in profile.summary()
     )
+
+
+@pytest.mark.slow
+def test_trainer_torch_compile_trains_the_patched_model_as_uncompiled(tmp_path, chunked_on_cpu, caplog):
+    """``TrainingArguments(torch_compile=True)``: accelerate compiles the model, the callback patches it at the
+    start of training, and a model whose ops run fused kernels (the chunked loss, let onto the CPU) runs outside
+    dynamo: the Trainer's losses are the uncompiled run's, and the first compiled step says why once."""
+    from torch._dynamo.utils import counters
+
+    from fusepatch.core import patch as patch_module
+
+    losses = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        patch_module._said_outside = False
+        torch.manual_seed(0)
+        extra = {"torch_compile": True, "torch_compile_backend": "eager"} if compiled else {}
+        trainer = _trainer(tmp_path / str(compiled), [FusePatchCallback(profile=False)], max_steps=3, **extra)
+        with caplog.at_level(logging.INFO, logger="fusepatch"):
+            trainer.train()
+        losses[compiled] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        assert isinstance(trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule) == compiled
+        said = [r.getMessage() for r in caplog.records if "outside dynamo" in r.getMessage()]
+        caplog.clear()
+        assert len(said) == (1 if compiled else 0), said
+    assert len(losses[True]) == 3
+    assert losses[True] == losses[False]
