@@ -5,8 +5,11 @@ of its conversation, and the spread of conversation lengths (the log-length's st
 absolute size does not carry over (the sample's conversations are short by design), so documents are scaled to
 a mean of ``doc_tokens`` tokens. Each row is what ``DataCollatorWithFlattening`` (TRL's ``padding_free``)
 gives a model: one row of several documents, ``position_ids`` restarting at each, the user turns' labels
--100 (assistant-only loss), the first label of every document -100 (no loss across a boundary), and the flash
-varlen arguments ``cu_seq_lens_q/k`` and ``max_length_q/k``.
+-100 (assistant-only loss), the first label of every document -100 (no loss across a boundary), the flash
+varlen arguments ``cu_seq_lens_q/k`` and ``max_length_q/k``, and ``seq_idx`` (each token's document, as
+``return_seq_idx=True`` gives it). transformers hands the causal-conv1d package only the arguments its function
+names: ``seq_idx`` is the one that keeps its conv window inside each document (without it the window of a
+document's first three tokens reached into the document before).
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def packed_batch(total: int, doc_tokens: int, vocab: int, draws: random.Random, 
             start += tokens
     position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
     return {
         "input_ids": ids.to(device),
         "labels": labels.to(device),
@@ -96,6 +100,7 @@ def packed_batch(total: int, doc_tokens: int, vocab: int, draws: random.Random, 
         "cu_seq_lens_k": cu.to(device),
         "max_length_q": max(lengths),
         "max_length_k": max(lengths),
+        "seq_idx": seq_idx.unsqueeze(0).to(device),
         "documents": len(lengths),
         "labelled": int((labels != -100).sum()),
     }

@@ -630,7 +630,7 @@ def test_step_start_probe_stamps_with_passive_hooks_and_restores_everything():
 def test_sft_rows_are_flattened_documents_with_masked_prompts():
     """``sft_rows.packed_batch``: documents fill the row exactly; positions restart at each; every label of a
     prompt turn and the first of every document are -100, every assistant label is the token; the flash varlen
-    arguments match the documents; the mean length follows ``doc_tokens``."""
+    arguments and ``seq_idx`` match the documents; the mean length follows ``doc_tokens``."""
     import random
     import statistics
 
@@ -644,6 +644,10 @@ def test_sft_rows_are_flattened_documents_with_masked_prompts():
     starts = cu[:-1].tolist()
     assert (positions[0] == 0).nonzero().flatten().tolist() == starts
     assert batch["max_length_q"] == int((cu[1:] - cu[:-1]).max())
+    seq_idx = batch["seq_idx"]
+    assert seq_idx.dtype == torch.int32 and seq_idx.shape == (1, 4096)
+    assert seq_idx[0].bincount().tolist() == (cu[1:] - cu[:-1]).tolist()  # each token's document, in order
+    assert bool((seq_idx[0, 1:] >= seq_idx[0, :-1]).all())
     assert all(labels[0, s] == -100 for s in starts)
     kept = labels != -100
     assert torch.equal(labels[kept], ids[kept]) and 0.5 < batch["labelled"] / 4096 < 0.9  # the sample: 26% prompt
