@@ -312,3 +312,28 @@ def test_boundaries_are_found_once_per_position_ids_across_threads(monkeypatch):
     assert packing.boundaries_for_call(other).tolist() == [0, 3, 5, 8] and len(calls) == 2
     positions[0, 3] = 3  # changed in place: its version moved on
     assert packing.boundaries_for_call(positions).tolist() == [0, 5, 8] and len(calls) == 3
+
+
+def test_a_collators_seq_idx_changes_nothing():
+    """``DataCollatorWithFlattening(return_seq_idx=True)`` adds each token's document number (``seq_idx``), the
+    argument the causal-conv1d package takes to keep packed documents apart. fusepatch takes the boundaries from
+    the positions and ``cu_seq_lens``: the extra argument reaches every layer and changes neither the loss nor a
+    gradient."""
+    from helpers import grads
+    from transformers import DataCollatorWithFlattening
+
+    model = tiny_model("qwen3_5_text").train()
+    fusepatch.apply(model, verbose=False)
+    features = [{"input_ids": torch.randint(0, 512, (n,)).tolist()} for n in (11, 17, 6)]
+    results = []
+    for flags in ({}, {"return_seq_idx": True}):
+        batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, **flags)(features)
+        assert ("seq_idx" in batch) == bool(flags)
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        results.append((loss.detach(), grads(model)))
+    (loss, got), (with_idx, got_idx) = results
+    torch.testing.assert_close(with_idx, loss, rtol=0, atol=0)
+    for name, grad in got.items():
+        torch.testing.assert_close(got_idx[name], grad, rtol=0, atol=0, msg=name)
