@@ -739,3 +739,33 @@ def test_graph_layers_stands_each_layer_in_with_the_arguments_of_a_real_call(mon
     assert found.keys() == grads.keys() and grads
     for name, grad in grads.items():
         torch.testing.assert_close(found[name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_render_compares_each_workload_with_hf_fast_of_its_own_run():
+    """``render.speed``: the newest run of every workload (shape, LoRA, packed SFT), ``+quick`` dropped from the
+    labels (it leaves only views out), each ratio against hf-fast of the same run; a workload without hf-fast
+    gets no ratio rather than an error (it raised before)."""
+    import render
+
+    def row(config, tok, code, **extra):
+        base = dict(benchmark="train_step", shape="2b", layers=24, seq=2048, batch=4, date="2026-12-03", gpu="H200")
+        return base | dict(config=config, code=code, tokens_per_s_synced=tok, tokens_per_s_back_to_back=tok,
+                           tokens_per_s_trainer_loop=tok, peak_gib=1.0, record="r.jsonl") | extra  # fmt: skip
+
+    rows = [
+        row("hf-fast", 100, "old"),
+        row("fusepatch", 150, "old"),
+        row("hf-fast+quick", 200, "new"),
+        row("fusepatch", 300, "new"),
+        row("fusepatch+compile+quick", 330, "new"),
+        row("fusepatch+quick", 120, "new", lora_rank=16),
+    ]
+    lines = render.speed(rows)
+    plain = [line for line in lines if line.startswith("| 2b (24 layers, seq 2048, batch 4) |")]
+    assert [line.split(" | ")[1:4] for line in plain] == [
+        ["fusepatch", "300", "1.50x"],
+        ["fusepatch+compile", "330", "1.65x"],
+        ["hf-fast", "200", "1.00x"],
+    ]
+    lora = [line for line in lines if "LoRA r16" in line]
+    assert len(lora) == 1 and " | 120 | - | " in lora[0]
