@@ -344,12 +344,10 @@ def test_from_pretrained_loads_and_patches(tmp_path):
     assert "excluded" in mlp.choices[0].rejected[0].reason
 
 
-@pytest.mark.slow
-def test_torch_compile_runs_a_model_with_fused_kernels_outside_dynamo(chunked_on_cpu, caplog):
-    """A model whose ops run fused kernels (here the chunked loss, let onto the CPU) is kept outside dynamo as a
-    whole: its kernels are not traceable ops, and breaking the graph at each of them made the compiled step
-    slower than the uncompiled one (0.89x and 0.67x on the H200). The compiled call gives the uncompiled loss and
-    gradients, runs the fused loss, and says so once."""
+def _compiled_against_eager(model, caplog, calls: int) -> tuple[object, list[str], int]:
+    """One eager training call, then ``calls`` of ``torch.compile(model, backend="eager")`` on the same tokens; the
+    last compiled call's loss and every gradient must equal the eager ones exactly. Returns its output, the
+    outside-dynamo messages said, and the graphs dynamo made."""
     import logging
 
     from helpers import grads
@@ -360,27 +358,37 @@ def test_torch_compile_runs_a_model_with_fused_kernels_outside_dynamo(chunked_on
     torch._dynamo.reset()
     counters.clear()
     caplog.set_level(logging.WARNING, logger="fusepatch")
-    model = tiny_model("qwen3_5_text", **HYBRID_PAIR).train()
-    report = fusepatch.apply(model)
-    assert [c.op for _, c in report.fused_ops] == ["linear_cross_entropy"]
-    assert all(m._fusepatch.traceable_on is None for m in model.modules() if hasattr(m, "_fusepatch"))
     ids = torch.randint(0, 512, (2, 40))
     expected = model(input_ids=ids, labels=ids, use_cache=False)
     expected.loss.backward()
     expected_grads = grads(model)
     compiled = torch.compile(model, backend="eager")
     patch_module._said_outside = False
-    for _ in range(2):
+    for _ in range(calls):
         model.zero_grad(set_to_none=True)
         out = compiled(input_ids=ids, labels=ids, use_cache=False)
         out.loss.backward()
-    assert out.logits is None  # the fused loss ran (it returns no logits in training)
     torch.testing.assert_close(out.loss, expected.loss, rtol=0, atol=0)
     for name, grad in grads(model).items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=0, atol=0, msg=name)
     said = [r.getMessage() for r in caplog.records if "outside dynamo" in r.getMessage()]
+    return out, said, counters["stats"].get("unique_graphs", 0)
+
+
+@pytest.mark.slow
+def test_torch_compile_runs_a_model_with_fused_kernels_outside_dynamo(chunked_on_cpu, caplog):
+    """A model whose ops run fused kernels (here the chunked loss, let onto the CPU) is kept outside dynamo as a
+    whole: its kernels are not traceable ops, and breaking the graph at each of them made the compiled step
+    slower than the uncompiled one (0.89x and 0.67x on the H200). The compiled call gives the uncompiled loss and
+    gradients, runs the fused loss, and says so once."""
+    model = tiny_model("qwen3_5_text", **HYBRID_PAIR).train()
+    report = fusepatch.apply(model)
+    assert [c.op for _, c in report.fused_ops] == ["linear_cross_entropy"]
+    assert all(m._fusepatch.traceable_on is None for m in model.modules() if hasattr(m, "_fusepatch"))
+    out, said, graphs = _compiled_against_eager(model, caplog, calls=2)
+    assert out.logits is None  # the fused loss ran (it returns no logits in training)
     assert len(said) == 1 and "0.89x" in said[0], said
-    assert counters["stats"].get("unique_graphs", 0) <= 1  # at most the empty graph before the patched call
+    assert graphs <= 1  # at most the empty graph before the patched call
 
 
 def test_torch_compile_keeps_a_call_on_another_device_than_apply_saw_outside_dynamo(caplog):
@@ -388,32 +396,12 @@ def test_torch_compile_keeps_a_call_on_another_device_than_apply_saw_outside_dyn
     on: a model patched on the CPU and moved to a GPU chooses its kernels at its first call there, and tracing
     through them gave wrong logits (a Qwen3.5 mini model on the H200). Here the states say the model was patched
     on a GPU, and the call on the CPU is kept outside dynamo, says so, and gives the uncompiled results."""
-    import logging
-
-    from helpers import grads
-    from torch._dynamo.utils import counters
-
-    from fusepatch.core import patch as patch_module
-
-    torch._dynamo.reset()
-    counters.clear()
-    caplog.set_level(logging.WARNING, logger="fusepatch")
     model = tiny_model("qwen3_5_text", **HYBRID_PAIR).train()
     fusepatch.apply(model)
     states = [m._fusepatch for m in model.modules() if hasattr(m, "_fusepatch")]
     assert states and all(state.traceable_on == "cpu" for state in states)
     for state in states:
         state.traceable_on = "cuda"
-    ids = torch.randint(0, 512, (2, 40))
-    expected = model(input_ids=ids, labels=ids, use_cache=False)
-    expected.loss.backward()
-    expected_grads = grads(model)
-    patch_module._said_outside = False
-    model.zero_grad(set_to_none=True)
-    out = torch.compile(model, backend="eager")(input_ids=ids, labels=ids, use_cache=False)
-    out.loss.backward()
-    torch.testing.assert_close(out.loss, expected.loss, rtol=0, atol=0)
-    for name, grad in grads(model).items():
-        torch.testing.assert_close(grad, expected_grads[name], rtol=0, atol=0, msg=name)
-    assert sum("outside dynamo" in r.getMessage() for r in caplog.records) == 1
-    assert counters["stats"].get("unique_graphs", 0) <= 1
+    _, said, graphs = _compiled_against_eager(model, caplog, calls=1)
+    assert len(said) == 1, said
+    assert graphs <= 1
