@@ -387,6 +387,35 @@ class _Replayed(torch.nn.Module):
         return self.call(hidden_states, *position_embeddings)
 
 
+def _layer_calls(layers: list[torch.nn.Module], step) -> tuple[list[_LayerCall], list[tuple]]:
+    """Runs ``step`` once and keeps each layer's first call: detached at once, so that nothing of the step's
+    autograd graph outlives it. A kept node makes the capture's backward wait on the stream the step ran on, the
+    legacy default stream, which a capture cannot (the H200 run of 2026-12-03: ``cudaErrorStreamCaptureImplicit``
+    in the first backward capture)."""
+    seen: dict[int, tuple] = {}
+
+    def keep(module, args, kwargs) -> None:
+        if id(module) in seen:
+            return
+        kwargs = dict(kwargs)
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        cos, sin = kwargs.pop("position_embeddings")
+        # the other tensors stay the objects the model passed: fusepatch keeps what it read from position_ids
+        # on the host per tensor object, and a copy would make the capture read them again (a sync)
+        kept = {k: v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v for k, v in kwargs.items()}
+        sample = (hidden.detach().clone().requires_grad_(hidden.requires_grad), cos.detach(), sin.detach())
+        seen[id(module)] = (kept, sample)
+
+    handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in layers]
+    try:
+        step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    calls = [_LayerCall(layer, seen[id(layer)][0]) for layer in layers]
+    return calls, [seen[id(layer)][1] for layer in layers]
+
+
 def graph_layers(model: torch.nn.Module, step) -> int:
     """How far CUDA graphs over whole layers would take a host-bound step: every decoder layer captured, forward
     and backward, by ``torch.cuda.make_graphed_callables`` (one memory pool, the layers in call order), then
@@ -396,24 +425,7 @@ def graph_layers(model: torch.nn.Module, step) -> int:
     layers graphed."""
     stack = model.get_base_model().model if hasattr(model, "get_base_model") else model.model
     layers = list(stack.layers)
-    seen: dict[int, tuple] = {}
-
-    def keep(module, args, kwargs) -> None:
-        seen.setdefault(id(module), (args, dict(kwargs)))
-
-    handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in layers]
-    try:
-        step()
-    finally:
-        for handle in handles:
-            handle.remove()
-    calls, samples = [], []
-    for layer in layers:
-        args, kwargs = seen[id(layer)]
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        cos, sin = kwargs.pop("position_embeddings")
-        calls.append(_LayerCall(layer, kwargs))
-        samples.append((hidden.detach().clone().requires_grad_(hidden.requires_grad), cos.detach(), sin.detach()))
+    calls, samples = _layer_calls(layers, step)
     graphed = torch.cuda.make_graphed_callables(tuple(calls), tuple(samples))
     stack.layers = torch.nn.ModuleList(_Replayed(call, layer) for call, layer in zip(graphed, layers))
     return len(layers)

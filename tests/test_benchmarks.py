@@ -696,9 +696,12 @@ def test_graph_layers_stands_each_layer_in_with_the_arguments_of_a_real_call(mon
     """``--graph-layers``: every decoder layer is called as a function of the hidden states and the rotary tables,
     with the rest of its arguments as one real step passed them, and the model's loop still runs over them (the
     layer kinds it reads). Under LoRA the first layer's input needs no gradient (the embedding is frozen), and
-    its sample says so. The capture itself needs CUDA: here it is the identity, so the model must compute
-    exactly what it did."""
+    its sample says so. Nothing of the recorded step's autograd graph may be alive when the capture starts
+    (a kept node made the H200 capture fail). The capture itself needs CUDA: here it is the identity, so the
+    model must compute exactly what it did."""
     import copy
+    import gc
+    import weakref
 
     import peft
     import torch
@@ -714,19 +717,28 @@ def test_graph_layers_stands_each_layer_in_with_the_arguments_of_a_real_call(mon
         fusepatch.apply(model, verbose=False)
     before = copy.deepcopy(model)
     ids = torch.randint(0, 512, (2, 24))
-    given = []
+    given, inner = [], []
+    stack = model.get_base_model().model if setup == "fusepatch-lora" else model.model
+    # a hidden state inside the step's autograd graph: it must be gone when the capture starts
+    hook = stack.layers[2].register_forward_pre_hook(lambda module, args: inner.append(weakref.ref(args[0])))
 
     def graphed(calls, samples):
+        gc.collect()
+        assert inner and inner[0]() is None, "the step's autograd graph outlived it"
         given.extend(samples)
         return calls
 
+    def step():
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()  # the layers' parameters get their AccumulateGrad nodes, as in a training step
+
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", graphed)
-    assert train_step.graph_layers(model, lambda: model(input_ids=ids, labels=ids, use_cache=False)) == 4
+    assert train_step.graph_layers(model, step) == 4
+    hook.remove()
     config = model.config
     assert [s[0].shape for s in given] == [(2, 24, config.hidden_size)] * 4
     assert [s[0].requires_grad for s in given] == [setup != "fusepatch-lora", True, True, True]
     assert not any(s[1].requires_grad or s[2].requires_grad for s in given)
-    stack = model.get_base_model().model if setup == "fusepatch-lora" else model.model
     assert [layer.block_type for layer in stack.layers] == config.layer_types
     for run in (before, model):
         run.zero_grad(set_to_none=True)
