@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_run.sh bench 27b [layers]  # call 3+: the benchmark table for one shape
 #   CONFIGS=fusepatch bash benchmarks/gpu_run.sh probe 27b  # where a synced step's forward waits for the host
 #   bash benchmarks/gpu_run.sh loss 27b            # the loss alone (benchmarks/loss_bench.py)
+#   bash benchmarks/gpu_run.sh tracecheck          # which patched forward dynamo's trace gets wrong (trace_check.py)
 #   bash benchmarks/gpu_run.sh fidelity 27b        # gradients against fp32 eager (benchmarks/fidelity.py)
 #   bash benchmarks/gpu_run.sh warmstart 27b       # `fusepatch warmup` on fresh caches, then a new process's first step
 #   bash benchmarks/gpu_run.sh curves              # carry .whl-ex: SFT loss curves, two seeds (loss_curves.py)
@@ -187,6 +188,12 @@ EOF
       PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/step_start.py --shape "$shape" \
         --config "$config" --json-out "$OUT/start-$shape-$config.json" 2>&1 | tee "$OUT/start-$shape-$config.md" | tail -${PROBE_TAIL:-60}
     done ;;
+  tracecheck)
+    # which patched forward goes wrong when dynamo traces it on the GPU (benchmarks/trace_check.py)
+    need_tilelang
+    pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
+    PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${TRACE_TIMEOUT:-400} python3 benchmarks/trace_check.py --device cuda \
+      --json-out "$OUT/trace-check.json" 2>&1 | tee "$OUT/trace-check.md" | tail -20 ;;
   loss)
     # the loss alone at a shape's real sizes: eager logits vs the fused candidates vs Liger
     need_tilelang
