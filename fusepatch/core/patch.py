@@ -22,8 +22,9 @@ from fusepatch.core.env import capture, flag_set
 from fusepatch.core.registry import Row, known_model_types, rows_for
 from fusepatch.core.reporting import LayerReport, PatchReport
 from fusepatch.core.resolve import Choice, Dispatch, autocast_dtype, dtype_name, make_dispatch, names, preferred_sources
-from fusepatch.layers import mlp_recompute, rotary_embedding
+from fusepatch.layers import layer_graphs, mlp_recompute, rotary_embedding
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward, trainer_head
+from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
 from fusepatch.layers.simple import swiglu_mlp_forward
 from fusepatch.layers.support import bindings, lora
 from fusepatch.ops import OPS
@@ -58,6 +59,9 @@ class _Bound:
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling() and not _traceable(self.__self__._fusepatch, args, kwargs):
             return _outside_dynamo(self.__func__, self.__self__, args, kwargs)
+        graphs = self.__self__.__dict__.get(layer_graphs.ATTRIBUTE)  # a decoder layer under apply(cuda_graphs=True)
+        if graphs is not None:
+            return graphs[0].call(graphs[1], self.__func__, self.__self__, args, kwargs)
         return self.__func__(self.__self__, *args, **kwargs)
 
     @property
@@ -250,6 +254,7 @@ def apply(
     prefer: str | Iterable[str] | None = None,
     strict: bool = False,
     compute_dtype: torch.dtype | None = None,
+    cuda_graphs: bool = False,
     verbose: bool | None = None,
 ) -> PatchReport:
     """Patch every layer of ``model`` that the registry knows, in place.
@@ -270,6 +275,9 @@ def apply(
         compute_dtype: the dtype the layers will compute in when it is not the parameters' (autocast over fp32
             weights, e.g. ``Trainer(bf16=True)``): choices and self-tests are made for it. Default: FSDP2's
             ``MixedPrecisionPolicy.param_dtype``, else an active autocast's dtype, else the parameters'.
+        cuda_graphs: replay the decoder layers of training steps from CUDA graphs once a step's shape is steady
+            (``fusepatch/layers/layer_graphs.py``): for small models whose GPU waits for the host. Fixed-shape
+            batches without packing, padding masks or caches; other calls run as usual, and why is said once.
         verbose: ``True``: log the whole report table; ``None``: one line of totals; ``False``: neither. Every
             fallback is logged at WARNING in all three (each distinct reason once, with its fix). The log shows
             without any logging set up (``FUSEPATCH_VERBOSITY``: error, warning, info, debug; default info).
@@ -384,6 +392,8 @@ def apply(
     for row_dispatches in dispatches.values():
         for dispatch in row_dispatches.values():
             dispatch.announce = True
+    if cuda_graphs:
+        _install_graphs(model)
     if verbose:
         logger.info("%s", report)
     elif verbose is None:
@@ -442,10 +452,43 @@ def _replicate_patched(self: torch.nn.Module) -> torch.nn.Module:
     return replica
 
 
+_DECODER_FORWARDS = (decoder_layer_forward, hybrid_decoder_layer_forward)
+
+
+def _install_graphs(model: torch.nn.Module) -> None:
+    """``apply(cuda_graphs=True)``: one :class:`~fusepatch.layers.layer_graphs.LayerGraphs` per decoder stack (a
+    ``ModuleList`` of patched dense decoder layers). MoE layers are left out: their routing decides work on the
+    host each step."""
+    stacks = 0
+    for module in model.modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
+            continue
+        layers = list(module)
+        states = [layer.__dict__.get("_fusepatch") for layer in layers]
+        if not all(state is not None and state.row.forward in _DECODER_FORWARDS for state in states):
+            continue
+        if any(hasattr(getattr(layer, "mlp", None), "experts") for layer in layers):
+            logger.warning(
+                "fusepatch: CUDA graphs: %s's layers are mixture-of-experts layers, whose routing decides work on "
+                "the host each step; they run without graphs. Fix: none needed; leave cuda_graphs off",
+                type(model).__name__,
+            )
+            continue
+        if layers[0].__dict__.get(layer_graphs.ATTRIBUTE) is None:
+            layer_graphs.install(layers)
+        stacks += 1
+    if not stacks:
+        logger.warning(
+            "fusepatch: CUDA graphs: no patched decoder stack in %s to capture; it runs without graphs",
+            type(model).__name__,
+        )
+
+
 def revert(model: torch.nn.Module) -> int:
     """Restore every forward ``apply`` replaced, exactly as it was. Returns how many modules were restored."""
     restored = 0
     for module in model.modules():
+        module.__dict__.pop(layer_graphs.ATTRIBUTE, None)
         state = module.__dict__.get("_fusepatch")
         if state is None:
             continue

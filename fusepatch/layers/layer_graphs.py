@@ -1,0 +1,268 @@
+"""CUDA graphs over whole decoder layers, for training steps of one shape: ``apply(model, cuda_graphs=True)``.
+
+Why: at the 0.8-2B sizes the host cannot queue a layer's aten ops and Triton launches as fast as the GPU runs them,
+and the GPU idles through the forward (2B-like on the H200: the layers' forward took the host 70.2 ms and the GPU
+42.4 ms). Replayed from graphs, every layer costs the host one launch forward and one backward; measured with the
+benchmark harness's ``+graphs`` rows (docs/benchmarks.md, 2026-12-03): Qwen3.5-0.8B 1.77x hf-fast against 1.60x,
+2B-like 1.50x against 1.29-1.45x, 27B LoRA unchanged (already GPU-bound).
+
+How: the layers run as usual while a step's shape settles (kernel choices, self-tests, autotuning). Once
+``WARM_CALLS`` training calls in a row gave every layer the same signature (shapes, dtypes, which inputs need
+gradients, autocast, the plain positions), the next call captures all layers with
+``torch.cuda.make_graphed_callables`` (one memory pool; forwards in call order, then backwards in reverse, as a
+step replays them), checks the first layer's replay against its own forward, and replays from then on. A call of
+another signature runs as usual; a new steady signature is captured in turn, up to ``MAX_CAPTURES`` per model.
+Parameters moved or replaced (``model.to``, ``load_state_dict(assign=True)``) or frozen since drop the graphs.
+
+Calls that run without graphs, said once each with the fix: activation checkpointing (it exists to drop the
+activations a graph keeps), hooks on a layer's modules (they would run once, at capture), FSDP2's sharded
+parameters (gathered anew each step), autocast over parameters of another dtype (its cast cache is per region),
+packed, padded or cached calls (document boundaries and masks decide work on the host), and a capture or check
+that fails (a kernel that waits for the host or runs on another stream; or an autograd graph of an earlier step
+still held). Inference, ``torch.compile`` tracing and CPU tensors run as usual, silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fusepatch.layers.support.hooks import autocast_dtype, hooked
+from fusepatch.layers.support.positions import is_plain
+
+logger = logging.getLogger("fusepatch")
+
+WARM_CALLS = 2  # same-signature training calls before the capture (the first also chooses and self-tests kernels)
+MAX_CAPTURES = 4  # signatures captured per model: each keeps a pool of one step's activations
+ATTRIBUTE = "_fusepatch_graphs"  # on each decoder layer: (LayerGraphs, index)
+DEVICES = ("cuda",)  # where the layers are captured (the tests add "cpu", with a stand-in capture)
+
+FIXES = {
+    "checkpointing": "activation checkpointing is on, and a graph keeps every activation it would drop. Fix: "
+    "model.gradient_checkpointing_disable(), or leave cuda_graphs off for this run",
+    "hooks": "a module of the layer has hooks, which a graph would run once, at capture. Fix: remove them (a "
+    "profiler's or a debugger's), or leave cuda_graphs off",
+    "sharded": "the layer's parameters are FSDP2 shards, gathered anew each step. Fix: leave cuda_graphs off under "
+    "FSDP2 (it targets single-GPU runs of small models)",
+    "autocast": "autocast casts parameters of another dtype, and its cast cache cannot live in a graph. Fix: load "
+    "the model in the autocast dtype (torch_dtype=torch.bfloat16)",
+    "packed": "the call is packed, padded or cached, or its positions were not made by fusepatch's loss (given "
+    "position_ids, an attention mask, a cache: they decide work on the host). Fix: none needed; such calls run "
+    "without graphs",
+    "output": "the layer returned more than its hidden states. Fix: none needed; the layers run without graphs",
+}
+
+
+class _Call(torch.nn.Module):
+    """One layer as a function of tensors alone, as ``make_graphed_callables`` takes it: the hidden states and the
+    rotary tables in, the hidden states out; its other arguments as a recorded call passed them. It calls the
+    patched forward itself, past the graph dispatch."""
+
+    def __init__(self, layer: torch.nn.Module, forward: Callable[..., Any], kwargs: dict) -> None:
+        super().__init__()
+        self.layer, self.kwargs = layer, kwargs
+        self._forward = forward
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self._forward(self.layer, hidden, position_embeddings=(cos, sin), **self.kwargs)
+
+
+def _params(layers: list[torch.nn.Module]) -> tuple:
+    return tuple((p.data_ptr(), p.dtype, p.requires_grad) for layer in layers for p in layer.parameters())
+
+
+class LayerGraphs:
+    """The graphs of one decoder stack: the signatures of the last step's calls, and the captures made."""
+
+    def __init__(self, layers: list[torch.nn.Module]) -> None:
+        self.layers = layers
+        self.recorded: dict[int, tuple] = {}  # layer index -> (kwargs, forward) of its last call run as usual
+        self.current: list[tuple] = []  # this step's signatures so far, one per layer called
+        self.previous: tuple | None = None  # the last complete step's signatures
+        self.steady = 0  # complete steps in a row with ``previous``'s signatures
+        self.graphs: dict[tuple, list] = {}  # step signatures -> graphed callables, one per layer
+        self.params: tuple | None = None  # what the graphs read: (pointer, dtype, requires_grad) per parameter
+        self.disabled = False
+        self.said: set[str] = set()
+
+    # copies (EMA models, TRL's reference model) and pickles start without graphs: those hold the GPU's memory
+    def __deepcopy__(self, memo: dict) -> LayerGraphs:
+        return LayerGraphs(copy.deepcopy(self.layers, memo))
+
+    def __getstate__(self) -> dict:
+        return {"layers": self.layers}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["layers"])
+
+    def say(self, key: str) -> None:
+        if key not in self.said:
+            self.said.add(key)
+            logger.warning("fusepatch: CUDA graphs: some calls run without graphs: %s", FIXES[key])
+
+    def call(self, index: int, forward: Callable[..., Any], layer: torch.nn.Module, args: tuple, kwargs: dict):
+        """Layer ``index``'s call: replayed when its step was captured, else run as usual (and recorded)."""
+        signature, reason, hidden, cos, sin, rest = _signature(layer, args, kwargs)
+        if signature is None or self.disabled:
+            if reason:
+                self.say(reason)
+            return forward(layer, *args, **kwargs)
+        if index == 0:
+            self._step_starts(signature)
+        if len(self.current) == index:  # layers called out of order (or twice) belong to no step
+            self.current.append(signature)
+        graphed = self.graphs.get(self.previous) if self.previous is not None else None
+        if graphed is not None and index < len(self.previous) and self.previous[index] == signature:
+            return graphed[index](hidden, cos, sin).clone()  # the graph's output buffer is rewritten by its next replay
+        out = forward(layer, *args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            self.say("output")
+            self.disabled = True
+            return out
+        self.recorded[index] = (rest, forward)
+        return out
+
+    def _step_starts(self, signature: tuple) -> None:
+        """Layer 0's call closes the step before: count the steady steps, drop graphs whose parameters changed,
+        and capture once ``WARM_CALLS`` steps in a row had this step's signatures."""
+        last = tuple(self.current) if len(self.current) == len(self.layers) else None
+        self.current = []
+        if last is not None and last == self.previous:
+            self.steady += 1
+        else:
+            self.previous, self.steady = last, (1 if last is not None else 0)
+        if self.graphs and self.params != _params(self.layers):  # moved, replaced or frozen since the capture
+            self.graphs.clear()
+            self.steady = min(self.steady, 1)
+        wanted = (
+            last is not None
+            and signature == last[0]
+            and self.steady >= WARM_CALLS
+            and last not in self.graphs
+            and len(self.graphs) < MAX_CAPTURES
+            and len(self.recorded) == len(self.layers)
+        )
+        if wanted:
+            self._capture(last)
+
+    def _capture(self, step: tuple) -> None:
+        start = time.perf_counter()
+        calls, samples = [], []
+        for index, layer in enumerate(self.layers):
+            rest, forward = self.recorded[index]
+            calls.append(_Call(layer, forward, rest))
+            samples.append(tuple(_sample(meta) for meta in step[index][:3]))
+        self.recorded.clear()  # the recorded calls' tensors are not kept past the capture
+        cast = step[0][4]
+        # make_graphed_callables refuses autocast's cast cache; the parameters are in the autocast dtype (checked)
+        device = step[0][0][2].type
+        region = torch.autocast(device, dtype=cast, cache_enabled=False) if cast else contextlib.nullcontext()
+        try:
+            with region:
+                graphed = torch.cuda.make_graphed_callables(tuple(calls), tuple(samples))
+                _check(calls[0], graphed[0], samples[0])
+        except Exception as exc:  # any kernel that cannot be captured: the layers run as before, and say why
+            self.disabled = True
+            logger.warning(
+                "fusepatch: CUDA graphs: the capture of the decoder layers failed (%s: %s); they run without "
+                "graphs from now on. Fix: keep no reference to an earlier step's loss or outputs (keep "
+                "loss.detach() or loss.item()); if that is not it, leave cuda_graphs off and report the error",
+                type(exc).__name__,
+                (str(exc).splitlines() or [""])[0][:300],
+            )
+            return
+        self.graphs[step] = list(graphed)
+        self.params = _params(self.layers)
+        shape, dtype = step[0][0][:2]
+        logger.info(
+            "fusepatch: CUDA graphs: %d decoder layers captured for hidden states %s %s in %.1f s; replayed from "
+            "this call on",
+            len(self.layers),
+            list(shape),
+            str(dtype).removeprefix("torch."),
+            time.perf_counter() - start,
+        )
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+
+def _sample(meta: tuple) -> torch.Tensor:
+    """A capture input of a recorded signature: values do not matter to the graph, only shape and layout."""
+    shape, dtype, device, requires_grad = meta
+    return (torch.randn(shape, device=device) * 0.02).to(dtype).requires_grad_(requires_grad)
+
+
+CHECK_TOL = 1e-2  # relative (norm) difference of the check: the same kernels on the same input, expected 0
+
+
+def _check(call: torch.nn.Module, graphed: Callable, sample: tuple) -> None:
+    """The first layer's replay against its own forward on a new input of unit scale: a capture that baked in a
+    host-side choice or reads a stale buffer shows here, before any step uses it."""
+    inputs = [torch.randn_like(sample[0]).requires_grad_(sample[0].requires_grad), *sample[1:]]
+    want = call(*[t.detach().requires_grad_(t.requires_grad) for t in inputs]).detach().float()
+    got = graphed(*inputs).detach().float()
+    off = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    if not off <= CHECK_TOL:  # also NaN
+        raise RuntimeError(
+            f"the first layer's graph replay differs from its forward by {off:.3g} (relative norm, bound {CHECK_TOL})"
+        )
+
+
+def _signature(layer: torch.nn.Module, args: tuple, kwargs: dict):
+    """``(signature, None, hidden, cos, sin, other kwargs)`` for a call the graphs may take, else ``(None, reason
+    or None, ...)``: a reason for the calls a user should hear about, None for the ones that run as usual
+    silently (inference, tracing, the CPU)."""
+    none = (None, None, None, None, None, None)
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor) or hidden.device.type not in DEVICES:
+        return none
+    if not (torch.is_grad_enabled() and layer.training) or torch.compiler.is_compiling():
+        return none
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # inside a capture (ours, or the caller's)
+        return none
+    if getattr(layer, "gradient_checkpointing", False):
+        return (None, "checkpointing", *none[2:])
+    rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+    table = rest.pop("position_embeddings", None)
+    if len(args) > 1 or not (isinstance(table, tuple) and len(table) == 2):
+        return (None, "packed", *none[2:])
+    cos, sin = table
+    # positions fusepatch's loss made: the call was given no positions, mask or cache, so its rows hold one
+    # document each, and a mask transformers built for it (the causal one) depends on the shape alone
+    made = is_plain(rest.get("position_ids"))
+    plain = {}
+    for name, value in rest.items():
+        if name == "position_ids" and made:
+            plain[name] = (tuple(value.shape), value.device)
+        elif name == "attention_mask" and made and isinstance(value, torch.Tensor):
+            plain[name] = (tuple(value.shape), value.dtype)
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            plain[name] = value
+        else:  # positions of documents, a padding mask, a cache, or an argument this layer does not know
+            return (None, "packed", *none[2:])
+    # the layer's own hooks run around this forward at every call, graphed or not; its modules' would run once
+    if any(hooked(module) for module in layer.modules() if module is not layer):
+        return (None, "hooks", *none[2:])
+    if any(type(p).__name__ == "DTensor" for p in layer.parameters()):
+        return (None, "sharded", *none[2:])
+    cast = autocast_dtype(hidden)
+    if cast is not None and any(p.is_floating_point() and p.dtype != cast for p in layer.parameters()):
+        return (None, "autocast", *none[2:])
+    signature = (_meta(hidden), _meta(cos), _meta(sin), tuple(sorted(plain.items())), cast)
+    return signature, None, hidden, cos, sin, rest
+
+
+def install(layers: list[torch.nn.Module]) -> LayerGraphs:
+    """Attach one :class:`LayerGraphs` to ``layers`` (a model's decoder stack, in call order)."""
+    graphs = LayerGraphs(layers)
+    for index, layer in enumerate(layers):
+        layer.__dict__[ATTRIBUTE] = (graphs, index)
+    return graphs

@@ -1,0 +1,59 @@
+"""``apply(model, cuda_graphs=True)`` on a GPU: the decoder layers captured with their fused kernels and replayed,
+forward and backward, compute the training steps the model computes without graphs (bf16 mini models, AdamW)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+STEP_TOL = 2e-2  # relative: the same kernels replayed; the backward's atomics may order sums differently
+
+
+def _steps(model, ids, steps: int) -> list[float]:
+    """``steps`` AdamW steps as a training loop that keeps only each loss's value (the capture needs the autograd
+    graph of the step before to be gone)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+        del loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3"])
+def test_graphed_layers_train_as_the_model_without_graphs(model_type, caplog):
+    from conftest import MINI
+
+    import fusepatch
+    from fusepatch.layers import layer_graphs
+    from fusepatch.ops.common import relative_error
+    from fusepatch.tools.tiny import tiny_model
+
+    caplog.set_level(logging.INFO, logger="fusepatch")
+    base = tiny_model(model_type, **MINI).cuda().to(torch.bfloat16).train()
+    plain, graphed = copy.deepcopy(base), copy.deepcopy(base)
+    fusepatch.apply(plain)
+    fusepatch.apply(graphed, cuda_graphs=True)
+    ids = torch.randint(0, base.config.vocab_size, (2, 256), device="cuda")
+    want = _steps(plain, ids, 6)
+    got = _steps(graphed, ids, 6)
+    holder = graphed.model.layers[0].__dict__[layer_graphs.ATTRIBUTE][0]
+    failed = [
+        r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage() and r.levelno >= logging.WARNING
+    ]
+    assert holder.graphs and not holder.disabled, failed
+    assert all(abs(g - w) <= STEP_TOL * abs(w) for g, w in zip(got, want)), (got, want)
+    for name, value in plain.state_dict().items():
+        assert relative_error(graphed.state_dict()[name].float(), value.float()) <= STEP_TOL, name

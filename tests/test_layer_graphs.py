@@ -1,0 +1,247 @@
+"""``apply(model, cuda_graphs=True)`` (fusepatch/layers/layer_graphs.py): when the decoder layers are captured, what
+replays them, what keeps them out of graphs and says so. The capture itself needs CUDA: here it is a stand-in that
+records the capture and replays by calling the layer, so a model with graphs must compute exactly what one without
+them does. tests/gpu/test_layer_graphs.py runs the real capture."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+
+import pytest
+import torch
+from helpers import grads
+
+import fusepatch
+from fusepatch.layers import layer_graphs
+from fusepatch.tools.tiny import tiny_model
+
+
+class _Replay(torch.nn.Module):
+    def __init__(self, call: torch.nn.Module, replays: list) -> None:
+        super().__init__()
+        self.call, self.replays = call, replays
+
+    def forward(self, *args):
+        self.replays.append(1)
+        return self.call(*args)
+
+
+@pytest.fixture
+def capture(monkeypatch, chunked_on_cpu):
+    """The stand-in capture on the CPU: ``made`` gets the number of layers of each capture, ``replays`` one entry
+    per replayed layer call. The fused loss runs on the CPU too: its forward makes the plain positions that tell
+    the layers a batch holds one document a row without reading it."""
+    made, replays = [], []
+
+    def graphed(calls, samples):
+        assert len(calls) == len(samples) and all(len(s) == 3 for s in samples)
+        made.append(len(calls))
+        return tuple(_Replay(call, replays) for call in calls)
+
+    monkeypatch.setattr(layer_graphs, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", graphed)
+    return made, replays
+
+
+def _train(model, steps: int, ids: torch.Tensor, **kwargs) -> list[float]:
+    """``steps`` AdamW steps on the same tokens; the losses."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids, use_cache=False, **kwargs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _pair(model_type: str = "qwen3_5_text"):
+    base = tiny_model(model_type).train()
+    plain, graphed = copy.deepcopy(base), copy.deepcopy(base)
+    fusepatch.apply(plain, verbose=False)
+    fusepatch.apply(graphed, cuda_graphs=True, verbose=False)
+    return plain, graphed
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3"])
+def test_layers_are_captured_after_steady_steps_and_replayed_with_the_same_results(capture, caplog, model_type):
+    """Two steps of one shape run as usual (kernel choices, self-tests, autotuning), the third captures every
+    layer once and replays it, as do the steps after; losses and parameters equal the model's without graphs."""
+    made, replays = capture
+    caplog.set_level(logging.INFO, logger="fusepatch")
+    plain, graphed = _pair(model_type)
+    layers = len(graphed.model.layers)
+    ids = torch.randint(0, 512, (2, 24))
+    want = _train(plain, 5, ids)
+    got = _train(graphed, 5, ids)
+    assert got == want
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(graphed.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    assert made == [layers]
+    assert len(replays) == 1 + 3 * layers  # the check of the first layer at the capture, then steps 3-5
+    assert any("decoder layers captured" in r.getMessage() for r in caplog.records)
+
+
+def test_a_step_of_another_shape_runs_as_usual_and_the_steady_shape_replays_again(capture):
+    """A shorter batch (the last of an epoch) runs without graphs; the steady shape's graphs serve again after."""
+    made, replays = capture
+    _, graphed = _pair()
+    layers = len(graphed.model.layers)
+    long, short = torch.randint(0, 512, (2, 24)), torch.randint(0, 512, (2, 16))
+    _train(graphed, 3, long)
+    assert made == [layers] and len(replays) == 1 + layers  # the capture's check, then step 3
+    _train(graphed, 1, short)
+    assert len(replays) == 1 + layers
+    _train(graphed, 2, long)
+    assert made == [layers]  # not captured again
+    assert len(replays) == 1 + 2 * layers  # the step after the short one runs as usual, the next replays
+
+
+@pytest.mark.parametrize(
+    "setup, said",
+    [
+        ("checkpointing", "activation checkpointing"),
+        ("hook", "has hooks"),
+        ("packed", "packed, padded or cached"),
+        ("mask", "packed, padded or cached"),
+    ],
+)
+def test_calls_graphs_cannot_take_run_as_usual_and_say_why_once(capture, caplog, setup, said):
+    """Activation checkpointing, a hook on a layer's module, packed documents (``position_ids``) and a padding
+    mask: no capture, the same losses as without graphs, the reason and its fix said once."""
+    made, _ = capture
+    caplog.set_level(logging.WARNING, logger="fusepatch")
+    plain, graphed = _pair()
+    ids = torch.randint(0, 512, (1, 24))
+    kwargs = {}
+    if setup == "checkpointing":
+        for model in (plain, graphed):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif setup == "hook":
+        for model in (plain, graphed):
+            model.model.layers[1].mlp.register_forward_hook(lambda *args: None)
+    elif setup == "packed":
+        kwargs["position_ids"] = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    else:
+        kwargs["attention_mask"] = torch.ones(1, 24, dtype=torch.long)
+        kwargs["attention_mask"][0, :3] = 0
+    want = _train(plain, 4, ids, **kwargs)
+    got = _train(graphed, 4, ids, **kwargs)
+    assert got == want
+    assert made == []
+    messages = [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage()]
+    assert len(messages) == 1 and said in messages[0] and "Fix:" in messages[0], messages
+
+
+def test_a_capture_that_fails_leaves_the_layers_as_they_were_and_says_why(monkeypatch, caplog, chunked_on_cpu):
+    """A kernel that cannot be captured (here: the capture raises as CUDA does) turns the graphs off for the model,
+    says why with the fix, and every step computes what it would without graphs."""
+
+    def fails(calls, samples):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(layer_graphs, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fails)
+    caplog.set_level(logging.WARNING, logger="fusepatch")
+    plain, graphed = _pair()
+    ids = torch.randint(0, 512, (2, 24))
+    assert _train(graphed, 5, ids) == _train(plain, 5, ids)
+    said = [r.getMessage() for r in caplog.records if "capture of the decoder layers failed" in r.getMessage()]
+    assert len(said) == 1 and "not permitted when stream is capturing" in said[0] and "Fix:" in said[0]
+
+
+def test_a_replay_that_differs_from_the_layer_is_never_used(monkeypatch, caplog, chunked_on_cpu):
+    """The capture's check: the first layer's replay against its own forward. A replay that computes something
+    else (here: a stand-in off by 10%) is refused before any step uses it."""
+
+    def wrong(calls, samples):
+        return tuple(_Scaled(call) for call in calls)
+
+    monkeypatch.setattr(layer_graphs, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", wrong)
+    caplog.set_level(logging.WARNING, logger="fusepatch")
+    plain, graphed = _pair()
+    ids = torch.randint(0, 512, (2, 24))
+    assert _train(graphed, 4, ids) == _train(plain, 4, ids)
+    assert any("capture of the decoder layers failed" in r.getMessage() for r in caplog.records)
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self, call: torch.nn.Module) -> None:
+        super().__init__()
+        self.call = call
+
+    def forward(self, *args):
+        return self.call(*args) * 1.1
+
+
+def test_parameters_replaced_after_the_capture_drop_the_graphs(capture):
+    """A graph reads the parameters' memory: parameters replaced (``load_state_dict(assign=True)``, a move) or
+    frozen since the capture drop the graphs, and the layers are captured again once steady."""
+    made, replays = capture
+    _, graphed = _pair()
+    layers = len(graphed.model.layers)
+    ids = torch.randint(0, 512, (2, 24))
+    _train(graphed, 3, ids)
+    assert made == [layers]
+    state = {k: v.clone() for k, v in graphed.state_dict().items()}
+    graphed.load_state_dict(state, assign=True)
+    before = len(replays)
+    _train(graphed, 1, ids)
+    assert len(replays) == before  # ran as usual
+    _train(graphed, 3, ids)
+    assert made == [layers, layers]
+
+
+def test_inference_calls_run_as_usual_and_leave_the_graphs_alone(capture):
+    """``no_grad`` and eval calls (an evaluation loop inside training) run without graphs and do not count as
+    steps; the training steps around them replay."""
+    made, replays = capture
+    _, graphed = _pair()
+    layers = len(graphed.model.layers)
+    ids = torch.randint(0, 512, (2, 24))
+    _train(graphed, 3, ids)
+    graphed.eval()
+    with torch.no_grad():
+        graphed(input_ids=ids, use_cache=False)
+    graphed.train()
+    count = len(replays)
+    _train(graphed, 1, ids)
+    assert made == [layers] and len(replays) == count + layers
+
+
+def test_copies_and_pickles_start_without_graphs(capture):
+    """An EMA copy or a pickled model shares no graphs (they hold the source's memory pool): it captures its own
+    once steady, and computes what the source does."""
+    made, _ = capture
+    _, graphed = _pair()
+    layers = len(graphed.model.layers)
+    ids = torch.randint(0, 512, (2, 24))
+    _train(graphed, 3, ids)
+    for twin in (copy.deepcopy(graphed), pickle.loads(pickle.dumps(graphed))):
+        holder, index = twin.model.layers[1].__dict__[layer_graphs.ATTRIBUTE]
+        assert index == 1 and not holder.graphs and holder.layers[1] is twin.model.layers[1]
+        twin.zero_grad(set_to_none=True)
+        graphed.zero_grad(set_to_none=True)
+        for model in (twin, graphed):
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        for name, grad in grads(graphed).items():
+            torch.testing.assert_close(grads(twin)[name], grad, rtol=0, atol=0, msg=name)
+    assert made == [layers]
+
+
+def test_revert_removes_the_graphs(capture):
+    _, graphed = _pair()
+    fusepatch.revert(graphed)
+    assert not any(layer_graphs.ATTRIBUTE in m.__dict__ for m in graphed.modules())
+
+
+def test_cuda_graphs_leave_mixture_of_experts_layers_out_and_say_so(capture, caplog):
+    caplog.set_level(logging.WARNING, logger="fusepatch")
+    model = tiny_model("qwen3_moe").train()
+    fusepatch.apply(model, cuda_graphs=True, verbose=False)
+    assert not any(layer_graphs.ATTRIBUTE in m.__dict__ for m in model.modules())
+    assert any("mixture-of-experts" in r.getMessage() for r in caplog.records)
