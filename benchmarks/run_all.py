@@ -32,8 +32,14 @@ CONFIGS = {
 }
 
 
-# label words that are train_step options: fusepatch+compile, hf-fast+compile+quick, fusepatch+graphs+quick
-FLAGS = {"compile": ["--compile"], "quick": ["--no-diagnostics"], "graphs": ["--graph-layers"]}
+# label words that are train_step options: fusepatch+compile, hf-fast+compile+quick, fusepatch+graphs+quick,
+# fusepatch+cudagraphs+quick (the library's apply(cuda_graphs=True))
+FLAGS = {
+    "compile": ["--compile"],
+    "quick": ["--no-diagnostics"],
+    "graphs": ["--graph-layers"],
+    "cudagraphs": ["--cuda-graphs"],
+}
 
 
 def parse_label(label: str) -> tuple[str, dict[str, str], list[str]]:

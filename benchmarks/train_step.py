@@ -150,6 +150,11 @@ def main() -> int:
         help="replay every decoder layer from CUDA graphs after the warm-up (graph_layers: fixed shapes only)",
     )
     parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="fusepatch.apply(model, cuda_graphs=True): the library's own layer graphs (captured at the third step)",
+    )
+    parser.add_argument(
         "--no-diagnostics", action="store_true", help="skip the memory, host and idle views (the profiled step stays)"
     )
     parser.add_argument("--device", default="cuda")
@@ -221,7 +226,7 @@ def build(args) -> tuple:
         import fusepatch
 
         start = time.perf_counter()
-        report = fusepatch.apply(model)
+        report = fusepatch.apply(model, cuda_graphs=args.cuda_graphs)
         info["apply_s"] = round(time.perf_counter() - start, 1)  # loads + self-tests: first-use compiles
         info["report"] = report.to_dict()["layers"]
         info["fallbacks"] = report.log_lines()
@@ -431,6 +436,18 @@ def graph_layers(model: torch.nn.Module, step) -> int:
     return len(layers)
 
 
+def library_graphs(model: torch.nn.Module) -> dict:
+    """What ``apply(cuda_graphs=True)`` made: signatures captured, layers per capture, whether it turned itself off."""
+    from fusepatch.layers import layer_graphs
+
+    holders = {id(h[0]): h[0] for m in model.modules() if (h := m.__dict__.get(layer_graphs.ATTRIBUTE))}
+    return {
+        "captures": sum(len(h.graphs) for h in holders.values()),
+        "layers": sum(len(h.layers) for h in holders.values()),
+        "disabled": any(h.disabled for h in holders.values()),
+    }
+
+
 def run(args, seq: int, batch: int) -> dict:
     """Build, warm up, time ``--steps`` steps (synced, back to back, as the Trainer loops), diagnose, profile."""
     device = torch.device(args.device)
@@ -455,6 +472,9 @@ def run(args, seq: int, batch: int) -> dict:
     if args.graph_layers:
         info["graphed_layers"] = graph_layers(model, step)
         step()
+    if args.cuda_graphs:  # the library's graphs: captured by now (the warm-up's steps), or said why not
+        step()
+        info["cuda_graphs"] = library_graphs(model)
     sync()
     info["warmup_s"] = time.perf_counter() - first
     if cuda:

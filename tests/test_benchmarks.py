@@ -781,3 +781,24 @@ def test_render_compares_each_workload_with_hf_fast_of_its_own_run():
     ]
     lora = [line for line in lines if "LoRA r16" in line]
     assert len(lora) == 1 and " | 120 | - | " in lora[0]
+
+
+def test_library_graphs_reports_what_apply_captured(monkeypatch, chunked_on_cpu):
+    """``--cuda-graphs`` rows say whether the library's graphs were in use: one capture of every layer after three
+    steady steps (here with the CPU stand-in for a CUDA graph)."""
+    import torch
+    import train_step
+
+    import fusepatch
+    from fusepatch.layers import layer_graphs
+    from fusepatch.tools.tiny import tiny_model
+
+    monkeypatch.setattr(layer_graphs, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(layer_graphs, "GRAPH", layer_graphs._Rerun)
+    model = tiny_model("qwen3_5_text").train()
+    fusepatch.apply(model, cuda_graphs=True, verbose=False)
+    assert train_step.library_graphs(model) == {"captures": 0, "layers": 4, "disabled": False}
+    ids = torch.randint(0, 512, (2, 24))
+    for _ in range(3):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert train_step.library_graphs(model) == {"captures": 1, "layers": 4, "disabled": False}

@@ -1,7 +1,8 @@
 """``apply(model, cuda_graphs=True)`` (fusepatch/layers/layer_graphs.py): when the decoder layers are captured, what
-replays them, what keeps them out of graphs and says so. The capture itself needs CUDA: here it is a stand-in that
-records the capture and replays by calling the layer, so a model with graphs must compute exactly what one without
-them does. tests/gpu/test_layer_graphs.py runs the real capture."""
+replays them, what keeps them out of graphs and says so. A CUDA graph needs CUDA: here ``_Rerun`` stands in for it
+(a replay runs the captured function again and copies its results into the tensors the capture returned), so the
+capture's own logic runs (static buffers, the parameters' aliases, the replay's autograd function), and a model with
+graphs must compute exactly what one without them does. tests/gpu/test_layer_graphs.py runs real graphs."""
 
 from __future__ import annotations
 
@@ -18,30 +19,30 @@ from fusepatch.layers import layer_graphs
 from fusepatch.tools.tiny import tiny_model
 
 
-class _Replay(torch.nn.Module):
-    def __init__(self, call: torch.nn.Module, replays: list) -> None:
-        super().__init__()
-        self.call, self.replays = call, replays
+class _Counted:
+    def __init__(self, replayed, replays: list) -> None:
+        self.replayed, self.replays = replayed, replays
 
-    def forward(self, *args):
+    def __call__(self, *args):
         self.replays.append(1)
-        return self.call(*args)
+        return self.replayed(*args)
 
 
 @pytest.fixture
 def capture(monkeypatch, chunked_on_cpu):
-    """The stand-in capture on the CPU: ``made`` gets the number of layers of each capture, ``replays`` one entry
-    per replayed layer call. The fused loss runs on the CPU too: its forward makes the plain positions that tell
-    the layers a batch holds one document a row without reading it."""
+    """Graphs on the CPU: ``made`` gets the number of layers of each capture, ``replays`` one entry per replayed
+    layer call. The fused loss runs on the CPU too: its forward makes the plain positions that tell the layers a
+    batch holds one document a row without reading it."""
     made, replays = [], []
+    real = layer_graphs._capture_stack
 
-    def graphed(calls, samples):
-        assert len(calls) == len(samples) and all(len(s) == 3 for s in samples)
+    def counted(calls, samples, device):
         made.append(len(calls))
-        return tuple(_Replay(call, replays) for call in calls)
+        return [_Counted(replayed, replays) for replayed in real(calls, samples, device)]
 
     monkeypatch.setattr(layer_graphs, "DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", graphed)
+    monkeypatch.setattr(layer_graphs, "GRAPH", layer_graphs._Rerun)
+    monkeypatch.setattr(layer_graphs, "_capture_stack", counted)
     return made, replays
 
 
@@ -140,11 +141,11 @@ def test_a_capture_that_fails_leaves_the_layers_as_they_were_and_says_why(monkey
     """A kernel that cannot be captured (here: the capture raises as CUDA does) turns the graphs off for the model,
     says why with the fix, and every step computes what it would without graphs."""
 
-    def fails(calls, samples):
+    def fails(calls, samples, device):
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
     monkeypatch.setattr(layer_graphs, "DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fails)
+    monkeypatch.setattr(layer_graphs, "_capture_stack", fails)
     caplog.set_level(logging.WARNING, logger="fusepatch")
     plain, graphed = _pair()
     ids = torch.randint(0, 512, (2, 24))
@@ -155,27 +156,57 @@ def test_a_capture_that_fails_leaves_the_layers_as_they_were_and_says_why(monkey
 
 def test_a_replay_that_differs_from_the_layer_is_never_used(monkeypatch, caplog, chunked_on_cpu):
     """The capture's check: the first layer's replay against its own forward. A replay that computes something
-    else (here: a stand-in off by 10%) is refused before any step uses it."""
+    else (here: off by 10%) is refused before any step uses it."""
+    real = layer_graphs._capture_stack
 
-    def wrong(calls, samples):
-        return tuple(_Scaled(call) for call in calls)
+    def wrong(calls, samples, device):
+        return [lambda *args, replayed=replayed: replayed(*args) * 1.1 for replayed in real(calls, samples, device)]
 
     monkeypatch.setattr(layer_graphs, "DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", wrong)
+    monkeypatch.setattr(layer_graphs, "GRAPH", layer_graphs._Rerun)
+    monkeypatch.setattr(layer_graphs, "_capture_stack", wrong)
     caplog.set_level(logging.WARNING, logger="fusepatch")
     plain, graphed = _pair()
     ids = torch.randint(0, 512, (2, 24))
     assert _train(graphed, 4, ids) == _train(plain, 4, ids)
-    assert any("capture of the decoder layers failed" in r.getMessage() for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records if "capture of the decoder layers failed" in r.getMessage()]
+    assert len(said) == 1 and "differs from its forward" in said[0]
 
 
-class _Scaled(torch.nn.Module):
-    def __init__(self, call: torch.nn.Module) -> None:
-        super().__init__()
-        self.call = call
+def test_gradients_accumulated_over_micro_batches_are_those_without_graphs(capture):
+    """Two micro-batches a step (a Trainer's gradient accumulation): each replay's gradients are added to the
+    parameters' ``.grad``, not left in the graph's buffers that the next replay rewrites."""
+    made, _ = capture
+    plain, graphed = _pair()
+    first, second = torch.randint(0, 512, (2, 24)), torch.randint(0, 512, (2, 24))
+    for model in (plain, graphed):
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            for ids in (first, second):
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert made == [len(graphed.model.layers)]
+    for name, grad in grads(plain).items():
+        torch.testing.assert_close(grads(graphed)[name], grad, rtol=0, atol=0, msg=name)
 
-    def forward(self, *args):
-        return self.call(*args) * 1.1
+
+def test_a_frozen_embedding_under_lora_gives_the_first_layer_no_input_gradient(capture):
+    """peft LoRA: the base weights and the embedding are frozen, so the first layer's input needs no gradient and
+    only the adapters get one; the graphed model's adapters get exactly the plain model's."""
+    import peft
+
+    made, replays = capture
+    base = tiny_model("qwen3_5_text").train()
+    plain, graphed = (
+        peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=2, target_modules="all-linear")) for _ in range(2)
+    )
+    graphed.load_state_dict(plain.state_dict())
+    fusepatch.apply(plain, verbose=False)
+    fusepatch.apply(graphed, cuda_graphs=True, verbose=False)
+    ids = torch.randint(0, 512, (2, 24))
+    assert _train(graphed, 4, ids) == _train(plain, 4, ids)
+    assert made == [4] and replays
+    for name, grad in grads(plain).items():
+        torch.testing.assert_close(grads(graphed)[name], grad, rtol=0, atol=0, msg=name)
 
 
 def test_parameters_replaced_after_the_capture_drop_the_graphs(capture):

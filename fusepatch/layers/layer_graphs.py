@@ -8,18 +8,18 @@ benchmark harness's ``+graphs`` rows (docs/benchmarks.md, 2026-12-03): Qwen3.5-0
 
 How: the layers run as usual while a step's shape settles (kernel choices, self-tests, autotuning). Once
 ``WARM_CALLS`` training calls in a row gave every layer the same signature (shapes, dtypes, which inputs need
-gradients, autocast, the plain positions), the next call captures all layers with
-``torch.cuda.make_graphed_callables`` (one memory pool; forwards in call order, then backwards in reverse, as a
-step replays them), checks the first layer's replay against its own forward, and replays from then on. A call of
-another signature runs as usual; a new steady signature is captured in turn, up to ``MAX_CAPTURES`` per model.
+gradients, autocast, the plain positions), the next call captures all layers (``_capture_stack``: one memory
+pool; forwards in call order, then backwards in reverse, as a step replays them; the parameters seen through
+fresh leaves, so that a loop still holding the last step's loss does not matter), checks the first layer's
+replay against its own forward, and replays from then on. A call of another signature runs as usual; a new
+steady signature is captured in turn, up to ``MAX_CAPTURES`` per model.
 Parameters moved or replaced (``model.to``, ``load_state_dict(assign=True)``) or frozen since drop the graphs.
 
 Calls that run without graphs, said once each with the fix: activation checkpointing (it exists to drop the
 activations a graph keeps), hooks on a layer's modules (they would run once, at capture), FSDP2's sharded
 parameters (gathered anew each step), autocast over parameters of another dtype (its cast cache is per region),
 packed, padded or cached calls (document boundaries and masks decide work on the host), and a capture or check
-that fails (a kernel that waits for the host or runs on another stream; or an autograd graph of an earlier step
-still held). Inference, ``torch.compile`` tracing and CPU tensors run as usual, silently.
+that fails (a kernel that waits for the host or runs on another stream). Inference, ``torch.compile`` tracing and CPU tensors run as usual, silently.
 """
 
 from __future__ import annotations
@@ -60,17 +60,22 @@ FIXES = {
 
 
 class _Call(torch.nn.Module):
-    """One layer as a function of tensors alone, as ``make_graphed_callables`` takes it: the hidden states and the
-    rotary tables in, the hidden states out; its other arguments as a recorded call passed them. It calls the
-    patched forward itself, past the graph dispatch."""
+    """One layer as a function of tensors alone: the hidden states and the rotary tables in, the hidden states out;
+    its other arguments as a recorded call passed them. It calls the patched forward itself, past the graph
+    dispatch; ``run`` with ``aliases`` computes with those in place of the layer's trainable parameters."""
 
     def __init__(self, layer: torch.nn.Module, forward: Callable[..., Any], kwargs: dict) -> None:
         super().__init__()
-        self.layer, self.kwargs = layer, kwargs
-        self._forward = forward
+        self.layer, self.kwargs, self._forward = layer, kwargs, forward
+        named = [(name, p) for name, p in layer.named_parameters() if p.requires_grad]
+        self.names = [f"layer.{name}" for name, _ in named]
+        self.params = [p for _, p in named]
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return self._forward(self.layer, hidden, position_embeddings=(cos, sin), **self.kwargs)
+
+    def run(self, hidden, cos, sin, aliases: list[torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(self, dict(zip(self.names, aliases)), (hidden, cos, sin), strict=False)
 
 
 def _params(layers: list[torch.nn.Module]) -> tuple:
@@ -160,19 +165,19 @@ class LayerGraphs:
             samples.append(tuple(_sample(meta) for meta in step[index][:3]))
         self.recorded.clear()  # the recorded calls' tensors are not kept past the capture
         cast = step[0][4]
-        # make_graphed_callables refuses autocast's cast cache; the parameters are in the autocast dtype (checked)
-        device = step[0][0][2].type
-        region = torch.autocast(device, dtype=cast, cache_enabled=False) if cast else contextlib.nullcontext()
+        device = step[0][0][2]
+        # autocast's cast cache cannot live in a graph; the parameters are in the autocast dtype (checked)
+        region = torch.autocast(device.type, dtype=cast, cache_enabled=False) if cast else contextlib.nullcontext()
         try:
             with region:
-                graphed = torch.cuda.make_graphed_callables(tuple(calls), tuple(samples))
+                graphed = _capture_stack(calls, samples, device)
                 _check(calls[0], graphed[0], samples[0])
         except Exception as exc:  # any kernel that cannot be captured: the layers run as before, and say why
             self.disabled = True
             logger.warning(
                 "fusepatch: CUDA graphs: the capture of the decoder layers failed (%s: %s); they run without "
-                "graphs from now on. Fix: keep no reference to an earlier step's loss or outputs (keep "
-                "loss.detach() or loss.item()); if that is not it, leave cuda_graphs off and report the error",
+                "graphs from now on. Fix: if a kernel named here waits for the host or runs on its own stream, "
+                "leave cuda_graphs off and report it",
                 type(exc).__name__,
                 (str(exc).splitlines() or [""])[0][:300],
             )
@@ -188,6 +193,132 @@ class LayerGraphs:
             str(dtype).removeprefix("torch."),
             time.perf_counter() - start,
         )
+
+
+class _CudaGraph:
+    """One function captured as a CUDA graph: replays rewrite the tensors its capture returned."""
+
+    def __init__(self, pool) -> None:
+        self.graph, self.pool = torch.cuda.CUDAGraph(), pool
+
+    def capture(self, fn: Callable[[], tuple], stream) -> tuple:
+        with torch.cuda.graph(self.graph, pool=self.pool, stream=stream):
+            self.outputs = fn()
+        return self.outputs
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class _Rerun:
+    """A stand-in for :class:`_CudaGraph` off the GPU (the tests): a replay runs the function again and copies its
+    results into the tensors its capture returned, which is what a replay leaves there."""
+
+    def __init__(self, pool) -> None:
+        pass
+
+    def capture(self, fn: Callable[[], tuple], stream) -> tuple:
+        self.fn = fn
+        self.outputs = fn()
+        return self.outputs
+
+    def replay(self) -> None:
+        with torch.enable_grad():  # as captured (a replay happens inside an autograd function's forward)
+            rerun = self.fn()
+        for kept, new in zip(self.outputs, rerun):
+            if kept is not None:
+                kept.copy_(new)
+
+
+GRAPH: type = _CudaGraph  # the tests put _Rerun here to run the capture's logic on the CPU
+WARMUP = 2  # uncaptured runs of every layer's forward and backward on the capture stream before the capture
+
+
+class _LayerGraph:
+    """One layer's forward and backward graphs and their static buffers."""
+
+    def __init__(self, call: _Call, sample: tuple) -> None:
+        self.call = call
+        self.hidden, self.cos, self.sin = (t.detach().clone().requires_grad_(t.requires_grad) for t in sample)
+        # fresh leaves over the parameters' memory: the backward capture must not reach the parameters' own
+        # gradient accumulators, which an earlier step's autograd graph still held by the caller (a loop's last
+        # loss) ties to the stream that step ran on, where a capture cannot wait
+        self.aliases = [p.detach().requires_grad_(True) for p in call.params]
+        self.inputs = ([self.hidden] if self.hidden.requires_grad else []) + self.aliases
+        self.out: torch.Tensor | None = None
+
+    def run_forward(self) -> tuple:
+        self.out = self.call.run(self.hidden, self.cos, self.sin, self.aliases)
+        return (self.out,)
+
+    def run_backward(self) -> tuple:
+        if not self.inputs:  # nothing here needs a gradient (a frozen layer over a frozen embedding)
+            return ()
+        grads = torch.autograd.grad((self.out,), self.inputs, (self.grad_out,), allow_unused=True)
+        return tuple(grads)
+
+
+class _Replay(torch.autograd.Function):
+    """A layer replayed: its inputs copied into the graph's, the forward graph replayed; in the backward, the
+    output's gradient copied in and the backward graph replayed. Gradients leave as copies: a parameter's
+    ``.grad`` may keep the tensor it is given (gradient accumulation would then add into the graph's buffer)."""
+
+    @staticmethod
+    def forward(ctx, graph: _LayerGraph, hidden, cos, sin, *params):
+        for static, given in ((graph.hidden, hidden), (graph.cos, cos), (graph.sin, sin)):
+            if static.data_ptr() != given.data_ptr():
+                static.copy_(given)
+        graph.fwd.replay()
+        ctx.graph = graph
+        return graph.fwd.outputs[0].detach()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        graph = ctx.graph
+        graph.grad_out.copy_(grad_out)
+        graph.bwd.replay()
+        grads = [g.clone() if g is not None else None for g in graph.bwd.outputs]
+        hidden = grads.pop(0) if graph.hidden.requires_grad else None
+        return (None, hidden, None, None, *grads)
+
+
+class _Replayed:
+    def __init__(self, graph: _LayerGraph) -> None:
+        self.graph = graph
+
+    def __call__(self, hidden, cos, sin) -> torch.Tensor:
+        return _Replay.apply(self.graph, hidden, cos, sin, *self.graph.call.params)
+
+
+def _capture_stack(calls: list[_Call], samples: list[tuple], device: torch.device) -> list[_Replayed]:
+    """Every layer's forward graph in call order, then every backward graph in reverse, in one memory pool: the
+    order a training step replays them in, so that no replay rewrites memory another still needs."""
+    graphs = [_LayerGraph(call, sample) for call, sample in zip(calls, samples)]
+    cuda = device.type == "cuda"
+    stream = torch.cuda.Stream(device) if cuda else None
+    pool = torch.cuda.graph_pool_handle() if cuda else None
+    if cuda:
+        stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+        for _ in range(WARMUP):  # kernels' first launches (lazy loads, allocator growth) outside the capture
+            for graph in graphs:
+                graph.grad_out = None
+                (out,) = graph.run_forward()
+                graph.grad_out = torch.ones_like(out)
+                graph.run_backward()
+        for graph in graphs:
+            graph.out, graph.grad_out = None, None
+        for graph in graphs:
+            graph.fwd = GRAPH(pool)
+            (out,) = graph.fwd.capture(graph.run_forward, stream)
+            graph.grad_out = torch.empty_like(out)
+        for graph in reversed(graphs):
+            graph.bwd = GRAPH(pool)
+            graph.bwd.capture(graph.run_backward, stream)
+    if cuda:
+        torch.cuda.current_stream(device).wait_stream(stream)
+    return [_Replayed(graph) for graph in graphs]
 
 
 def _meta(t: torch.Tensor) -> tuple:
@@ -207,8 +338,9 @@ def _check(call: torch.nn.Module, graphed: Callable, sample: tuple) -> None:
     """The first layer's replay against its own forward on a new input of unit scale: a capture that baked in a
     host-side choice or reads a stale buffer shows here, before any step uses it."""
     inputs = [torch.randn_like(sample[0]).requires_grad_(sample[0].requires_grad), *sample[1:]]
-    want = call(*[t.detach().requires_grad_(t.requires_grad) for t in inputs]).detach().float()
-    got = graphed(*inputs).detach().float()
+    with torch.no_grad():
+        want = call(*inputs).float()
+        got = graphed(*inputs).float()
     off = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
     if not off <= CHECK_TOL:  # also NaN
         raise RuntimeError(

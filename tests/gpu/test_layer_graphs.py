@@ -18,22 +18,24 @@ STEP_TOL = 2e-2  # relative: the same kernels replayed; the backward's atomics m
 
 
 def _steps(model, ids, steps: int) -> list[float]:
-    """``steps`` AdamW steps as a training loop that keeps only each loss's value (the capture needs the autograd
-    graph of the step before to be gone)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    """``steps`` AdamW steps as a plain training loop: the variable ``loss`` still holds the step before's loss
+    (and its autograd graph) while the next forward runs, where the capture happens."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     losses = []
     for _ in range(steps):
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         losses.append(loss.item())
-        del loss
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return losses
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3"])
-def test_graphed_layers_train_as_the_model_without_graphs(model_type, caplog):
+@pytest.mark.parametrize("model_type, lora", [("qwen3_5_text", False), ("qwen3", False), ("qwen3_5_text", True)])
+def test_graphed_layers_train_as_the_model_without_graphs(model_type, lora, caplog):
+    """Six steps with and without graphs (captured at the third): every loss and every parameter after them within
+    ``STEP_TOL``; the graphs captured and in use at the end. ``lora``: peft LoRA r8 on every linear, bf16 adapters
+    (a frozen embedding: the first layer's input needs no gradient)."""
     from conftest import MINI
 
     import fusepatch
@@ -43,13 +45,18 @@ def test_graphed_layers_train_as_the_model_without_graphs(model_type, caplog):
 
     caplog.set_level(logging.INFO, logger="fusepatch")
     base = tiny_model(model_type, **MINI).cuda().to(torch.bfloat16).train()
+    if lora:
+        import peft
+
+        base = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules="all-linear")).to(torch.bfloat16)
     plain, graphed = copy.deepcopy(base), copy.deepcopy(base)
     fusepatch.apply(plain)
     fusepatch.apply(graphed, cuda_graphs=True)
     ids = torch.randint(0, base.config.vocab_size, (2, 256), device="cuda")
     want = _steps(plain, ids, 6)
     got = _steps(graphed, ids, 6)
-    holder = graphed.model.layers[0].__dict__[layer_graphs.ATTRIBUTE][0]
+    stack = graphed.get_base_model().model if lora else graphed.model
+    holder = stack.layers[0].__dict__[layer_graphs.ATTRIBUTE][0]
     failed = [
         r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage() and r.levelno >= logging.WARNING
     ]
