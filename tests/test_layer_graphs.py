@@ -6,6 +6,7 @@ graphs must compute exactly what one without them does. tests/gpu/test_layer_gra
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import pickle
@@ -108,11 +109,13 @@ def test_a_step_of_another_shape_runs_as_usual_and_the_steady_shape_replays_agai
         ("hook", "has hooks"),
         ("packed", "packed, padded or cached"),
         ("mask", "packed, padded or cached"),
+        ("autocast", "autocast casts parameters"),
     ],
 )
 def test_calls_graphs_cannot_take_run_as_usual_and_say_why_once(capture, caplog, setup, said):
-    """Activation checkpointing, a hook on a layer's module, packed documents (``position_ids``) and a padding
-    mask: no capture, the same losses as without graphs, the reason and its fix said once."""
+    """Activation checkpointing, a hook on a layer's module, packed documents (``position_ids``), a padding mask
+    and autocast over fp32 weights: no capture, the same losses as without graphs, the reason and its fix said
+    once."""
     made, _ = capture
     caplog.set_level(logging.WARNING, logger="fusepatch")
     plain, graphed = _pair()
@@ -129,8 +132,11 @@ def test_calls_graphs_cannot_take_run_as_usual_and_say_why_once(capture, caplog,
     else:
         kwargs["attention_mask"] = torch.ones(1, 24, dtype=torch.long)
         kwargs["attention_mask"][0, :3] = 0
-    want = _train(plain, 4, ids, **kwargs)
-    got = _train(graphed, 4, ids, **kwargs)
+    region = torch.autocast("cpu", dtype=torch.bfloat16) if setup == "autocast" else contextlib.nullcontext()
+    with region:
+        want = _train(plain, 4, ids, **kwargs)
+    with region:
+        got = _train(graphed, 4, ids, **kwargs)
     assert got == want
     assert made == []
     messages = [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage()]
@@ -276,3 +282,53 @@ def test_cuda_graphs_leave_mixture_of_experts_layers_out_and_say_so(capture, cap
     fusepatch.apply(model, cuda_graphs=True, verbose=False)
     assert not any(layer_graphs.ATTRIBUTE in m.__dict__ for m in model.modules())
     assert any("mixture-of-experts" in r.getMessage() for r in caplog.records)
+
+
+def test_the_trainer_callback_trains_with_graphs_as_without(capture, tmp_path):
+    """``FusePatchCallback(apply_kwargs={"cuda_graphs": True})`` in a real Trainer, with gradient accumulation and
+    the callback's profiled step (its layer labels are passive hooks, which graphs leave be): the same logged
+    losses as without graphs, the layers captured once and replayed."""
+    pytest.importorskip("accelerate")
+    from test_callback import RandomTokens
+    from transformers import Trainer, TrainingArguments
+
+    made, replays = capture
+    losses = {}
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / str(graphs)),
+            max_steps=6,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+            learning_rate=1e-3,
+        )
+        callback = fusepatch.FusePatchCallback(profile_step=5, apply_kwargs={"cuda_graphs": graphs})
+        trainer = Trainer(
+            model=tiny_model("qwen3_5_text"), args=args, train_dataset=RandomTokens(), callbacks=[callback]
+        )
+        trainer.train()
+        losses[graphs] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses[True]) == 6 and losses[True] == losses[False]
+    assert made == [4] and len(replays) > 4 * 8
+
+
+def test_autocast_over_parameters_of_its_dtype_is_graphed(capture):
+    """Autocast whose dtype the parameters already have (a bf16 model under ``Trainer(bf16=True)``) casts nothing,
+    so the layers are captured (with autocast's cache off, as a graph needs) and compute what they do without."""
+    made, _ = capture
+    base = tiny_model("qwen3_5_text").to(torch.bfloat16).train()
+    plain, graphed = copy.deepcopy(base), copy.deepcopy(base)
+    fusepatch.apply(plain, verbose=False)
+    fusepatch.apply(graphed, cuda_graphs=True, verbose=False)
+    ids = torch.randint(0, 512, (2, 24))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _train(plain, 4, ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _train(graphed, 4, ids)
+    assert got == want and made == [4]

@@ -41,6 +41,8 @@ logger = logging.getLogger("fusepatch")
 WARM_CALLS = 2  # same-signature training calls before the capture (the first also chooses and self-tests kernels)
 MAX_CAPTURES = 4  # signatures captured per model: each keeps a pool of one step's activations
 ATTRIBUTE = "_fusepatch_graphs"  # on each decoder layer: (LayerGraphs, index)
+# arguments the layers pass on without computing with them: the Trainer's token count for the loss's mean
+IGNORED = ("num_items_in_batch",)
 DEVICES = ("cuda",)  # where the layers are captured (the tests add "cpu", with a stand-in capture)
 
 FIXES = {
@@ -362,6 +364,14 @@ def _signature(layer: torch.nn.Module, args: tuple, kwargs: dict):
         return none
     if getattr(layer, "gradient_checkpointing", False):
         return (None, "checkpointing", *none[2:])
+    # the layer's own hooks run around this forward at every call, graphed or not; its modules' would run once
+    if any(hooked(module) for module in layer.modules() if module is not layer):
+        return (None, "hooks", *none[2:])
+    if any(type(p).__name__ == "DTensor" for p in layer.parameters()):
+        return (None, "sharded", *none[2:])
+    cast = autocast_dtype(hidden)
+    if cast is not None and any(p.is_floating_point() and p.dtype != cast for p in layer.parameters()):
+        return (None, "autocast", *none[2:])
     rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
     table = rest.pop("position_embeddings", None)
     if len(args) > 1 or not (isinstance(table, tuple) and len(table) == 2):
@@ -372,6 +382,8 @@ def _signature(layer: torch.nn.Module, args: tuple, kwargs: dict):
     made = is_plain(rest.get("position_ids"))
     plain = {}
     for name, value in rest.items():
+        if name in IGNORED:
+            continue
         if name == "position_ids" and made:
             plain[name] = (tuple(value.shape), value.device)
         elif name == "attention_mask" and made and isinstance(value, torch.Tensor):
@@ -380,14 +392,6 @@ def _signature(layer: torch.nn.Module, args: tuple, kwargs: dict):
             plain[name] = value
         else:  # positions of documents, a padding mask, a cache, or an argument this layer does not know
             return (None, "packed", *none[2:])
-    # the layer's own hooks run around this forward at every call, graphed or not; its modules' would run once
-    if any(hooked(module) for module in layer.modules() if module is not layer):
-        return (None, "hooks", *none[2:])
-    if any(type(p).__name__ == "DTensor" for p in layer.parameters()):
-        return (None, "sharded", *none[2:])
-    cast = autocast_dtype(hidden)
-    if cast is not None and any(p.is_floating_point() and p.dtype != cast for p in layer.parameters()):
-        return (None, "autocast", *none[2:])
     signature = (_meta(hidden), _meta(cos), _meta(sin), tuple(sorted(plain.items())), cast)
     return signature, None, hidden, cos, sin, rest
 
