@@ -13,7 +13,9 @@ import torch
 import fusepatch
 from fusepatch.backends.kernels_hub import HubKernel, TrustedPublisher, hub_candidate, locked_commit, variant_trace
 from fusepatch.core import selftest
+from fusepatch.core.env import capture
 from fusepatch.core.requirements import InputRule
+from fusepatch.core.resolve import static_verdict
 from fusepatch.ops import OPS
 from fusepatch.tools.tiny import tiny_model
 
@@ -224,7 +226,7 @@ def test_builtin_hub_causal_conv1d_candidate_adapts_the_hub_entry_point(tmp_path
         # kept on boundaries with host values (every layer's call shares it), built again for the others
         assert (sequence_index(cu, 50, x.device) is seq_idx) == (packed == "from-position-ids")
     # on this CPU machine the checks refuse it before any load, with the reason
-    verdict, _ = fusepatch.core.resolve.static_verdict(candidate, fusepatch.core.env.capture(refresh=True))
+    verdict, _ = static_verdict(candidate, capture(refresh=True))
     assert not verdict.ok and "CPU-only" in verdict.reason
 
 

@@ -12,11 +12,15 @@ the lock-file parser and the build-variant resolver: ``NAMES`` lists them with t
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from packaging.version import InvalidVersion, Version
 
 from fusepatch.backends import PrivateNames
 from fusepatch.core.env import Environment, offline_mode
@@ -27,13 +31,25 @@ DISTRIBUTION = "kernels"
 REQUIRED = ">=0.17"
 FIX = 'pip install "fusepatch[hub]"'
 
+
+def _variants_module() -> str:
+    """Where ``kernels`` keeps its build-variant resolver: ``kernels.variants`` up to 0.18, then
+    ``kernels._internals.variants`` (0.19 moved it). Read from the installed version, without importing it."""
+    try:
+        version = Version(importlib.metadata.version(DISTRIBUTION))
+    except (importlib.metadata.PackageNotFoundError, InvalidVersion):
+        return "kernels.variants"
+    return "kernels._internals.variants" if version >= Version("0.19") else "kernels.variants"
+
+
 NAMES = PrivateNames(
     distribution=DISTRIBUTION,
-    checked=("0.17.2",),
+    # 0.17.2: the GPU machine's; 0.19.1: read against, and the hub tests run on it (the CPU suite installs it)
+    checked=("0.17.2", "0.19.1"),
     names={
         "kernels": ("get_kernel", "get_local_kernel", "load_kernel"),
         "kernels._rust": ("KernelLocks",),
-        "kernels.variants": ("VariantAccepted", "get_variants_local", "resolve_variants"),
+        _variants_module(): ("VariantAccepted", "get_variants_local", "resolve_variants"),
     },
     fix=FIX,
 )
@@ -65,7 +81,7 @@ def locked_commit(repo_id: str, lockfile: Path) -> str | None:
     locks = KernelLocks.from_json(lockfile.read_text())
     for dependency, lock in locks.items():
         if dependency.repo_id == repo_id:
-            return lock.commit
+            return str(lock.commit)  # a str up to 0.18, a git object id (``Oid``) from 0.19
     return None
 
 
@@ -85,14 +101,18 @@ def trusted(repo_id: str) -> bool:
 
 
 def variant_trace(path: Path) -> list[str]:
-    """``kernels``' accept/reject decision for every build variant in a local kernel directory."""
-    from kernels.variants import VariantAccepted, get_variants_local, resolve_variants
-
-    variants = get_variants_local(path / "build") or get_variants_local(path)
-    _, decisions = resolve_variants(variants)
-    return [
-        f"{d.variant.variant_str}: " + ("compatible" if isinstance(d, VariantAccepted) else d.reason) for d in decisions
-    ]
+    """``kernels``' accept/reject decision for every build variant in a local kernel directory (empty, said once
+    as drift, where the installed ``kernels`` has no resolver where fusepatch looks)."""
+    module_name = _variants_module()
+    try:
+        variants_module = importlib.import_module(module_name)
+        accepted = variants_module.VariantAccepted
+        variants = variants_module.get_variants_local(path / "build") or variants_module.get_variants_local(path)
+        _, decisions = variants_module.resolve_variants(variants)
+    except (ImportError, AttributeError) as exc:
+        NAMES.drift(f"{module_name}'s variant resolver ({exc})", "the rejection names no build variants")
+        return []
+    return [f"{d.variant.variant_str}: " + ("compatible" if isinstance(d, accepted) else d.reason) for d in decisions]
 
 
 @dataclass(frozen=True)
