@@ -10,10 +10,13 @@ the last release puts transformers' object back, so a reverted process is the on
 
 from __future__ import annotations
 
+import copy
 import importlib
 import threading
 import weakref
 from collections.abc import Callable
+
+import torch
 
 _lock = threading.Lock()
 _installed: dict[tuple[str, str], tuple[object, object]] = {}  # (module, name) -> (transformers' object, wrapper)
@@ -33,11 +36,24 @@ def hold(owner: object, module_name: str, name: str, wrap: Callable[[object], ob
         if key not in _installed or current is not _installed[key][1]:  # new, or replaced by someone since
             if current is None:
                 return False
-            wrapper = wrap(current)
+            wrapper = _wrapped(current, wrap)
             setattr(module, name, wrapper)
             _installed[key] = (current, wrapper)
         _holders.setdefault(key, weakref.WeakSet()).add(owner)
     return True
+
+
+def _wrapped(current: object, wrap: Callable[[object], object]) -> object:
+    """``wrap(current)``; for a function that ``kernels`` (0.19, under transformers 5.25) turned into a module, a
+    copy of that module calling the wrapper. Layers keep the original module too (``_kernel_funcs``), and
+    ``kernels`` pickles it by the module-level name's type when that name is not the original itself: the name must
+    still hold a module of its class, or a pickled model would not load."""
+    wrapper = wrap(current)
+    if isinstance(current, torch.nn.Module) and callable(wrapper) and not isinstance(wrapper, torch.nn.Module):
+        module = copy.copy(current)
+        module.forward = wrapper
+        return module
+    return wrapper
 
 
 def release(owner: object) -> None:
