@@ -28,7 +28,7 @@ from fusepatch.core.op import Candidate
 from fusepatch.core.requirements import OK, DistributionVersion, Importable, InputRule, Verdict, reject
 
 DISTRIBUTION = "kernels"
-REQUIRED = ">=0.17"
+REQUIRED = ">=0.17,<0.20"
 FIX = 'pip install "fusepatch[hub]"'
 
 

@@ -34,7 +34,7 @@ TRACKED_DISTRIBUTIONS: tuple[str, ...] = (
 OFFLINE_VARIABLES: tuple[str, ...] = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
-TRANSFORMERS_REQUIREMENT = "transformers>=5.17,<5.25"
+TRANSFORMERS_REQUIREMENT = "transformers>=5.17,<5.26"
 
 
 class MissingDependency(ImportError):
