@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from fusepatch.core.env import TRANSFORMERS_REQUIREMENT
 from fusepatch.core.registry import all_rows
 from fusepatch.ops import OPS
 
@@ -197,7 +198,7 @@ def test_without_transformers_every_command_is_one_line_with_the_fix(tmp_path):
         )
         assert result.returncode == 2, result.stderr[-2000:]
         assert "Traceback" not in result.stderr
-        assert "pip install 'transformers>=5.17,<5.25'" in result.stderr
+        assert f"pip install '{TRANSFORMERS_REQUIREMENT}'" in result.stderr
     for args in (["list"], ["doctor", "--static"]):
         result = subprocess.run(
             [sys.executable, "-m", "fusepatch", *args], capture_output=True, text=True, timeout=600, env=env
@@ -205,7 +206,7 @@ def test_without_transformers_every_command_is_one_line_with_the_fix(tmp_path):
         assert result.returncode == 0, result.stderr[-2000:]
     probe = "import fusepatch, fusepatch.tools.tiny\ntry:\n    fusepatch.tools.tiny.tiny_model()\nexcept ImportError as e:\n    print(e)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=env)
-    assert "fix: pip install 'transformers>=5.17,<5.25'" in result.stdout, result.stderr[-2000:]
+    assert f"fix: pip install '{TRANSFORMERS_REQUIREMENT}'" in result.stdout, result.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
