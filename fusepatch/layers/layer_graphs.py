@@ -7,19 +7,20 @@ benchmark harness's ``+graphs`` rows (docs/benchmarks.md, 2026-12-03): Qwen3.5-0
 2B-like 1.50x against 1.29-1.45x, 27B LoRA unchanged (already GPU-bound).
 
 How: the layers run as usual while a step's shape settles (kernel choices, self-tests, autotuning). Once
-``WARM_CALLS`` training calls in a row gave every layer the same signature (shapes, dtypes, which inputs need
+``WARM_CALLS`` training steps in a row gave every layer the same signature (shapes, dtypes, which inputs need
 gradients, autocast, the plain positions), the next call captures all layers (``_capture_stack``: one memory
 pool; forwards in call order, then backwards in reverse, as a step replays them; the parameters seen through
 fresh leaves, so that a loop still holding the last step's loss does not matter), checks the first layer's
 replay against its own forward, and replays from then on. A call of another signature runs as usual; a new
-steady signature is captured in turn, up to ``MAX_CAPTURES`` per model.
-Parameters moved or replaced (``model.to``, ``load_state_dict(assign=True)``) or frozen since drop the graphs.
+steady signature is captured in turn, up to ``MAX_CAPTURES`` per model. Parameters moved or replaced
+(``model.to``, ``load_state_dict(assign=True)``) or frozen since drop the graphs.
 
 Calls that run without graphs, said once each with the fix: activation checkpointing (it exists to drop the
 activations a graph keeps), hooks on a layer's modules (they would run once, at capture), FSDP2's sharded
 parameters (gathered anew each step), autocast over parameters of another dtype (its cast cache is per region),
 packed, padded or cached calls (document boundaries and masks decide work on the host), and a capture or check
-that fails (a kernel that waits for the host or runs on another stream). Inference, ``torch.compile`` tracing and CPU tensors run as usual, silently.
+that fails (a kernel that waits for the host or runs on another stream). Inference, ``torch.compile`` tracing
+and CPU tensors run as usual, silently.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from fusepatch.layers.support.positions import is_plain
 
 logger = logging.getLogger("fusepatch")
 
-WARM_CALLS = 2  # same-signature training calls before the capture (the first also chooses and self-tests kernels)
+WARM_CALLS = 2  # same-signature training steps before the capture (the first also chooses and self-tests kernels)
 MAX_CAPTURES = 4  # signatures captured per model: each keeps a pool of one step's activations
 ATTRIBUTE = "_fusepatch_graphs"  # on each decoder layer: (LayerGraphs, index)
 # arguments the layers pass on without computing with them: the Trainer's token count for the loss's mean
