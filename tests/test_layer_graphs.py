@@ -332,3 +332,18 @@ def test_autocast_over_parameters_of_its_dtype_is_graphed(capture):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = _train(graphed, 4, ids)
     assert got == want and made == [4]
+
+
+def test_the_capture_leaves_the_random_streams_as_they_were(capture):
+    """The capture's inputs and check draw from a generator of their own: a seeded run draws the same numbers
+    after the capture as without graphs (dropout masks, data order)."""
+    made, _ = capture
+    plain, graphed = _pair()
+    ids = torch.randint(0, 512, (2, 24))
+    draws = {}
+    for name, model in (("plain", plain), ("graphed", graphed)):
+        torch.manual_seed(7)
+        _train(model, 3, ids)
+        draws[name] = torch.rand(4)
+    assert made == [4]
+    torch.testing.assert_close(draws["graphed"], draws["plain"], rtol=0, atol=0)

@@ -328,10 +328,18 @@ def _meta(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
 
 
+def _draw(shape: tuple, device: torch.device, scale: float) -> torch.Tensor:
+    """Random values from a generator of its own: the capture leaves the user's random streams (dropout, data
+    order) where they were, so a seeded run draws the same numbers with graphs as without."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(0)
+    return torch.randn(shape, device=device, generator=generator) * scale
+
+
 def _sample(meta: tuple) -> torch.Tensor:
     """A capture input of a recorded signature: values do not matter to the graph, only shape and layout."""
     shape, dtype, device, requires_grad = meta
-    return (torch.randn(shape, device=device) * 0.02).to(dtype).requires_grad_(requires_grad)
+    return _draw(shape, device, 0.02).to(dtype).requires_grad_(requires_grad)
 
 
 CHECK_TOL = 1e-2  # relative (norm) difference of the check: the same kernels on the same input, expected 0
@@ -340,7 +348,9 @@ CHECK_TOL = 1e-2  # relative (norm) difference of the check: the same kernels on
 def _check(call: torch.nn.Module, graphed: Callable, sample: tuple) -> None:
     """The first layer's replay against its own forward on a new input of unit scale: a capture that baked in a
     host-side choice or reads a stale buffer shows here, before any step uses it."""
-    inputs = [torch.randn_like(sample[0]).requires_grad_(sample[0].requires_grad), *sample[1:]]
+    hidden = sample[0]
+    inputs = [_draw(hidden.shape, hidden.device, 1.0).to(hidden.dtype).requires_grad_(hidden.requires_grad)]
+    inputs += sample[1:]
     with torch.no_grad():
         want = call(*inputs).float()
         got = graphed(*inputs).float()
