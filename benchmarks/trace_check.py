@@ -28,19 +28,6 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
 
-# the GPU tests' mini model (tests/gpu/conftest.py), so that fla's kernels compile for the same sizes
-MINI = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=64,
-    linear_value_head_dim=64,
-)
-
 
 def outputs(model, ids) -> dict[str, torch.Tensor]:
     """Logits and every parameter gradient (fp32 copies) of one training call, named without dynamo's prefix."""
@@ -66,6 +53,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=301)
     parser.add_argument("--json-out")
     args = parser.parse_args()
+
+    from helpers import MINI  # the GPU tests' mini model, so that fla's kernels compile for the same sizes
 
     import fusepatch
     from fusepatch.ops import OPS

@@ -18,6 +18,22 @@ HOST_READS = ("aten::nonzero", "aten::is_nonzero", "aten::all", "aten::any", "at
 # (the AOTAutograd trace of tests/test_decoder.py: 19 s against 25 s for the default four layers on CPU)
 HYBRID_PAIR = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
 
+# mini-model sizes shared by the GPU tests (and benchmarks/trace_check.py), so fla's kernels compile once for
+# all of them
+MINI = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=128,
+)
+
 # the residual-add norms: conftest's ``calls`` fixture gives them CPU stand-ins, so the fused decoder forward runs
 ADD_OPS = ("add_rms_norm", "add_rms_norm_zero_centered")
 

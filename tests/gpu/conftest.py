@@ -5,6 +5,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from helpers import MINI  # noqa: E402,F401  (the GPU tests import it from here)
+
 
 def require(verdict, what: str):
     """Skip when a kernel package is absent, unless FUSEPATCH_GPU_REQUIRE=1 (the H200 run), where it fails."""
@@ -55,19 +57,6 @@ FACTOR = 3.0
 FLOOR = 5e-3
 FP32_TOL = 1e-2
 DECAY_TOL = 0.25
-MINI = dict(  # mini-model sizes shared by the GPU tests, so fla's kernels compile once for all of them
-    hidden_size=256,
-    intermediate_size=512,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=64,
-    linear_value_head_dim=64,
-    moe_intermediate_size=128,
-    shared_expert_intermediate_size=128,
-)
 
 
 def eager(model):
