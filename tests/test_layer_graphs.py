@@ -143,6 +143,19 @@ def test_calls_graphs_cannot_take_run_as_usual_and_say_why_once(capture, caplog,
     assert len(messages) == 1 and said in messages[0] and "Fix:" in messages[0], messages
 
 
+def _said_when_the_capture_is(capture_stack, steps: int, monkeypatch, caplog) -> list[str]:
+    """``steps`` training steps of a graphed model whose capture is ``capture_stack`` (over the CPU stand-in),
+    against the same model without graphs: the losses must be equal; returns the capture failures said."""
+    monkeypatch.setattr(layer_graphs, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(layer_graphs, "GRAPH", layer_graphs._Rerun)
+    monkeypatch.setattr(layer_graphs, "_capture_stack", capture_stack)
+    caplog.set_level(logging.WARNING, logger="fusepatch")
+    plain, graphed = _pair()
+    ids = torch.randint(0, 512, (2, 24))
+    assert _train(graphed, steps, ids) == _train(plain, steps, ids)
+    return [r.getMessage() for r in caplog.records if "capture of the decoder layers failed" in r.getMessage()]
+
+
 def test_a_capture_that_fails_leaves_the_layers_as_they_were_and_says_why(monkeypatch, caplog, chunked_on_cpu):
     """A kernel that cannot be captured (here: the capture raises as CUDA does) turns the graphs off for the model,
     says why with the fix, and every step computes what it would without graphs."""
@@ -150,13 +163,7 @@ def test_a_capture_that_fails_leaves_the_layers_as_they_were_and_says_why(monkey
     def fails(calls, samples, device):
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(layer_graphs, "DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(layer_graphs, "_capture_stack", fails)
-    caplog.set_level(logging.WARNING, logger="fusepatch")
-    plain, graphed = _pair()
-    ids = torch.randint(0, 512, (2, 24))
-    assert _train(graphed, 5, ids) == _train(plain, 5, ids)
-    said = [r.getMessage() for r in caplog.records if "capture of the decoder layers failed" in r.getMessage()]
+    said = _said_when_the_capture_is(fails, 5, monkeypatch, caplog)
     assert len(said) == 1 and "not permitted when stream is capturing" in said[0] and "Fix:" in said[0]
 
 
@@ -168,14 +175,7 @@ def test_a_replay_that_differs_from_the_layer_is_never_used(monkeypatch, caplog,
     def wrong(calls, samples, device):
         return [lambda *args, replayed=replayed: replayed(*args) * 1.1 for replayed in real(calls, samples, device)]
 
-    monkeypatch.setattr(layer_graphs, "DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(layer_graphs, "GRAPH", layer_graphs._Rerun)
-    monkeypatch.setattr(layer_graphs, "_capture_stack", wrong)
-    caplog.set_level(logging.WARNING, logger="fusepatch")
-    plain, graphed = _pair()
-    ids = torch.randint(0, 512, (2, 24))
-    assert _train(graphed, 4, ids) == _train(plain, 4, ids)
-    said = [r.getMessage() for r in caplog.records if "capture of the decoder layers failed" in r.getMessage()]
+    said = _said_when_the_capture_is(wrong, 4, monkeypatch, caplog)
     assert len(said) == 1 and "differs from its forward" in said[0]
 
 
@@ -289,29 +289,14 @@ def test_the_trainer_callback_trains_with_graphs_as_without(capture, tmp_path):
     the callback's profiled step (its layer labels are passive hooks, which graphs leave be): the same logged
     losses as without graphs, the layers captured once and replayed."""
     pytest.importorskip("accelerate")
-    from test_callback import RandomTokens
-    from transformers import Trainer, TrainingArguments
+    from test_callback import _trainer
 
     made, replays = capture
     losses = {}
     for graphs in (False, True):
         torch.manual_seed(0)
-        args = TrainingArguments(
-            output_dir=str(tmp_path / str(graphs)),
-            max_steps=6,
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=2,
-            logging_steps=1,
-            report_to=[],
-            use_cpu=True,
-            save_strategy="no",
-            disable_tqdm=True,
-            learning_rate=1e-3,
-        )
         callback = fusepatch.FusePatchCallback(profile_step=5, apply_kwargs={"cuda_graphs": graphs})
-        trainer = Trainer(
-            model=tiny_model("qwen3_5_text"), args=args, train_dataset=RandomTokens(), callbacks=[callback]
-        )
+        trainer = _trainer(tmp_path / str(graphs), [callback], max_steps=6, gradient_accumulation_steps=2)
         trainer.train()
         losses[graphs] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses[True]) == 6 and losses[True] == losses[False]
