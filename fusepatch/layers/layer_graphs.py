@@ -116,8 +116,10 @@ class LayerGraphs:
 
     def call(self, index: int, forward: Callable[..., Any], layer: torch.nn.Module, args: tuple, kwargs: dict):
         """Layer ``index``'s call: replayed when its step was captured, else run as usual (and recorded)."""
+        if self.disabled:  # turned off for good: no signature to take (it walks the layer's modules) at each call
+            return forward(layer, *args, **kwargs)
         signature, reason, hidden, cos, sin, rest = _signature(layer, args, kwargs)
-        if signature is None or self.disabled:
+        if signature is None:
             if reason:
                 self.say(reason)
             return forward(layer, *args, **kwargs)
