@@ -233,6 +233,45 @@ def test_parameters_replaced_after_the_capture_drop_the_graphs(capture):
     assert made == [layers, layers]
 
 
+def test_a_layer_frozen_after_the_capture_runs_as_usual_from_there_and_is_captured_again(capture):
+    """Parameters are checked layer by layer as a step replays: a weight of the last layer frozen after the capture
+    leaves the layers before it replayed and runs it as usual, the step computing what the model without graphs
+    does; the layers are captured again once steady."""
+    made, replays = capture
+    plain, graphed = _pair()
+    layers = len(graphed.model.layers)
+    ids = torch.randint(0, 512, (2, 24))
+    losses = [_train(model, 3, ids) for model in (plain, graphed)]
+    assert made == [layers]
+    before = len(replays)
+    for model in (plain, graphed):
+        model.model.layers[-1].mlp.down_proj.weight.requires_grad_(False)
+    losses += [_train(model, 4, ids) for model in (plain, graphed)]
+    assert made == [layers, layers]
+    # the step after the freeze replays every layer but the last; the next runs as usual (recording the calls);
+    # the third captures (the check's replay) and replays, as does the fourth
+    assert len(replays) == before + (layers - 1) + 1 + 2 * layers
+    assert losses[0] == losses[1] and losses[2] == losses[3]
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(graphed.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_graphs_of_another_shape_are_not_replayed_over_replaced_parameters(capture):
+    """One shape captured, the parameters replaced, then another shape captured: the first shape's graphs still
+    read the replaced parameters' memory, so that capture drops them; they are never replayed."""
+    made, _ = capture
+    plain, graphed = _pair()
+    layers = len(graphed.model.layers)
+    long, short = torch.randint(0, 512, (2, 24)), torch.randint(0, 512, (2, 16))
+    losses = [_train(model, 3, long) for model in (plain, graphed)]
+    assert made == [layers]
+    for model in (plain, graphed):
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    losses += [_train(model, 3, short) + _train(model, 3, long) for model in (plain, graphed)]
+    assert made == [layers] * 3  # short captured, then long again (its first graphs dropped)
+    assert losses[0] == losses[1] and losses[2] == losses[3]
+
+
 def test_inference_calls_run_as_usual_and_leave_the_graphs_alone(capture):
     """``no_grad`` and eval calls (an evaluation loop inside training) run without graphs and do not count as
     steps; the training steps around them replay."""

@@ -81,8 +81,9 @@ class _Call(torch.nn.Module):
         return torch.func.functional_call(self, dict(zip(self.names, aliases)), (hidden, cos, sin), strict=False)
 
 
-def _params(layers: list[torch.nn.Module]) -> tuple:
-    return tuple((p.data_ptr(), p.dtype, p.requires_grad) for layer in layers for p in layer.parameters())
+def _params(layer: torch.nn.Module) -> tuple:
+    """What a layer's graphs read: (pointer, dtype, requires_grad) per parameter."""
+    return tuple((p.data_ptr(), p.dtype, p.requires_grad) for p in layer.parameters())
 
 
 class LayerGraphs:
@@ -95,7 +96,8 @@ class LayerGraphs:
         self.previous: tuple | None = None  # the last complete step's signatures
         self.steady = 0  # complete steps in a row with ``previous``'s signatures
         self.graphs: dict[tuple, list] = {}  # step signatures -> graphed callables, one per layer
-        self.params: tuple | None = None  # what the graphs read: (pointer, dtype, requires_grad) per parameter
+        self.active: list | None = None  # this step's graphs: those of ``previous``, looked up once per step
+        self.params: list[tuple] = []  # what the graphs read, per layer (``_params``)
         self.disabled = False
         self.said: set[str] = set()
 
@@ -127,9 +129,13 @@ class LayerGraphs:
             self._step_starts(signature)
         if len(self.current) == index:  # layers called out of order (or twice) belong to no step
             self.current.append(signature)
-        graphed = self.graphs.get(self.previous) if self.previous is not None else None
+        graphed = self.active
         if graphed is not None and index < len(self.previous) and self.previous[index] == signature:
-            return graphed[index](hidden, cos, sin).clone()  # the graph's output buffer is rewritten by its next replay
+            # checked here, layer by layer, rather than for every layer when the step starts: by now the GPU is
+            # busy with the layers before, so the walk over the parameters costs the step nothing
+            if _params(layer) == self.params[index]:
+                return graphed[index](hidden, cos, sin).clone()  # the output buffer is rewritten by the next replay
+            self._drop()  # moved, replaced or frozen since the capture; the layers before replayed what they read
         out = forward(layer, *args, **kwargs)
         if not isinstance(out, torch.Tensor):
             self.say("output")
@@ -138,18 +144,21 @@ class LayerGraphs:
         self.recorded[index] = (rest, forward)
         return out
 
+    def _drop(self) -> None:
+        """Parameters changed since the capture: no graph replays until the layers are steady and captured again."""
+        self.graphs.clear()
+        self.active = None
+        self.steady = min(self.steady, 1)
+
     def _step_starts(self, signature: tuple) -> None:
-        """Layer 0's call closes the step before: count the steady steps, drop graphs whose parameters changed,
-        and capture once ``WARM_CALLS`` steps in a row had this step's signatures."""
+        """Layer 0's call closes the step before: count the steady steps, and capture once ``WARM_CALLS`` steps in
+        a row had this step's signatures."""
         last = tuple(self.current) if len(self.current) == len(self.layers) else None
         self.current = []
         if last is not None and last == self.previous:
             self.steady += 1
         else:
             self.previous, self.steady = last, (1 if last is not None else 0)
-        if self.graphs and self.params != _params(self.layers):  # moved, replaced or frozen since the capture
-            self.graphs.clear()
-            self.steady = min(self.steady, 1)
         wanted = (
             last is not None
             and signature == last[0]
@@ -160,9 +169,12 @@ class LayerGraphs:
         )
         if wanted:
             self._capture(last)
+        self.active = self.graphs.get(self.previous) if self.previous is not None else None
 
     def _capture(self, step: tuple) -> None:
         start = time.perf_counter()
+        if self.graphs and [_params(layer) for layer in self.layers] != self.params:
+            self.graphs.clear()  # other shapes' graphs read parameters moved or replaced since (not replayed yet)
         calls, samples = [], []
         for index, layer in enumerate(self.layers):
             rest, forward = self.recorded[index]
@@ -188,7 +200,7 @@ class LayerGraphs:
             )
             return
         self.graphs[step] = list(graphed)
-        self.params = _params(self.layers)
+        self.params = [_params(layer) for layer in self.layers]
         shape, dtype = step[0][0][:2]
         logger.info(
             "fusepatch: CUDA graphs: %d decoder layers captured for hidden states %s %s in %.1f s; replayed from "
