@@ -29,10 +29,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
 
 
-def outputs(model, ids) -> dict[str, torch.Tensor]:
+def outputs(model, ids, patched: bool = True) -> dict[str, torch.Tensor]:
     """Logits and every parameter gradient (fp32 copies) of one training call, named without dynamo's prefix."""
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids, use_cache=False, return_logits=True)
+    extra = {"return_logits": True} if patched else {}  # fusepatch's loss returns logits only when asked
+    out = model(input_ids=ids, labels=ids, use_cache=False, **extra)
     out.loss.backward()
     found = {"logits": out.logits.float()}
     for name, param in model.named_parameters():
@@ -45,6 +46,19 @@ def errors(got: dict, want: dict) -> dict[str, float]:
     from fusepatch.ops.common import relative_error
 
     return {name: relative_error(got[name], value) for name, value in want.items() if name in got}
+
+
+def rotary_alone(base, ids, device: str) -> str:
+    """transformers' rotary embedding of the model (not patched) alone, eager against inductor, given the position
+    ids its text model gives it (2-D positions expanded to the three mrope sections)."""
+    rotary = copy.deepcopy(base.model.rotary_emb).to(device)
+    x = torch.zeros(1, device=device, dtype=torch.bfloat16)
+    plain = torch.arange(ids.shape[1], device=device).view(1, 1, -1).expand(4, ids.shape[0], -1)[1:]
+    torch._dynamo.reset()
+    want = rotary(x, plain)
+    got = torch.compile(rotary, backend="inductor")(x, plain)
+    offs = [(g.float() - w.float()).abs().max().item() for g, w in zip(got, want)]
+    return f"rotary embedding alone ({device}, bf16 tables), inductor against eager: cos {offs[0]:.3g}, sin {offs[1]:.3g} (largest absolute difference)"
 
 
 def main() -> None:
@@ -86,6 +100,16 @@ def main() -> None:
                 state.traceable_on = None
 
     rows = {"uncompiled": plain}
+    # transformers' own model, not patched: whether its trace is right on this device
+    unpatched = copy.deepcopy(base).to(args.device, torch.bfloat16)
+    rows["transformers' model (not patched), uncompiled"] = errors(outputs(unpatched, ids, patched=False), want)
+    torch._dynamo.reset()
+    try:
+        found = errors(outputs(torch.compile(unpatched, backend="inductor"), ids, patched=False), want)
+    except Exception as exc:
+        found = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    rows["transformers' model (not patched), inductor"] = found
+    print(rotary_alone(base, ids, args.device))
     for backend in ("eager", "aot_eager", "inductor"):
         rows[f"all classes, {backend}"] = traced(backend, None)
     for name in classes:
