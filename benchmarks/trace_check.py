@@ -10,7 +10,9 @@ the decay gate differ from the ones the CPU kernel gives (torch 2.13).
 On the H200 the whole traced model was 0.127 off in its logits against the fp32 model, where the uncompiled one
 is 0.016 off (tests/gpu/test_models.py, 2026-12-03); on the CPU the same trace matches. ``apply`` therefore lets
 dynamo trace patched forwards on the CPU only (``TRACED_DEVICES``). This names the class and the stage where the
-result changes, so the trace can be allowed where it is right.
+result changes, so the trace can be allowed where it is right. Its run on the H200 (docs/benchmarks.md,
+2026-12-03): transformers' own model traced is as wrong, and its rotary embedding alone, compiled by inductor,
+gives tables up to 2 off; every other class traced matches.
 
     python benchmarks/trace_check.py --device cuda --json-out trace.json
 """
@@ -109,7 +111,8 @@ def main() -> None:
     except Exception as exc:
         found = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     rows["transformers' model (not patched), inductor"] = found
-    print(rotary_alone(base, ids, args.device))
+    rotary = rotary_alone(base, ids, args.device)
+    print(rotary)
     for backend in ("eager", "aot_eager", "inductor"):
         rows[f"all classes, {backend}"] = traced(backend, None)
     for name in classes:
@@ -127,7 +130,9 @@ def main() -> None:
         print(f"| {label} | {found['logits']:.4f} | {found[worst]:.4f} | {worst} | {beyond} |")
     if args.json_out:
         with open(args.json_out, "w") as fh:
-            json.dump({"device": args.device, "torch": torch.__version__, "rows": rows}, fh, indent=1)
+            json.dump(
+                {"device": args.device, "torch": torch.__version__, "rotary_alone": rotary, "rows": rows}, fh, indent=1
+            )
 
 
 if __name__ == "__main__":

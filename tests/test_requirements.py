@@ -109,6 +109,26 @@ def test_fla_hopper_triton_known_issue(gpu, triton, tilelang_error, affected):
         assert "pip install tilelang" in verdict.fix and "3.7.1" in verdict.fix
 
 
+@pytest.mark.parametrize(
+    "gpu, transformers, triton, affected",
+    [
+        (H200, "5.17.0", "3.6.0", True),
+        (A100, "5.25.0", "3.5.1", True),  # any GPU: the Triton fault was reported off Hopper too
+        (None, "5.17.0", "3.6.0", False),  # the CPU: inductor's CPU code is right (benchmarks/trace_check.py)
+        (H200, "5.17.0", "3.4.0", False),
+    ],
+)
+def test_compiled_qwen3_5_rotary_known_issue(gpu, transformers, triton, affected):
+    """The doctor's row for inductor's wrong Qwen3.5 rotary tables: any GPU with an affected Triton, never the CPU;
+    its fix is fusepatch itself."""
+    versions = {"triton": triton, "transformers": transformers}
+    env = gpu_env(gpu, distributions=versions) if gpu else cpu_env(distributions={"torch": "2.13.0", **versions})
+    found = matching_issues("transformers", env)
+    assert bool(found) is affected
+    if affected:
+        assert "0.127" in found[0].what and "fusepatch.apply(model)" in found[0].fix
+
+
 def test_known_issue_needs_the_package():
     env = gpu_env()
     assert matching_issues("fla-core", env)

@@ -17,7 +17,7 @@ class KnownIssue:
     package: str  # distribution name the issue is about
     package_spec: str  # its affected versions
     triton_spec: str  # affected Triton versions ("" = any)
-    capability_major: int | None  # affected GPU family (9 = Hopper), None = any
+    capability_major: int | None  # affected GPU family (9 = Hopper), None = any GPU (never the CPU)
     what: str  # what goes wrong
     link: str
     fix: str
@@ -29,7 +29,7 @@ class KnownIssue:
             return False
         if self.triton_spec and (env.triton is None or not version_in(env.triton, self.triton_spec)):
             return False
-        if self.capability_major is not None and (env.capability is None or env.capability[0] != self.capability_major):
+        if env.capability is None or (self.capability_major is not None and env.capability[0] != self.capability_major):
             return False
         if self.unless_importable and env.imported(self.unless_importable):
             return False
@@ -65,6 +65,20 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         link="https://github.com/fla-org/flash-linear-attention/issues/640",
         fix="pip install tilelang   (or a torch whose Triton is >= 3.7.1)",
         unless_importable="tilelang",
+    ),
+    KnownIssue(
+        package="transformers",
+        package_spec=">=5.17",
+        triton_spec=">=3.5",
+        capability_major=None,
+        what=(
+            "torch.compile (inductor) of Qwen3.5's rotary embedding gives wrong cos/sin tables on the GPU (likely Triton "
+            "miscompiling its stride-3 mrope slices): transformers' own Qwen3.5 compiled on an H200 was 0.127 off "
+            "in its logits (docs/benchmarks.md, 2026-12-03)"
+        ),
+        link="https://github.com/vllm-project/vllm/pull/40680",
+        fix="fusepatch.apply(model) before compiling (a patched model runs outside dynamo on a GPU), or train "
+        "Qwen3.5 without torch.compile",
     ),
 )
 

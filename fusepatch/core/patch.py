@@ -83,12 +83,14 @@ OUTSIDE_DYNAMO = (
 )
 UNCHECKED_TRACE = (
     "fusepatch: torch.compile: the patched model runs outside dynamo on {device}, eagerly as it runs uncompiled; "
-    "the rest compiles as usual. Traced by dynamo on a GPU, the patched Qwen3.5 forwards gave wrong logits (a "
-    "mini model with every op eager: 0.127 off against the bound 0.016, H200, 2026-12-03, "
-    "tests/gpu/test_models.py), so they are traced only on the CPU, where the tests check it"
+    "the rest compiles as usual. On a GPU, inductor compiles transformers' Qwen3.5 rotary embedding to wrong "
+    "cos/sin tables (likely a Triton fault with its stride-3 mrope slices): transformers' own Qwen3.5 compiled on the "
+    "H200 was 0.127 off in its logits against the bound 0.016 (2026-12-03, benchmarks/trace_check.py). Patched "
+    "forwards are traced only on the CPU, where the tests check the trace"
 )
 # the device types on which dynamo may trace a patched forward without fused kernels: those where the tests
-# compare the traced model with the uncompiled one and it matches
+# compare the traced model with the uncompiled one and it matches (on the H200, everything but the Qwen3.5
+# rotary embedding matched when traced: docs/benchmarks.md, "torch.compile of Qwen3.5 on a GPU")
 TRACED_DEVICES = ("cpu",)
 _said_outside = False
 
@@ -97,7 +99,8 @@ def _traceable(state: PatchState, args: tuple, kwargs: dict) -> bool:
     """Whether dynamo may trace this call of a patched forward: only on the device type where ``apply`` found
     that no op runs a fused kernel. A model patched on the CPU and moved to a GPU afterwards chooses its kernels
     at its first call there, so a call on another device type is kept outside too. (Traced through the fused
-    kernels, a Qwen3.5 mini model gave wrong logits on the H200, 2026-12-03: tests/gpu/test_models.py.)"""
+    kernels or not, a Qwen3.5 mini model gave wrong logits on the H200, 2026-12-03, from inductor's compile of
+    transformers' rotary embedding: tests/gpu/test_models.py, benchmarks/trace_check.py.)"""
     if state.traceable_on is None:
         return False
     device = next((v.device.type for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)

@@ -197,8 +197,10 @@ def render(report: dict) -> str:
     ]
     for issue in report["known_issues"]:
         mark = "AFFECTS THIS MACHINE" if issue["affects_this_machine"] else "not this machine"
+        major = issue["capability_major"]
         lines.append(
-            f"  [{mark}] {issue['package']} {issue['package_spec']} + triton {issue['triton_spec']} on sm_{issue['capability_major']}x: "
+            f"  [{mark}] {issue['package']} {issue['package_spec']} + triton {issue['triton_spec'] or 'any'} on "
+            f"{f'sm_{major}x' if major is not None else 'any GPU'}: "
             f"{issue['what']} ({issue['link']}); fix: {issue['fix']}"
         )
     lines += ["", "Private names of kernel packages (backends/)"]
