@@ -38,7 +38,8 @@ def _label(config: str) -> str:
 
 
 def speed(rows: list[dict]) -> list[str]:
-    """The newest run (date, then place in the records) of every workload; ``vs hf-fast`` against hf-fast of the same run."""
+    """Every workload's configurations, each from its newest run (date, then place in the records, then code);
+    ``vs hf-fast`` against hf-fast of that same run only, never across runs (machines differ)."""
     runs = [r for r in rows if r["benchmark"] == "train_step" and r.get("tokens_per_s_synced")]
     lines = [
         "| workload | config | tokens/s (synced) | vs hf-fast | back to back | Trainer loop | peak GiB | date, GPU, code | record |",
@@ -46,21 +47,24 @@ def speed(rows: list[dict]) -> list[str]:
     ]
     for workload in sorted({_workload(r) for r in runs}):
         mine = [r for r in runs if _workload(r) == workload]
-        latest = max((r["date"], i) for i, r in enumerate(mine))  # a date's later lines are later runs
-        latest = (latest[0], mine[latest[1]].get("code", ""))
-        mine = [r for r in mine if (r["date"], r.get("code", "")) == latest]
-        bases = [r["tokens_per_s_synced"] for r in mine if _label(r["config"]) == "hf-fast"]
-        base = statistics.median(bases) if bases else None
         for config in sorted({_label(r["config"]) for r in mine}, key=lambda c: (c != "fusepatch", c)):
-            same = [r for r in mine if _label(r["config"]) == config]
+            theirs = [(r["date"], i) for i, r in enumerate(mine) if _label(r["config"]) == config]
+            date, index = max(theirs)  # a date's later lines are later runs
+            run = (date, mine[index].get("code", ""))
+            same = [r for r in mine if _label(r["config"]) == config and (r["date"], r.get("code", "")) == run]
+            bases = [
+                r["tokens_per_s_synced"]
+                for r in mine
+                if _label(r["config"]) == "hf-fast" and (r["date"], r.get("code", "")) == run
+            ]
             tok = statistics.median(r["tokens_per_s_synced"] for r in same)
             b2b = statistics.median(r["tokens_per_s_back_to_back"] for r in same)
             loop = statistics.median(r["tokens_per_s_trainer_loop"] for r in same)
             first = same[0]
-            ratio = f"{tok / base:.2f}x" if base else "-"
+            ratio = f"{tok / statistics.median(bases):.2f}x" if bases else "-"
             lines.append(
                 f"| {workload} | {config} | {tok:,.0f} | {ratio} | {b2b:,.0f} | {loop:,.0f} | {first['peak_gib']:.1f} | "
-                f"{latest[0]}, {first['gpu']}, {latest[1] or '-'} | {first['record']} |"
+                f"{date}, {first['gpu']}, {run[1] or '-'} | {first['record']} |"
             )
     return lines
 

@@ -754,9 +754,10 @@ def test_graph_layers_stands_each_layer_in_with_the_arguments_of_a_real_call(mon
 
 
 def test_render_compares_each_workload_with_hf_fast_of_its_own_run():
-    """``render.speed``: the newest run of every workload (shape, LoRA, packed SFT), ``+quick`` dropped from the
-    labels (it leaves only views out), each ratio against hf-fast of the same run; a workload without hf-fast
-    gets no ratio rather than an error (it raised before)."""
+    """``render.speed``: every configuration of a workload (shape, LoRA, packed SFT) from its newest run, ``+quick``
+    dropped from the labels (it leaves only views out), each ratio against hf-fast of that same run (a row only
+    an older run has keeps that run's ratio); a workload without hf-fast gets no ratio rather than an error (it
+    raised before)."""
     import render
 
     def row(config, tok, code, **extra):
@@ -767,6 +768,7 @@ def test_render_compares_each_workload_with_hf_fast_of_its_own_run():
     rows = [
         row("hf-fast", 100, "old"),
         row("fusepatch", 150, "old"),
+        row("liger", 90, "old"),
         row("hf-fast+quick", 200, "new"),
         row("fusepatch", 300, "new"),
         row("fusepatch+compile+quick", 330, "new"),
@@ -778,6 +780,7 @@ def test_render_compares_each_workload_with_hf_fast_of_its_own_run():
         ["fusepatch", "300", "1.50x"],
         ["fusepatch+compile", "330", "1.65x"],
         ["hf-fast", "200", "1.00x"],
+        ["liger", "90", "0.90x"],
     ]
     lora = [line for line in lines if "LoRA r16" in line]
     assert len(lora) == 1 and " | 120 | - | " in lora[0]
