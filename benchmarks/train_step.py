@@ -440,12 +440,7 @@ def library_graphs(model: torch.nn.Module) -> dict:
     """What ``apply(cuda_graphs=True)`` made: signatures captured, layers per capture, whether it turned itself off."""
     from fusepatch.layers import layer_graphs
 
-    holders = {id(h[0]): h[0] for m in model.modules() if (h := m.__dict__.get(layer_graphs.ATTRIBUTE))}
-    return {
-        "captures": sum(len(h.graphs) for h in holders.values()),
-        "layers": sum(len(h.layers) for h in holders.values()),
-        "disabled": any(h.disabled for h in holders.values()),
-    }
+    return layer_graphs.status(model) or {"captures": 0, "layers": 0, "disabled": False}
 
 
 def run(args, seq: int, batch: int) -> dict:

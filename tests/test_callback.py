@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 
+import fusepatch
 from fusepatch import FusePatchCallback, attach
 from fusepatch.diagnostics.profile import flops_per_token, matmul_parameters, peak_tflops_for
 from fusepatch.tools.tiny import tiny_model
@@ -153,6 +154,46 @@ def test_cpu_bound_summary_names_layers():
     text = profile.summary()
     assert "CPU-bound" in text and "idle 60%" in text and "Qwen3_5GatedDeltaNet (30,000 ops)" in text
     assert profile.metrics()["fusepatch/gpu_busy_fraction"] == 0.4
+
+
+@pytest.mark.parametrize(
+    "apply_kwargs, said",
+    [
+        ({}, 'FusePatchCallback(apply_kwargs={"cuda_graphs": True})'),
+        ({"cuda_graphs": True}, "CUDA graphs are on, but no step was captured"),
+    ],
+)
+def test_a_cpu_bound_step_says_what_cuda_graphs_would_do(tmp_path, caplog, monkeypatch, apply_kwargs, said):
+    """A profiled step whose GPU waited for the host (a trace with GPU busy 40%, as a small model's) names the
+    layer graphs as the fix, or, when they are on, why they did not take the step (here: graphs capture on a GPU
+    only)."""
+    from fusepatch.diagnostics import profile as profiling
+
+    def waiting(events, **kwargs):
+        return profiling.StepProfile(
+            step=kwargs["step"], step_time_s=0.2, cpu_ops=9000, gpu_kernels=2000, gpu_busy_fraction=0.4,
+            tokens=kwargs["tokens"], peak_memory_gib=None, mfu=None,
+        )  # fmt: skip
+
+    monkeypatch.setattr(profiling, "summarize", waiting)
+    callback = FusePatchCallback(profile_step=2, apply_kwargs=apply_kwargs)
+    with caplog.at_level(logging.INFO, logger="fusepatch"):
+        _trainer(tmp_path, [callback], max_steps=3).train()
+    profiled = [r.getMessage() for r in caplog.records if "fusepatch profile of step 2" in r.getMessage()]
+    assert len(profiled) == 1 and "CPU-bound" in profiled[0] and said in profiled[0], profiled
+
+
+def test_no_graphs_advice_where_they_cannot_help():
+    """Activation checkpointing (graphs would keep what it drops) and models without a patched dense decoder
+    stack get no advice about CUDA graphs."""
+    from fusepatch.integrations.trainer import graphs_advice
+
+    model = tiny_model("qwen3_5_text")
+    assert graphs_advice(model) == ""  # not patched
+    fusepatch.apply(model, verbose=False)
+    assert "cuda_graphs" in graphs_advice(model)
+    model.gradient_checkpointing_enable()
+    assert graphs_advice(model) == ""
 
 
 def test_flop_count_and_peaks():

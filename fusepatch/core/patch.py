@@ -458,11 +458,10 @@ def _replicate_patched(self: torch.nn.Module) -> torch.nn.Module:
 _DECODER_FORWARDS = (decoder_layer_forward, hybrid_decoder_layer_forward)
 
 
-def _install_graphs(model: torch.nn.Module) -> None:
-    """``apply(cuda_graphs=True)``: one :class:`~fusepatch.layers.layer_graphs.LayerGraphs` per decoder stack (a
-    ``ModuleList`` of patched dense decoder layers). MoE layers are left out: their routing decides work on the
-    host each step."""
-    stacks = 0
+def decoder_stacks(model: torch.nn.Module) -> tuple[list[list[torch.nn.Module]], bool]:
+    """The decoder stacks ``cuda_graphs`` can capture (``ModuleList``s of patched dense decoder layers), and whether
+    a patched stack was left out for its mixture-of-experts layers (their routing decides work on the host)."""
+    stacks, moe = [], False
     for module in model.modules():
         if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
             continue
@@ -471,15 +470,24 @@ def _install_graphs(model: torch.nn.Module) -> None:
         if not all(state is not None and state.row.forward in _DECODER_FORWARDS for state in states):
             continue
         if any(hasattr(getattr(layer, "mlp", None), "experts") for layer in layers):
-            logger.warning(
-                "fusepatch: CUDA graphs: %s's layers are mixture-of-experts layers, whose routing decides work on "
-                "the host each step; they run without graphs. Fix: none needed; leave cuda_graphs off",
-                type(model).__name__,
-            )
+            moe = True
             continue
+        stacks.append(layers)
+    return stacks, moe
+
+
+def _install_graphs(model: torch.nn.Module) -> None:
+    """``apply(cuda_graphs=True)``: one :class:`~fusepatch.layers.layer_graphs.LayerGraphs` per decoder stack."""
+    stacks, moe = decoder_stacks(model)
+    if moe:
+        logger.warning(
+            "fusepatch: CUDA graphs: %s's layers are mixture-of-experts layers, whose routing decides work on "
+            "the host each step; they run without graphs. Fix: none needed; leave cuda_graphs off",
+            type(model).__name__,
+        )
+    for layers in stacks:
         if layers[0].__dict__.get(layer_graphs.ATTRIBUTE) is None:
             layer_graphs.install(layers)
-        stacks += 1
     if not stacks:
         logger.warning(
             "fusepatch: CUDA graphs: no patched decoder stack in %s to capture; it runs without graphs",

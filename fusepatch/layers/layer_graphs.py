@@ -421,6 +421,19 @@ def _signature(layer: torch.nn.Module, args: tuple, kwargs: dict):
     return signature, None, hidden, cos, sin, rest
 
 
+def status(model: torch.nn.Module) -> dict | None:
+    """What ``apply(cuda_graphs=True)`` holds for ``model``: step shapes captured, layers under graphs, whether
+    they turned themselves off; None when the model has no layer graphs."""
+    holders = {id(h[0]): h[0] for m in model.modules() if (h := m.__dict__.get(ATTRIBUTE))}
+    if not holders:
+        return None
+    return {
+        "captures": sum(len(h.graphs) for h in holders.values()),
+        "layers": sum(len(h.layers) for h in holders.values()),
+        "disabled": any(h.disabled for h in holders.values()),
+    }
+
+
 def install(layers: list[torch.nn.Module]) -> LayerGraphs:
     """Attach one :class:`LayerGraphs` to ``layers`` (a model's decoder stack, in call order)."""
     graphs = LayerGraphs(layers)
