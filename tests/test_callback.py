@@ -183,15 +183,19 @@ def test_a_cpu_bound_step_says_what_cuda_graphs_would_do(tmp_path, caplog, monke
     assert len(profiled) == 1 and "CPU-bound" in profiled[0] and said in profiled[0], profiled
 
 
-def test_no_graphs_advice_where_they_cannot_help():
-    """Activation checkpointing (graphs would keep what it drops) and models without a patched dense decoder
-    stack get no advice about CUDA graphs."""
+def test_no_graphs_advice_where_they_cannot_help(monkeypatch):
+    """Activation checkpointing (graphs would keep what it drops), FSDP2 shards and models without a patched
+    dense decoder stack get no advice about CUDA graphs."""
     from fusepatch.integrations.trainer import graphs_advice
+    from fusepatch.layers import layer_graphs
 
     model = tiny_model("qwen3_5_text")
     assert graphs_advice(model) == ""  # not patched
     fusepatch.apply(model, verbose=False)
     assert "cuda_graphs" in graphs_advice(model)
+    with monkeypatch.context() as patched:
+        patched.setattr(layer_graphs, "sharded", lambda layer: True)
+        assert graphs_advice(model) == ""
     model.gradient_checkpointing_enable()
     assert graphs_advice(model) == ""
 

@@ -63,7 +63,7 @@ GRAPHS_GAIN = "Qwen3.5-0.8B on an H200: GPU busy 78% -> 96%; 2B-like: 1.43x -> 1
 
 def graphs_advice(model: torch.nn.Module) -> str:
     """For a step whose GPU waited for the host: what CUDA graphs over the decoder layers would do, or why they did
-    not; empty where they cannot help (no dense patched decoder stack, activation checkpointing)."""
+    not; empty where they cannot help (no dense patched decoder stack, activation checkpointing, FSDP2)."""
     found = layer_graphs.status(model)
     if found is not None:
         if found["disabled"]:
@@ -75,7 +75,8 @@ def graphs_advice(model: torch.nn.Module) -> str:
             )
         return ""
     stacks, _ = decoder_stacks(model)
-    if not stacks or any(getattr(layer, "gradient_checkpointing", False) for layer in stacks[0]):
+    first = stacks[0][0] if stacks else None
+    if first is None or getattr(first, "gradient_checkpointing", False) or layer_graphs.sharded(first):
         return ""
     return (
         ". Replaying the decoder layers from CUDA graphs takes the host out of them for fixed-shape batches: "

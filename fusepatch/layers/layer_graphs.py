@@ -375,6 +375,11 @@ def _check(call: torch.nn.Module, graphed: Callable, sample: tuple) -> None:
         )
 
 
+def sharded(layer: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards the layer's parameters (gathered anew each step: no graph can keep them)."""
+    return any(type(p).__name__ == "DTensor" for p in layer.parameters())
+
+
 def _signature(layer: torch.nn.Module, args: tuple, kwargs: dict):
     """``(signature, None, hidden, cos, sin, other kwargs)`` for a call the graphs may take, else ``(None, reason
     or None, ...)``: a reason for the calls a user should hear about, None for the ones that run as usual
@@ -392,7 +397,7 @@ def _signature(layer: torch.nn.Module, args: tuple, kwargs: dict):
     # the layer's own hooks run around this forward at every call, graphed or not; its modules' would run once
     if any(hooked(module) for module in layer.modules() if module is not layer):
         return (None, "hooks", *none[2:])
-    if any(type(p).__name__ == "DTensor" for p in layer.parameters()):
+    if sharded(layer):
         return (None, "sharded", *none[2:])
     cast = autocast_dtype(hidden)
     if cast is not None and any(p.is_floating_point() and p.dtype != cast for p in layer.parameters()):
