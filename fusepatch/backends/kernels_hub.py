@@ -42,6 +42,8 @@ def _variants_module() -> str:
     return "kernels._internals.variants" if version >= Version("0.19") else "kernels.variants"
 
 
+VARIANTS = _variants_module()  # read once: the installed version does not change under a running process
+
 NAMES = PrivateNames(
     distribution=DISTRIBUTION,
     # 0.17.2: the GPU machine's; 0.19.1: read against, and the hub tests run on it (the CPU suite installs it)
@@ -49,7 +51,7 @@ NAMES = PrivateNames(
     names={
         "kernels": ("get_kernel", "get_local_kernel", "load_kernel"),
         "kernels._rust": ("KernelLocks",),
-        _variants_module(): ("VariantAccepted", "get_variants_local", "resolve_variants"),
+        VARIANTS: ("VariantAccepted", "get_variants_local", "resolve_variants"),
     },
     fix=FIX,
 )
@@ -103,14 +105,13 @@ def trusted(repo_id: str) -> bool:
 def variant_trace(path: Path) -> list[str]:
     """``kernels``' accept/reject decision for every build variant in a local kernel directory (empty, said once
     as drift, where the installed ``kernels`` has no resolver where fusepatch looks)."""
-    module_name = _variants_module()
     try:
-        variants_module = importlib.import_module(module_name)
+        variants_module = importlib.import_module(VARIANTS)
         accepted = variants_module.VariantAccepted
         variants = variants_module.get_variants_local(path / "build") or variants_module.get_variants_local(path)
         _, decisions = variants_module.resolve_variants(variants)
     except (ImportError, AttributeError) as exc:
-        NAMES.drift(f"{module_name}'s variant resolver ({exc})", "the rejection names no build variants")
+        NAMES.drift(f"{VARIANTS}'s variant resolver ({exc})", "the rejection names no build variants")
         return []
     return [f"{d.variant.variant_str}: " + ("compatible" if isinstance(d, accepted) else d.reason) for d in decisions]
 
