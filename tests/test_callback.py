@@ -194,7 +194,7 @@ def test_no_graphs_advice_where_they_cannot_help(monkeypatch):
     fusepatch.apply(model, verbose=False)
     assert "cuda_graphs" in graphs_advice(model)
     with monkeypatch.context() as patched:
-        patched.setattr(layer_graphs, "sharded", lambda layer: True)
+        patched.setattr(layer_graphs, "sharded", lambda params: True)
         assert graphs_advice(model) == ""
     model.gradient_checkpointing_enable()
     assert graphs_advice(model) == ""

@@ -76,7 +76,7 @@ def graphs_advice(model: torch.nn.Module) -> str:
         return ""
     stacks, _ = decoder_stacks(model)
     first = stacks[0][0] if stacks else None
-    if first is None or getattr(first, "gradient_checkpointing", False) or layer_graphs.sharded(first):
+    if first is None or getattr(first, "gradient_checkpointing", False) or layer_graphs.sharded(first.parameters()):
         return ""
     return (
         ". Replaying the decoder layers from CUDA graphs takes the host out of them for fixed-shape batches: "

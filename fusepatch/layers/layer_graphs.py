@@ -29,7 +29,7 @@ import contextlib
 import copy
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -81,9 +81,9 @@ class _Call(torch.nn.Module):
         return torch.func.functional_call(self, dict(zip(self.names, aliases)), (hidden, cos, sin), strict=False)
 
 
-def _params(layer: torch.nn.Module) -> tuple:
+def _params(params: Iterable[torch.nn.Parameter]) -> tuple:
     """What a layer's graphs read: (pointer, dtype, requires_grad) per parameter."""
-    return tuple((p.data_ptr(), p.dtype, p.requires_grad) for p in layer.parameters())
+    return tuple((p.data_ptr(), p.dtype, p.requires_grad) for p in params)
 
 
 class LayerGraphs:
@@ -120,7 +120,7 @@ class LayerGraphs:
         """Layer ``index``'s call: replayed when its step was captured, else run as usual (and recorded)."""
         if self.disabled:  # turned off for good: no signature to take (it walks the layer's modules) at each call
             return forward(layer, *args, **kwargs)
-        signature, reason, hidden, cos, sin, rest = _signature(layer, args, kwargs)
+        signature, reason, hidden, cos, sin, rest, params = _signature(layer, args, kwargs)
         if signature is None:
             if reason:
                 self.say(reason)
@@ -133,7 +133,7 @@ class LayerGraphs:
         if graphed is not None and index < len(self.previous) and self.previous[index] == signature:
             # checked here, layer by layer, rather than for every layer when the step starts: by now the GPU is
             # busy with the layers before, so the walk over the parameters costs the step nothing
-            if _params(layer) == self.params[index]:
+            if _params(params) == self.params[index]:
                 return graphed[index](hidden, cos, sin).clone()  # the output buffer is rewritten by the next replay
             self._drop()  # moved, replaced or frozen since the capture; the layers before replayed what they read
         out = forward(layer, *args, **kwargs)
@@ -173,7 +173,7 @@ class LayerGraphs:
 
     def _capture(self, step: tuple) -> None:
         start = time.perf_counter()
-        if self.graphs and [_params(layer) for layer in self.layers] != self.params:
+        if self.graphs and [_params(layer.parameters()) for layer in self.layers] != self.params:
             self.graphs.clear()  # other shapes' graphs read parameters moved or replaced since (not replayed yet)
         calls, samples = [], []
         for index, layer in enumerate(self.layers):
@@ -200,7 +200,7 @@ class LayerGraphs:
             )
             return
         self.graphs[step] = list(graphed)
-        self.params = [_params(layer) for layer in self.layers]
+        self.params = [_params(layer.parameters()) for layer in self.layers]
         shape, dtype = step[0][0][:2]
         logger.info(
             "fusepatch: CUDA graphs: %d decoder layers captured for hidden states %s %s in %.1f s; replayed from "
@@ -375,16 +375,16 @@ def _check(call: torch.nn.Module, graphed: Callable, sample: tuple) -> None:
         )
 
 
-def sharded(layer: torch.nn.Module) -> bool:
-    """Whether FSDP2 shards the layer's parameters (gathered anew each step: no graph can keep them)."""
-    return any(type(p).__name__ == "DTensor" for p in layer.parameters())
+def sharded(params: Iterable[torch.nn.Parameter]) -> bool:
+    """Whether FSDP2 shards a layer's parameters (gathered anew each step: no graph can keep them)."""
+    return any(type(p).__name__ == "DTensor" for p in params)
 
 
 def _signature(layer: torch.nn.Module, args: tuple, kwargs: dict):
-    """``(signature, None, hidden, cos, sin, other kwargs)`` for a call the graphs may take, else ``(None, reason
-    or None, ...)``: a reason for the calls a user should hear about, None for the ones that run as usual
-    silently (inference, tracing, the CPU)."""
-    none = (None, None, None, None, None, None)
+    """``(signature, None, hidden, cos, sin, other kwargs, the layer's parameters)`` for a call the graphs may
+    take, else ``(None, reason or None, ...)``: a reason for the calls a user should hear about, None for the ones
+    that run as usual silently (inference, tracing, the CPU)."""
+    none = (None, None, None, None, None, None, None)
     hidden = args[0] if args else kwargs.get("hidden_states")
     if not isinstance(hidden, torch.Tensor) or hidden.device.type not in DEVICES:
         return none
@@ -397,10 +397,11 @@ def _signature(layer: torch.nn.Module, args: tuple, kwargs: dict):
     # the layer's own hooks run around this forward at every call, graphed or not; its modules' would run once
     if any(hooked(module) for module in layer.modules() if module is not layer):
         return (None, "hooks", *none[2:])
-    if sharded(layer):
+    params = list(layer.parameters())  # one walk for every check below and the replay's
+    if sharded(params):
         return (None, "sharded", *none[2:])
     cast = autocast_dtype(hidden)
-    if cast is not None and any(p.is_floating_point() and p.dtype != cast for p in layer.parameters()):
+    if cast is not None and any(p.is_floating_point() and p.dtype != cast for p in params):
         return (None, "autocast", *none[2:])
     rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
     table = rest.pop("position_embeddings", None)
@@ -423,7 +424,7 @@ def _signature(layer: torch.nn.Module, args: tuple, kwargs: dict):
         else:  # positions of documents, a padding mask, a cache, or an argument this layer does not know
             return (None, "packed", *none[2:])
     signature = (_meta(hidden), _meta(cos), _meta(sin), tuple(sorted(plain.items())), cast)
-    return signature, None, hidden, cos, sin, rest
+    return signature, None, hidden, cos, sin, rest, params
 
 
 def status(model: torch.nn.Module) -> dict | None:
