@@ -213,6 +213,23 @@ def test_flop_count_and_peaks():
     assert peak_tflops_for("Some CPU") is None
 
 
+def test_frozen_weights_count_no_weight_gradient():
+    """A frozen weight (LoRA's base layers, a frozen lm_head) costs its forward and input-gradient GEMMs, 4 FLOPs
+    per parameter and token, not 6: counted as trained, a LoRA step's MFU read over 100% on an H200."""
+    peft = pytest.importorskip("peft")
+    model = tiny_model("qwen3_5_text")
+    linear = matmul_parameters(model)
+    trained = flops_per_token(model, 128)
+    model.requires_grad_(False)
+    assert trained - flops_per_token(model, 128) == pytest.approx(2 * linear)
+    lora = peft.get_peft_model(
+        tiny_model("qwen3_5_text"), peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"])
+    )
+    adapters = sum(p.numel() for n, p in lora.named_parameters() if "lora_" in n)
+    assert adapters > 0
+    assert flops_per_token(lora, 128) == pytest.approx(trained - 2 * linear + 6 * adapters)
+
+
 def test_a_slow_first_step_is_explained(caplog):
     callback = FusePatchCallback(profile=False)
     callback.step_times = {1: (95.0, 4096), 2: (0.25, 4096)}

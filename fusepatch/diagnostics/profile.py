@@ -119,27 +119,42 @@ class StepProfile:
         return asdict(self)
 
 
-def matmul_parameters(model: torch.nn.Module) -> float:
-    """Parameters that take part in a matmul per token: every Linear weight, and MoE expert weights scaled by
-    the fraction of experts a token visits (top-k / experts)."""
-    total = 0.0
+def _matmul_parameters(model: torch.nn.Module) -> tuple[float, float]:
+    """(trained, frozen) parameters that take part in a matmul per token: every Linear weight, and MoE expert
+    weights scaled by the fraction of experts a token visits (top-k / experts)."""
+    trained = frozen = 0.0
     config = getattr(model, "config", None)
     text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
     top_k = getattr(text, "num_experts_per_tok", None)
     experts = getattr(text, "num_experts", None)
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            total += module.weight.numel()
+            weights, share = [module.weight], 1.0
         elif type(module).__name__.endswith("Experts") and top_k and experts:
-            own = sum(p.numel() for p in module.parameters(recurse=False))
-            total += own * top_k / experts
-    return total
+            weights, share = list(module.parameters(recurse=False)), top_k / experts
+        else:
+            continue
+        for weight in weights:
+            if weight.requires_grad:
+                trained += weight.numel() * share
+            else:
+                frozen += weight.numel() * share
+    return trained, frozen
+
+
+def matmul_parameters(model: torch.nn.Module) -> float:
+    """Parameters that take part in a matmul per token: every Linear weight, and MoE expert weights scaled by
+    the fraction of experts a token visits (top-k / experts)."""
+    return sum(_matmul_parameters(model))
 
 
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x matmul parameters + causal full attention 6 * seq * Hq * Dh per layer +
-    the gated delta rule 3 x [4 Dk Dv + 2 * 64 (Dk + Dv)] per value head per linear-attention layer."""
-    flops = 6.0 * matmul_parameters(model)
+    """Training FLOPs per token: 6 x trained matmul parameters (forward, input and weight gradients) + 4 x frozen
+    ones (a frozen weight, LoRA's base layers, takes no weight gradient: counting 6 put a LoRA step's MFU over
+    100%) + causal full attention 6 * seq * Hq * Dh per layer + the gated delta rule 3 x [4 Dk Dv + 2 * 64 (Dk +
+    Dv)] per value head per linear-attention layer. Recomputation (activation checkpointing) is not counted."""
+    trained, frozen = _matmul_parameters(model)
+    flops = 6.0 * trained + 4.0 * frozen
     for module in model.modules():
         name = type(module).__name__
         if name.endswith("GatedDeltaNet"):
