@@ -39,11 +39,12 @@ def _label(config: str) -> str:
 
 def speed(rows: list[dict]) -> list[str]:
     """Every workload's configurations, each from its newest run (date, then place in the records, then code);
-    ``vs hf-fast`` against hf-fast of that same run only, never across runs (machines differ)."""
+    ``vs hf-fast`` against hf-fast of that same run only, never across runs (machines differ). Peak reserved is
+    the allocator's whole holding: CUDA-graph memory pools count there, not in the allocated peak."""
     runs = [r for r in rows if r["benchmark"] == "train_step" and r.get("tokens_per_s_synced")]
     lines = [
-        "| workload | config | tokens/s (synced) | vs hf-fast | back to back | Trainer loop | peak GiB | date, GPU, code | record |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|",
+        "| workload | config | tokens/s (synced) | vs hf-fast | back to back | Trainer loop | peak GiB | peak reserved GiB | date, GPU, code | record |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for workload in sorted({_workload(r) for r in runs}):
         mine = [r for r in runs if _workload(r) == workload]
@@ -62,8 +63,9 @@ def speed(rows: list[dict]) -> list[str]:
             loop = statistics.median(r["tokens_per_s_trainer_loop"] for r in same)
             first = same[0]
             ratio = f"{tok / statistics.median(bases):.2f}x" if bases else "-"
+            reserved = "-" if first.get("peak_reserved_gib") is None else f"{first['peak_reserved_gib']:.1f}"
             lines.append(
-                f"| {workload} | {config} | {tok:,.0f} | {ratio} | {b2b:,.0f} | {loop:,.0f} | {first['peak_gib']:.1f} | "
+                f"| {workload} | {config} | {tok:,.0f} | {ratio} | {b2b:,.0f} | {loop:,.0f} | {first['peak_gib']:.1f} | {reserved} | "
                 f"{date}, {first['gpu']}, {run[1] or '-'} | {first['record']} |"
             )
     return lines

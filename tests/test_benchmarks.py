@@ -773,15 +773,19 @@ def test_render_compares_each_workload_with_hf_fast_of_its_own_run():
         row("fusepatch", 300, "new"),
         row("fusepatch+compile+quick", 330, "new"),
         row("fusepatch+quick", 120, "new", lora_rank=16),
+        row("fusepatch+cudagraphs+quick", 310, "new", peak_reserved_gib=2.5),
     ]
     lines = render.speed(rows)
     plain = [line for line in lines if line.startswith("| 2b (24 layers, seq 2048, batch 4) |")]
     assert [line.split(" | ")[1:4] for line in plain] == [
         ["fusepatch", "300", "1.50x"],
         ["fusepatch+compile", "330", "1.65x"],
+        ["fusepatch+cudagraphs", "310", "1.55x"],
         ["hf-fast", "200", "1.00x"],
         ["liger", "90", "0.90x"],
     ]
+    graphs = next(line for line in plain if "cudagraphs" in line)
+    assert " | 1.0 | 2.5 | " in graphs and " | 1.0 | - | " in plain[0]  # graph pools show in the reserved peak
     lora = [line for line in lines if "LoRA r16" in line]
     assert len(lora) == 1 and " | 120 | - | " in lora[0]
 
