@@ -419,3 +419,24 @@ def test_trainer_torch_compile_trains_the_patched_model_as_uncompiled(tmp_path, 
         assert len(said) == (1 if compiled else 0), said
     assert len(losses[True]) == 3
     assert losses[True] == losses[False]
+
+
+def test_layer_labels_leave_a_compiled_model_as_dynamo_traced_it():
+    """The profiled step's layer labels are forward hooks; on a compiled module they fail dynamo's guards and the
+    next call is traced again (188 ms of a profiled 2B-like step on the H200, which then read as CPU-bound). A
+    compiled model, or one the Trainer compiles (``torch_compile=True``), is profiled without them."""
+    from fusepatch.diagnostics.profile import label_layers
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model.compile(backend="eager")
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        with label_layers(model, {"Linear", "Sequential"}) as labelled:
+            model(x).sum().backward()
+    assert labelled is False
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 2))
+    with label_layers(plain, {"Linear"}) as labelled:
+        assert labelled is True and plain[0]._forward_hooks
+    with label_layers(plain, {"Linear"}, compiled=True) as labelled:
+        assert labelled is False and not plain[0]._forward_hooks

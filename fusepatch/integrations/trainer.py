@@ -201,7 +201,8 @@ class FusePatchCallback(TrainerCallback):
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.reset_peak_memory_stats()
-        self._labels = profiling.label_layers(self._model)
+        # the Trainer's torch_compile wraps the model where this callback does not see it
+        self._labels = profiling.label_layers(self._model, compiled=bool(getattr(args, "torch_compile", False)))
         self._labels.__enter__()
         self._profiler = torch.profiler.profile(activities=activities)
         self._profiler.__enter__()
