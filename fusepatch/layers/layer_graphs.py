@@ -173,7 +173,8 @@ class LayerGraphs:
 
     def _capture(self, step: tuple) -> None:
         start = time.perf_counter()
-        if self.graphs and [_params(layer.parameters()) for layer in self.layers] != self.params:
+        params = [_params(layer.parameters()) for layer in self.layers]  # what these graphs will read
+        if self.graphs and params != self.params:
             self.graphs.clear()  # other shapes' graphs read parameters moved or replaced since (not replayed yet)
         calls, samples = [], []
         for index, layer in enumerate(self.layers):
@@ -200,7 +201,7 @@ class LayerGraphs:
             )
             return
         self.graphs[step] = list(graphed)
-        self.params = [_params(layer.parameters()) for layer in self.layers]
+        self.params = params
         shape, dtype = step[0][0][:2]
         logger.info(
             "fusepatch: CUDA graphs: %d decoder layers captured for hidden states %s %s in %.1f s; replayed from "
