@@ -99,16 +99,31 @@ def run_one(label: str, args) -> dict:
     if args.prompt:
         cmd += ["--prompt", str(args.prompt)]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    if os.path.exists(out):
-        with open(out) as fh:
-            result = json.load(fh)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        stdout, stderr = proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as cut:
+        # what the process printed before it was stopped: a compiled first step's heartbeat says how far it got
+        stdout, stderr = _text(cut.stdout), _text(cut.stderr)
+        last = [line for line in stderr.splitlines() if line.startswith("[")][-1:]
+        result = {"config": label, "error": f"timed out after {args.timeout}s" + (f"; last: {last[0]}" if last else "")}
     else:
-        result = {"config": label, "error": f"exit {proc.returncode}: {proc.stderr[-800:]}"}
+        if os.path.exists(out):
+            with open(out) as fh:
+                result = json.load(fh)
+        else:
+            result = {"config": label, "error": f"exit {proc.returncode}: {stderr[-800:]}"}
     result["wall_s"] = round(time.perf_counter() - start, 1)
     with open(os.path.join(args.workdir, f"{stem}.log"), "w") as fh:
-        fh.write(proc.stdout[-20000:] + "\n--- stderr ---\n" + proc.stderr[-20000:])
+        fh.write(stdout[-20000:] + "\n--- stderr ---\n" + stderr[-20000:])
     return result
+
+
+def _text(output: bytes | str | None) -> str:
+    """A stopped process's captured output: bytes on POSIX, whatever ``text=True`` asked for."""
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
 
 
 def _event_timed(r: dict, base: dict | None, prefix: str) -> tuple[str, str, str]:
@@ -262,10 +277,7 @@ def main() -> int:
         parse_label(label)
     results = []
     for label in labels:
-        try:
-            results.append(run_one(label, args))
-        except subprocess.TimeoutExpired:
-            results.append({"config": label, "error": f"timed out after {args.timeout}s"})
+        results.append(run_one(label, args))
         r = results[-1]
         print(f"{label}: {r.get('tokens_per_s', r.get('error'))} (wall {r.get('wall_s')} s)", flush=True)
         if args.out:  # after every configuration: a run cut off by its time limit keeps what it measured

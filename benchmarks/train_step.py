@@ -31,6 +31,7 @@ import platform
 import random
 import statistics
 import sys
+import threading
 import time
 import traceback
 
@@ -443,6 +444,39 @@ def library_graphs(model: torch.nn.Module) -> dict:
     return layer_graphs.status(model) or {"captures": 0, "layers": 0, "disabled": False}
 
 
+class Heartbeat:
+    """Every ``every`` seconds until the first step ends, one line on stderr: the time since start, the first
+    step's phase, and what dynamo has made so far. A compiled first step can outlast the harness's limit (hf-fast
+    + compile never finished one in 420 s); the lines say how far it got, and the driver keeps them."""
+
+    def __init__(self, every: float = 30.0) -> None:
+        self.every, self.start, self.phase = every, time.perf_counter(), "first step: forward"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+
+    def mark(self, phase: str) -> None:
+        """``step(at=...)``: called at the end of each phase of the first step."""
+        self.phase = {"forward": "first step: backward", "backward": "first step: optimizer"}.get(phase, "done")
+
+    def line(self) -> str:
+        from torch._dynamo.utils import counters
+
+        graphs = counters["stats"].get("unique_graphs", 0)
+        breaks = sum(counters["graph_break"].values())
+        return f"[{time.perf_counter() - self.start:.0f} s] {self.phase}; dynamo: {graphs} graphs, {breaks} breaks"
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every):
+            print(self.line(), file=sys.stderr, flush=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+
 def run(args, seq: int, batch: int) -> dict:
     """Build, warm up, time ``--steps`` steps (synced, back to back, as the Trainer loops), diagnose, profile."""
     device = torch.device(args.device)
@@ -454,9 +488,14 @@ def run(args, seq: int, batch: int) -> dict:
     first = time.perf_counter()
     builds = CompileCounter()  # what the first step compiles or loads (a warm cache: loads only)
     builds.install()
+    beat = Heartbeat() if args.compile else None
     try:
         for i in range(args.warmup):
-            step()
+            if i == 0 and beat:
+                with beat:
+                    step(at=beat.mark)
+            else:
+                step()
             if i == 0:
                 sync()
                 info["first_step_s"] = round(time.perf_counter() - first, 2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 
 import pytest
 
@@ -93,6 +94,42 @@ def test_a_label_with_a_slash_gets_its_own_files(tmp_path):
     assert result["config"] == "eager+FUSEPATCH_SKIP=rms_norm/triton"
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["tiny-eager+FUSEPATCH_SKIP=rms_norm_triton.json", "tiny-eager+FUSEPATCH_SKIP=rms_norm_triton.log"]
+
+
+def test_a_configuration_cut_off_by_its_limit_keeps_what_it_printed(tmp_path, monkeypatch):
+    """A compiled first step can outlast the limit (hf-fast + compile made none in 420 s on the H200): the row
+    then names the heartbeat's last line (how far the step got) and the log keeps the whole output, where the
+    driver used to keep only "timed out"."""
+    import argparse
+
+    import train_step
+
+    beat = train_step.Heartbeat(every=0.05)
+    assert beat.line().endswith("first step: forward; dynamo: 0 graphs, 0 breaks")
+    beat.mark("forward")
+    assert "first step: backward" in beat.line()
+    with beat:  # the thread writes its lines on stderr until the block ends
+        time.sleep(0.2)
+    beat.mark("optimizer")
+    assert "] done;" in beat.line()
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "train_step.py").write_text(
+        "import sys, time\n"
+        "print('building', flush=True)\n"
+        "print('[30 s] first step: backward; dynamo: 3 graphs, 1 breaks', file=sys.stderr, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    monkeypatch.setattr(run_all, "HERE", str(fake))
+    args = argparse.Namespace(
+        shape="tiny", steps=1, warmup=0, timeout=3, workdir=str(tmp_path), site_fla="", site_tl="", layers=None,
+        checkpointing=False, vary_seq=0.0, packed_docs=0, prompt=0.0, sft=False, doc_tokens=1024, lora=0,
+    )  # fmt: skip
+    result = run_all.run_one("hf-fast+compile", args)
+    assert result["error"] == "timed out after 3s; last: [30 s] first step: backward; dynamo: 3 graphs, 1 breaks"
+    log = (tmp_path / "tiny-hf-fast+compile.log").read_text()
+    assert "building" in log and "3 graphs" in log
 
 
 def test_gpu_idle_is_attributed_to_the_innermost_cpu_op_and_phase():
