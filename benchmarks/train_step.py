@@ -444,6 +444,18 @@ def library_graphs(model: torch.nn.Module) -> dict:
     return layer_graphs.status(model) or {"captures": 0, "layers": 0, "disabled": False}
 
 
+def dynamo_made() -> dict:
+    """What dynamo has made in this process so far: graphs, breaks, and the most frequent reasons for them."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    return {
+        "unique_graphs": counters["stats"].get("unique_graphs", 0),
+        "graph_breaks": sum(breaks.values()),
+        "break_reasons": [(reason[:200], n) for reason, n in breaks.most_common(8)],
+    }
+
+
 class Heartbeat:
     """Every ``every`` seconds until the first step ends, one line on stderr: the time since start, the first
     step's phase, and what dynamo has made so far. A compiled first step can outlast the harness's limit (hf-fast
@@ -459,11 +471,11 @@ class Heartbeat:
         self.phase = {"forward": "first step: backward", "backward": "first step: optimizer"}.get(phase, "done")
 
     def line(self) -> str:
-        from torch._dynamo.utils import counters
-
-        graphs = counters["stats"].get("unique_graphs", 0)
-        breaks = sum(counters["graph_break"].values())
-        return f"[{time.perf_counter() - self.start:.0f} s] {self.phase}; dynamo: {graphs} graphs, {breaks} breaks"
+        made = dynamo_made()
+        return (
+            f"[{time.perf_counter() - self.start:.0f} s] {self.phase}; "
+            f"dynamo: {made['unique_graphs']} graphs, {made['graph_breaks']} breaks"
+        )
 
     def _beat(self) -> None:
         while not self._stop.wait(self.every):
@@ -544,14 +556,7 @@ def run(args, seq: int, batch: int) -> dict:
     if args.lora:
         info["lora_rank"] = args.lora
     if args.compile:  # what dynamo made of the model: graphs, and why it broke them (the first step's tracing)
-        from torch._dynamo.utils import counters
-
-        breaks = counters["graph_break"]
-        info["compiled"] = {
-            "unique_graphs": counters["stats"].get("unique_graphs", 0),
-            "graph_breaks": sum(breaks.values()),
-            "break_reasons": [(reason[:200], n) for reason, n in breaks.most_common(8)],
-        }
+        info["compiled"] = dynamo_made()
     if args.prompt:
         info["prompt"] = args.prompt
     info.update(profiled_step(step, model, sync, device, tokens))

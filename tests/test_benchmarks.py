@@ -82,14 +82,19 @@ def test_varying_packed_and_prompt_masked_steps(tmp_path):
     assert math.isfinite(result["losses"][0]) and result["losses"][0] != unmasked["losses"][0]
 
 
-def test_a_label_with_a_slash_gets_its_own_files(tmp_path):
-    """``fusepatch+FUSEPATCH_SKIP=rms_norm/triton``: the label names files, so its '/' must not make a folder."""
+def _driver_args(workdir, timeout: int):
+    """``run_all.run_one``'s arguments for one tiny-shape step, no warm-up, no workload options."""
     import argparse
 
-    args = argparse.Namespace(
-        shape="tiny", steps=1, warmup=0, timeout=300, workdir=str(tmp_path), site_fla="", site_tl="", layers=None,
+    return argparse.Namespace(
+        shape="tiny", steps=1, warmup=0, timeout=timeout, workdir=str(workdir), site_fla="", site_tl="", layers=None,
         checkpointing=False, vary_seq=0.0, packed_docs=0, prompt=0.0, sft=False, doc_tokens=1024, lora=0,
     )  # fmt: skip
+
+
+def test_a_label_with_a_slash_gets_its_own_files(tmp_path):
+    """``fusepatch+FUSEPATCH_SKIP=rms_norm/triton``: the label names files, so its '/' must not make a folder."""
+    args = _driver_args(tmp_path, timeout=300)
     result = run_all.run_one("eager+FUSEPATCH_SKIP=rms_norm/triton", args)
     assert result["config"] == "eager+FUSEPATCH_SKIP=rms_norm/triton"
     names = sorted(p.name for p in tmp_path.iterdir())
@@ -100,8 +105,6 @@ def test_a_configuration_cut_off_by_its_limit_keeps_what_it_printed(tmp_path, mo
     """A compiled first step can outlast the limit (hf-fast + compile made none in 420 s on the H200): the row
     then names the heartbeat's last line (how far the step got) and the log keeps the whole output, where the
     driver used to keep only "timed out"."""
-    import argparse
-
     import train_step
 
     beat = train_step.Heartbeat(every=0.05)
@@ -122,10 +125,7 @@ def test_a_configuration_cut_off_by_its_limit_keeps_what_it_printed(tmp_path, mo
         "time.sleep(60)\n"
     )
     monkeypatch.setattr(run_all, "HERE", str(fake))
-    args = argparse.Namespace(
-        shape="tiny", steps=1, warmup=0, timeout=3, workdir=str(tmp_path), site_fla="", site_tl="", layers=None,
-        checkpointing=False, vary_seq=0.0, packed_docs=0, prompt=0.0, sft=False, doc_tokens=1024, lora=0,
-    )  # fmt: skip
+    args = _driver_args(tmp_path, timeout=3)
     result = run_all.run_one("hf-fast+compile", args)
     assert result["error"] == "timed out after 3s; last: [30 s] first step: backward; dynamo: 3 graphs, 1 breaks"
     log = (tmp_path / "tiny-hf-fast+compile.log").read_text()
