@@ -53,6 +53,14 @@ class _GradFault(torch.autograd.Function):
         return grad, None
 
 
+def _as_one_row(out, documents: int):
+    """A delta rule that ran a packed row as one sequence: its one final state stands for every document's, so that
+    the values (not the shapes) are what the self-test compares."""
+    if not isinstance(out, tuple):
+        return out
+    return (out[0], out[1].expand(documents, *out[1].shape[1:]), *out[2:])
+
+
 def faulty(fn, op: str, fault: str):
     """``fn`` with ``fault`` injected. Gradient faults hit one input's gradient (``GRAD_FAULT_INPUT``); the boundary fault scales
     the output's first token of every document after the first by 1.1; the signature fault drops one argument
@@ -66,6 +74,9 @@ def faulty(fn, op: str, fault: str):
             name = IGNORED[op]
             if name in kwargs:
                 kwargs = {**kwargs, name: None}
+                start = kwargs.get("initial_state")
+                if name == "cu_seqlens" and start is not None:  # one row, so one start state: the first document's
+                    return _as_one_row(fn(*args, **{**kwargs, "initial_state": start[: args[0].shape[0]]}), len(start))
             elif name == "weight":  # rms_norm(x, weight, eps)
                 args = (args[0], torch.ones_like(args[1]), *args[2:])
             elif name == "up":  # swiglu(gate, up)

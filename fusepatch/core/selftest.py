@@ -63,23 +63,24 @@ def _forward_backward(
     fn: Callable,
     args: tuple,
     kwargs: dict,
-    cotangent: torch.Tensor | None,
+    cotangents: list[torch.Tensor] | None,
     outputs: int = 1,
     generator: torch.Generator | None = None,
 ):
+    """The first ``outputs`` outputs (each compared on its own, so a per-document check stays per document) and the
+    inputs' gradients for one random cotangent per output."""
     out = fn(*args, **kwargs)
-    if isinstance(out, tuple) and outputs > 1:  # several outputs compared as one flat vector
-        first = torch.cat([o.reshape(-1) for o in out[:outputs]])
-    else:
-        first = out[0] if isinstance(out, tuple) else out
+    outs = list(out[:outputs]) if isinstance(out, tuple) else [out]
     leaves = _leaves(args, kwargs)
-    if cotangent is None:
+    if cotangents is None:
         # from the self-test's own generator: the global one (CPU or CUDA) belongs to the user, and a self-test
         # drawing from it changed every random draw after `apply` (seeded data, dropout, LoRA init) from what
         # the same program gives without fusepatch
-        cotangent = torch.randn(first.shape, generator=generator, dtype=torch.float32).to(first.device)
-    grads = torch.autograd.grad(first, leaves, cotangent.to(first.dtype), allow_unused=True) if leaves else ()
-    return first.detach(), grads, cotangent
+        cotangents = [torch.randn(o.shape, generator=generator, dtype=torch.float32).to(o.device) for o in outs]
+    grads = ()
+    if leaves:
+        grads = torch.autograd.grad(outs, leaves, [c.to(o.dtype) for c, o in zip(cotangents, outs)], allow_unused=True)
+    return [o.detach() for o in outs], grads, cotangents
 
 
 def _documents(kwargs: dict) -> list[tuple[int, int]]:
@@ -102,8 +103,10 @@ def error(actual: torch.Tensor, expected: torch.Tensor, documents: list[tuple[in
     return worst
 
 
-def _errors(out, grads, ref_out, ref_grads, documents) -> dict[str, float]:
-    errors = {"output": error(out, ref_out, documents)}
+def _errors(outs, grads, ref_outs, ref_grads, documents) -> dict[str, float]:
+    errors = {}
+    for index, (out, ref_out) in enumerate(zip(outs, ref_outs)):
+        errors["output" if index == 0 else f"output[{index}]"] = error(out, ref_out, documents)
     for index, (g, rg) in enumerate(zip(grads, ref_grads)):
         if rg is None:
             continue
@@ -148,8 +151,9 @@ def compare(
     args = tuple(_detached(a) for a in args)
     kwargs = {k: _detached(v) for k, v in kwargs.items()}
     out, grads, _ = _forward_backward(fn, args, kwargs, cotangent, count)
-    if out.shape != ref_out.shape:
-        return reject(f"self-test: output shape {tuple(out.shape)} != reference {tuple(ref_out.shape)}"), {}
+    shapes, ref_shapes = [tuple(o.shape) for o in out], [tuple(o.shape) for o in ref_out]
+    if shapes != ref_shapes:
+        return reject(f"self-test: output shapes {shapes} != reference {ref_shapes}"), {}
     errors = _errors(out, grads, ref_out, ref_grads, documents)
     limits = bounds(op, dtype, _errors(low_out, low_grads, ref_out, ref_grads, documents))
     worst = max(errors, key=lambda name: errors[name] / limits[name])

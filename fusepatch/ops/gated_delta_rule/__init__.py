@@ -1,14 +1,18 @@
 """gated_delta_rule: the Gated DeltaNet recurrence, with the gate, beta and q/k L2-norm folded in.
 
-Op signature (training path, no carried state)::
+Op signature::
 
     o = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None)
+    o, final_state = gated_delta_rule(..., initial_state=None, output_final_state=True)
 
 ``q, k: [B, T, Hk, Dk]``, ``v: [B, T, Hv, Dv]`` with ``Hv`` a multiple of ``Hk`` (grouped value heads),
 ``a, b: [B, T, Hv]`` the raw projections; the decay is ``g = -exp(A_log) * softplus(a + dt_bias)`` and
 ``beta = sigmoid(b)``; q and k are L2-normalised and q scaled by ``Dk ** -0.5``. Per token the state
 ``S [Dk, Dv]`` evolves as ``S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q``. With ``cu_seqlens``
-(packed documents, batch 1) the state restarts at every document start.
+(packed documents, batch 1) the state restarts at every document start. A cache's states: ``initial_state``
+``[N, Hv, Dk, Dv]`` (N rows, or N documents when packed; None: zeros) is where each starts, and
+``output_final_state=True`` also returns each one's state after its last token (fp32, differentiable), which
+a training forward handed a cache stores for a continuation.
 """
 
 from __future__ import annotations
@@ -54,7 +58,13 @@ def _selftest_inputs(device, dtype, generator, packed=True, dims=None):
     A_log = (torch.rand(hv, generator=generator) * 2 - 1).to(device=device, dtype=dtype).requires_grad_(True)
     dt_bias = rand((hv,), device, dtype, generator, scale=0.5)
     cu = torch.tensor([0, 64, 65, 101, length], dtype=torch.int32, device=device) if packed else None
-    return (q, k, v, a, b, A_log, dt_bias), {"cu_seqlens": cu}
+    # A cache's states, as training with use_cache=True and a continuation from that cache call it: each row
+    # (document) starts from a state of its own and returns its last one; both are compared (outputs=2), and
+    # the start state's gradient too. fp32, as caches keep them.
+    rows = 4 if packed else 1
+    start = torch.randn((rows, hv, dk, dv), generator=generator, dtype=torch.float32).mul_(0.5)
+    start = start.to(device).requires_grad_(True)
+    return (q, k, v, a, b, A_log, dt_bias), {"cu_seqlens": cu, "initial_state": start, "output_final_state": True}
 
 
 def _dims(module) -> dict[str, int]:
@@ -146,5 +156,6 @@ GATED_DELTA_RULE = Op(
         {"bfloat16": 8e-3, "float16": 2e-3, "float32": 5e-3},
         _dims,
         looser={half: {"grad[5]": 0.25, "grad[6]": 0.25} for half in ("bfloat16", "float16")},
+        outputs=2,
     ),
 )

@@ -37,11 +37,14 @@ def load_fla(gate_in_kernel: bool):
     # fla-core 0.6 takes the chunk table; where a release does not, fla builds it (and waits) itself
     takes_table = "chunk_indices" in inspect.signature(chunk_gated_delta_rule).parameters
 
-    def gated_delta_rule_fla(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
+    def gated_delta_rule_fla(
+        q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, output_final_state: bool = False
+    ):
         table = chunk_table(cu_seqlens) if cu_seqlens is not None and takes_table else None
         extra = {} if table is None else {"chunk_indices": table}
+        states = dict(initial_state=initial_state, output_final_state=output_final_state)
         if gate_in_kernel:
-            out, _ = chunk_gated_delta_rule(
+            out, final = chunk_gated_delta_rule(
                 q,
                 k,
                 v,
@@ -53,14 +56,15 @@ def load_fla(gate_in_kernel: bool):
                 A_log=A_log,
                 dt_bias=dt_bias,
                 cu_seqlens=cu_seqlens,
+                **states,
                 **extra,
             )
         else:
             g, beta = gate_and_beta(a, b, A_log, dt_bias)
-            out, _ = chunk_gated_delta_rule(
-                q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **extra
+            out, final = chunk_gated_delta_rule(
+                q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **states, **extra
             )
-        return out
+        return (out, final) if output_final_state else out
 
     return gated_delta_rule_fla
 
@@ -130,15 +134,19 @@ def fla_split():
 
 def load_fla_graphed():
     """fla's delta rule replayed from CUDA graphs for equal-length rows (fusepatch/ops/graphs.py: its ~30 kernel
-    launches per layer cost the CPU more than the GPU); packed calls run fla's own function."""
+    launches per layer cost the CPU more than the GPU); packed calls and calls with states (a cache) run fla's own
+    function."""
     from fusepatch.ops.graphs import GraphedOp
 
     plain = load_fla(gate_in_kernel=True)
     graphed = GraphedOp(fla_split(), "gated_delta_rule/fla-graphed")
 
-    def gated_delta_rule_fla_graphed(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
-        if cu_seqlens is not None:
-            return plain(q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu_seqlens)
+    def gated_delta_rule_fla_graphed(
+        q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, output_final_state: bool = False
+    ):
+        if cu_seqlens is not None or initial_state is not None or output_final_state:
+            states = dict(initial_state=initial_state, output_final_state=output_final_state)
+            return plain(q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu_seqlens, **states)
         return graphed(q, k, v, a, b, A_log, dt_bias)
 
     gated_delta_rule_fla_graphed.graphed = graphed  # for tests and the report: what was captured

@@ -40,8 +40,9 @@ def _solve_unit_lower(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     return result
 
 
-def _chunked(q, k, v, g, beta):
-    """Chunk-parallel form of the recurrence for one batch of equal-length rows. Inputs [B, H, T, *], fp32."""
+def _chunked(q, k, v, g, beta, initial_state=None):
+    """Chunk-parallel form of the recurrence for one batch of equal-length rows. Inputs [B, H, T, *], fp32;
+    ``initial_state`` ``[B, H, Dk, Dv]`` or None (zeros). Returns the output and the state after the last token."""
     batch, heads, length, dk = k.shape
     dv = v.shape[-1]
     pad = (-length) % CHUNK
@@ -68,17 +69,24 @@ def _chunked(q, k, v, g, beta):
     k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]
     chunk_decay = gc[..., -1].exp()[..., None, None]
 
-    state = q.new_zeros(batch, heads, dk, dv)
+    state = q.new_zeros(batch, heads, dk, dv) if initial_state is None else initial_state.to(q.dtype)
     out = torch.empty_like(v)
     for i in range(n):
         u = u_values[:, :, i] - w_keys[:, :, i] @ state
         out[:, :, i] = q_decayed[:, :, i] @ state + scores[:, :, i] @ u
         state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
-    return out.reshape(batch, heads, n * CHUNK, dv)[:, :, :length]
+    # (padded tail tokens have g = 0 and k = 0: they leave the state as it is)
+    return out.reshape(batch, heads, n * CHUNK, dv)[:, :, :length], state
 
 
-def gated_delta_rule_reference(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
-    """Eager gated delta rule in fp32 (chunked, exact per document when packed)."""
+def gated_delta_rule_reference(
+    q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, output_final_state: bool = False
+):
+    """Eager gated delta rule in fp32 (chunked, exact per document when packed).
+
+    ``initial_state``: the state each row (packed: each document) starts from, ``[N, Hv, Dk, Dv]``, or None for
+    zeros. ``output_final_state``: also return the state after each row's (document's) last token, fp32, as
+    ``(o, final_state)``: what a cache keeps for a continuation."""
     g, beta = gate_and_beta(a, b, A_log, dt_bias)
     groups = v.shape[2] // q.shape[2]
     if groups > 1:
@@ -88,23 +96,31 @@ def gated_delta_rule_reference(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
     q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))
     q = _l2norm(q) * q.shape[-1] ** -0.5
     k = _l2norm(k)
+    start = None if initial_state is None else initial_state.to(q.dtype)
     if cu_seqlens is None:
-        out = _chunked(q, k, v, g, beta)
+        out, final = _chunked(q, k, v, g, beta, start)
     else:
         if q.shape[0] != 1:
             raise ValueError(f"packed inputs (cu_seqlens) need batch size 1, got {q.shape[0]}")
         bounds = [int(x) for x in cu_seqlens.tolist()]
-        pieces = [
-            _chunked(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], g[:, :, s:e], beta[:, :, s:e])
-            for s, e in zip(bounds[:-1], bounds[1:])
-            if e > s
-        ]
-        out = torch.cat(pieces, dim=2)
-    return out.transpose(1, 2).to(out_dtype).contiguous()
+        pieces, finals = [], []
+        for index, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            first = None if start is None else start[index : index + 1]
+            if e > s:
+                piece, last = _chunked(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], g[:, :, s:e], beta[:, :, s:e], first)
+                pieces.append(piece)
+            else:  # an empty document keeps the state it started from
+                last = first if first is not None else q.new_zeros(1, q.shape[1], q.shape[-1], v.shape[-1])
+            finals.append(last)
+        out, final = torch.cat(pieces, dim=2), torch.cat(finals)
+    out = out.transpose(1, 2).to(out_dtype).contiguous()
+    return (out, final.float()) if output_final_state else out
 
 
-def gated_delta_rule_recurrent(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
-    """Token-by-token form of the same recurrence: slow, obviously right; the tests' ground truth."""
+def gated_delta_rule_recurrent(
+    q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, output_final_state: bool = False
+):
+    """Token-by-token form of the same recurrence: slow, obviously right; the tests' ground truth (fp64)."""
     g, beta = gate_and_beta(a, b, A_log, dt_bias)
     groups = v.shape[2] // q.shape[2]
     q = q.repeat_interleave(groups, dim=2).double()
@@ -113,14 +129,18 @@ def gated_delta_rule_recurrent(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
     q = _l2norm(q) * q.shape[-1] ** -0.5
     k = _l2norm(k)
     batch, length, heads, dk = q.shape
-    starts = set([0] if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()])
+    bounds = [0, length] if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
     out = torch.zeros_like(v)
-    state = q.new_zeros(batch, heads, dk, v.shape[-1])
-    for t in range(length):
-        if t in starts:
-            state = torch.zeros_like(state)
-        state = state * g[:, t].exp()[..., None, None]
-        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t]))
-        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
-        out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
-    return out
+    finals = []
+    for index, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if initial_state is None:
+            state = q.new_zeros(batch, heads, dk, v.shape[-1])
+        else:  # per row, or (packed) per document
+            state = initial_state.double() if cu_seqlens is None else initial_state[index : index + 1].double()
+        for t in range(s, e):
+            state = state * g[:, t].exp()[..., None, None]
+            delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t]))
+            state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+            out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
+        finals.append(state)
+    return (out, torch.cat(finals)) if output_final_state else out

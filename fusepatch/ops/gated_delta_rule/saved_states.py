@@ -5,7 +5,7 @@ WY keys ``w`` (``recompute_w_u_fwd``) and then the per-chunk states ``h`` and co
 sequential scan over the chunks, ``chunk_gated_delta_rule_fwd_h``) before it starts on the gradients. Here the
 forward keeps ``w``, ``h`` and ``v_new`` (at the Qwen3.5-27B layer shape, 4096 tokens: 50 + 101 + 50 MB a layer in
 bf16) and the backward starts on the gradients at once. The kernels, their order and their inputs are fla's
-(fla-core 0.5-0.6, equal-length and packed rows, no carried state), so the results are fla's: the forward
+(fla-core 0.5-0.6, equal-length and packed rows, with or without a cache's states), so the results are fla's: the forward
 output bit for bit, the gradients to fla's own run-to-run noise (its backward sums with atomics).
 
 The grouped variant also computes the delta rule's per-token inputs (q/k L2 norms, beta, the chunk-summed decay)
@@ -68,7 +68,7 @@ def load(grouped: bool = False, fused_inputs: bool = True):
     class SavedStates(torch.autograd.Function):
         @staticmethod
         @torch.amp.custom_fwd(device_type="cuda")
-        def forward(ctx, q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices):
+        def forward(ctx, q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, initial_state, output_final_state):
             places = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
             with on_device(q.device):
                 q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
@@ -86,27 +86,40 @@ def load(grouped: bool = False, fused_inputs: bool = True):
                         g=a, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2, chunk_size=CHUNK, **places
                     )
                 w, u, A = fla.chunk_gated_delta_rule_fwd_intra(k=k_n, v=v, g=g, beta=beta, chunk_size=CHUNK, **places)
-                h, v_new, _ = fla.chunk_gated_delta_rule_fwd_h(
-                    k=k_n, w=w, u=u, g=g, initial_state=None, output_final_state=False, chunk_size=CHUNK, **places
+                # a cache's state: the state each row (document) starts from, and the one after its last token
+                h, v_new, final = fla.chunk_gated_delta_rule_fwd_h(
+                    k=k_n,
+                    w=w,
+                    u=u,
+                    g=g,
+                    initial_state=initial_state,
+                    output_final_state=output_final_state,
+                    chunk_size=CHUNK,
+                    **places,
                 )
                 del u  # only the scan reads it; v_new is what the output and the backward read
                 scale = k.shape[-1] ** -0.5
                 o = fla.chunk_fwd_o(q=q_n, k=k_n, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK, **places)
-            ctx.save_for_backward(q_n, q_rstd, k_n, k_rstd, v, a, b, A_log, dt_bias, g, beta, A, w, h, v_new)
+            ctx.save_for_backward(
+                q_n, q_rstd, k_n, k_rstd, v, a, b, A_log, dt_bias, g, beta, A, w, h, v_new, initial_state
+            )
             ctx.places = places
             ctx.scale = scale
-            return o.to(q.dtype)
+            if final is None:  # autograd functions return tensors: an empty one stands for "not asked for"
+                final = o.new_empty(0, dtype=torch.float32)
+            return o.to(q.dtype), final
 
         @staticmethod
         @torch.amp.custom_bwd(device_type="cuda")
-        def backward(ctx, do):
-            q_n, q_rstd, k_n, k_rstd, v, a, b, A_log, dt_bias, g, beta, A, w, h, v_new = ctx.saved_tensors
+        def backward(ctx, do, dht):
+            q_n, q_rstd, k_n, k_rstd, v, a, b, A_log, dt_bias, g, beta, A, w, h, v_new, h0 = ctx.saved_tensors
             places, scale = ctx.places, ctx.scale
+            dht = dht if dht is not None and dht.numel() else None  # the final state's gradient, where it has one
             with on_device(do.device):
                 do = do.contiguous()
                 dv = fla.chunk_bwd_dv_local(q=q_n, k=k_n, g=g, do=do, scale=scale, chunk_size=CHUNK, **places)
-                dh, _, dv = fla.chunk_gated_delta_rule_bwd_dhu(
-                    q=q_n, k=k_n, w=w, g=g, h0=None, dht=None, do=do, dv=dv, scale=scale, chunk_size=CHUNK, **places
+                dh, dh0, dv = fla.chunk_gated_delta_rule_bwd_dhu(
+                    q=q_n, k=k_n, w=w, g=g, h0=h0, dht=dht, do=do, dv=dv, scale=scale, chunk_size=CHUNK, **places
                 )
                 q_e, k_e = q_n, k_n
                 groups = v.shape[-2] // q_n.shape[-2]
@@ -136,16 +149,21 @@ def load(grouped: bool = False, fused_inputs: bool = True):
                     dk = fla.l2norm_bwd(k_n, k_rstd, dk)
             grads = (dq, dk, dv, da, db, dA_log, ddt_bias)
             dtypes = (q_n.dtype, k_n.dtype, v.dtype, a.dtype, b.dtype, A_log.dtype, dt_bias.dtype)
-            return (*(d.to(dtype) for d, dtype in zip(grads, dtypes)), None, None)
+            dh0 = None if h0 is None or dh0 is None else dh0.to(h0.dtype)
+            return (*(d.to(dtype) for d, dtype in zip(grads, dtypes)), None, None, dh0, None)
 
     # as fla's own function: torch.compile runs it as it is, without tracing into fla's Python (a graph break)
     @torch.compiler.disable
-    def gated_delta_rule_fla_saved_states(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None):
+    def gated_delta_rule_fla_saved_states(
+        q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, output_final_state: bool = False
+    ):
         table = None
         if cu_seqlens is not None:
             table = chunk_table(cu_seqlens)
             if table is None:  # boundaries without host values: fla's own table (it reads them on the host)
                 table = prepare_chunk_indices(cu_seqlens, CHUNK)
-        return SavedStates.apply(q, k, v, a, b, A_log, dt_bias, cu_seqlens, table)
+        start = None if initial_state is None else initial_state.float().contiguous()
+        out, final = SavedStates.apply(q, k, v, a, b, A_log, dt_bias, cu_seqlens, table, start, output_final_state)
+        return (out, final) if output_final_state else out
 
     return gated_delta_rule_fla_saved_states
