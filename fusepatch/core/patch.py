@@ -141,6 +141,8 @@ class PatchState:
     traceable_on: str | None = dataclasses.field(default=None, repr=False)
     # the device type apply found without fused kernels where dynamo still may not trace (not in TRACED_DEVICES)
     untraced_on: str | None = dataclasses.field(default=None, repr=False)
+    # calls that ran transformers' forward instead of the replacement, by reason (``report`` lists them)
+    transformers_calls: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.original = self._forward_before()
@@ -157,6 +159,7 @@ class PatchState:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("transformers_calls", {})  # pickled by a release without the count
         self.original = self._forward_before()
 
 
@@ -540,6 +543,19 @@ def report(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> 
     for row, owner in _trainer_heads({r: m for r, m in found.items() if r not in groups}).items():
         layers.append(LayerReport(row.layer, len(found[row]), False, tuple(_stepped_aside(n, owner) for n in row.ops)))
     total = sum(len(m) for m in groups.values())
-    return _build_report(
+    built = _build_report(
         model, layers, message="" if total else "not patched", already=total, compute_dtype=compute_dtype
     )
+    return dataclasses.replace(built, transformers_calls=_transformers_calls(groups))
+
+
+def _transformers_calls(groups: dict[Row, list[torch.nn.Module]]) -> tuple[str, ...]:
+    """Per layer class and reason, how many calls its patched layers handed to transformers' forward."""
+    lines = []
+    for row, modules in groups.items():
+        counts: dict[str, int] = defaultdict(int)
+        for module in modules:
+            for why, count in module._fusepatch.transformers_calls.items():
+                counts[why] += count
+        lines += [f"{row.layer}: {count} calls: {why}" for why, count in counts.items()]
+    return tuple(lines)

@@ -1,10 +1,15 @@
-"""Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next linear attention) for training and prefill.
+"""Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next linear attention) for training, prefill and continuation.
 
 The flow is transformers' (projections, conv + SiLU, gated delta rule, gated RMSNorm, out projection), with
-three differences: every op goes through a per-call dispatcher (fused on GPU, eager elsewhere), q/k are not
+four differences: every op goes through a per-call dispatcher (fused on GPU, eager elsewhere), q/k are not
 copied for grouped value heads in the forward (the kernels take them natively; the default delta rule's backward
-expands them once, ops/gated_delta_rule/saved_states.py), and packed documents are exact
-(``cu_seqlens`` reaches the conv and the recurrence). With a cache (generation) the original forward runs.
+expands them once, ops/gated_delta_rule/saved_states.py), packed documents are exact (``cu_seqlens`` reaches the
+conv and the recurrence), and a cache is filled by the fused kernels themselves: the delta rule's final state and
+the conv's last inputs, through the cache's own methods (``layers/support/linear_cache.py``), so a training
+forward with ``use_cache=True`` (Qwen3.5 configs' default) runs fused, and a continuation from the cache starts
+from those states. Calls the fused path cannot compute exactly run transformers' forward, with the kernels
+fusepatch refused kept out of its dispatch (``layers/support/dispatch_guard.py``); each reason is said once and
+counted for the report.
 """
 
 from __future__ import annotations
@@ -14,33 +19,63 @@ import logging
 
 import torch
 
+from fusepatch.layers.support import dispatch_guard, linear_cache
 from fusepatch.layers.support.projections import apply_linear, project
 
 logger = logging.getLogger("fusepatch")
 _NOTED: set[str] = set()
 
 
-def _use_original(self, cache) -> bool:
-    """Whether this call runs transformers' forward: another activation, or a cache to fill.
-
-    The fused path keeps no conv or recurrent state, so any call that was handed a cache runs transformers'
-    cached path, which fills it exactly: a continuation from that cache (generation, or inference code that
-    forgot ``torch.no_grad()``) is then transformers' own. A training forward that builds a cache it never reads
-    pays for it; that is said once per layer class, with the fix."""
+def _transformers_forward_reason(self, cache, cu_seqlens) -> str | None:
+    """Why this call runs transformers' forward rather than the fused one, or None."""
     if self.activation not in ("silu", "swish"):
-        return True
+        return f"activation {self.activation!r} (the fused conv applies SiLU)"
     if cache is None:
-        return False
-    name = type(self).__name__
-    if self.training and torch.is_grad_enabled() and name not in _NOTED:
-        _NOTED.add(name)
-        logger.warning(
-            "fusepatch: %s: a training forward was given a cache (use_cache=True), so this layer runs transformers' "
-            "cached path to fill it, not the fused one. Fix: pass use_cache=False (or set model.config.use_cache = "
-            "False) when training",
-            name,
+        return None
+    why = linear_cache.unsupported(cache, self.layer_idx)
+    if (
+        why is None
+        and cu_seqlens is not None
+        and linear_cache.previous_recurrent_state(cache, self.layer_idx) is not None
+    ):
+        why = "a packed call continuing from a cache"
+    return why
+
+
+def _transformers_forward(self, why: str, hidden_states, cache, attention_mask, kwargs):
+    """transformers' forward for this call, the ops fusepatch refused for its device and dtype kept out of its
+    dispatch; counted per reason on the layer (``fusepatch.report``) and said once per layer class and reason."""
+    state = self._fusepatch
+    state.transformers_calls[why] = state.transformers_calls.get(why, 0) + 1
+    device, dtype = hidden_states.device.type, str(hidden_states.dtype).removeprefix("torch.")
+    packed = kwargs.get("cu_seq_lens_q") is not None
+    refused = {name for name, dispatch in state.ops.items() if not dispatch.choice(device, dtype, packed).fused}
+    module = type(self).__module__
+    key = f"{type(self).__name__}: {why}"
+    if key not in _NOTED:
+        _NOTED.add(key)
+        kernels = dispatch_guard.kernels_behind(module)
+        ran = ", ".join(
+            f"{name} -> {'torch (refused by fusepatch)' if dispatch_guard.GUARDED[name] in refused else kernel}"
+            for name, kernel in kernels.items()
         )
-    return True
+        logger.warning(
+            "fusepatch: %s: %s runs transformers' forward, not the fused one; its dispatch: %s",
+            type(self).__name__,
+            why,
+            ran or "(none found)",
+        )
+        missing = dispatch_guard.unguardable(module, refused)
+        if missing:
+            logger.warning(
+                "fusepatch: %s: transformers' %s has no torch code fusepatch can find, so a kernel fusepatch "
+                "refused may run there. Fix: upgrade fusepatch, or use the transformers release it supports",
+                type(self).__name__,
+                ", ".join(missing),
+            )
+    with dispatch_guard.refusing(self, refused):
+        # The cache goes in positionally: it is `cache_params` up to transformers 5.2x and `cache` after.
+        return state.original(hidden_states, cache, attention_mask=attention_mask, **kwargs)
 
 
 def _projections(self, hidden_states: torch.Tensor):
@@ -140,17 +175,24 @@ def gated_deltanet_forward(
 ):
     state = self._fusepatch
     cache = cache if cache is not None else cache_params
-    if _use_original(self, cache):
-        # Generation keeps transformers' own cached path (conv/recurrent state updates). The cache goes in
-        # positionally: it is `cache_params` up to transformers 5.2x and `cache` after.
-        return state.original(hidden_states, cache, attention_mask=attention_mask, **kwargs)
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    why = _transformers_forward_reason(self, cache, cu_seqlens)
+    if why is not None:
+        return _transformers_forward(self, why, hidden_states, cache, attention_mask, kwargs)
 
     if attention_mask is not None and attention_mask.ndim == 2:  # zero padded positions, as transformers does
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
 
-    cu_seqlens = kwargs.get("cu_seq_lens_q")
     batch, length, _ = hidden_states.shape
     mixed_qkv, z, b, a = _projections(self, hidden_states)
+    conv_inputs, previous = mixed_qkv, None
+    if cache is not None:
+        previous = linear_cache.previous_recurrent_state(cache, self.layer_idx)
+        window = linear_cache.store_conv_window(cache, self.layer_idx, mixed_qkv, self.conv_kernel_size)
+        if previous is not None:  # a continuation: the conv reads the cached inputs before this call's
+            conv_inputs = window
+        elif cu_seqlens is not None:  # packed: the kept inputs are those of each row's last document
+            _keep_last_documents(linear_cache.conv_window(cache, self.layer_idx), cu_seqlens, batch, length)
 
     if cu_seqlens is not None and batch > 1:  # varlen kernels take one flattened row
         if cu_seqlens[-1] != batch * length:
@@ -158,21 +200,59 @@ def gated_deltanet_forward(
                 f"cu_seq_lens_q ends at {int(cu_seqlens[-1])} but the batch holds {batch}x{length} tokens; "
                 "packed batches must be flattened to one row (DataCollatorWithFlattening does this)"
             )
-        mixed_qkv, z, b, a = (t.reshape(1, batch * length, *t.shape[2:]) for t in (mixed_qkv, z, b, a))
+        conv_inputs, z, b, a = (t.reshape(1, batch * length, *t.shape[2:]) for t in (conv_inputs, z, b, a))
 
     ops = state.ops
     weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
-    if weight.dtype != mixed_qkv.dtype:  # autocast over fp32 weights: the conv runs in the activations' dtype
-        weight, bias = weight.to(mixed_qkv.dtype), None if bias is None else bias.to(mixed_qkv.dtype)
-    mixed_qkv = ops["causal_conv1d"](mixed_qkv, weight, bias, activation="silu", cu_seqlens=cu_seqlens)
+    if weight.dtype != conv_inputs.dtype:  # autocast over fp32 weights: the conv runs in the activations' dtype
+        weight, bias = weight.to(conv_inputs.dtype), None if bias is None else bias.to(conv_inputs.dtype)
+    mixed_qkv = ops["causal_conv1d"](conv_inputs, weight, bias, activation="silu", cu_seqlens=cu_seqlens)
+    if previous is not None:
+        mixed_qkv = mixed_qkv[:, -length:]
     rows, tokens = mixed_qkv.shape[:2]
     query, key, value = split_channels(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim])
     query = query.reshape(rows, tokens, -1, self.head_k_dim)
     key = key.reshape(rows, tokens, -1, self.head_k_dim)
     value = value.reshape(rows, tokens, -1, self.head_v_dim)
 
-    core = ops["gated_delta_rule"](query, key, value, a, b, self.A_log, self.dt_bias, cu_seqlens=cu_seqlens)
+    rule = ops["gated_delta_rule"]
+    if cache is None:
+        core = rule(query, key, value, a, b, self.A_log, self.dt_bias, cu_seqlens=cu_seqlens)
+    else:
+        core, final = rule(
+            query,
+            key,
+            value,
+            a,
+            b,
+            self.A_log,
+            self.dt_bias,
+            cu_seqlens=cu_seqlens,
+            initial_state=previous,
+            output_final_state=True,
+        )
+        if cu_seqlens is not None:  # each row's state is its last document's
+            final = final.index_select(0, _last_documents(cu_seqlens, batch, length))
+        linear_cache.store_recurrent_state(cache, self.layer_idx, final)
     core = ops["gated_rms_norm"](
         core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight, self.norm.variance_epsilon
     )
     return apply_linear(self.out_proj, core.reshape(batch, length, -1))
+
+
+def _last_documents(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """The index of each row's last document among the packed documents (one ends at every row end), computed on
+    the device without a wait: a stable sort puts the row-ending documents first, in order."""
+    ends = cu_seqlens[1:].long()
+    row_end = torch.remainder(ends, length) == 0
+    return torch.argsort((~row_end).to(torch.int8), stable=True)[:batch]
+
+
+def _keep_last_documents(window: torch.Tensor, cu_seqlens: torch.Tensor, batch: int, length: int) -> None:
+    """Zero the kept conv inputs (``[B, D, W]``, in place) that come before each row's last document: a continuation
+    of that document must not see the one before it."""
+    starts = cu_seqlens[:-1].long().index_select(0, _last_documents(cu_seqlens, batch, length))
+    first = starts - torch.arange(batch, device=starts.device) * length  # where it starts within its row
+    width = window.shape[-1]
+    positions = torch.arange(length - width, length, device=window.device)
+    window.mul_((positions[None, :] >= first.to(window.device)[:, None]).to(window.dtype)[:, None, :])
