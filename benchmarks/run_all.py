@@ -33,12 +33,13 @@ CONFIGS = {
 
 
 # label words that are train_step options: fusepatch+compile, hf-fast+compile+quick, fusepatch+graphs+quick,
-# fusepatch+cudagraphs+quick (the library's apply(cuda_graphs=True))
+# fusepatch+cudagraphs+quick (the library's apply(cuda_graphs=True)), fusepatch+cache+quick (the config's use_cache=True)
 FLAGS = {
     "compile": ["--compile"],
     "quick": ["--no-diagnostics"],
     "graphs": ["--graph-layers"],
     "cudagraphs": ["--cuda-graphs"],
+    "cache": ["--default-cache"],
 }
 
 

@@ -1,0 +1,94 @@
+"""A cache in the fused Gated DeltaNet path on a real GPU, and a refused delta rule kept out of every path.
+
+Training with the config's ``use_cache=True`` (Qwen3.5's default) runs the fused kernels and fills the cache; a
+continuation from that cache (prefill, then decode steps) gives the logits a continuation of transformers' own
+cache gives. A NaN injected into fla's delta rule is refused by the self-test, and a default-config training step
+then gives a finite loss: neither fusepatch's layers nor transformers' own dispatch run the faulty kernel.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from conftest import MINI
+
+import fusepatch
+from fusepatch.core import selftest
+from fusepatch.ops.common import relative_error
+from fusepatch.tools.tiny import tiny_model
+
+pytestmark = pytest.mark.gpu
+HYBRID = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
+BF16_TOL = 2e-2  # a bf16 model against another bf16 path (fla's kernels, transformers' dispatch of them)
+
+
+def _states(cache) -> list[torch.Tensor]:
+    return [
+        t.float()
+        for layer in cache.layers
+        if getattr(layer, "recurrent_states", None) is not None and layer.recurrent_states[0] is not None
+        for t in (layer.conv_states[0], layer.recurrent_states[0])
+    ]
+
+
+@pytest.mark.parametrize("model_type", HYBRID)
+def test_default_cache_training_runs_fused_and_its_cache_continues(model_type):
+    base = tiny_model(model_type, **MINI).cuda().to(torch.bfloat16)
+    reference, model = base, copy.deepcopy(base)
+    report = fusepatch.apply(model)
+    chosen = {c.op: c for layer in report.layers for c in layer.choices}
+    if not chosen["gated_delta_rule"].fused:
+        pytest.skip(f"no fused delta rule here: {chosen['gated_delta_rule'].reason_text()}")
+    assert model.config.use_cache
+    ids = torch.randint(0, base.config.vocab_size, (2, 300), device="cuda")
+    reference.train(), model.train()
+    expected = reference(input_ids=ids, labels=ids)
+    got = model(input_ids=ids, labels=ids)
+    assert relative_error(got.loss.float(), expected.loss.float()) < BF16_TOL
+    got.loss.backward()
+    assert fusepatch.report(model).transformers_calls == ()
+    for a, b in zip(_states(got.past_key_values), _states(expected.past_key_values), strict=True):
+        assert relative_error(a, b) < BF16_TOL
+    reference.eval(), model.eval()
+    with torch.no_grad():
+        for length in (37, 1, 1):
+            more = torch.randint(0, base.config.vocab_size, (2, length), device="cuda")
+            want = reference(input_ids=more, past_key_values=expected.past_key_values, use_cache=True).logits
+            have = model(input_ids=more, past_key_values=got.past_key_values, use_cache=True).logits
+            assert relative_error(have.float(), want.float()) < BF16_TOL, length
+
+
+def _nan_output(fn):
+    @functools.wraps(fn)  # the signature fla's callers see stays the same
+    def faulty(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        return out * float("nan")
+
+    return faulty
+
+
+def test_a_nan_delta_rule_is_refused_everywhere(monkeypatch):
+    """NaN from fla's output kernel (``chunk_fwd_o``, which fla's own function and fusepatch's candidates call):
+    transformers' unpatched model trains on NaN; the patched one, with the config's cache, gives a finite loss, and
+    its report names what ran the delta rule."""
+    chunk = pytest.importorskip("fla.ops.gated_delta_rule.chunk")
+    monkeypatch.setattr(chunk, "chunk_fwd_o", _nan_output(chunk.chunk_fwd_o))
+    selftest.clear_cache()
+    base = tiny_model("qwen3_5_text", **MINI).cuda().to(torch.bfloat16)
+    reference, model = base, copy.deepcopy(base)
+    ids = torch.randint(0, base.config.vocab_size, (2, 200), device="cuda")
+    assert torch.isnan(reference(input_ids=ids, labels=ids).loss)  # the fault reaches transformers' dispatch
+    report = fusepatch.apply(model)
+    chosen = {c.op: c for layer in report.layers for c in layer.choices}["gated_delta_rule"]
+    print("delta rule:", chosen.chosen, "|", chosen.reason_text())
+    loss = model(input_ids=ids, labels=ids).loss
+    assert torch.isfinite(loss)
+    rejected = {r.candidate: r.reason for r in chosen.rejected if not r.set_aside}
+    assert all("NaN" in reason or "self-test" in reason for reason in rejected.values()), rejected
+    assert not chosen.fused or chosen.chosen not in rejected
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    selftest.clear_cache()
