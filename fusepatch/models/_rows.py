@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fusepatch.core.registry import Row
 from fusepatch.layers.attention import attention_forward, gated_attention_forward
+from fusepatch.layers.base_model import base_model_forward
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward
 from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
 from fusepatch.layers.gated_deltanet import gated_deltanet_forward
@@ -19,14 +20,18 @@ GDN_OPS = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm")
 ATTENTION_OPS = ("rotary", "varlen_attention")
 GATED_ATTENTION_OPS = ("rotary", "attention_gate", "varlen_attention")
 ROPE_TABLES = "cos/sin of plain positions computed once and reused across steps; no kernel"
+# the base model every head calls: padded rows told apart from packed ones for every head, not the causal LM's alone
+PADDING = "the call's attention_mask noted, so padded rows are not taken for packed ones; no kernel"
 
 __all__ = [
     "ATTENTION_OPS",
     "GATED_ATTENTION_OPS",
     "GDN_OPS",
+    "PADDING",
     "ROPE_TABLES",
     "Row",
     "attention_forward",
+    "base_model_forward",
     "causal_lm_forward",
     "conditional_generation_forward",
     "decoder_layer_forward",

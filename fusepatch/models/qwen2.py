@@ -2,9 +2,11 @@
 
 from fusepatch.models._rows import (
     ATTENTION_OPS,
+    PADDING,
     ROPE_TABLES,
     Row,
     attention_forward,
+    base_model_forward,
     causal_lm_forward,
     decoder_layer_forward,
     experts_forward,
@@ -24,6 +26,7 @@ ROWS = [
     Row(DENSE, DENSE_MODULE, "Qwen2DecoderLayer", ("add_rms_norm",), decoder_layer_forward),
     Row(DENSE, DENSE_MODULE, "Qwen2RotaryEmbedding", (), rotary_embedding_forward, note=ROPE_TABLES),
     Row(DENSE, DENSE_MODULE, "Qwen2Attention", ATTENTION_OPS, attention_forward),
+    Row(DENSE, DENSE_MODULE, "Qwen2Model", (), base_model_forward, note=PADDING),
     Row(DENSE, DENSE_MODULE, "Qwen2ForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeRMSNorm", ("rms_norm",), rms_norm_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeMLP", ("swiglu",), swiglu_mlp_forward, note="experts and shared expert"),
@@ -31,5 +34,6 @@ ROWS = [
     Row(MOE, MOE_MODULE, "Qwen2MoeDecoderLayer", ("add_rms_norm",), decoder_layer_forward),
     Row(MOE, MOE_MODULE, "Qwen2MoeRotaryEmbedding", (), rotary_embedding_forward, note=ROPE_TABLES),
     Row(MOE, MOE_MODULE, "Qwen2MoeAttention", ATTENTION_OPS, attention_forward),
+    Row(MOE, MOE_MODULE, "Qwen2MoeModel", (), base_model_forward, note=PADDING),
     Row(MOE, MOE_MODULE, "Qwen2MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
 ]

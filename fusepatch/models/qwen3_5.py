@@ -3,8 +3,10 @@
 from fusepatch.models._rows import (
     GATED_ATTENTION_OPS,
     GDN_OPS,
+    PADDING,
     ROPE_TABLES,
     Row,
+    base_model_forward,
     causal_lm_forward,
     conditional_generation_forward,
     experts_forward,
@@ -43,6 +45,7 @@ ROWS = [
         gated_attention_forward,
         note="gated full attention",
     ),
+    Row(DENSE, DENSE_MODULE, "Qwen3_5TextModel", (), base_model_forward, note=PADDING),
     Row(DENSE, DENSE_MODULE, "Qwen3_5ForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(
         DENSE,
@@ -73,6 +76,7 @@ ROWS = [
         gated_attention_forward,
         note="gated full attention",
     ),
+    Row(MOE, MOE_MODULE, "Qwen3_5MoeTextModel", (), base_model_forward, note=PADDING),
     Row(MOE, MOE_MODULE, "Qwen3_5MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
     Row(
         MOE,

@@ -3,8 +3,10 @@
 from fusepatch.models._rows import (
     GATED_ATTENTION_OPS,
     GDN_OPS,
+    PADDING,
     ROPE_TABLES,
     Row,
+    base_model_forward,
     causal_lm_forward,
     experts_forward,
     gated_attention_forward,
@@ -33,5 +35,6 @@ ROWS = [
     Row(TYPES, MODULE, "Qwen3NextExperts", ("moe_experts",), experts_forward),
     Row(TYPES, MODULE, "Qwen3NextRotaryEmbedding", (), rotary_embedding_forward, note=ROPE_TABLES),
     Row(TYPES, MODULE, "Qwen3NextAttention", GATED_ATTENTION_OPS, gated_attention_forward, note="gated full attention"),
+    Row(TYPES, MODULE, "Qwen3NextModel", (), base_model_forward, note=PADDING),
     Row(TYPES, MODULE, "Qwen3NextForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
 ]

@@ -107,9 +107,10 @@ _PADDING = "_fusepatch_padding"
 
 
 def note_padding(position_ids, attention_mask) -> None:
-    """Keep a causal-LM call's 2D attention mask on its ``position_ids``, where the decoder layers look for
-    document starts: the layers see only their own masks (4D for full attention), but padding is told apart from
-    packing by the mask the caller gave. A call without one clears what an earlier call left."""
+    """Keep a call's 2D attention mask on its ``position_ids``, where the decoder layers look for document starts:
+    the layers see only their own masks (4D for full attention), but padding is told apart from packing by the mask
+    the caller gave. The base model's forward notes it for every head (layers/base_model.py). A call without one
+    clears what an earlier call left."""
     if not isinstance(position_ids, torch.Tensor):
         return
     root = _root(position_ids)
