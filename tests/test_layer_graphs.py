@@ -52,7 +52,7 @@ def _train(model, steps: int, ids: torch.Tensor, **kwargs) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids, use_cache=False, **kwargs).loss
+        loss = model(input_ids=ids, labels=ids, **{"use_cache": False, **kwargs}).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -109,12 +109,13 @@ def test_a_step_of_another_shape_runs_as_usual_and_the_steady_shape_replays_agai
         ("hook", "has hooks"),
         ("packed", "packed, padded or cached"),
         ("mask", "packed, padded or cached"),
+        ("cached", "use_cache=False"),
         ("autocast", "autocast casts parameters"),
     ],
 )
 def test_calls_graphs_cannot_take_run_as_usual_and_say_why_once(capture, caplog, setup, said):
-    """Activation checkpointing, a hook on a layer's module, packed documents (``position_ids``), a padding mask
-    and autocast over fp32 weights: no capture, the same losses as without graphs, the reason and its fix said
+    """Activation checkpointing, a hook on a layer's module, packed documents (``position_ids``), a padding mask,
+    a cache to fill and autocast over fp32 weights: no capture, the same losses as without graphs, the reason and its fix said
     once."""
     made, _ = capture
     caplog.set_level(logging.WARNING, logger="fusepatch")
@@ -129,6 +130,8 @@ def test_calls_graphs_cannot_take_run_as_usual_and_say_why_once(capture, caplog,
             model.model.layers[1].mlp.register_forward_hook(lambda *args: None)
     elif setup == "packed":
         kwargs["position_ids"] = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    elif setup == "cached":  # the config's default in a plain training loop
+        kwargs["use_cache"] = True
     else:
         kwargs["attention_mask"] = torch.ones(1, 24, dtype=torch.long)
         kwargs["attention_mask"][0, :3] = 0

@@ -36,6 +36,7 @@ import torch
 
 from fusepatch.layers.support.hooks import autocast_dtype, hooked
 from fusepatch.layers.support.positions import is_plain
+from fusepatch.layers.support.signature import CACHE_NAMES
 
 logger = logging.getLogger("fusepatch")
 
@@ -55,6 +56,8 @@ FIXES = {
     "FSDP2 (it targets single-GPU runs of small models)",
     "autocast": "autocast casts parameters of another dtype, and its cast cache cannot live in a graph. Fix: load "
     "the model in the autocast dtype (torch_dtype=torch.bfloat16)",
+    "cached": "the training forward fills a cache (use_cache=True, Qwen3.5 configs' default), which a replay cannot "
+    "update. Fix: pass use_cache=False (or set model.config.use_cache = False) when training",
     "packed": "the call is packed, padded or cached, or its positions were not made by fusepatch's loss (given "
     "position_ids, an attention mask, a cache: they decide work on the host). Fix: none needed; such calls run "
     "without graphs",
@@ -409,6 +412,8 @@ def _signature(layer: torch.nn.Module, args: tuple, kwargs: dict):
     if len(args) > 1 or not (isinstance(table, tuple) and len(table) == 2):
         return (None, "packed", *none[2:])
     cos, sin = table
+    if any(rest.get(name) is not None for name in CACHE_NAMES):
+        return (None, "cached", *none[2:])
     # positions fusepatch's loss made: the call was given no positions, mask or cache, so its rows hold one
     # document each, and a mask transformers built for it (the causal one) depends on the shape alone
     made = is_plain(rest.get("position_ids"))
