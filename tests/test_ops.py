@@ -100,3 +100,23 @@ def test_norm_references_equal_transformers_modules(dtype):
     assert torch.equal(rms_norm_reference(x, plain.weight, 1e-6), plain(x))
     assert torch.equal(rms_norm_zero_centered_reference(x, centered.weight, 1e-6), centered(x))
     assert torch.equal(gated_rms_norm_reference(x, z, gated.weight, 1e-6), gated(x, z))
+
+
+def test_delta_rule_reference_trains_under_aot_autograd():
+    """The gate's gradient reaches its projection through AOTAutograd as it does eagerly: torch's decomposition of
+    ``softplus_backward`` (what the trace's fake tensors follow) lays its result out as the softplus input, the
+    kernel that runs under ``backend="aot_eager"`` as the incoming gradient, which the reference's transpose made
+    non-contiguous, and the projection's backward then failed to ``view`` it."""
+    q, k, v, a, b, A_log, dt_bias = (t.float() for t in _gdn_inputs(2, 16, 2, 4, 8, 8))
+    hidden = torch.randn(2, 16, 6)
+    weight = torch.randn(4, 6, requires_grad=True)
+    params = (weight, A_log.requires_grad_(True), dt_bias.requires_grad_(True))
+
+    def loss(weight, A_log, dt_bias):
+        a = torch.nn.functional.linear(hidden, weight)  # the layer's in_proj_a: its backward views the gradient
+        return gated_delta_rule_reference(q, k, v, a, b, A_log, dt_bias).square().sum()
+
+    expected = torch.autograd.grad(loss(*params), params)
+    got = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(*params), params)
+    for x, y in zip(got, expected):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)

@@ -13,8 +13,17 @@ CHUNK = 64
 
 
 def gate_and_beta(a, b, A_log, dt_bias):
-    """The decay (log space, fp32) and beta, computed as transformers' Qwen3.5/Qwen3-Next layers do."""
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    """The decay (log space, fp32) and beta, computed as transformers' Qwen3.5/Qwen3-Next layers do.
+
+    The softplus's backward gets its input and gradient contiguous: torch's decomposition of ``softplus_backward``,
+    which AOTAutograd's trace follows, lays its result out as the input, while the kernel that runs lays it out as
+    the gradient, which a caller's transpose leaves non-contiguous (the chunked reference's). Under
+    ``torch.compile(backend="aot_eager")`` the gate projection's backward then could not ``view`` it
+    (tests/test_ops.py::test_delta_rule_reference_trains_under_aot_autograd)."""
+    softplus = F.softplus((a.float() + dt_bias).contiguous())
+    if softplus.requires_grad:
+        softplus.register_hook(torch.Tensor.contiguous)
+    g = -A_log.float().exp() * softplus
     return g, b.sigmoid()
 
 
