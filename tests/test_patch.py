@@ -306,6 +306,59 @@ def test_data_parallel_replicas_run_their_own_weights(model_type):
     assert fusepatch.revert(model) > 0 and "_replicate_for_data_parallel" not in model.model.layers[0].__dict__
 
 
+def _wrapped(model, wrapper: str):
+    if wrapper == "DataParallel":  # on a machine without GPUs it calls the model itself
+        return torch.nn.DataParallel(model)
+    if wrapper == "torch.compile":
+        return torch.compile(model, backend="eager")
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+@pytest.mark.parametrize("wrapper", ["DataParallel", "DistributedDataParallel", "torch.compile"])
+def test_apply_to_a_wrapped_model_patches_the_model_inside(wrapper):
+    """``apply(DDP(model))``: the wrappers a training script puts around a model (a one-rank gloo group for DDP)
+    hold no config of their own; apply, report and revert work on the transformers model inside, as they do when
+    it is patched before wrapping, and the wrapped model trains as before."""
+    import torch.distributed as dist
+
+    model = tiny_model("qwen3")
+    ids = torch.randint(0, 512, (2, 17))
+    expected = loss_and_grads(model, input_ids=ids, labels=ids)
+    forwards = _forwards(model)
+    started = wrapper == "DistributedDataParallel" and not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        wrapped = _wrapped(model, wrapper)
+        report = fusepatch.apply(wrapped)
+        assert report.model == "Qwen3ForCausalLM" and report.model_types == ("qwen3",)
+        assert report.newly_patched > 0 and hasattr(model.model.layers[0], "_fusepatch")
+        loss, logits, grads = loss_and_grads(wrapped, input_ids=ids, labels=ids)
+        torch.testing.assert_close(loss, expected[0])
+        torch.testing.assert_close(logits, expected[1])
+        assert fusepatch.report(wrapped).model == "Qwen3ForCausalLM"
+        assert fusepatch.revert(wrapped) == report.newly_patched and _forwards(model) == forwards
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def test_apply_to_an_unknown_wrapper_names_the_model_inside(caplog):
+    """A container fusepatch does not know is left untouched (it may not be safe to patch through), and the message
+    says where the model is and to apply to it before wrapping."""
+
+    class Holder(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+    holder = Holder(tiny_model("qwen3"))
+    report = fusepatch.apply(holder)
+    assert report.newly_patched == 0 and not hasattr(holder.inner.model.layers[0], "_fusepatch")
+    assert "Holder holds a Qwen3ForCausalLM at .inner" in report.message
+    assert "fusepatch.apply(model.inner)" in report.message
+
+
 @pytest.mark.parametrize("prefer", [[], ["hub"], "hub", ("pip",)])
 def test_every_fallback_names_its_reason_when_prefer_leaves_sources_out(prefer):
     report = fusepatch.apply(tiny_model("qwen3_5_text"), prefer=prefer)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import sys
 import types
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -173,6 +174,40 @@ def _model_types(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(found)
 
 
+def _inner(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model a training wrapper runs, or None. DDP and DataParallel (``.module``) and torch.compile's
+    OptimizedModule (``._orig_mod``) call the model they hold and keep no copy of its forwards, so patching the
+    model inside is patching it before wrapping: DataParallel's replicas are made per call from it, and DDP's
+    hooks are on the parameters, which patching leaves as they are."""
+    if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        return model.module
+    compiled = sys.modules.get("torch._dynamo.eval_frame")  # never imported: no OptimizedModule exists
+    if compiled is not None and isinstance(model, compiled.OptimizedModule):
+        return model._orig_mod
+    return None
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` without the training wrappers around it (``_inner``), e.g. ``DDP(torch.compile(model))``."""
+    while (inner := _inner(model)) is not None:
+        model = inner
+    return model
+
+
+def _held_model(model: torch.nn.Module) -> str:
+    """For a module without a model type: where in it a model fusepatch knows sits, and how to patch that one
+    (a container fusepatch does not know may copy or shard what it holds, so it is not patched through)."""
+    known = set(known_model_types())
+    for path, module in model.named_modules():
+        if path and known & set(_model_types(module)):
+            outer, inner = type(model).__name__, type(module).__name__
+            return (
+                f"{outer} holds a {inner} at .{path}: apply to that model, before wrapping it "
+                f"(fusepatch.apply(model.{path}))"
+            )
+    return ""
+
+
 def _compute(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> tuple[str, torch.dtype, bool]:
     """Where and in which dtype the layers compute, and whether that dtype is cast to (not the parameters' own):
     ``compute_dtype`` if given (mixed precision: the Trainer's ``bf16=True`` on fp32 weights), else FSDP2's
@@ -270,7 +305,8 @@ def apply(
     Anything that falls back to eager is logged at WARNING with the reason and the fix.
 
     Args:
-        model: a Hugging Face model (``Qwen3_5ForCausalLM``, ``Qwen3ForCausalLM``, ...).
+        model: a Hugging Face model (``Qwen3_5ForCausalLM``, ``Qwen3ForCausalLM``, ...), or one wrapped by DDP,
+            ``nn.DataParallel`` or ``torch.compile``: the model inside is patched.
         ops: only these ops may use fused kernels (default: all); a list, or one string (``"swiglu"``,
             ``"swiglu,rms_norm"``).
         exclude: ops that stay eager (a list or one string).
@@ -296,6 +332,7 @@ def apply(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fusepatch.apply expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    model = unwrapped(model)
     ops = None if ops is None else names(ops, "ops")
     exclude = names(exclude, "exclude")
     for name in [*(ops or []), *exclude]:
@@ -317,6 +354,9 @@ def apply(
             f"no fusepatch rows for model_type {label}; the model is left untouched "
             f"(supported: {', '.join(known_model_types())})"
         )
+        held = "" if model_types else _held_model(model)
+        if held:
+            message = f"{held}; {type(model).__name__} is left untouched"
         if strict:
             raise FusePatchError(message)
         logger.warning("fusepatch: %s", message)
@@ -500,6 +540,7 @@ def _install_graphs(model: torch.nn.Module) -> None:
 
 def revert(model: torch.nn.Module) -> int:
     """Restore every forward ``apply`` replaced, exactly as it was. Returns how many modules were restored."""
+    model = unwrapped(model)
     restored = 0
     for module in model.modules():
         module.__dict__.pop(layer_graphs.ATTRIBUTE, None)
@@ -523,6 +564,7 @@ def report(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> 
     """The current report for a model: patched layers, and each op's choice for the model's present device
     and dtype (a model moved to the GPU after ``apply`` shows its GPU choices; ``compute_dtype`` as in
     :func:`apply`)."""
+    model = unwrapped(model)
     device, dtype = _device_and_dtype(model, compute_dtype)
     groups: dict[Row, list[torch.nn.Module]] = defaultdict(list)
     for module in model.modules():
