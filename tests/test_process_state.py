@@ -101,6 +101,58 @@ def test_revert_keeps_bindings_another_patched_model_holds(chunked_on_cpu):
     assert module.apply_rotary_pos_emb is not bound
 
 
+def test_a_model_collected_without_revert_gives_transformers_names_back(chunked_on_cpu):
+    """A patched model dropped without ``revert`` (a notebook's second model, a test's) leaves no wrapper in
+    transformers' modules once the garbage collector takes it, while another patched model alive keeps its binding."""
+    from helpers import transformers_own
+
+    from fusepatch.layers.support import bindings
+
+    first, second = tiny_model("qwen3"), tiny_model("qwen3")
+    module = sys.modules[type(first.model.layers[0].self_attn).__module__]
+    names = ("apply_rotary_pos_emb", "ALL_ATTENTION_FUNCTIONS")
+    originals = {name: transformers_own(module, name) for name in names}
+    if any(len(bindings._holders.get((module.__name__, name), ())) for name in names):
+        pytest.skip("a patched model of another test is alive and holds these bindings")
+    fusepatch.apply(first), fusepatch.apply(second)
+    ids = torch.randint(0, first.config.vocab_size, (1, 7))
+    first(input_ids=ids), second(input_ids=ids)
+    bound = {name: getattr(module, name) for name in names}
+    assert all(bound[name] is not originals[name] for name in names), "nothing bound: the test would prove nothing"
+    del first
+    gc.collect()
+    assert all(getattr(module, name) is bound[name] for name in names)  # the second still holds them
+    del second
+    gc.collect()
+    assert all(getattr(module, name) is originals[name] for name in names)
+
+
+def test_a_holder_collected_while_bindings_are_busy_is_swept_after(monkeypatch):
+    """The collector may run inside ``hold`` or ``release`` (any allocation there can start it), on the thread that
+    holds their lock: the finalizer does not wait for the lock, and the name comes back once the lock is free."""
+    import types
+
+    from fusepatch.layers.support import bindings
+
+    fake = types.ModuleType("fusepatch_test_fake_module")
+    fake.target = original = object()
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+
+    class Owner:
+        pass
+
+    owners = [Owner(), Owner()]
+    assert all([bindings.hold(owner, fake.__name__, "target", lambda found: ("wrapped", found)) for owner in owners])
+    wrapper = fake.target
+    assert wrapper == ("wrapped", original)
+    owners.pop()
+    assert fake.target is wrapper  # one holder left
+    with bindings._locked():
+        owners.pop()  # the last holder goes while the lock is taken: nothing can be restored yet
+        assert fake.target is wrapper
+    assert fake.target is original and (fake.__name__, "target") not in bindings._installed
+
+
 def _train_step(model, ids):
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=ids, use_cache=False)

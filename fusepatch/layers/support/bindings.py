@@ -5,22 +5,64 @@ Some of transformers' behaviour is reached through a module-level name rather th
 binding replaces such a name once, with a wrapper that does what transformers' object does unless the calling
 thread is inside a patched layer that set it up (thread-locals, so other models in the process, and other threads,
 get transformers' own behaviour). Each binding counts the patched modules holding it; ``revert`` releases them and
-the last release puts transformers' object back, so a reverted process is the one ``apply`` found.
+the last release puts transformers' object back, so a reverted process is the one ``apply`` found. A patched model
+dropped without ``revert`` does the same when the garbage collector takes its last holding module (a finalizer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
+import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 _lock = threading.Lock()
 _installed: dict[tuple[str, str], tuple[object, object]] = {}  # (module, name) -> (transformers' object, wrapper)
 _holders: dict[tuple[str, str], weakref.WeakSet] = {}
+_watched: weakref.WeakSet = weakref.WeakSet()  # holders with a finalizer (one each, whatever they hold)
+_sweep_due = False  # a holder was collected while the lock was taken: whoever releases the lock sweeps
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    """The lock of ``_installed`` and ``_holders``; on leaving, the sweep a collected holder left due."""
+    with _lock:
+        yield
+    _sweep_if_due()
+
+
+def _collected() -> None:
+    """Finalizer of a holder. The collector runs in whichever thread allocates, also inside ``hold`` or ``release``
+    on the thread holding the lock, so this never waits for the lock: it marks a sweep due and sweeps if it can."""
+    global _sweep_due
+    _sweep_due = True
+    _sweep_if_due()
+
+
+def _sweep_if_due() -> None:
+    """Put transformers' objects back where no live module holds the binding. A sweep marked due while another
+    thread holds the lock is done by that thread when it leaves ``_locked`` (it checks after releasing)."""
+    global _sweep_due
+    while _sweep_due and _lock.acquire(blocking=False):
+        try:
+            _sweep_due = False
+            for key in [k for k in _installed if not any(True for _ in _holders.get(k, ()))]:
+                _restore(key)
+        finally:
+            _lock.release()
+
+
+def _restore(key: tuple[str, str]) -> None:
+    """Transformers' object back under ``key`` (with the lock taken), unless someone replaced our wrapper since."""
+    original, wrapper = _installed.pop(key)
+    module = sys.modules.get(key[0])  # imported when bound; gone only while the interpreter shuts down
+    if module is not None and getattr(module, key[1], None) is wrapper:
+        setattr(module, key[1], original)
 
 
 def hold(owner: object, module_name: str, name: str, wrap: Callable[[object], object]) -> bool:
@@ -30,7 +72,7 @@ def hold(owner: object, module_name: str, name: str, wrap: Callable[[object], ob
     holders = _holders.get(key)
     if holders is not None and owner in holders and key in _installed:
         return True
-    with _lock:
+    with _locked():
         module = importlib.import_module(module_name)
         current = getattr(module, name, None)
         if key not in _installed or current is not _installed[key][1]:  # new, or replaced by someone since
@@ -40,6 +82,9 @@ def hold(owner: object, module_name: str, name: str, wrap: Callable[[object], ob
             setattr(module, name, wrapper)
             _installed[key] = (current, wrapper)
         _holders.setdefault(key, weakref.WeakSet()).add(owner)
+        if owner not in _watched:  # collected without release: the bindings only it held go back
+            weakref.finalize(owner, _collected).atexit = False
+            _watched.add(owner)
     return True
 
 
@@ -58,11 +103,8 @@ def _wrapped(current: object, wrap: Callable[[object], object]) -> object:
 
 def release(owner: object) -> None:
     """``owner`` holds nothing any more; bindings nobody holds get transformers' objects back."""
-    with _lock:
+    with _locked():
         for key, holders in _holders.items():
             holders.discard(owner)
             if len(holders) == 0 and key in _installed:
-                original, wrapper = _installed.pop(key)
-                module = importlib.import_module(key[0])
-                if getattr(module, key[1], None) is wrapper:  # someone else's later wrapper stays theirs
-                    setattr(module, key[1], original)
+                _restore(key)  # someone else's later wrapper stays theirs
