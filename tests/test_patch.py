@@ -365,7 +365,7 @@ def test_every_fallback_names_its_reason_when_prefer_leaves_sources_out(prefer):
     assert report.fallbacks()
     for line in report.log_lines():
         assert "-> eager ()" not in line
-    from fusepatch.core.resolve import names
+    from fusepatch.core.options import names
 
     wanted = set(names(prefer, "prefer"))
     for layer, choice in report.fallbacks():

@@ -25,6 +25,7 @@ from packaging.version import InvalidVersion, Version
 from fusepatch.backends import PrivateNames
 from fusepatch.core.env import Environment, offline_mode
 from fusepatch.core.op import Candidate
+from fusepatch.core.options import kernels_lock, trusted_kernels
 from fusepatch.core.requirements import OK, DistributionVersion, Importable, InputRule, Verdict, reject
 
 DISTRIBUTION = "kernels"
@@ -72,7 +73,8 @@ def local_overrides() -> dict[str, Path]:
 
 
 def lock_file() -> Path | None:
-    path = os.environ.get("FUSEPATCH_KERNELS_LOCK")
+    """``FUSEPATCH_KERNELS_LOCK`` (a path that is no file raises, naming it)."""
+    path = kernels_lock()
     return Path(path) if path else None
 
 
@@ -96,10 +98,10 @@ class KernelNotCached(RuntimeError):
 
 
 def trusted(repo_id: str) -> bool:
-    allowed = os.environ.get("FUSEPATCH_TRUST_KERNELS", "")
-    if allowed.strip().lower() in ("1", "true", "all", "*"):
+    allowed = trusted_kernels()
+    if allowed == ("*",):
         return True
-    return repo_id.split("/", 1)[0] in TRUSTED_PUBLISHERS or repo_id in {a.strip() for a in allowed.split(",")}
+    return repo_id.split("/", 1)[0] in TRUSTED_PUBLISHERS or repo_id in allowed or repo_id.split("/", 1)[0] in allowed
 
 
 def variant_trace(path: Path) -> list[str]:

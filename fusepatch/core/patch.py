@@ -19,10 +19,20 @@ from typing import Any
 import torch
 
 from fusepatch import backends
-from fusepatch.core.env import capture, flag_set
+from fusepatch.core import options
+from fusepatch.core.env import capture
 from fusepatch.core.registry import Row, known_model_types, rows_for
 from fusepatch.core.reporting import LayerReport, PatchReport
-from fusepatch.core.resolve import Choice, Dispatch, autocast_dtype, dtype_name, make_dispatch, names, preferred_sources
+from fusepatch.core.resolve import (
+    PREFERABLE,
+    Choice,
+    Dispatch,
+    autocast_dtype,
+    candidate_names,
+    dtype_name,
+    make_dispatch,
+    preferred_sources,
+)
 from fusepatch.layers import layer_graphs, mlp_recompute, rotary_embedding
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward, trainer_head
 from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
@@ -242,7 +252,7 @@ def fsdp_compute_dtype(model: torch.nn.Module) -> torch.dtype | None:
 
 
 def _disabled() -> bool:
-    return flag_set("FUSEPATCH_DISABLE")
+    return options.switch("FUSEPATCH_DISABLE")
 
 
 def _matches(model: torch.nn.Module, rows: list[Row]) -> dict[Row, list[torch.nn.Module]]:
@@ -294,7 +304,7 @@ def apply(
     exclude: str | Iterable[str] = (),
     prefer: str | Iterable[str] | None = None,
     strict: bool = False,
-    compute_dtype: torch.dtype | None = None,
+    compute_dtype: torch.dtype | str | None = None,
     cuda_graphs: bool = False,
     verbose: bool | None = None,
 ) -> PatchReport:
@@ -315,7 +325,8 @@ def apply(
             their candidates were not tried.
         strict: raise :class:`FusePatchError` listing every fallback instead of patching anything.
         compute_dtype: the dtype the layers will compute in when it is not the parameters' (autocast over fp32
-            weights, e.g. ``Trainer(bf16=True)``): choices and self-tests are made for it. Default: FSDP2's
+            weights, e.g. ``Trainer(bf16=True)``): choices and self-tests are made for it. A torch floating dtype or
+            its name (``"bfloat16"``, ``"bf16"``, ``"fp16"``, ``"fp32"``). Default: FSDP2's
             ``MixedPrecisionPolicy.param_dtype``, else an active autocast's dtype, else the parameters'.
         cuda_graphs: replay the decoder layers of training steps from CUDA graphs once a step's shape is steady
             (``fusepatch/layers/layer_graphs.py``): for small models whose GPU waits for the host. Fixed-shape
@@ -323,6 +334,12 @@ def apply(
         verbose: ``True``: log the whole report table; ``None``: one line of totals; ``False``: neither. Every
             fallback is logged at WARNING in all three (each distinct reason once, with its fix). The log shows
             without any logging set up (``FUSEPATCH_VERBOSITY``: error, warning, info, debug; default info).
+
+    Raises:
+        TypeError, ValueError: an argument, or a ``FUSEPATCH_*`` variable (docs/env-vars.md), outside the values it
+            takes (``strict="no"``, ``compute_dtype=torch.int8``, ``FUSEPATCH_DISABLE=maybe``); the message names
+            the values it takes. Nothing is patched then.
+        FusePatchError: ``strict=True`` and an op would fall back.
 
     Returns:
         The :class:`PatchReport`. Example::
@@ -333,8 +350,13 @@ def apply(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fusepatch.apply expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
     model = unwrapped(model)
-    ops = None if ops is None else names(ops, "ops")
-    exclude = names(exclude, "exclude")
+    strict = options.boolean(strict, "strict")
+    cuda_graphs = options.boolean(cuda_graphs, "cuda_graphs")
+    verbose = options.optional_boolean(verbose, "verbose")
+    compute_dtype = options.compute_dtype(compute_dtype)
+    options.check_environment(candidate_names(), PREFERABLE)  # every FUSEPATCH_* variable, read or not on this call
+    ops = None if ops is None else options.names(ops, "ops")
+    exclude = options.names(exclude, "exclude")
     for name in [*(ops or []), *exclude]:
         if name not in OPS:
             raise ValueError(f"unknown op {name!r}; known ops: {', '.join(sorted(OPS))}")
@@ -560,11 +582,12 @@ def revert(model: torch.nn.Module) -> int:
     return restored
 
 
-def report(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> PatchReport:
+def report(model: torch.nn.Module, compute_dtype: torch.dtype | str | None = None) -> PatchReport:
     """The current report for a model: patched layers, and each op's choice for the model's present device
     and dtype (a model moved to the GPU after ``apply`` shows its GPU choices; ``compute_dtype`` as in
     :func:`apply`)."""
     model = unwrapped(model)
+    compute_dtype = options.compute_dtype(compute_dtype)
     device, dtype = _device_and_dtype(model, compute_dtype)
     groups: dict[Row, list[torch.nn.Module]] = defaultdict(list)
     for module in model.modules():

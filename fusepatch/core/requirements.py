@@ -13,7 +13,8 @@ from typing import Protocol
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from fusepatch.core.env import Environment, flag_set
+from fusepatch.core.env import Environment
+from fusepatch.core.options import switch
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,7 @@ class OptIn:
     when: str  # the workload it is for, shown with the reason
 
     def check(self, env: Environment) -> Verdict:
-        if flag_set(self.variable):
+        if switch(self.variable):  # a value that is not a switch value raises, naming the ones it takes
             return OK
         return Verdict(False, f"off unless {self.variable}=1 (for {self.when})", f"export {self.variable}=1", off=True)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
-import re
 import sys
 import threading
 import time
@@ -18,6 +17,7 @@ import torch
 from fusepatch.core import selftest
 from fusepatch.core.env import Environment, capture
 from fusepatch.core.op import SOURCES, Candidate, Op
+from fusepatch.core.options import skip_pairs, sources
 from fusepatch.core.requirements import (
     OK,
     CudaDevice,
@@ -134,50 +134,36 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
-def names(value: str | Iterable[str], argument: str) -> list[str]:
-    """A list of names from a list, a tuple or one string (``"hub"`` or ``"pip,hub"``), never a string's
-    characters; anything else is a TypeError naming the argument."""
-    if isinstance(value, str):
-        return [part.strip() for part in value.split(",") if part.strip()]
-    try:
-        items = list(value)
-    except TypeError:
-        raise TypeError(f"{argument} expects a list of names or one string, got {type(value).__name__}") from None
-    for item in items:
-        if not isinstance(item, str):
-            raise TypeError(f"{argument} expects names (str), got {item!r} ({type(item).__name__})")
-    return items
+# kernel sources a user may prefer (eager is the fallback, always last)
+PREFERABLE: tuple[str, ...] = tuple(s for s in SOURCES if s != "eager")
 
 
 def preferred_sources(prefer: str | Iterable[str] | None = None) -> tuple[str, ...]:
     """Source priority: the argument, else ``FUSEPATCH_PREFER`` (comma list), else pip, hub."""
     if prefer is None:
-        prefer = names(os.environ.get("FUSEPATCH_PREFER", ""), "FUSEPATCH_PREFER") or DEFAULT_PREFER
-    prefer = tuple(names(prefer, "prefer"))
-    unknown = [p for p in prefer if p not in SOURCES or p == "eager"]
-    if unknown:
-        raise ValueError(f"unknown kernel source(s) {unknown}; choose from 'pip', 'hub'")
-    return prefer
+        return sources(os.environ.get("FUSEPATCH_PREFER", ""), "FUSEPATCH_PREFER", PREFERABLE) or DEFAULT_PREFER
+    return sources(prefer, "prefer", PREFERABLE)
 
 
-def skipped_candidates() -> set[tuple[str, str]]:
+def candidate_names(op: Op | None = None) -> dict[str, tuple[str, ...]]:
+    """Every op's candidates' names (``op``: one being resolved, which may differ from the registry's)."""
+    found = {name: tuple(c.name for c in each.candidates) for name, each in OPS.items()}
+    if op is not None:
+        found[op.name] = tuple(c.name for c in op.candidates)
+    return found
+
+
+def skipped_candidates(op: Op | None = None) -> set[tuple[str, str]]:
     """``FUSEPATCH_SKIP``: ``op/candidate`` pairs separated by commas or semicolons (``*`` for every op) to refuse
     without trying, e.g. ``rms_norm_zero_centered/triton`` to run fla's norm instead of fusepatch's, or to step
     around a kernel that misbehaves on your stack. A skipped candidate is reported with that reason, never
-    dropped silently."""
-    pairs = set()
-    for item in re.split(r"[,;]", os.environ.get("FUSEPATCH_SKIP", "")):
-        op, sep, name = item.strip().partition("/")
-        if item.strip() and (not sep or not op or not name):
-            raise ValueError(f"FUSEPATCH_SKIP: expected op/candidate (e.g. rms_norm/triton), got {item.strip()!r}")
-        if sep:
-            pairs.add((op, name))
-    return pairs
+    dropped silently; a pair naming no op or candidate is an error (``options.skip_pairs``)."""
+    return skip_pairs(os.environ.get("FUSEPATCH_SKIP", ""), candidate_names(op))
 
 
 def first_verdict(op: Op, candidate: Candidate, env: Environment) -> tuple[Verdict, Environment]:
     """``static_verdict``, unless ``FUSEPATCH_SKIP`` names the candidate (then refused with that reason)."""
-    skip = skipped_candidates()
+    skip = skipped_candidates(op)
     if (op.name, candidate.name) in skip or ("*", candidate.name) in skip:
         return (
             reject(

@@ -6,7 +6,7 @@ op keeps ``gate`` and ``up`` for its own backward anyway. Recomputing it there c
 kernel a layer (reads ``gate`` and ``up``, writes the product). Measured on the H200
 (run of 2026-12-01): 1.06 GiB less peak at the 27B shape (8 layers), 2.25 GiB at the 2B-like shape (24 layers), about
 0.8% slower at 27B. Off by default, for a larger micro-batch or longer rows: ``FUSEPATCH_MLP_RECOMPUTE=1`` (or
-true/yes/on, as fusepatch's other switches) turns it on, read once at import.
+true/yes/on, as fusepatch's other switches) turns it on, read once at import (another value than a switch's raises).
 
 The recomputed product is the forward's bit for bit (the same op on the same inputs), so the down weight's
 gradient is the same GEMM on the same values; the SwiGLU op's own backward (whichever candidate the registry
@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-from fusepatch.core.env import flag_set
+from fusepatch.core.options import switch
 from fusepatch.layers.support.projections import gemm_ready
 
-RECOMPUTE = flag_set("FUSEPATCH_MLP_RECOMPUTE")
+RECOMPUTE = switch("FUSEPATCH_MLP_RECOMPUTE")  # any other value than a switch value raises here
 
 
 class _RecomputedDown(torch.autograd.Function):

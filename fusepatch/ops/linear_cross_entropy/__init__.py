@@ -11,12 +11,11 @@ when given (the Trainer's gradient-accumulation normaliser) and by their count o
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from fusepatch.backends.fla import CROSS_ENTROPY, check_signatures
 from fusepatch.core.op import Candidate, Op, SelfTest
+from fusepatch.core.options import DEFAULT_LOGITS_MIB, positive_whole
 from fusepatch.core.requirements import InputRule, TorchVersion
 from fusepatch.ops.common import fla_requirements, on_device, own_triton_candidate, rand
 from fusepatch.ops.linear_cross_entropy.reference import _denominator, _upcast, linear_cross_entropy_reference
@@ -79,9 +78,6 @@ def linear_cross_entropy_chunked(hidden, weight, labels, ignore_index: int = -10
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, denominator, chunk)
 
 
-DEFAULT_LOGITS_MIB = 1024
-
-
 def fla_chunk_budget() -> int:
     """``FUSEPATCH_CE_LOGITS_MIB`` (default 1024): the most memory one chunk's logits may take in the fused loss's
     chunk loop (one chunk's logits live at a time). fla's own function splits the tokens into 8 chunks whatever
@@ -95,16 +91,7 @@ def fla_chunk_budget() -> int:
     under Liger Kernel's, 43.07 and 34.32), its step time within the run-to-run spread (27B back to back 1.209 and
     1.207x hf-fast against 1.211, 1.203 and 1.213x at 2048). At long rows a budget also bounds the logits where
     fla's fixed 8 chunks would grow."""
-    value = os.environ.get("FUSEPATCH_CE_LOGITS_MIB", "").strip()
-    if not value:
-        return DEFAULT_LOGITS_MIB * 2**20
-    try:
-        mib = int(value)
-    except ValueError as exc:
-        raise ValueError(f"FUSEPATCH_CE_LOGITS_MIB={value!r}: expected a whole number of MiB, e.g. 1024") from exc
-    if mib <= 0:
-        raise ValueError(f"FUSEPATCH_CE_LOGITS_MIB={value!r}: expected a positive number of MiB")
-    return mib * 2**20
+    return positive_whole("FUSEPATCH_CE_LOGITS_MIB", DEFAULT_LOGITS_MIB, "MiB") * 2**20
 
 
 def fla_chunk_tokens(vocab: int, element_size: int, budget_bytes: int) -> int:
