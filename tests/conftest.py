@@ -46,30 +46,16 @@ def _seed_per_test(request):
     yield
 
 
-@pytest.fixture
-def chunked_on_cpu(monkeypatch):
-    """The fused causal-LM loss on CPU: the GPU-only ``torch-chunked`` candidate let accept CPU tensors, alone."""
+ALL_DTYPES = ("bfloat16", "float16", "float32", "float64")  # fp64: the output-field tests compare at fp64 rounding
+
+
+def cpu_candidates(monkeypatch, kernels: dict, *, name: str = "cpu-standin") -> list[tuple]:
+    """Each op named in ``kernels`` gets one more candidate, first in its list: ``name``, accepting CPU tensors of
+    every dtype and running ``kernels[op]`` (a torch function with the op's signature). The dispatcher then picks
+    a non-eager candidate on the CPU, so the layers take the paths they take with a GPU kernel. Returns the list
+    each call appends ``(op, dtype, shape)`` of its first tensor argument to (the self-test's calls included)."""
     import dataclasses
-
-    from fusepatch.core import selftest
-    from fusepatch.core.requirements import InputRule
-    from fusepatch.ops import OPS
-
-    op = OPS["linear_cross_entropy"]
-    chunked = next(c for c in op.candidates if c.name == "torch-chunked")
-    dtypes = ("bfloat16", "float16", "float32", "float64")  # fp64: the output-field tests compare at fp64 rounding
-    cpu = dataclasses.replace(chunked, inputs=InputRule(devices=("cpu", "cuda"), dtypes=dtypes, kernel="chunked CE"))
-    monkeypatch.setitem(OPS, "linear_cross_entropy", dataclasses.replace(op, candidates=(cpu,)))
-    selftest.clear_cache()
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    """Every add-norm op gets a CPU stand-in candidate, so that the fused decoder forward (the residual add in the
-    norm, the MLP's residual in its down projection) runs on the CPU; returns the list its calls append to."""
-    import dataclasses
-
-    from helpers import ADD_OPS
+    import functools
 
     from fusepatch.core import selftest
     from fusepatch.core.op import Candidate
@@ -77,19 +63,60 @@ def calls(monkeypatch):
     from fusepatch.ops import OPS
 
     seen: list[tuple] = []
-    for name in ADD_OPS:
-        op = OPS[name]
+    for op_name, kernel in kernels.items():
+        op = OPS[op_name]
 
-        def load(reference=op.reference, name=name):
-            def standin(x, residual, weight, eps):
-                seen.append((name, x.dtype, tuple(x.shape)))
-                return reference(x, residual, weight, eps)
+        def load(kernel=kernel, op_name=op_name):
+            @functools.wraps(kernel)
+            def standin(*args, **kwargs):
+                first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                seen.append((op_name, getattr(first, "dtype", None), tuple(getattr(first, "shape", ()))))
+                return kernel(*args, **kwargs)
 
             return standin
 
-        dtypes = ("bfloat16", "float16", "float32", "float64")
-        candidate = Candidate("cpu-standin", "pip", (), load, inputs=InputRule(devices=("cpu",), dtypes=dtypes))
-        monkeypatch.setitem(OPS, name, dataclasses.replace(op, candidates=(candidate,)))
+        rule = InputRule(devices=("cpu",), dtypes=ALL_DTYPES, kernel=f"{name} ({op_name})")
+        candidate = Candidate(name, "pip", (), load, inputs=rule, provides=f"{kernel.__module__}.{kernel.__qualname__}")
+        monkeypatch.setitem(OPS, op_name, dataclasses.replace(op, candidates=(candidate, *op.candidates)))
     selftest.clear_cache()
+    return seen
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """Stand-in mode: every op in ``fusepatch.ops.OPS`` gets a CPU candidate running its own torch reference, and
+    the layers' fused paths that are gated to GPUs (the shared-input projections, the GDN input split's copy) run on
+    the CPU too: a patched model on the CPU runs the code a GPU runs, with the kernels swapped for their
+    references. Returns the list of the stand-ins' calls (``cpu_candidates``)."""
+    from fusepatch.layers import gated_deltanet
+    from fusepatch.layers.support import projections
+    from fusepatch.ops import OPS
+
+    seen = cpu_candidates(monkeypatch, {name: op.reference for name, op in OPS.items()})
+    monkeypatch.setattr(projections, "DEVICES", (*projections.DEVICES, "cpu"))
+    monkeypatch.setattr(gated_deltanet, "COPY_DEVICES", (*gated_deltanet.COPY_DEVICES, "cpu"))
     yield seen
+    from fusepatch.core import selftest
+
+    selftest.clear_cache()
+
+
+@pytest.fixture
+def chunked_on_cpu(monkeypatch):
+    """The fused causal-LM loss on CPU: the GPU-only ``torch-chunked`` loss, as a candidate that accepts CPU tensors."""
+    from fusepatch.ops.linear_cross_entropy import linear_cross_entropy_chunked
+
+    cpu_candidates(monkeypatch, {"linear_cross_entropy": linear_cross_entropy_chunked}, name="torch-chunked")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Every add-norm op gets a CPU stand-in candidate, so that the fused decoder forward (the residual add in the
+    norm, the MLP's residual in its down projection) runs on the CPU; returns the list its calls append to."""
+    from helpers import ADD_OPS
+
+    from fusepatch.core import selftest
+    from fusepatch.ops import OPS
+
+    yield cpu_candidates(monkeypatch, {name: OPS[name].reference for name in ADD_OPS})
     selftest.clear_cache()
