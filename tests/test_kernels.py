@@ -261,6 +261,13 @@ LOSS_BACKWARD_SCRIPT = textwrap.dedent(
         torch.testing.assert_close(loss, ref.detach())
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
+    # nothing labelled: the loss 0 / 0 = NaN as transformers' mean over no tokens, every gradient 0 (the kernel
+    # zeroes the ignored rows' gradients, never multiplies them by 1 / 0)
+    ignored = torch.full_like(labels, -100)
+    none = (ignored != -100).sum().float()
+    empty = _LinearCrossEntropyLoop.apply(hidden, weight, ignored, none, -100, 16, cross_entropy_, True)
+    gh, gw = torch.autograd.grad(empty, (hidden, weight))
+    assert empty.isnan() and not gh.any() and not gw.any()
     loss = loss_fn()
     torch.autograd.grad(loss * 2, (hidden, weight), retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward per forward"):

@@ -37,17 +37,26 @@ def test_chunked_matches_the_reference_with_many_chunks(monkeypatch, num_items):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
+def _nothing_labelled_as_transformers(fn, h, w, y) -> None:
+    """No label to predict: NaN, as transformers' mean over no tokens (``F.cross_entropy``) gives, and every
+    gradient 0 as there; with ``num_items_in_batch`` the sum over no tokens, 0."""
+    y = torch.full_like(y, -100)
+    expected = torch.nn.functional.cross_entropy((h @ w.t()).float(), y)
+    out = fn(h, w, y)
+    assert expected.isnan() and out.isnan(), (out, expected)
+    gh, gw = torch.autograd.grad(out, (h, w))
+    assert gh.abs().sum() == 0 and gw.abs().sum() == 0
+    assert fn(h, w, y, num_items_in_batch=torch.tensor(7)).item() == 0.0
+    assert lce.linear_cross_entropy_reference(h, w, y).isnan()
+
+
 def test_chunked_without_gradients_and_all_ignored():
     h, w, y = _data()
     with torch.no_grad():
         torch.testing.assert_close(
             lce.linear_cross_entropy_chunked(h, w, y), lce.linear_cross_entropy_reference(h, w, y)
         )
-    y_ignored = torch.full_like(y, -100)
-    out = lce.linear_cross_entropy_chunked(h, w, y_ignored)
-    assert out.item() == 0.0
-    gh, gw = torch.autograd.grad(out, (h, w))
-    assert gh.abs().sum() == 0 and gw.abs().sum() == 0
+    _nothing_labelled_as_transformers(lce.linear_cross_entropy_chunked, h, w, y)
 
 
 def _fused_loss_matches_the_unpatched_model(reference, model, *, length: int, ignored: int) -> None:
@@ -202,24 +211,22 @@ def test_fla_loop_matches_the_reference(monkeypatch, mib, num_items):
 
 
 def test_fla_loop_edge_cases(monkeypatch):
-    """No labels to predict (divisor 1, not 0: loss and gradients 0), no tokens at all (a zero weight gradient
-    of the weight's shape), no gradients wanted (no backward kernel runs), bf16 (gradients in the weight's
-    dtype: the GEMMs stay on tensor cores), and a second backward through one forward (refused, naming the fix:
-    the first one scaled the stored gradients in place)."""
+    """No labels to predict (NaN as transformers' loss, gradients 0: the kernel zeroes the ignored rows rather
+    than scale them by 1 / 0), no tokens at all (NaN, and a zero weight gradient of the weight's shape), no
+    gradients wanted (no backward kernel runs), bf16 (gradients in the weight's dtype: the GEMMs stay on tensor
+    cores), and a second backward through one forward (refused, naming the fix: the first one scaled the stored
+    gradients in place)."""
     fn, kernels = _fla_loop(monkeypatch)
     h, w, y = _data(dtype=torch.float32)
+    _nothing_labelled_as_transformers(fn, h, w, y)
     y[:] = -100
-    out = fn(h, w, y)
-    assert out.item() == 0.0
-    gh, gw = torch.autograd.grad(out, (h, w))
-    assert gh.abs().sum() == 0 and gw.abs().sum() == 0
     empty = torch.zeros(0, h.shape[1], requires_grad=True)
     out = fn(empty, w, y[:0])
     gh, gw = torch.autograd.grad(out, (empty, w))
-    assert out.item() == 0.0 and gh.shape == (0, h.shape[1]) and gw.shape == w.shape and gw.abs().sum() == 0
+    assert out.isnan() and gh.shape == (0, h.shape[1]) and gw.shape == w.shape and gw.abs().sum() == 0
     calls = len(kernels.dloss)
     with torch.no_grad():
-        torch.testing.assert_close(fn(h, w, y), lce.linear_cross_entropy_reference(h, w, y))
+        torch.testing.assert_close(fn(h, w, y), lce.linear_cross_entropy_reference(h, w, y), equal_nan=True)
     assert len(kernels.dloss) == calls
     hb, wb, yb = _data(dtype=torch.bfloat16)
     out = fn(hb, wb, yb)

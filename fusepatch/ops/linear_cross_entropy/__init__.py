@@ -6,7 +6,8 @@ Op signature::
 
 The loss is the sum over the tokens whose label is not ``ignore_index``, divided by ``num_items_in_batch``
 when given (the Trainer's gradient-accumulation normaliser) and by their count otherwise: transformers'
-``ForCausalLMLoss`` after its label shift.
+``ForCausalLMLoss`` after its label shift. With no label to count it is NaN (0 / 0), as transformers' mean over
+no tokens is, and every gradient is 0 (the ignored rows' gradients are zeros, never 0 times 1 / 0).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if needs_grad:
                 probs = torch.exp(logits - lse[:, None])
                 probs[torch.arange(len(y), device=y.device), y.clamp_min(0)] -= 1.0
-                probs *= (valid.to(probs.dtype) / denominator)[:, None]
+                # ignored rows: 0, not 0 / 0 when no label counts (the loss is NaN then, its gradients 0)
+                probs *= torch.where(valid, denominator.to(probs.dtype).reciprocal(), 0.0)[:, None]
                 g = probs.to(hidden.dtype)
                 if wants_hidden:
                     grad_hidden[start : start + chunk] = g @ weight

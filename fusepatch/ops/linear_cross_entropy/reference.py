@@ -7,9 +7,11 @@ import torch.nn.functional as F
 
 
 def _denominator(labels: torch.Tensor, ignore_index: int, num_items_in_batch) -> torch.Tensor:
+    """The Trainer's ``num_items_in_batch``, else the labels not ignored. None of those: 0, and the loss 0 / 0 =
+    NaN, as transformers' mean over no tokens gives (a batch with nothing to predict, e.g. one token)."""
     if num_items_in_batch is not None:
         return torch.as_tensor(num_items_in_batch, device=labels.device, dtype=torch.float32)
-    return (labels != ignore_index).sum().clamp_min(1).float()
+    return (labels != ignore_index).sum().float()
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
