@@ -1,10 +1,11 @@
 """Every field of a patched model's output equals transformers' own, for every family in the registry.
 
-fp32 on the CPU (transformers' own grouped-GEMM experts take no fp64), where the fused causal-LM loss (``chunked_on_cpu``) and the fused decoder forward (``calls``) run
-on stand-in candidates: what differs between the two models is fusepatch's forwards alone, so the bounds are
-fp32 rounding of reordered sums. Each call is made as users make it: training with labels (MoE: with the router's logits and its
-load-balancing loss), evaluation under ``no_grad``, a cache filled and continued, ``return_dict=False``, and
-greedy ``generate``.
+fp32 on the CPU (transformers' own grouped-GEMM experts take no fp64), where the fused causal-LM loss
+(``chunked_on_cpu``) and the fused decoder forward (``calls``) run on stand-in candidates: what differs between
+the two models is fusepatch's forwards alone, so the bounds are fp32 rounding of reordered sums. Each call is made
+as users make it: training with labels (MoE: with the router's logits and its load-balancing loss), evaluation
+under ``no_grad``, ``return_dict=False``, the Trainer's ``num_items_in_batch``, ``shift_labels``, batches with
+nothing to predict, a cache filled and continued, and greedy ``generate``.
 """
 
 from __future__ import annotations
@@ -31,11 +32,22 @@ def _pair(model_type: str, **overrides):
     return reference, patched
 
 
+def _grads_equal(reference, patched) -> None:
+    for (name, p), q in zip(reference.named_parameters(), patched.parameters()):
+        if p.grad is None:
+            assert q.grad is None, name
+            continue
+        torch.testing.assert_close(q.grad, p.grad, **GRAD_TOL, msg=name)
+
+
 def _same(a, b, path: str = "output") -> None:
     """Equal structure and values (tensors within ``TOL``; caches compared through their tensors)."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), path
         torch.testing.assert_close(b, a, **TOL, msg=path)
+    elif _is_cache(a):
+        assert _is_cache(b), path
+        _same(_cache_tensors(a), _cache_tensors(b), path)
     elif isinstance(a, (tuple, list)):
         assert type(a) is type(b) and len(a) == len(b), f"{path}: {type(b).__name__} of {len(b)} != {len(a)}"
         for index, (x, y) in enumerate(zip(a, b)):
@@ -76,8 +88,9 @@ def _cache_tensors(cache) -> list:
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
 def test_training_output_and_gradients(model_type, chunked_on_cpu, calls):
-    """A training call: loss (with an MoE's load-balancing loss), aux_loss, router_logits, hidden_states and every
-    parameter's gradient as transformers'; logits are skipped (the fused loss), and equal when asked for."""
+    """A training call: loss (with an MoE's load-balancing loss, fp32 as transformers' whatever the model's dtype),
+    aux_loss, router_logits, hidden_states and every parameter's gradient as transformers'; logits are None (the
+    fused loss), kept at their place among the keys, and equal when asked for."""
     reference, patched = _pair(model_type)
     reference.train(), patched.train()
     ids = torch.randint(0, reference.config.vocab_size, (2, 13))
@@ -85,18 +98,15 @@ def test_training_output_and_gradients(model_type, chunked_on_cpu, calls):
     ref = reference(input_ids=ids, labels=ids, output_hidden_states=True, use_cache=False, **extra)
     got = patched(input_ids=ids, labels=ids, output_hidden_states=True, use_cache=False, **extra)
     assert got.logits is None  # the fused loss never makes the logits in training unless asked
+    assert list(got.keys()) == list(ref.keys()), "the keys (and so integer indexing) as transformers orders them"
     assert calls, "the fused decoder forward did not run"
     ref_fields, got_fields = _fields(ref), _fields(got)
-    ref_fields.pop("logits")
+    ref_fields.pop("logits"), got_fields.pop("logits")
     _same(ref_fields, got_fields)
     if model_type in MOE_TYPES:
         assert got.aux_loss is not None and got.router_logits is not None
     ref.loss.backward(), got.loss.backward()
-    for (name, p), q in zip(reference.named_parameters(), patched.parameters()):
-        if p.grad is None:
-            assert q.grad is None, name
-            continue
-        torch.testing.assert_close(q.grad, p.grad, **GRAD_TOL, msg=name)
+    _grads_equal(reference, patched)
     asked = patched(input_ids=ids, labels=ids, use_cache=False, return_logits=True, **extra)
     torch.testing.assert_close(asked.logits, ref.logits, **TOL)
     torch.testing.assert_close(asked.loss, ref.loss, **TOL)
@@ -115,22 +125,87 @@ def test_router_aux_loss_counted_in_the_loss(model_type, chunked_on_cpu):
     torch.testing.assert_close(got.loss - without.loss, 0.5 * ref.aux_loss, **TOL)
 
 
+def _loss_calls(ids: torch.Tensor) -> dict[str, dict]:
+    """The loss arguments users pass, by name: the Trainer's ``num_items_in_batch`` (an int or a tensor; the
+    count over the whole accumulated batch), ``shift_labels`` (labels already shifted, as context-parallel
+    training gives them), and batches with nothing to predict: every label -100, or one token (after the shift
+    it predicts nothing). transformers' loss is NaN there (a mean over no tokens), 0 with ``num_items_in_batch``."""
+    labels = ids.clone()
+    labels[:, :4] = -100
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    shifted[0, -3:] = -100
+    ignored = torch.full_like(ids, -100)
+    return {
+        "labels": dict(input_ids=ids, labels=labels),
+        "num_items_int": dict(input_ids=ids, labels=labels, num_items_in_batch=57),
+        "num_items_tensor": dict(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(57)),
+        "shift_labels": dict(input_ids=ids, labels=labels, shift_labels=shifted),
+        "all_ignored": dict(input_ids=ids, labels=ignored),
+        "all_ignored_num_items": dict(input_ids=ids, labels=ignored, num_items_in_batch=torch.tensor(9)),
+        "one_token": dict(input_ids=ids[:1, :1], labels=ids[:1, :1]),
+    }
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_loss_arguments_and_empty_batches(model_type, chunked_on_cpu, calls):
+    """Every loss argument transformers takes gives transformers' loss (NaN where it gives NaN), dtype and every
+    gradient (none from a loss over no tokens but the router's)."""
+    reference, patched = _pair(model_type)
+    reference.train(), patched.train()
+    extra = {"output_router_logits": True} if model_type in MOE_TYPES else {}
+    for name, batch in _loss_calls(torch.randint(0, reference.config.vocab_size, (2, 9))).items():
+        reference.zero_grad(), patched.zero_grad()
+        ref = reference(**batch, use_cache=False, **extra)
+        got = patched(**batch, use_cache=False, **extra)
+        assert got.loss.dtype == ref.loss.dtype == torch.float32, name
+        torch.testing.assert_close(got.loss, ref.loss, **TOL, equal_nan=True, msg=name)
+        ref.loss.backward(), got.loss.backward()
+        _grads_equal(reference, patched)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, "autocast"])
+def test_loss_dtype_is_transformers(dtype, chunked_on_cpu):
+    """transformers' causal-LM loss is fp32 for any model dtype (``ForCausalLMLoss`` upcasts the logits with
+    ``.float()``): an fp64 model's too, and a bf16 model's, and under bf16 autocast over fp32 weights."""
+    wide = torch.float32 if dtype == "autocast" else dtype
+    reference = tiny_model("qwen3", dtype=wide).train()
+    patched = copy.deepcopy(reference)
+    fusepatch.apply(patched)
+    ids = torch.randint(0, reference.config.vocab_size, (2, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast"):
+        ref = reference(input_ids=ids, labels=ids, use_cache=False)
+        got = patched(input_ids=ids, labels=ids, use_cache=False)
+    assert got.logits is None, "the fused loss ran"
+    assert ref.loss.dtype == torch.float32 and got.loss.dtype == ref.loss.dtype
+    precise = dtype in (torch.float64, torch.float32)
+    torch.testing.assert_close(got.loss, ref.loss, **(TOL if precise else dict(rtol=2e-2, atol=2e-2)))
+
+
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
 def test_evaluation_and_tuple_outputs(model_type, chunked_on_cpu, calls):
-    """Evaluation (``no_grad``, eval mode, labels): every field, logits included; ``return_dict=False`` gives
-    transformers' tuple, in training too."""
+    """Evaluation (``no_grad``, eval mode, labels): every field, logits included. ``return_dict=False`` in
+    training gives transformers' tuple: every field at the position transformers puts it (``to_tuple``: the fields
+    that are set, in order), the logits' place held by None (the fused loss makes none), or the logits when asked
+    for (``return_logits=True``). An MoE's tuple with its router's outputs: (loss, aux_loss, None, cache, router
+    logits)."""
     reference, patched = _pair(model_type)
     reference.eval(), patched.eval()
     ids = torch.randint(0, reference.config.vocab_size, (2, 9))
     with torch.no_grad():
         _same(_fields(reference(input_ids=ids, labels=ids)), _fields(patched(input_ids=ids, labels=ids)))
     reference.train(), patched.train()
-    ref = reference(input_ids=ids, labels=ids, use_cache=False, return_dict=False)
-    got = patched(input_ids=ids, labels=ids, use_cache=False, return_dict=False)
-    assert isinstance(got, tuple)
-    # transformers' tuple: (loss, logits, ...); the fused loss leaves the logits out of it
-    _same(ref[0], got[0], "loss")
-    _same(ref[2:], got[1:], "rest")
+    calls_made = [dict(use_cache=False), dict(use_cache=True)]
+    if model_type in MOE_TYPES:
+        calls_made.append(dict(use_cache=True, output_router_logits=True))
+    for extra in calls_made:
+        ref = reference(input_ids=ids, labels=ids, return_dict=False, **extra)
+        got = patched(input_ids=ids, labels=ids, return_dict=False, **extra)
+        assert isinstance(got, tuple) and len(got) == len(ref), (extra, len(got), len(ref))
+        at = 2 if extra.get("output_router_logits") else 1  # transformers': loss, [aux_loss], logits, ...
+        assert got[at] is None and ref[at].shape == (*ids.shape, reference.config.vocab_size), extra
+        _same(ref[:at] + (None,) + ref[at + 1 :], got, f"tuple {extra}")
+        asked = patched(input_ids=ids, labels=ids, return_dict=False, return_logits=True, **extra)
+        _same(ref, asked, f"tuple with logits {extra}")
 
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
@@ -191,9 +266,7 @@ def test_right_padded_rows_are_not_packed(model_type, chunked_on_cpu, calls):
     got = patched(**batch, use_cache=False)
     torch.testing.assert_close(got.loss, ref.loss, **TOL)
     ref.loss.backward(), got.loss.backward()
-    for (name, p), q in zip(reference.named_parameters(), patched.parameters()):
-        if p.grad is not None:
-            torch.testing.assert_close(q.grad, p.grad, **GRAD_TOL, msg=name)
+    _grads_equal(reference, patched)
 
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)

@@ -1,7 +1,9 @@
 """CausalLM forward with the loss as a fused linear cross-entropy: with ``labels`` the full ``tokens x vocab``
 logits are never materialised (4 GB in fp32 per 4096 tokens at Qwen3.5's 248k vocabulary, plus their
-gradient). Logits are then not returned unless the call asks with ``return_logits=True``. Without labels, with
-``logits_to_keep`` or when the op falls back to eager, transformers' own forward runs unchanged.
+gradient). The output's ``logits`` are then None (in their place among the fields, and in the ``return_dict=False``
+tuple) unless the call asks for them with ``return_logits=True``; every other field, the loss's value and its fp32
+dtype are transformers'. Without labels, with ``logits_to_keep`` or when the op falls back to eager, transformers'
+own forward runs unchanged.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ def causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
     added to the loss as transformers adds it (``router_aux_loss_coef * aux_loss``).
 
     The fused loss runs for a training call (``labels`` given, the model in training mode, every position's
-    logits asked for); logits are then not returned, as Liger and TRL's own fused heads do, unless the call
-    passes ``return_logits=True``. ``return_logits=False`` asks for the fused loss outside training too. Any other
+    logits asked for); logits are then None, as Liger and TRL's own fused heads return them, unless the call
+    passes ``return_logits=True``: None in the logits' place, so that ``return_dict=False``'s tuple and integer
+    indexing give every field at transformers' position (``_with_loss``). ``return_logits=False`` asks for the fused loss outside training too. Any other
     call, and any call the op falls back for, is transformers' forward unchanged.
 
     Traced by torch.compile, a call given no positions, mask, cache or varlen boundaries tells the layers that
@@ -94,11 +97,23 @@ def _causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
     loss = _fused_loss(dispatch, hidden, weight, rows, kwargs.get("num_items_in_batch"))
     aux_loss = getattr(outputs, "aux_loss", None)
     if aux_loss is not None:  # transformers adds the router's load-balancing loss whenever labels are given
-        loss = loss + _router_aux_loss_coef(self) * aux_loss.to(loss.device)
-    logits = self.lm_head(hidden) if return_logits else None
-    # the same output class, rebuilt so that loss comes first (outputs[0], as transformers orders it)
-    outputs = type(outputs)(**{**dict(outputs.items()), "loss": loss, "logits": logits})
+        # in place there (``loss += ...``): the loss keeps its fp32
+        loss = loss + (_router_aux_loss_coef(self) * aux_loss.to(loss.device)).to(loss.dtype)
+    outputs = _with_loss(outputs, loss, self.lm_head(hidden) if return_logits else None)
     return outputs if return_dict else outputs.to_tuple()
+
+
+def _with_loss(outputs, loss: torch.Tensor, logits: torch.Tensor | None):
+    """transformers' output with the fused loss: the same class, its keys in transformers' order (loss first), the
+    logits' key kept even when they are None. A ``ModelOutput`` drops its None fields from its keys, its integer
+    indexing and ``to_tuple`` (the ``return_dict=False`` tuple); a dropped logits would move every later field one
+    place up (an MoE's ``out[2]`` the cache instead of the logits). Kept as None, every field sits where
+    transformers puts it, and ``out.logits``, ``out["logits"]`` and ``out[1]`` (``out[2]`` after an MoE's
+    ``aux_loss``) are all None: the fused loss made no logits."""
+    # a placeholder, so that the constructor keeps the logits' key in its place among the fields
+    rebuilt = type(outputs)(**{**dict(outputs.items()), "loss": loss, "logits": ()})
+    rebuilt["logits"] = logits  # ModelOutput.__setitem__: the key stays where it is, the attribute follows
+    return rebuilt
 
 
 conditional_generation_forward = causal_lm_forward
@@ -189,13 +204,16 @@ def _fused_loss(dispatch, hidden, weight, rows: LabelledRows, num_items_in_batch
     when the Trainer gives it) through the fused linear cross-entropy, over the labelled rows only where many are
     ignored (layers/support/labelled_rows.py). Under autocast the hidden states and the weight are cast to autocast's
     dtype first (differentiably, as autocast casts them for ``lm_head``) and the kernel runs with autocast off: it
-    gets exactly the dtype it was chosen and self-tested for."""
+    gets exactly the dtype it was chosen and self-tested for. The loss is fp32 whatever that dtype, as
+    transformers' is (``ForCausalLMLoss`` upcasts the logits with ``.float()``, an fp64 model's too); NaN when no
+    label counts, as transformers' mean over no tokens is."""
     flat, labels = rows.select(hidden.reshape(-1, hidden.shape[-1]))
     dtype = _loss_dtype(weight)
     with torch.autocast(weight.device.type, enabled=False):
-        return dispatch(
+        loss = dispatch(
             flat.to(dtype), weight.to(dtype), labels, ignore_index=-100, num_items_in_batch=num_items_in_batch
         )
+    return loss.float()
 
 
 def trainer_head(module: torch.nn.Module) -> str | None:
