@@ -1,11 +1,14 @@
 """Every field of a patched model's output equals transformers' own, for every family in the registry.
 
-fp32 on the CPU (transformers' own grouped-GEMM experts take no fp64), where the fused causal-LM loss
-(``chunked_on_cpu``) and the fused decoder forward (``calls``) run on stand-in candidates: what differs between
-the two models is fusepatch's forwards alone, so the bounds are fp32 rounding of reordered sums. Each call is made
-as users make it: training with labels (MoE: with the router's logits and its load-balancing loss), evaluation
-under ``no_grad``, ``return_dict=False``, the Trainer's ``num_items_in_batch``, ``shift_labels``, batches with
-nothing to predict, a cache filled and continued, and greedy ``generate``.
+Each test runs twice (``kernels``). "cpu": the ops a CPU chooses (eager: what a CPU user gets), with the fused
+causal-LM loss (``chunked_on_cpu``) and the fused decoder forward (``calls``) on CPU candidates where a test asks
+for them, in fp32. "stand-ins": every op through a CPU candidate running its reference (``stand_ins``), so that
+every layer takes the code it runs with GPU kernels, in fp64 where transformers' model of the family takes it (its
+MoE experts' grouped GEMM takes no fp64: fp32 there). What differs between the two models is fusepatch's forwards
+alone, so the bounds are the rounding of reordered sums. Each call is made as users make it: training with labels
+(MoE: with the router's logits and its load-balancing loss), evaluation under ``no_grad``, ``return_dict=False``,
+the Trainer's ``num_items_in_batch``, ``shift_labels``, batches with nothing to predict, a cache filled and
+continued, and greedy ``generate``.
 """
 
 from __future__ import annotations
@@ -24,11 +27,27 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 
 
-def _pair(model_type: str, **overrides):
-    """(transformers' model, the same weights patched), fp32."""
-    reference = tiny_model(model_type, **overrides)
+@pytest.fixture(params=["cpu", "stand-ins"])
+def kernels(request) -> str:
+    """How the patched model's ops run (the module docstring). A test lists it after ``chunked_on_cpu`` and
+    ``calls``: the stand-ins then go ahead of their candidates."""
+    if request.param == "stand-ins":
+        request.getfixturevalue("stand_ins")
+    return request.param
+
+
+def _pair(model_type: str, kernels: str = "cpu", *, left_padded: bool = False, **overrides):
+    """(transformers' model, the same weights patched): fp32, or fp64 under the stand-ins where the family allows;
+    under the stand-ins every op of every patched layer runs its stand-in. fp32 for left-padded batches too:
+    transformers' own fp64 model gives NaN in a left-padded row from its first layer on (its eager attention over
+    the fully masked padded positions; sdpa does not; transformers 5.25), so there is nothing to compare."""
+    wide = kernels == "stand-ins" and model_type not in MOE_TYPES and not left_padded
+    reference = tiny_model(model_type, dtype=torch.float64 if wide else torch.float32, **overrides)
     patched = copy.deepcopy(reference)
-    fusepatch.apply(patched)
+    report = fusepatch.apply(patched)
+    if kernels == "stand-ins":
+        chosen = {(layer.layer, c.op): c.chosen for layer in report.layers for c in layer.choices}
+        assert set(chosen.values()) == {"cpu-standin"}, chosen
     return reference, patched
 
 
@@ -87,11 +106,11 @@ def _cache_tensors(cache) -> list:
 
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
-def test_training_output_and_gradients(model_type, chunked_on_cpu, calls):
+def test_training_output_and_gradients(model_type, chunked_on_cpu, calls, kernels):
     """A training call: loss (with an MoE's load-balancing loss, fp32 as transformers' whatever the model's dtype),
     aux_loss, router_logits, hidden_states and every parameter's gradient as transformers'; logits are None (the
     fused loss), kept at their place among the keys, and equal when asked for."""
-    reference, patched = _pair(model_type)
+    reference, patched = _pair(model_type, kernels)
     reference.train(), patched.train()
     ids = torch.randint(0, reference.config.vocab_size, (2, 13))
     extra = {"output_router_logits": True} if model_type in MOE_TYPES else {}
@@ -99,7 +118,7 @@ def test_training_output_and_gradients(model_type, chunked_on_cpu, calls):
     got = patched(input_ids=ids, labels=ids, output_hidden_states=True, use_cache=False, **extra)
     assert got.logits is None  # the fused loss never makes the logits in training unless asked
     assert list(got.keys()) == list(ref.keys()), "the keys (and so integer indexing) as transformers orders them"
-    assert calls, "the fused decoder forward did not run"
+    assert calls or kernels == "stand-ins", "the fused decoder forward did not run"
     ref_fields, got_fields = _fields(ref), _fields(got)
     ref_fields.pop("logits"), got_fields.pop("logits")
     _same(ref_fields, got_fields)
@@ -113,9 +132,9 @@ def test_training_output_and_gradients(model_type, chunked_on_cpu, calls):
 
 
 @pytest.mark.parametrize("model_type", MOE_TYPES)
-def test_router_aux_loss_counted_in_the_loss(model_type, chunked_on_cpu):
+def test_router_aux_loss_counted_in_the_loss(model_type, chunked_on_cpu, kernels):
     """The load-balancing loss reaches the fused loss (it was dropped: MoE fine-tunes trained without it)."""
-    reference, patched = _pair(model_type, router_aux_loss_coef=0.5)
+    reference, patched = _pair(model_type, kernels, router_aux_loss_coef=0.5)
     patched.train(), reference.train()
     ids = torch.randint(0, reference.config.vocab_size, (2, 11))
     ref = reference(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
@@ -147,10 +166,10 @@ def _loss_calls(ids: torch.Tensor) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
-def test_loss_arguments_and_empty_batches(model_type, chunked_on_cpu, calls):
+def test_loss_arguments_and_empty_batches(model_type, chunked_on_cpu, calls, kernels):
     """Every loss argument transformers takes gives transformers' loss (NaN where it gives NaN), dtype and every
     gradient (none from a loss over no tokens but the router's)."""
-    reference, patched = _pair(model_type)
+    reference, patched = _pair(model_type, kernels)
     reference.train(), patched.train()
     extra = {"output_router_logits": True} if model_type in MOE_TYPES else {}
     for name, batch in _loss_calls(torch.randint(0, reference.config.vocab_size, (2, 9))).items():
@@ -182,13 +201,13 @@ def test_loss_dtype_is_transformers(dtype, chunked_on_cpu):
 
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
-def test_evaluation_and_tuple_outputs(model_type, chunked_on_cpu, calls):
+def test_evaluation_and_tuple_outputs(model_type, chunked_on_cpu, calls, kernels):
     """Evaluation (``no_grad``, eval mode, labels): every field, logits included. ``return_dict=False`` in
     training gives transformers' tuple: every field at the position transformers puts it (``to_tuple``: the fields
     that are set, in order), the logits' place held by None (the fused loss makes none), or the logits when asked
     for (``return_logits=True``). An MoE's tuple with its router's outputs: (loss, aux_loss, None, cache, router
     logits)."""
-    reference, patched = _pair(model_type)
+    reference, patched = _pair(model_type, kernels)
     reference.eval(), patched.eval()
     ids = torch.randint(0, reference.config.vocab_size, (2, 9))
     with torch.no_grad():
@@ -210,11 +229,11 @@ def test_evaluation_and_tuple_outputs(model_type, chunked_on_cpu, calls):
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_cache_continuation(model_type, grad, chunked_on_cpu):
+def test_cache_continuation(model_type, grad, kernels):
     """A prefill with ``use_cache=True`` leaves the cache transformers leaves, so the next token's logits are
     transformers'. With grad enabled too: inference code without ``no_grad`` does this (the linear-attention
     layers' cache was left empty, and the continuation was 0.08-0.10 off)."""
-    reference, patched = _pair(model_type)
+    reference, patched = _pair(model_type, kernels)
     reference.eval(), patched.eval()
     ids = torch.randint(0, reference.config.vocab_size, (2, 10))
     with torch.set_grad_enabled(grad):
@@ -227,9 +246,9 @@ def test_cache_continuation(model_type, grad, chunked_on_cpu):
 
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
-def test_generate_matches(model_type):
+def test_generate_matches(model_type, kernels):
     """Greedy generation with a cache, left-padded batch included: the same tokens and scores."""
-    reference, patched = _pair(model_type)
+    reference, patched = _pair(model_type, kernels, left_padded=True)
     reference.eval(), patched.eval()
     ids = torch.randint(1, reference.config.vocab_size, (2, 7))
     mask = torch.ones_like(ids)
@@ -256,10 +275,10 @@ def _padded_batch(vocab: int, zero_positions: bool):
 
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
-def test_right_padded_rows_are_not_packed(model_type, chunked_on_cpu, calls):
+def test_right_padded_rows_are_not_packed(model_type, chunked_on_cpu, calls, kernels):
     """Padding whose positions are 0 (RL collators) is padding, not a run of one-token documents: the batch runs
     as transformers runs it (it was refused as a packed batch whose mask crosses documents)."""
-    reference, patched = _pair(model_type)
+    reference, patched = _pair(model_type, kernels)
     reference.train(), patched.train()
     batch = _padded_batch(reference.config.vocab_size, zero_positions=True)
     ref = reference(**batch, use_cache=False)
@@ -270,11 +289,11 @@ def test_right_padded_rows_are_not_packed(model_type, chunked_on_cpu, calls):
 
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
-def test_left_padded_prefill_is_not_packed(model_type):
+def test_left_padded_prefill_is_not_packed(model_type, kernels):
     """Generation's left padding as ``generate`` writes its positions (``[1, 1, 1, 0, 1, ...]``: padded positions
     filled with 1) is a padded batch: the prefill and the cache it leaves are transformers' (it was refused as a
     packed batch)."""
-    reference, patched = _pair(model_type)
+    reference, patched = _pair(model_type, kernels, left_padded=True)
     reference.eval(), patched.eval()
     ids = torch.randint(1, reference.config.vocab_size, (2, 8))
     mask = torch.ones_like(ids)
