@@ -5,7 +5,7 @@ fused norms, SwiGLU, MoE experts and the fused loss inside a mini model, against
 from __future__ import annotations
 
 import pytest
-from conftest import compare_models, forward_syncs, loss_curves, model_failures, record
+from conftest import MINI, compare_models, forward_syncs, loss_curves, model_failures, record
 
 pytestmark = pytest.mark.gpu
 FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "qwen2_moe"]
@@ -146,3 +146,37 @@ def test_inductor_compiled_patched_model_matches_the_uncompiled_one(model_type, 
         if got > bound:
             worse[name] = (round(got, 5), round(bound, 5))
     assert not worse, worse
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_fused_loss_outputs_are_transformers(model_type):
+    """The fused loss on real kernels, bf16, in training: an fp32 loss as transformers' (within the bf16 bound
+    against transformers' own bf16 model), NaN where transformers' is NaN (every label -100), and
+    ``return_dict=False``'s tuple with every field at transformers' position, None in the logits' place."""
+    import copy
+
+    import torch
+
+    import fusepatch
+    from fusepatch.tools.tiny import tiny_model
+
+    reference = tiny_model(model_type, **MINI).cuda().to(torch.bfloat16).train()
+    patched = copy.deepcopy(reference)
+    report = fusepatch.apply(patched)
+    chosen = {c.op: c.chosen for layer in report.layers for c in layer.choices}
+    assert chosen["linear_cross_entropy"] != "eager", chosen
+    ids = torch.randint(0, reference.config.vocab_size, (2, 64), device="cuda")
+    extra = {"output_router_logits": True} if "moe" in model_type else {}
+    ref = reference(input_ids=ids, labels=ids, return_dict=False, **extra)
+    got = patched(input_ids=ids, labels=ids, return_dict=False, **extra)
+    at = 2 if extra else 1  # loss, [aux_loss], logits, cache, [router logits]
+    assert len(got) == len(ref) and got[at] is None and ref[at].shape[:2] == ids.shape
+    assert got[0].dtype == ref[0].dtype == torch.float32
+    torch.testing.assert_close(got[0], ref[0], rtol=2e-2, atol=2e-2)
+    for index in range(len(ref)):
+        if index != at:
+            assert type(got[index]) is type(ref[index]), index
+    ignored = torch.full_like(ids, -100)
+    ref_nan = reference(input_ids=ids, labels=ignored, use_cache=False).loss
+    got_nan = patched(input_ids=ids, labels=ignored, use_cache=False).loss
+    assert ref_nan.isnan() and got_nan.isnan() and got_nan.dtype == torch.float32

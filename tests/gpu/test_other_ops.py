@@ -211,6 +211,21 @@ def test_linear_cross_entropy(name, dtype, tokens, hidden, vocab):
     _compare(fn, OPS["linear_cross_entropy"].reference, [h, w, y], dtype, num_items_in_batch=items)
 
 
+@pytest.mark.parametrize("name", ["triton", "fla", "torch-chunked"])
+def test_linear_cross_entropy_with_nothing_labelled(name):
+    """No label to predict (every label -100): the loss is NaN as transformers' mean over no tokens is, and every
+    gradient 0 (the kernels zero the ignored rows' gradients instead of scaling them by 1 / 0); with the
+    Trainer's ``num_items_in_batch`` the loss is 0."""
+    fn = kernel("linear_cross_entropy", name, torch.bfloat16)
+    h = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(32003, 512, device="cuda") * 512**-0.5).to(torch.bfloat16).requires_grad_(True)
+    y = torch.full((300,), -100, device="cuda")
+    loss = fn(h, w, y)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    assert loss.isnan() and not gh.any() and not gw.any(), (loss, gh.abs().max(), gw.abs().max())
+    assert fn(h, w, y, num_items_in_batch=torch.tensor(7, device="cuda")).item() == 0.0
+
+
 @pytest.mark.parametrize("name", ["triton", "fla"])
 def test_fused_loss_compiles_nothing_new_for_new_lengths(name):
     """fla's own fused-loss backward compiles a kernel per token count (tokens x hidden is a constexpr);
