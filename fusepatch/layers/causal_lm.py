@@ -29,8 +29,9 @@ def causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
     The fused loss runs for a training call (``labels`` given, the model in training mode, every position's
     logits asked for); logits are then None, as Liger and TRL's own fused heads return them, unless the call
     passes ``return_logits=True``: None in the logits' place, so that ``return_dict=False``'s tuple and integer
-    indexing give every field at transformers' position (``_with_loss``). ``return_logits=False`` asks for the fused loss outside training too. Any other
-    call, and any call the op falls back for, is transformers' forward unchanged.
+    indexing give every field at transformers' position (``_with_loss``). ``return_logits=False`` asks for the
+    fused loss outside training too. Any other call, and any call the op falls back for, is transformers' forward
+    unchanged.
 
     Traced by torch.compile, a call given no positions, mask, cache or varlen boundaries tells the layers that
     its rows hold one document each (``packing.traced_plain_call``), as the positions' marks tell them in eager
