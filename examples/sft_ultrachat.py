@@ -253,7 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     callback = fusepatch.attach(
         trainer,
         fusepatch.FusePatchCallback(
-            apply_patches=not args.no_fusepatch, profile_step=args.profile_step, trace_dir=args.trace_dir
+            apply_patches=not args.no_fusepatch,
+            profile_step=args.profile_step,
+            trace_dir=args.trace_dir,
+            time_steps=True,  # steady_state() below: a benchmark, where a sync per step is the price of the numbers
         ),
     )
     trainer.train()

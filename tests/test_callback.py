@@ -45,7 +45,7 @@ def _trainer(tmp_path, callbacks, max_steps=4, **extra):
 
 
 def test_callback_applies_logs_the_report_and_profiles_a_step(tmp_path, caplog):
-    callback = FusePatchCallback(profile_step=2, trace_dir=str(tmp_path / "traces"))
+    callback = FusePatchCallback(profile_step=2, trace_dir=str(tmp_path / "traces"), time_steps=True)
     trainer = _trainer(tmp_path, [callback])
     with caplog.at_level(logging.INFO, logger="fusepatch"):
         trainer.train()
@@ -115,6 +115,56 @@ def test_mixed_precision_survives_patching_after_the_trainer_wrapped_the_model(t
     assert seen_by_loss and all(s == (torch.bfloat16, torch.bfloat16, False) for s in seen_by_loss), seen_by_loss
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+
+class PaddedTokens(RandomTokens):
+    """Rows of 48 tokens whose last 8 are padding (attention_mask 0)."""
+
+    def __getitem__(self, i):
+        mask = torch.ones(48, dtype=torch.long)
+        mask[40:] = 0
+        return {**super().__getitem__(i), "attention_mask": mask}
+
+
+@pytest.mark.parametrize("kwargs, synced", [({}, []), ({"profile_step": 3}, [3, 3])])
+def test_steps_not_profiled_neither_sync_nor_read_tensors_back(tmp_path, monkeypatch, kwargs, synced):
+    """A step that is not profiled runs as it would without the callback: no device sync (each one empties the GPU's
+    queue) and no tensor read back to the host by the token count. Profiling is opt-in and takes one step, synced
+    at both ends; it counts the tokens that are not padding."""
+    from transformers import TrainerCallback
+
+    step, syncs, reads, inside = [0], [], [], []
+
+    class Steps(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            step[0] = state.global_step + 1
+
+    monkeypatch.setattr(FusePatchCallback, "_sync", lambda self: syncs.append(step[0]))
+    counting = FusePatchCallback._count_tokens
+
+    def watched_count(self, *args, **kw):
+        inside.append(1)
+        try:
+            return counting(self, *args, **kw)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(FusePatchCallback, "_count_tokens", watched_count)
+    for name in ("__int__", "__index__", "item", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda t, *a, _real=real, _name=name: (inside and reads.append(_name)) or _real(t, *a)
+        )
+    callback = FusePatchCallback(**kwargs)
+    trainer = _trainer(tmp_path, [Steps(), callback])
+    trainer.train_dataset = PaddedTokens()
+    trainer.train()
+    assert syncs == synced and reads == []
+    assert (callback.last_profile is None) == (not kwargs)
+    if kwargs:
+        assert callback.last_profile.step == 3 and callback.last_profile.tokens == 2 * 40
+    keys = {k for entry in trainer.state.log_history for k in entry}
+    assert "fusepatch/first_step_s" in keys and ("fusepatch/cpu_ops_per_step" in keys) == bool(kwargs)
 
 
 def test_profiling_off(tmp_path):
@@ -232,9 +282,8 @@ def test_frozen_weights_count_no_weight_gradient():
 
 def test_a_slow_first_step_is_explained(caplog):
     callback = FusePatchCallback(profile=False)
-    callback.step_times = {1: (95.0, 4096), 2: (0.25, 4096)}
     with caplog.at_level(logging.WARNING, logger="fusepatch"):
-        callback._report_first_step()
+        callback._report_first_step(95.0, 0.25)
     assert "first step took 95 s, 380x the second" in caplog.text and "fusepatch warmup" in caplog.text
     assert callback._pending["fusepatch/first_step_s"] == 95.0
 

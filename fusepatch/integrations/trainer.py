@@ -1,8 +1,9 @@
-"""A transformers ``TrainerCallback``: apply the patches, log the report, and profile one step.
+"""A transformers ``TrainerCallback``: apply the patches, log the report, and (opt-in) profile one step.
 
-The profiled step is logged through the Trainer's own logging (``state.log_history``, console, and the
-reporters that run after this callback; ``fusepatch.attach(trainer)`` puts it first so that TensorBoard and
-W&B see the metrics too).
+Steps that are not profiled run as they would without the callback: no device sync and no tensor read back to
+the host (either one drains the GPU's queue). The profiled step is logged through the Trainer's own logging
+(``state.log_history``, console, and the reporters that run after this callback; ``fusepatch.attach(trainer)``
+puts it first so that TensorBoard and W&B see the metrics too).
 """
 
 from __future__ import annotations
@@ -57,6 +58,36 @@ def _keep_autocast(model: torch.nn.Module, dtype: torch.dtype | None) -> bool:
     return True
 
 
+class _Stopwatch:
+    """The time the device took from ``start`` to ``stop``, read without making the host wait for it: CUDA events
+    where CUDA runs (read once the GPU has passed the stop), the host clock elsewhere."""
+
+    def __init__(self) -> None:
+        self._seconds: float | None = None
+        self._events = None
+        if torch.cuda.is_available():
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        self._started = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._seconds = time.perf_counter() - self._started
+
+    def seconds(self, *, wait: bool = False) -> float | None:
+        """None while the GPU has not reached the stop; ``wait``: wait for it (once training is over)."""
+        if self._seconds is None and self._events is not None:
+            start, end = self._events
+            if wait:
+                end.synchronize()
+            elif not end.query():
+                return None
+            self._seconds = start.elapsed_time(end) / 1000.0
+        return self._seconds
+
+
 # measured with the benchmark harness (docs/benchmarks.md, "apply(model, cuda_graphs=True)")
 GRAPHS_GAIN = "Qwen3.5-0.8B on an H200: GPU busy 78% -> 96%; 2B-like: 1.43x -> 1.53x of transformers' fast path"
 
@@ -86,22 +117,31 @@ def graphs_advice(model: torch.nn.Module) -> str:
 
 
 class FusePatchCallback(TrainerCallback):
-    """Apply fusepatch when training begins and show what a torch trace of one step shows.
+    """Apply fusepatch when training begins, log the report, and on request show what a torch trace of one step
+    shows.
+
+    By default no step is profiled and no step waits for the device: the first two steps are timed with CUDA
+    events (read once the GPU has passed them) to say when the first one compiled kernels.
 
     Args:
         apply_patches: call ``fusepatch.apply`` on the model if it is not patched yet.
         apply_kwargs: keyword arguments for ``fusepatch.apply`` (``ops``, ``exclude``, ``prefer``, ``strict``,
             ``cuda_graphs``).
-        profile: profile one optimizer step with ``torch.profiler``.
-        profile_step: which optimizer step (1-based) to profile; the default leaves warm-up and autotuning behind.
+        profile: profile one optimizer step with ``torch.profiler`` (default: only when ``profile_step`` is
+            given). What it costs: that step syncs the device at both ends and runs slower, since the profiler
+            records every op (a tiny model on CPU: 2.1x the median step); its tokens/s and MFU are measured over
+            that step's wall time, so where the profiler's overhead is large they understate the steady rate.
+        profile_step: which optimizer step (1-based) to profile (default 5: warm-up and autotuning are behind).
         trace_dir: also write the Chrome trace of that step there.
         peak_tflops: the GPU's peak for MFU; default from the GPU name (datasheet dense bf16), none on CPU.
-        time_steps: time every optimizer step (one device sync at each end) for ``steady_state()``: the median
-            over the steps after the first two (compiling) and the profiled one (profiler overhead).
+        time_steps: time every optimizer step for ``steady_state()``: the median over the steps after the first
+            two (compiling) and the profiled one (profiler overhead). Off by default: it syncs the device at
+            both ends of every step, which drains the GPU's queue each time.
 
     Example::
 
         >>> trainer = Trainer(model, args, train_dataset=ds, callbacks=[FusePatchCallback()])  # doctest: +SKIP
+        >>> profiled = FusePatchCallback(profile_step=20, trace_dir="traces")  # doctest: +SKIP
     """
 
     def __init__(
@@ -109,24 +149,23 @@ class FusePatchCallback(TrainerCallback):
         *,
         apply_patches: bool = True,
         apply_kwargs: dict | None = None,
-        profile: bool = True,
-        profile_step: int = 5,
+        profile: bool | None = None,
+        profile_step: int | None = None,
         trace_dir: str | None = None,
         peak_tflops: float | None = None,
-        time_steps: bool = True,
+        time_steps: bool = False,
     ) -> None:
-        if profile_step < 1:
+        if profile_step is not None and profile_step < 1:
             raise ValueError(f"profile_step counts optimizer steps from 1, got {profile_step}")
         self.apply_patches = apply_patches
         self.apply_kwargs = dict(apply_kwargs or {})
-        self.profile = profile
-        self.profile_step = profile_step
+        self.profile = profile_step is not None if profile is None else profile
+        self.profile_step = 5 if profile_step is None else profile_step
         self.trace_dir = trace_dir
         self.peak_tflops = peak_tflops
         self.report = None
         self.last_profile: profiling.StepProfile | None = None
         self._pending: dict[str, float] = {}
-        self._tokens = 0
         self._seq_len = 0
         self._hook = None
         self._profiler = None
@@ -135,7 +174,11 @@ class FusePatchCallback(TrainerCallback):
         self.time_steps = time_steps
         self.step_times: dict[int, tuple[float, int]] = {}  # optimizer step -> (wall s, tokens on this rank)
         self._step_start = 0.0
-        self._step_tokens = 0
+        # tokens of this step, counted only in a timed or profiled step; a padded batch's count stays a device
+        # tensor until the step's closing sync
+        self._counting = False
+        self._step_tokens: int | torch.Tensor = 0
+        self._first_steps: dict[int, _Stopwatch] = {}  # steps 1 and 2, until the first step is reported
         # Triton kernel builds per step: after the first two steps they mean sizes that keep changing
         self.compiles = CompileCounter()
         self.late_builds: collections.Counter[str] = collections.Counter()  # builds in steps 3 and later
@@ -167,7 +210,7 @@ class FusePatchCallback(TrainerCallback):
         self.compiles.install()
 
     def _count_tokens(self, module, args, kwargs):
-        if not module.training:
+        if not module.training or not self._counting:
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
@@ -178,9 +221,10 @@ class FusePatchCallback(TrainerCallback):
         if shape is None:
             return
         mask = kwargs.get("attention_mask")
-        count = int(mask.sum()) if isinstance(mask, torch.Tensor) and mask.ndim == 2 else int(shape[0] * shape[-1])
-        self._tokens += count
-        self._step_tokens += count
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+            self._step_tokens = mask.sum() + self._step_tokens  # no read: the host would wait for the GPU
+        else:
+            self._step_tokens += int(shape[0] * shape[-1])
         self._seq_len = int(shape[-1])
 
     # -- one profiled step -------------------------------------------------------------------------------
@@ -190,14 +234,21 @@ class FusePatchCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._builds_before = self.compiles.counts.copy()
-        if self._hook is not None and (self.time_steps or state.global_step + 1 <= 2):
-            self._sync()
-            self._step_start = time.perf_counter()
-            self._step_tokens = 0
-        if not self.profile or state.global_step + 1 != self.profile_step or self._hook is None:
+        if self._hook is None:
+            return
+        step = state.global_step + 1
+        if step <= 2:
+            self._first_steps[step] = _Stopwatch()
+        profiled = self.profile and step == self.profile_step
+        self._counting = self.time_steps or profiled
+        if not self._counting:
+            return
+        self._sync()  # the step's time and profile start from an empty queue
+        self._step_start = time.perf_counter()
+        self._step_tokens = 0
+        if not profiled:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
-        self._sync()
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.reset_peak_memory_stats()
@@ -206,31 +257,37 @@ class FusePatchCallback(TrainerCallback):
         self._labels.__enter__()
         self._profiler = torch.profiler.profile(activities=activities)
         self._profiler.__enter__()
-        self._tokens = 0
         self._start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self._hook is not None and (self.time_steps or state.global_step <= 2):
-            self._sync()
-            self.step_times[state.global_step] = (time.perf_counter() - self._step_start, self._step_tokens)
-            if state.global_step == 2:
-                self._report_first_step()
+        if state.global_step in self._first_steps:
+            self._first_steps[state.global_step].stop()
+        self._first_step_timed()
         builds = self.compiles.since(self._builds_before)
         if builds and state.global_step > 2:
             self._late_builds(state.global_step, builds)
-        if self._profiler is None:
+        if not self._counting:
             return
+        self._counting = False
         self._sync()
-        wall = time.perf_counter() - self._start
-        self._profiler.__exit__(None, None, None)
-        self._labels.__exit__(None, None, None)
-        prof, self._profiler, self._labels = self._profiler, None, None
+        ended = time.perf_counter()
+        prof = self._profiler
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            self._labels.__exit__(None, None, None)
+            self._profiler = self._labels = None
+        tokens = int(self._step_tokens)  # after the sync (nothing left to wait for) and outside the trace
+        if self.time_steps:
+            self.step_times[state.global_step] = (ended - self._step_start, tokens)
+        if prof is None:
+            return
+        wall = ended - self._start
         peak = self.peak_tflops
         if peak is None and torch.cuda.is_available():
             peak = profiling.peak_tflops_for(torch.cuda.get_device_name())
         flops = profiling.flops_per_token(self._model, self._seq_len) if self._seq_len else None
         result = profiling.summarize(
-            prof.events(), step=state.global_step, wall_s=wall, tokens=self._tokens, flops=flops, peak_tflops=peak
+            prof.events(), step=state.global_step, wall_s=wall, tokens=tokens, flops=flops, peak_tflops=peak
         )
         self.last_profile = result
         self._pending.update(result.metrics())
@@ -279,8 +336,18 @@ class FusePatchCallback(TrainerCallback):
                 describe(builds),
             )
 
-    def _report_first_step(self) -> None:
-        first, second = self.step_times.get(1, (0.0, 0))[0], self.step_times.get(2, (0.0, 0))[0]
+    def _first_step_timed(self, *, wait: bool = False) -> None:
+        """Report the first step once the GPU has passed the end of the second (``wait``: wait for it)."""
+        if 2 not in self._first_steps or 1 not in self._first_steps:
+            return
+        second = self._first_steps[2].seconds(wait=wait)
+        first = self._first_steps[1].seconds(wait=wait)
+        if first is None or second is None:
+            return
+        self._first_steps.clear()
+        self._report_first_step(first, second)
+
+    def _report_first_step(self, first: float, second: float) -> None:
         self._pending["fusepatch/first_step_s"] = round(first, 3)
         if second > 0 and first > 5 * second and first > 10.0:
             logger.warning(
@@ -293,6 +360,7 @@ class FusePatchCallback(TrainerCallback):
 
     # -- logging -------------------------------------------------------------------------------------------
     def on_log(self, args, state, control, logs=None, **kwargs):
+        self._first_step_timed()
         if not self._pending:
             return
         if logs is not None:
@@ -302,6 +370,7 @@ class FusePatchCallback(TrainerCallback):
         self._pending.clear()
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._first_step_timed(wait=True)  # training is over: waiting costs nothing
         steady = self.steady_state()
         if steady:
             logger.info(
