@@ -224,6 +224,17 @@ def test_bad_arguments_are_one_line_errors(args, message):
     assert message in result.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize("json_output", [False, True])
+def test_list_of_an_unknown_model_type_is_an_error_naming_the_supported_ones(json_output):
+    from fusepatch.core.registry import known_model_types
+
+    result = _run("list", "--model-type", "llama", *(["--json"] if json_output else []), check_rc=None)
+    assert result.returncode == 2 and result.stdout == "", result.stdout[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("python -m fusepatch list: error: ") and "'llama'" in line
+    assert f"supported: {', '.join(known_model_types())}" in line
+
+
 def test_demo_on_a_missing_gpu_says_so_in_one_line():
     import torch
 

@@ -45,11 +45,25 @@ def _doctor(args: argparse.Namespace) -> int:
     return 1 if args.strict and report["fallbacks"] else 0
 
 
+def _unknown_model_types(given: list[str] | None) -> str:
+    """Why ``given`` names a model_type fusepatch has no rows for (with the supported ones), or ``""``."""
+    from fusepatch.core.registry import known_model_types
+
+    known = known_model_types()
+    unknown = [t for t in given or [] if t not in known]
+    if not unknown:
+        return ""
+    return f"no fusepatch rows for model_type {', '.join(map(repr, unknown))}; supported: {', '.join(known)}"
+
+
 def _list(args: argparse.Namespace) -> int:
     from fusepatch.core.registry import all_rows
     from fusepatch.core.resolve import ordered, preferred_sources
     from fusepatch.ops import OPS
 
+    unknown = _unknown_model_types(args.model_type)
+    if unknown:
+        raise CommandError(f"--model-type: {unknown}")
     prefer = preferred_sources(None)
 
     rows = [r for r in all_rows() if not args.model_type or set(r.model_types) & set(args.model_type)]
