@@ -33,9 +33,50 @@ def test_warmup_times_every_patched_op(tmp_path):
     assert all(r.ready_s >= 0 for r in results)
 
 
-def test_warmup_cli_without_gpu_says_where_to_run():
-    result = subprocess.run(
-        [sys.executable, "-m", "fusepatch", "warmup", "qwen3_5_text"], capture_output=True, text=True
+def _warmup_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fusepatch", "warmup", *args], capture_output=True, text=True, timeout=timeout
     )
-    assert result.returncode == 1 and "no CUDA device" in result.stderr and "TRITON_CACHE_DIR=" in result.stderr
+
+
+def _one_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stdout == "" and "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("python -m fusepatch warmup: error: ")
+    return line
+
+
+def _needs_no_gpu() -> None:
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+
+
+def test_warmup_cli_without_gpu_says_where_to_run():
+    _needs_no_gpu()
+    line = _one_line(_warmup_cli("qwen3_5_text"))
+    assert "no CUDA device" in line and "TRITON_CACHE_DIR=" in line and "fix: run it where the GPU is" in line
     assert {row[1] for row in cache_locations()} == {"TRITON_CACHE_DIR", "TILELANG_CACHE_DIR"}
+
+
+def test_warmup_cli_refuses_what_it_cannot_do_in_one_line(tmp_path):
+    """A CPU has nothing to warm (every op runs eager there; a full-size model on CPU ran 10 minutes at 11 GB
+    without finishing a step), ``--device cuda`` needs a GPU, and a model type without rows has no kernels: each is
+    one line with the fix, at once, instead of a traceback or a model built for nothing."""
+    from transformers import AutoConfig
+
+    from fusepatch.core.registry import known_model_types
+
+    line = _one_line(_warmup_cli("qwen3_5_text", "--device", "cpu", timeout=60))
+    assert "--device cpu" in line and "nothing to warm" in line and "fix: " in line
+    supported = f"supported: {', '.join(known_model_types())}"
+    assert supported in _one_line(_warmup_cli("llama", "--device", "cuda"))
+    AutoConfig.for_model("llama").save_pretrained(tmp_path)
+    line = _one_line(_warmup_cli(str(tmp_path), "--device", "cuda"))
+    assert "'llama'" in line and supported in line
+    _needs_no_gpu()
+    line = _one_line(_warmup_cli("qwen3_5_text", "--device", "cuda"))
+    assert "--device cuda: torch " in line and "fix: " in line

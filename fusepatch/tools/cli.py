@@ -88,14 +88,21 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _no_gpu() -> str:
+    """Why torch sees no GPU here, or ``""``."""
     import torch
 
+    if torch.cuda.is_available():
+        return ""
+    build = "a CPU-only build" if torch.version.cuda is None else "a CUDA build that sees no GPU"
+    return f"torch {torch.__version__} is {build}"
+
+
+def _demo(args: argparse.Namespace) -> int:
     from fusepatch.tools.demo import run
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None else "a CUDA build that sees no GPU"
-        raise CommandError(f"--device cuda: torch {torch.__version__} is {build}; fix: run on a GPU machine or drop it")
+    if args.device == "cuda" and _no_gpu():
+        raise CommandError(f"--device cuda: {_no_gpu()}; fix: run on a GPU machine or drop it")
     if not args.verbose:  # the report printed below holds every fallback's reason and fix
         logging.getLogger("fusepatch").setLevel(logging.ERROR)
     result = run(model_type=args.model_type, steps=args.steps, seq_len=args.seq_len, device=args.device)
@@ -167,27 +174,29 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _warmup(args: argparse.Namespace) -> int:
-    import torch
+    from fusepatch.tools.warmup import cache_locations, dockerfile_hint, warmup, warmup_config
 
-    from fusepatch.tools.warmup import cache_locations, dockerfile_hint, warmup
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else None)
-    if device is None:
-        print(
-            "fusepatch warmup: no CUDA device; the fused kernels compile on the GPU they run on. Run this where the "
-            "GPU is (a GPU build step of the container image), with the caches below kept in the image.",
-            file=sys.stderr,
+    try:
+        warmup_config(args.source)  # an unknown model type: said before any device question
+    except (ValueError, OSError) as exc:  # OSError: a folder without a readable config.json
+        raise CommandError(str(exc).splitlines()[0]) from None
+    caches = " and ".join(f"{variable}={path}" for _, variable, path in cache_locations())
+    where = f"fix: run it where the GPU is (a GPU build step of the container image), keeping {caches} in the image"
+    if args.device == "cpu":
+        raise CommandError(
+            "--device cpu: warmup compiles and autotunes the fused GPU kernels; on a CPU every op runs eager, so "
+            f"there is nothing to warm; {where}"
         )
-        for what, variable, path in cache_locations():
-            print(f"  {variable}={path}   # {what}", file=sys.stderr)
-        return 1
+    if _no_gpu():
+        flag = "--device cuda" if args.device == "cuda" else "no CUDA device"
+        raise CommandError(f"{flag}: {_no_gpu()}, and the fused kernels compile on the GPU they run on; {where}")
     results = warmup(
         args.source,
         dtype=args.dtype,
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
         packed=args.packed,
-        device=device,
+        device="cuda",
         progress=lambda text: print(f"warmup: {text}", file=sys.stderr, flush=True),
     )
     print(
@@ -278,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument("--seq-len", type=_positive, default=4096)
     warm.add_argument("--micro-batch", type=_positive, default=1)
     warm.add_argument("--packed", action="store_true", help="also the packed (varlen) kernel variants")
-    warm.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    warm.add_argument(
+        "--device", default=None, choices=["cpu", "cuda"], help="cuda (the default); cpu has nothing to warm: refused"
+    )
     warm.set_defaults(func=_warmup)
 
     args = parser.parse_args(argv)

@@ -46,13 +46,27 @@ class OpTiming:
 
 def warmup_config(source: str, *, text_only: bool = True):
     """The model's config with one layer of each kind: a model_type (transformers' default sizes) or a local
-    config path."""
-    AutoConfig = require_transformers().AutoConfig
+    config path. A model type fusepatch has no rows for raises ValueError naming the supported ones: it has no
+    kernel to warm."""
+    from fusepatch.core.registry import known_model_types
 
+    AutoConfig = require_transformers().AutoConfig
+    known = known_model_types()
     if os.path.exists(source):
         config = AutoConfig.from_pretrained(source)
-    else:
+    elif source in known:
         config = AutoConfig.for_model(source)
+    else:
+        raise ValueError(
+            f"{source!r} is neither a config path nor a model type fusepatch patches; supported: {', '.join(known)}"
+        )
+    types = {config.model_type}
+    if hasattr(config, "get_text_config"):
+        types.add(config.get_text_config().model_type)
+    if not types & set(known):
+        raise ValueError(
+            f"{source}: no fusepatch rows for model_type {config.model_type!r}; supported: {', '.join(known)}"
+        )
     if text_only and hasattr(config, "get_text_config"):
         config = config.get_text_config()
     kinds = list(dict.fromkeys(getattr(config, "layer_types", None) or ["full_attention"]))
