@@ -29,6 +29,15 @@ def _fusepatch_logs(caplog):
 
 
 @pytest.fixture(autouse=True)
+def _reasons_not_said_yet():
+    """Each test starts as a fresh process would: no fallback reason said yet (fusepatch says each one once)."""
+    from fusepatch.core.log import REASONS
+
+    REASONS.reset()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _no_disable(monkeypatch):
     monkeypatch.delenv("FUSEPATCH_DISABLE", raising=False)
     monkeypatch.delenv("FUSEPATCH_PREFER", raising=False)

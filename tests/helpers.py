@@ -229,3 +229,31 @@ def sft_sample(conversations: int | None = None):
     tokenizer = example.build_tokenizer(rows, vocab_size=512)  # trained on every conversation
     kept = rows if conversations is None else rows.select(range(conversations))
     return datasets.Dataset.from_list([{"messages": r["messages"]} for r in kept]), tokenizer
+
+
+def fallback_reasons(*models: torch.nn.Module) -> dict[str, str]:
+    """Every reason (with its fix) a patched layer of ``models`` fell back for, over every device, dtype and
+    packing its ops were chosen for."""
+    found: dict[str, str] = {}
+    for model in models:
+        for module in model.modules():
+            state = module.__dict__.get("_fusepatch")
+            for dispatch in state.ops.values() if state is not None else ():
+                for choice in dispatch.seen():
+                    wired = [r for r in choice.rejected if not r.set_aside] or list(choice.rejected)
+                    for rejection in wired if not choice.fused else ():
+                        for reason, fix in rejection.reasons():
+                            found.setdefault(reason, fix)
+    return found
+
+
+def assert_each_reason_once(messages: list[str], reasons: dict[str, str]) -> None:
+    """Each reason occurs once in ``messages``, in a line that carries its fix (a reason contained in a longer one is
+    left to that one)."""
+    assert reasons
+    for reason, fix in reasons.items():
+        if any(reason != other and reason in other for other in reasons):
+            continue
+        said = [m for m in messages if reason in m]
+        assert sum(m.count(reason) for m in messages) == 1, (reason, said)
+        assert all(one in said[0] for one in fix.split(" && ") if one), (reason, fix, said)

@@ -57,6 +57,7 @@ def test_verbosity_switches(monkeypatch, caplog):
     monkeypatch.delenv("FUSEPATCH_VERBOSITY")  # apply refuses the value (tests/test_options.py)
     for verbose, table, totals in ((True, True, False), (None, False, True), (False, False, False)):
         caplog.clear()
+        log.REASONS.reset()  # as in a fresh process: each reason is said once per process
         with caplog.at_level(logging.INFO, logger="fusepatch"):
             report = fusepatch.apply(tiny_model("qwen3"), verbose=verbose)
         infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
@@ -77,3 +78,22 @@ def test_fallbacks_are_grouped_by_reason(caplog):
     assert "gated_delta_rule" in gdn and "fix: pip install" in gdn
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert report.totals() in infos
+
+
+def test_each_fallback_reason_is_logged_once_per_process(caplog):
+    """A TRL SFT run logged one reason 22 times in 45 lines: every apply, and every new dtype or packed call a layer
+    met after it, said its reasons again. Each distinct reason is said once per process, with its fix."""
+    import torch
+    from helpers import assert_each_reason_once, fallback_reasons
+
+    ids = torch.randint(0, 512, (1, 12))
+    packed = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2]])
+    with caplog.at_level(logging.INFO, logger="fusepatch"):
+        models = [tiny_model("qwen3"), tiny_model("qwen3_5_text"), tiny_model("qwen3")]
+        for model in models:
+            fusepatch.apply(model)
+            model(input_ids=ids, labels=ids, use_cache=False)
+            model.to(torch.bfloat16)(input_ids=ids, labels=ids, position_ids=packed, use_cache=False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    reasons = fallback_reasons(*models)
+    assert_each_reason_once(warnings, reasons)

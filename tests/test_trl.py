@@ -3,9 +3,11 @@ head and says so, and the run trains as TRL's own does (packing, padding-free, a
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
-from helpers import sft_sample
+from helpers import assert_each_reason_once, fallback_reasons, sft_sample
 
 import fusepatch
 from fusepatch.tools.tiny import tiny_model
@@ -121,3 +123,22 @@ def test_packed_hybrid_model_trains_through_trl(data, tmp_path):
     )
     assert _head(callback.report).choices[0].chosen == "TRL's fused LM head"
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_a_run_says_each_fallback_reason_once(data, tmp_path, caplog):
+    """An SFT run's log said one fallback reason 22 times in 45 lines (apply's lines, then each layer's again for
+    each new dtype and packed call): each distinct reason is said once, with its fix."""
+    callback = fusepatch.FusePatchCallback()
+    with caplog.at_level(logging.INFO, logger="fusepatch"):
+        trainer, losses = _train(
+            data,
+            tmp_path,
+            model_type="qwen3_5_text",
+            callbacks=[callback],
+            padding_free=True,
+            max_length=None,
+            bf16=True,
+        )
+    assert len(losses) == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert_each_reason_once(warnings, fallback_reasons(trainer.model))

@@ -4,6 +4,7 @@ The ``fusepatch`` logger gets one handler writing to stderr. It stays silent whi
 its own (a handler on the root logger: ``logging.basicConfig``, a Trainer's or a test's), since the record then
 reaches that handler through propagation. The level comes from ``FUSEPATCH_VERBOSITY`` (``error``,
 ``warning``, ``info``, ``debug``; default ``info``: what was patched, every fallback with its reason and fix).
+Each distinct fallback reason is said once per process (:data:`REASONS`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 
 logger = logging.getLogger("fusepatch")
 
@@ -30,6 +32,35 @@ class _DefaultHandler(logging.StreamHandler):
             return
         self.stream = sys.stderr  # the stream of now (pytest's capsys, a redirected stderr)
         super().emit(record)
+
+
+class SaidOnce:
+    """The keys (fallback reasons) this process has already said at WARNING. A training run meets the same reason
+    in every model it patches and in each new dtype or packed call of every layer (one SFT run said one reason 22
+    times in 45 lines); the first time says it with its fix, later times go to DEBUG. Tests ``reset()`` it."""
+
+    def __init__(self) -> None:
+        self._said: set[str] = set()
+        self._lock = threading.Lock()
+
+    def first(self, key: str) -> bool:
+        """Whether ``key`` was not said yet; it counts as said from now on."""
+        with self._lock:
+            if key in self._said:
+                return False
+            self._said.add(key)
+            return True
+
+    def warn(self, key: str, message: str, *args: object) -> None:
+        """Log ``message`` at WARNING the first time ``key`` comes, at DEBUG after."""
+        logger.log(logging.WARNING if self.first(key) else logging.DEBUG, message, *args)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._said.clear()
+
+
+REASONS = SaidOnce()  # the fallback reasons said so far: apply's lines and the choices made after it
 
 
 def verbosity() -> int:

@@ -21,6 +21,7 @@ import torch
 from fusepatch import backends
 from fusepatch.core import options
 from fusepatch.core.env import capture
+from fusepatch.core.log import REASONS
 from fusepatch.core.registry import Row, known_model_types, rows_for
 from fusepatch.core.reporting import LayerReport, PatchReport
 from fusepatch.core.resolve import (
@@ -467,8 +468,8 @@ def apply(
     elif verbose is None:
         logger.info("%s", report.totals())
     if newly or on_meta:
-        for line in report.grouped_fallbacks():
-            logger.warning(line)
+        for reason, line in report.fallback_reasons():
+            REASONS.warn(reason, "%s", line)  # once per process: another model, or apply again, says it no more
         lines = report.lora_lines()
         if lines:
             logger.info(lines[0])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from fusepatch.core.resolve import Choice
+from fusepatch.core.resolve import Choice, reasons_and_fixes
 
 
 @dataclass(frozen=True)
@@ -95,25 +95,18 @@ class PatchReport:
         lines += [f"fusepatch: x{count}: {line}" for line, count in self.lora.get("unfused", {}).items()]
         return lines
 
-    def grouped_fallbacks(self) -> list[str]:
-        """Each distinct reason once, with the ops it keeps on eager and its fix (a CPU machine's one reason is one
-        line, not one per op and candidate)."""
-        groups: dict[str, tuple[list[str], list[str]]] = {}
-        for _, choice in self.fallbacks():
-            wired = [r for r in choice.rejected if not r.set_aside] or list(choice.rejected)
-            for rejection in wired:
-                for reason, fix in rejection.reasons():
-                    ops, fixes = groups.setdefault(reason, ([], []))
-                    if choice.op not in ops:
-                        ops.append(choice.op)
-                    for one in filter(None, fix.split(" && ")):
-                        if one not in fixes:
-                            fixes.append(one)
+    def fallback_reasons(self) -> list[tuple[str, str]]:
+        """(reason, its line) for each distinct reason: the line names the ops it keeps on eager and its fix (a CPU
+        machine's one reason is one line, not one per op and candidate)."""
         lines = []
-        for reason, (ops, fixes) in groups.items():
+        for reason, (ops, fixes) in reasons_and_fixes(c for _, c in self.fallbacks()).items():
             fix = f"; fix: {'; '.join(fixes)}" if fixes else ""
-            lines.append(f"fusepatch: eager for {', '.join(ops)}: {reason}{fix}")
+            lines.append((reason, f"fusepatch: eager for {', '.join(ops)}: {reason}{fix}"))
         return lines
+
+    def grouped_fallbacks(self) -> list[str]:
+        """Each distinct reason's line (:meth:`fallback_reasons`)."""
+        return [line for _, line in self.fallback_reasons()]
 
     def to_dict(self) -> dict:
         return {

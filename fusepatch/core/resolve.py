@@ -16,6 +16,7 @@ import torch
 
 from fusepatch.core import selftest
 from fusepatch.core.env import Environment, capture
+from fusepatch.core.log import REASONS
 from fusepatch.core.op import SOURCES, Candidate, Op
 from fusepatch.core.options import skip_pairs, sources
 from fusepatch.core.requirements import (
@@ -276,6 +277,25 @@ def origin(candidate: Candidate) -> str:
     return f"{candidate.distribution} {version}{where}"
 
 
+def reasons_and_fixes(choices: Iterable[Choice]) -> dict[str, tuple[list[str], list[str]]]:
+    """Each distinct reason the choices fell back for -> (the ops it keeps on eager, its fixes): a CPU machine's one
+    reason is one line, not one per op and candidate."""
+    groups: dict[str, tuple[list[str], list[str]]] = {}
+    for choice in choices:
+        if choice.fused:
+            continue
+        wired = [r for r in choice.rejected if not r.set_aside] or list(choice.rejected)
+        for rejection in wired:
+            for reason, fix in rejection.reasons():
+                ops, fixes = groups.setdefault(reason, ([], []))
+                if choice.op not in ops:
+                    ops.append(choice.op)
+                for one in filter(None, fix.split(" && ")):
+                    if one not in fixes:
+                        fixes.append(one)
+    return groups
+
+
 def candidate_fix(candidate: Candidate) -> str:
     for requirement in candidate.requirements:
         fix = getattr(requirement, "fix", "")
@@ -403,8 +423,13 @@ class Dispatch:
             if choice.fused:
                 compiled = f" (compiled on first use: {choice.ready_s:.0f} s)" if choice.compiled else ""
                 logger.info("fusepatch: %s: %s on %s -> %s%s", self.label, self.op.name, where, choice.chosen, compiled)
-            else:
-                logger.warning(
+            else:  # each reason new to this process, with its fix; the whole choice at DEBUG
+                for reason, (_, fixes) in reasons_and_fixes([choice]).items():
+                    fix = f"; fix: {'; '.join(fixes)}" if fixes else ""
+                    REASONS.warn(
+                        reason, "fusepatch: %s: %s on %s -> eager: %s%s", self.label, self.op.name, where, reason, fix
+                    )
+                logger.debug(
                     "fusepatch: %s: %s on %s -> eager (%s)", self.label, self.op.name, where, choice.reason_text()
                 )
         return choice, fn
