@@ -167,6 +167,44 @@ def test_steps_not_profiled_neither_sync_nor_read_tensors_back(tmp_path, monkeyp
     assert "fusepatch/first_step_s" in keys and ("fusepatch/cpu_ops_per_step" in keys) == bool(kwargs)
 
 
+def test_first_steps_are_timed_on_the_gpu_without_waiting_for_it(monkeypatch):
+    """On CUDA the first two steps are timed with events, read once the GPU has passed them (a stand-in plays the
+    events here): nothing waits for the GPU until training is over."""
+    from fusepatch.integrations import trainer as integration
+
+    class Event:
+        made: list = []
+
+        def __init__(self, enable_timing=False):
+            self.at, self.done, self.waited = None, False, False
+            Event.made.append(self)
+
+        def record(self):  # one second of GPU time between records
+            self.at = float(sum(e.at is not None for e in Event.made))
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = self.done = True
+
+        def elapsed_time(self, end):
+            assert self.at is not None and end.at is not None and end.done
+            return (end.at - self.at) * 1000.0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    watch = integration._Stopwatch()
+    assert watch.seconds() is None and watch.seconds(wait=True) is None  # not stopped: nothing to read
+    watch.stop()
+    assert watch.seconds() is None  # the GPU has not reached the stop
+    Event.made[1].done = True
+    assert watch.seconds() == 1.0 and not Event.made[1].waited
+    late = integration._Stopwatch()
+    late.stop()
+    assert late.seconds(wait=True) == 1.0 and Event.made[3].waited
+
+
 def test_profiling_off(tmp_path):
     trainer = _trainer(tmp_path, [FusePatchCallback(profile=False)], max_steps=2)
     trainer.train()

@@ -64,6 +64,7 @@ class _Stopwatch:
 
     def __init__(self) -> None:
         self._seconds: float | None = None
+        self._stopped = False
         self._events = None
         if torch.cuda.is_available():
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -71,14 +72,15 @@ class _Stopwatch:
         self._started = time.perf_counter()
 
     def stop(self) -> None:
+        self._stopped = True
         if self._events is not None:
             self._events[1].record()
         else:
             self._seconds = time.perf_counter() - self._started
 
     def seconds(self, *, wait: bool = False) -> float | None:
-        """None while the GPU has not reached the stop; ``wait``: wait for it (once training is over)."""
-        if self._seconds is None and self._events is not None:
+        """None before the stop, or while the GPU has not reached it; ``wait``: wait for it (once training is over)."""
+        if self._seconds is None and self._events is not None and self._stopped:
             start, end = self._events
             if wait:
                 end.synchronize()
