@@ -257,3 +257,39 @@ def assert_each_reason_once(messages: list[str], reasons: dict[str, str]) -> Non
         said = [m for m in messages if reason in m]
         assert sum(m.count(reason) for m in messages) == 1, (reason, said)
         assert all(one in said[0] for one in fix.split(" && ") if one), (reason, fix, said)
+
+
+ALL_DTYPES = ("bfloat16", "float16", "float32", "float64")  # fp64: the output-field tests compare at fp64 rounding
+
+
+def cpu_candidates(monkeypatch, kernels: dict, *, name: str = "cpu-standin") -> list[tuple]:
+    """Each op named in ``kernels`` gets one more candidate, first in its list: ``name``, accepting CPU tensors of
+    every dtype and running ``kernels[op]`` (a torch function with the op's signature). The dispatcher then picks
+    a non-eager candidate on the CPU, so the layers take the paths they take with a GPU kernel. Returns the list
+    each call appends ``(op, dtype, shape)`` of its first tensor argument to (the self-test's calls included)."""
+    import dataclasses
+    import functools
+
+    from fusepatch.core import selftest
+    from fusepatch.core.op import Candidate
+    from fusepatch.core.requirements import InputRule
+    from fusepatch.ops import OPS
+
+    seen: list[tuple] = []
+    for op_name, kernel in kernels.items():
+        op = OPS[op_name]
+
+        def load(kernel=kernel, op_name=op_name):
+            @functools.wraps(kernel)
+            def standin(*args, **kwargs):
+                first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                seen.append((op_name, getattr(first, "dtype", None), tuple(getattr(first, "shape", ()))))
+                return kernel(*args, **kwargs)
+
+            return standin
+
+        rule = InputRule(devices=("cpu",), dtypes=ALL_DTYPES, kernel=f"{name} ({op_name})")
+        candidate = Candidate(name, "pip", (), load, inputs=rule, provides=f"{kernel.__module__}.{kernel.__qualname__}")
+        monkeypatch.setitem(OPS, op_name, dataclasses.replace(op, candidates=(candidate, *op.candidates)))
+    selftest.clear_cache()
+    return seen

@@ -144,9 +144,11 @@ def load_fla_graphed():
     def gated_delta_rule_fla_graphed(
         q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, output_final_state: bool = False
     ):
-        if cu_seqlens is not None or initial_state is not None or output_final_state:
+        if initial_state is not None or output_final_state:
             states = dict(initial_state=initial_state, output_final_state=output_final_state)
             return plain(q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu_seqlens, **states)
+        if cu_seqlens is not None:
+            return plain(q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu_seqlens)
         return graphed(q, k, v, a, b, A_log, dt_bias)
 
     gated_delta_rule_fla_graphed.graphed = graphed  # for tests and the report: what was captured
