@@ -99,7 +99,7 @@ def instrument(model, stamp: Stamps):
     that must see a module's call, run as in an uninstrumented step."""
     from triton.runtime.jit import JITFunction
 
-    from fusepatch.core.resolve import Dispatch
+    from fusepatch.engine.resolve import Dispatch
 
     inner = getattr(model, "model", model)
     named = [(model, "causal_lm"), (inner, "text_model")]

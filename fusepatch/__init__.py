@@ -13,22 +13,22 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from fusepatch.core import log
+from fusepatch.base import log
 
 __version__ = "0.2.0"
 
 # public name -> the module that defines it
 _PUBLIC = {
-    "Environment": "fusepatch.core.env",
-    "capture": "fusepatch.core.env",
-    "FusePatchError": "fusepatch.core.patch",
-    "apply": "fusepatch.core.patch",
-    "report": "fusepatch.core.patch",
-    "revert": "fusepatch.core.patch",
-    "Row": "fusepatch.core.registry",
-    "add_candidate": "fusepatch.core.registry",
-    "register": "fusepatch.core.registry",
-    "PatchReport": "fusepatch.core.reporting",
+    "Environment": "fusepatch.base.env",
+    "capture": "fusepatch.base.env",
+    "FusePatchError": "fusepatch.engine.patch",
+    "apply": "fusepatch.engine.patch",
+    "report": "fusepatch.engine.patch",
+    "revert": "fusepatch.engine.patch",
+    "Row": "fusepatch.engine.registry",
+    "add_candidate": "fusepatch.engine.registry",
+    "register": "fusepatch.engine.registry",
+    "PatchReport": "fusepatch.engine.reporting",
     "FusePatchCallback": "fusepatch.integrations.trainer",
     "attach": "fusepatch.integrations.trainer",
     "from_pretrained": "fusepatch.integrations.pretrained",
@@ -38,10 +38,11 @@ _PUBLIC = {
 
 if TYPE_CHECKING:
     from fusepatch.backends.kernels_hub import HubKernel, hub_candidate  # noqa: F401
-    from fusepatch.core.env import Environment, capture  # noqa: F401
-    from fusepatch.core.patch import FusePatchError, apply, report, revert  # noqa: F401
-    from fusepatch.core.registry import Row, add_candidate, register  # noqa: F401
-    from fusepatch.core.reporting import PatchReport  # noqa: F401
+    from fusepatch.base.env import Environment, capture  # noqa: F401
+    from fusepatch.base.row import Row  # noqa: F401
+    from fusepatch.engine.patch import FusePatchError, apply, report, revert  # noqa: F401
+    from fusepatch.engine.registry import add_candidate, register  # noqa: F401
+    from fusepatch.engine.reporting import PatchReport  # noqa: F401
     from fusepatch.integrations.pretrained import from_pretrained  # noqa: F401
     from fusepatch.integrations.trainer import FusePatchCallback, attach  # noqa: F401
 
@@ -59,6 +60,6 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_PUBLIC])
 
 
-log.configure()  # visible without configuring logging: fusepatch/core/log.py
+log.configure()  # visible without configuring logging: fusepatch/base/log.py
 
 __all__ = sorted([*_PUBLIC, "__version__"])

@@ -31,7 +31,7 @@ def _fusepatch_logs(caplog):
 @pytest.fixture(autouse=True)
 def _reasons_not_said_yet():
     """Each test starts as a fresh process would: no fallback reason said yet (fusepatch says each one once)."""
-    from fusepatch.core.log import REASONS
+    from fusepatch.base.log import REASONS
 
     REASONS.reset()
     yield
@@ -72,7 +72,7 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(projections, "DEVICES", (*projections.DEVICES, "cpu"))
     monkeypatch.setattr(gated_deltanet, "COPY_DEVICES", (*gated_deltanet.COPY_DEVICES, "cpu"))
     yield seen
-    from fusepatch.core import selftest
+    from fusepatch.engine import selftest
 
     selftest.clear_cache()
 
@@ -91,7 +91,7 @@ def calls(monkeypatch):
     norm, the MLP's residual in its down projection) runs on the CPU; returns the list its calls append to."""
     from helpers import ADD_OPS
 
-    from fusepatch.core import selftest
+    from fusepatch.engine import selftest
     from fusepatch.ops import OPS
 
     yield cpu_candidates(monkeypatch, {name: OPS[name].reference for name in ADD_OPS})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fusepatch.core.env import GPU, Environment
+from fusepatch.base.env import GPU, Environment
 
 H200 = GPU("NVIDIA H200", (9, 0))
 A100 = GPU("NVIDIA A100-SXM4-80GB", (8, 0))
@@ -270,9 +270,9 @@ def cpu_candidates(monkeypatch, kernels: dict, *, name: str = "cpu-standin") -> 
     import dataclasses
     import functools
 
-    from fusepatch.core import selftest
-    from fusepatch.core.op import Candidate
-    from fusepatch.core.requirements import InputRule
+    from fusepatch.base.op import Candidate
+    from fusepatch.base.requirements import InputRule
+    from fusepatch.engine import selftest
     from fusepatch.ops import OPS
 
     seen: list[tuple] = []

@@ -17,9 +17,9 @@ import torch
 from helpers import assert_same_training, lm_batch, loss_and_grads, training_model
 
 import fusepatch
-from fusepatch.core import selftest
-from fusepatch.core.op import Candidate
-from fusepatch.core.requirements import InputRule
+from fusepatch.base.op import Candidate
+from fusepatch.base.requirements import InputRule
+from fusepatch.engine import selftest
 from fusepatch.layers import attention
 from fusepatch.layers.support import projections
 from fusepatch.ops import OPS

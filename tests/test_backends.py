@@ -15,7 +15,7 @@ from fusepatch import backends
 from fusepatch.backends import PrivateNames, kernels_hub
 from fusepatch.backends import causal_conv1d as conv_backend
 from fusepatch.backends import fla as fla_backend
-from fusepatch.core.env import TRANSFORMERS_REQUIREMENT
+from fusepatch.base.env import TRANSFORMERS_REQUIREMENT
 
 ROOT = Path(__file__).resolve().parents[1]
 

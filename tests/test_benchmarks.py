@@ -645,7 +645,7 @@ def test_step_start_probe_stamps_with_passive_hooks_and_restores_everything():
     from triton.runtime.jit import JITFunction
 
     import fusepatch
-    from fusepatch.core.resolve import Dispatch
+    from fusepatch.engine.resolve import Dispatch
     from fusepatch.layers.support.hooks import _active
     from fusepatch.tools.tiny import tiny_model
 

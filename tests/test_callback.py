@@ -82,8 +82,8 @@ def test_mixed_precision_survives_patching_after_the_trainer_wrapped_the_model(t
     for bf16, and hand the fused loss bf16 hidden states and weight. A CPU stand-in plays the fused loss."""
     import dataclasses
 
-    from fusepatch.core import selftest
-    from fusepatch.core.requirements import InputRule
+    from fusepatch.base.requirements import InputRule
+    from fusepatch.engine import selftest
     from fusepatch.ops import OPS
 
     op = OPS["linear_cross_entropy"]
@@ -487,7 +487,7 @@ def test_trainer_torch_compile_trains_the_patched_model_as_uncompiled(tmp_path, 
     dynamo: the Trainer's losses are the uncompiled run's, and the first compiled step says why once."""
     from torch._dynamo.utils import counters
 
-    from fusepatch.core import patch as patch_module
+    from fusepatch.engine import patch as patch_module
 
     losses = {}
     for compiled in (False, True):

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from fusepatch.core.env import TRANSFORMERS_REQUIREMENT
-from fusepatch.core.registry import all_rows
+from fusepatch.base.env import TRANSFORMERS_REQUIREMENT
+from fusepatch.engine.registry import all_rows
 from fusepatch.ops import OPS
 
 pytestmark = pytest.mark.slow
@@ -92,9 +92,9 @@ def test_doctor_logs_each_candidate_and_static_loads_nothing(caplog):
     import torch
     from helpers import cpu_env
 
-    from fusepatch.core import selftest
-    from fusepatch.core.op import Candidate
-    from fusepatch.core.requirements import InputRule
+    from fusepatch.base.op import Candidate
+    from fusepatch.base.requirements import InputRule
+    from fusepatch.engine import selftest
     from fusepatch.tools.doctor import examine_op
 
     loads = []
@@ -125,9 +125,9 @@ def test_doctor_self_tests_up_to_the_chosen_candidate():
     import torch
     from helpers import cpu_env
 
-    from fusepatch.core import selftest
-    from fusepatch.core.op import Candidate
-    from fusepatch.core.requirements import InputRule
+    from fusepatch.base.op import Candidate
+    from fusepatch.base.requirements import InputRule
+    from fusepatch.engine import selftest
     from fusepatch.tools.doctor import examine_op, render
 
     loads = []
@@ -226,7 +226,7 @@ def test_bad_arguments_are_one_line_errors(args, message):
 
 @pytest.mark.parametrize("json_output", [False, True])
 def test_list_of_an_unknown_model_type_is_an_error_naming_the_supported_ones(json_output):
-    from fusepatch.core.registry import known_model_types
+    from fusepatch.engine.registry import known_model_types
 
     result = _run("list", "--model-type", "llama", *(["--json"] if json_output else []), check_rc=None)
     assert result.returncode == 2 and result.stdout == "", result.stdout[-2000:]

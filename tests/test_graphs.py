@@ -233,7 +233,7 @@ def test_only_the_inputs_the_backward_reads_are_kept(graphed):
 def test_the_graphed_candidate_is_opt_in_and_leaves_packed_rows_to_fla(monkeypatch):
     """fla-graphed comes first but only runs with FUSEPATCH_CUDA_GRAPHS=1 (the graphs' copies cost more GPU time
     than the launches they save unless the CPU holds the step back); refused, it says how to turn it on."""
-    from fusepatch.core.env import Environment
+    from fusepatch.base.env import Environment
     from fusepatch.ops import OPS
 
     candidates = OPS["gated_delta_rule"].candidates

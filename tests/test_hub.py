@@ -12,10 +12,10 @@ import torch
 
 import fusepatch
 from fusepatch.backends.kernels_hub import HubKernel, TrustedPublisher, hub_candidate, locked_commit, variant_trace
-from fusepatch.core import selftest
-from fusepatch.core.env import capture
-from fusepatch.core.requirements import InputRule
-from fusepatch.core.resolve import static_verdict
+from fusepatch.base.env import capture
+from fusepatch.base.requirements import InputRule
+from fusepatch.engine import selftest
+from fusepatch.engine.resolve import static_verdict
 from fusepatch.ops import OPS
 from fusepatch.tools.tiny import tiny_model
 
@@ -147,8 +147,8 @@ def test_add_candidate_validates():
 
 def test_installed_package_with_an_abi_error_reports_the_import_error(tmp_path, monkeypatch):
     """A pip-style package that is installed (its dist-info is there) but whose import fails."""
-    from fusepatch.core.op import Candidate
-    from fusepatch.core.requirements import DistributionVersion, Importable
+    from fusepatch.base.op import Candidate
+    from fusepatch.base.requirements import DistributionVersion, Importable
 
     package = tmp_path / "fp_broken_kernels"
     package.mkdir()

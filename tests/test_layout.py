@@ -82,7 +82,7 @@ def test_ops_and_backends_import_nothing_above_them():
         "fusepatch.models",
         "fusepatch.tools",
         "fusepatch.integrations",
-        "fusepatch.core.patch",
+        "fusepatch.engine.patch",
     )
     modules = _modules()
     for name, path in modules.items():
@@ -105,5 +105,5 @@ def test_import_is_light_and_public_names_resolve():
     assert result.stdout.split() == ["False", "False"], result.stderr[-2000:]
     for name in fusepatch.__all__:
         assert getattr(fusepatch, name) is not None
-    __import__("fusepatch.core.reporting")  # a submodule import must not shadow a public function
-    assert callable(fusepatch.report) and fusepatch.report.__module__ == "fusepatch.core.patch"
+    __import__("fusepatch.engine.reporting")  # a submodule import must not shadow a public function
+    assert callable(fusepatch.report) and fusepatch.report.__module__ == "fusepatch.engine.patch"

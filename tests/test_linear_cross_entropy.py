@@ -10,7 +10,7 @@ import torch
 from helpers import grads
 
 import fusepatch
-from fusepatch.core import selftest
+from fusepatch.engine import selftest
 from fusepatch.ops import OPS
 from fusepatch.ops import linear_cross_entropy as lce
 from fusepatch.tools.tiny import tiny_image_text_model, tiny_model

@@ -44,7 +44,7 @@ def test_with_logging_configured_each_line_is_shown_once():
 
 
 def test_verbosity_switches(monkeypatch, caplog):
-    from fusepatch.core import log
+    from fusepatch.base import log
 
     monkeypatch.setenv("FUSEPATCH_VERBOSITY", "warning")
     assert log.verbosity() == logging.WARNING

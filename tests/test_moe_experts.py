@@ -9,8 +9,8 @@ import torch
 from helpers import HOST_READS, loss_and_grads
 
 import fusepatch
-from fusepatch.core import selftest
-from fusepatch.core.requirements import InputRule
+from fusepatch.base.requirements import InputRule
+from fusepatch.engine import selftest
 from fusepatch.ops import OPS
 from fusepatch.ops.moe_experts import moe_experts_grouped
 from fusepatch.ops.moe_experts.reference import moe_experts_reference

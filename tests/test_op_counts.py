@@ -16,9 +16,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusepatch
-from fusepatch.core import selftest
-from fusepatch.core.op import Candidate
-from fusepatch.core.requirements import InputRule
+from fusepatch.base.op import Candidate
+from fusepatch.base.requirements import InputRule
+from fusepatch.engine import selftest
 from fusepatch.ops import OPS
 from fusepatch.tools.tiny import tiny_model
 

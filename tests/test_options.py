@@ -1,5 +1,5 @@
 """Every ``apply`` argument and every ``FUSEPATCH_*`` variable takes its documented values only: anything else is an
-error that names the option, the value and what it accepts, never a silent default (fusepatch/core/options.py)."""
+error that names the option, the value and what it accepts, never a silent default (fusepatch/base/options.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fusepatch
-from fusepatch.core import options
+from fusepatch.base import options
 from fusepatch.tools.tiny import tiny_model
 
 ALL_VARIABLES = (

@@ -217,9 +217,9 @@ def test_first_packed_self_test_inside_a_checkpointed_forward(monkeypatch):
     own backward must not make the checkpoint recompute the layer from inside that forward (on the H200 this
     deadlocked the first FSDP2 + activation-checkpointing step). A CPU stand-in candidate makes the self-test run
     here; the step runs in a thread so that a deadlock fails the test instead of hanging the suite."""
-    from fusepatch.core import selftest
-    from fusepatch.core.op import Candidate
-    from fusepatch.core.requirements import InputRule
+    from fusepatch.base.op import Candidate
+    from fusepatch.base.requirements import InputRule
+    from fusepatch.engine import selftest
     from fusepatch.ops import OPS
 
     op = OPS["causal_conv1d"]

@@ -175,7 +175,8 @@ def test_conditional_generation_wrapper_text_stack_is_found():
 
 
 def test_register_user_row():
-    from fusepatch.core.registry import _USER_ROWS, Row, register
+    from fusepatch.base.row import Row
+    from fusepatch.engine.registry import _USER_ROWS, register
 
     def forward(self, x):
         return self._fusepatch.original(x) * 1.0
@@ -365,7 +366,7 @@ def test_every_fallback_names_its_reason_when_prefer_leaves_sources_out(prefer):
     assert report.fallbacks()
     for line in report.log_lines():
         assert "-> eager ()" not in line
-    from fusepatch.core.options import names
+    from fusepatch.base.options import names
 
     wanted = set(names(prefer, "prefer"))
     for layer, choice in report.fallbacks():
@@ -422,7 +423,7 @@ def _compiled_against_eager(model, caplog, calls: int) -> tuple[object, list[str
     from helpers import grads
     from torch._dynamo.utils import counters
 
-    from fusepatch.core import patch as patch_module
+    from fusepatch.engine import patch as patch_module
 
     torch._dynamo.reset()
     counters.clear()
@@ -481,7 +482,7 @@ def test_torch_compile_keeps_a_model_without_kernels_outside_dynamo_where_tracin
     H200, the patched Qwen3.5 forwards gave wrong logits with every op eager (tests/gpu/test_models.py). Here the
     CPU is taken out of them: the model patched there runs outside dynamo, says why once (not "its fused
     kernels": it has none), and gives the uncompiled results."""
-    from fusepatch.core import patch as patch_module
+    from fusepatch.engine import patch as patch_module
 
     monkeypatch.setattr(patch_module, "TRACED_DEVICES", ())
     model = tiny_model("qwen3_5_text", **HYBRID_PAIR).train()

@@ -7,8 +7,8 @@ from dataclasses import FrozenInstanceError, replace
 import pytest
 from helpers import A100, H200, T4, cpu_env, gpu_env
 
-from fusepatch.core.known_issues import KNOWN_ISSUES, matching_issues
-from fusepatch.core.requirements import (
+from fusepatch.base.known_issues import KNOWN_ISSUES, matching_issues
+from fusepatch.base.requirements import (
     CudaDevice,
     DistributionVersion,
     Importable,
@@ -182,8 +182,8 @@ def test_doctor_recommendations_for_the_h200_stack():
 def test_fla_delta_rule_refuses_fp32_with_the_measured_reason(name):
     """fp32 through fla's delta rule was measured 4-30% off in the decay gradients on the H200 (tests/gpu checks
     it still is); the checker refuses it before loading anything and names the dtype that works."""
-    from fusepatch.core.requirements import OK
-    from fusepatch.core.resolve import evaluate
+    from fusepatch.base.requirements import OK
+    from fusepatch.engine.resolve import evaluate
     from fusepatch.ops import OPS
 
     op = OPS["gated_delta_rule"]

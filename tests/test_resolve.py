@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers import H200, cpu_env, gpu_env
 
-from fusepatch.core import selftest
-from fusepatch.core.op import Candidate
-from fusepatch.core.requirements import InputRule
-from fusepatch.core.resolve import Dispatch, make_dispatch, preferred_sources, static_verdict
+from fusepatch.base.op import Candidate
+from fusepatch.base.requirements import InputRule
+from fusepatch.engine import selftest
+from fusepatch.engine.resolve import Dispatch, make_dispatch, preferred_sources, static_verdict
 from fusepatch.ops import OPS
 
 
@@ -185,7 +185,7 @@ def test_disable_and_exclude(monkeypatch):
 def test_choice_names_the_copy_that_was_loaded():
     import packaging
 
-    from fusepatch.core.requirements import Importable
+    from fusepatch.base.requirements import Importable
 
     candidate = Candidate(
         name="from-packaging",
@@ -207,7 +207,7 @@ def test_first_use_compile_time_is_measured_and_reported(monkeypatch):
     report's "[compiled N s]" and a pointer to `fusepatch warmup`; a fast (cached) one shows nothing."""
     import time
 
-    from fusepatch.core.reporting import LayerReport, PatchReport
+    from fusepatch.engine.reporting import LayerReport, PatchReport
 
     calls = []
 
@@ -260,7 +260,7 @@ def test_selftest_bounds_per_quantity_and_a_fixed_seed(monkeypatch):
 def test_gpu_self_tests_say_so_before_and_after_a_long_compile(monkeypatch, caplog):
     """On a GPU a first self-test compiles and autotunes (two minutes at Qwen3.5-27B sizes on the H200): a line
     before it starts and one after a slow one, so that a stalled-looking job explains itself."""
-    from fusepatch.core.requirements import OK
+    from fusepatch.base.requirements import OK
 
     clock = iter([100.0, 141.0])
     monkeypatch.setattr(selftest.time, "perf_counter", lambda: next(clock))
@@ -313,7 +313,7 @@ def test_an_opt_in_candidate_switched_off_is_listed_but_not_a_fallback_to_fix(mo
     """fla-graphed on the H200's stack with tilelang: without FUSEPATCH_CUDA_GRAPHS=1 it is refused as 'off' (doctor
     lists it so), and the choice's reasons and fixes leave it out, so nobody is told to
     export the switch to get a kernel; with the switch it passes the same checks as fla."""
-    from fusepatch.core.resolve import Choice, Rejection
+    from fusepatch.engine.resolve import Choice, Rejection
 
     env = gpu_env(H200, imports={"tilelang": None})
     monkeypatch.delenv("FUSEPATCH_CUDA_GRAPHS", raising=False)

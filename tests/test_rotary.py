@@ -13,9 +13,9 @@ import torch
 from helpers import assert_released, grads, transformers_own
 
 import fusepatch
-from fusepatch.core import selftest
-from fusepatch.core.op import Candidate
-from fusepatch.core.requirements import InputRule
+from fusepatch.base.op import Candidate
+from fusepatch.base.requirements import InputRule
+from fusepatch.engine import selftest
 from fusepatch.ops import OPS
 from fusepatch.ops.rotary import unsupported
 from fusepatch.ops.rotary.reference import rotary_reference

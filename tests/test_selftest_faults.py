@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from faults import cases, faulty
 
-from fusepatch.core import selftest
+from fusepatch.engine import selftest
 from fusepatch.ops import OPS
 
 DTYPES = ["float32", "bfloat16"]

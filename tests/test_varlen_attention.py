@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import fusepatch
-from fusepatch.core.op import Candidate
-from fusepatch.core.requirements import InputRule
+from fusepatch.base.op import Candidate
+from fusepatch.base.requirements import InputRule
 from fusepatch.layers import attention
 from fusepatch.layers.support import packing
 from fusepatch.layers.support.packing import mask_plan

@@ -68,7 +68,7 @@ def test_warmup_cli_refuses_what_it_cannot_do_in_one_line(tmp_path):
     one line with the fix, at once, instead of a traceback or a model built for nothing."""
     from transformers import AutoConfig
 
-    from fusepatch.core.registry import known_model_types
+    from fusepatch.engine.registry import known_model_types
 
     line = _one_line(_warmup_cli("qwen3_5_text", "--device", "cpu", timeout=60))
     assert "--device cpu" in line and "nothing to warm" in line and "fix: " in line

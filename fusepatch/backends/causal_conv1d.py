@@ -7,7 +7,7 @@ package's public ``causal_conv1d_fn``.
 
 from __future__ import annotations
 
-from fusepatch.backends import PrivateNames
+from fusepatch.base.private_names import PrivateNames
 
 DISTRIBUTION = "causal-conv1d"
 EXTENSION = "causal_conv1d_cuda"

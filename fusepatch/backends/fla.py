@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from types import ModuleType
 
-from fusepatch.backends import PrivateNames
+from fusepatch.base.private_names import PrivateNames
 
 DISTRIBUTION = "fla-core"
 REQUIRED = ">=0.6"  # the candidates' requirement; the [cuda] extra adds <0.7 (only 0.6's names are checked)

@@ -22,11 +22,11 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-from fusepatch.backends import PrivateNames
-from fusepatch.core.env import Environment, offline_mode
-from fusepatch.core.op import Candidate
-from fusepatch.core.options import kernels_lock, trusted_kernels
-from fusepatch.core.requirements import OK, DistributionVersion, Importable, InputRule, Verdict, reject
+from fusepatch.base.env import Environment, offline_mode
+from fusepatch.base.op import Candidate
+from fusepatch.base.options import kernels_lock, trusted_kernels
+from fusepatch.base.private_names import PrivateNames
+from fusepatch.base.requirements import OK, DistributionVersion, Importable, InputRule, Verdict, reject
 
 DISTRIBUTION = "kernels"
 REQUIRED = ">=0.17,<0.20"

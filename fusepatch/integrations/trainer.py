@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from fusepatch.core.patch import apply, decoder_stacks, report
 from fusepatch.diagnostics import profile as profiling
 from fusepatch.diagnostics.compiles import CompileCounter, describe
+from fusepatch.engine.patch import apply, decoder_stacks, report
 from fusepatch.layers import layer_graphs
 
 logger = logging.getLogger("fusepatch")

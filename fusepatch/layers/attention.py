@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fusepatch.core.resolve import Dispatch, autocast_dtype, dtype_name
+from fusepatch.base.dtypes import autocast_dtype, dtype_name
+from fusepatch.engine.resolve import Dispatch
 from fusepatch.layers.support.bindings import hold
 from fusepatch.layers.support.packing import boundaries_for_call, mask_plan
 from fusepatch.layers.support.projections import apply_linear, project

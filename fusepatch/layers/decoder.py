@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from fusepatch.core.resolve import dtype_name
+from fusepatch.base.dtypes import dtype_name
 from fusepatch.layers.simple import _eps, swiglu_mlp_plus
 from fusepatch.layers.support.packing import packed_kwargs
 from fusepatch.layers.support.signature import CACHE_NAMES, forward_parameters

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from fusepatch.core.options import switch
+from fusepatch.base.options import switch
 from fusepatch.layers.support.projections import gemm_ready
 
 RECOMPUTE = switch("FUSEPATCH_MLP_RECOMPUTE")  # any other value than a switch value raises here

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fusepatch.core.resolve import dtype_name
+from fusepatch.base.dtypes import dtype_name
 from fusepatch.layers.mlp_recompute import recomputed_down
 from fusepatch.layers.support.projections import apply_linear, hooked, linear_plus, project
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fusepatch.core.registry import Row
+from fusepatch.base.row import Row
 from fusepatch.layers.attention import attention_forward, gated_attention_forward
 from fusepatch.layers.base_model import base_model_forward
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward

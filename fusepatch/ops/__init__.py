@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fusepatch.core.op import Candidate, Op, SelfTest
+from fusepatch.base.op import Candidate, Op, SelfTest
 from fusepatch.ops.attention_gate import ATTENTION_GATE
 from fusepatch.ops.causal_conv1d import CAUSAL_CONV1D
 from fusepatch.ops.gated_delta_rule import GATED_DELTA_RULE

@@ -8,8 +8,8 @@ import torch
 
 from fusepatch.backends import fla as fla_backend
 from fusepatch.backends import kernels_hub
-from fusepatch.core.op import Candidate
-from fusepatch.core.requirements import (
+from fusepatch.base.op import Candidate
+from fusepatch.base.requirements import (
     CudaDevice,
     DistributionVersion,
     Importable,
@@ -59,7 +59,7 @@ def fla_requirements(module: str) -> tuple:
 
 
 def fla_backward_requirements(module: str) -> tuple:
-    """fla kernels whose backward goes through the gated chunk_bwd_dqkwg kernel (see core/known_issues.py)."""
+    """fla kernels whose backward goes through the gated chunk_bwd_dqkwg kernel (see base/known_issues.py)."""
     return fla_requirements(module) + (NoKnownIssue("fla-core"),)
 
 

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fusepatch.core.env import Environment
+from fusepatch.base.env import Environment
 
 logger = logging.getLogger("fusepatch")
 

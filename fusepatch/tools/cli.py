@@ -8,8 +8,8 @@ import logging
 import sys
 import textwrap
 
-from fusepatch.core.env import MissingDependency
-from fusepatch.core.known_issues import KNOWN_ISSUES
+from fusepatch.base.env import MissingDependency
+from fusepatch.base.known_issues import KNOWN_ISSUES
 
 WIDTH = 100  # what the printed lines fit unless --wide
 
@@ -47,7 +47,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def _unknown_model_types(given: list[str] | None) -> str:
     """Why ``given`` names a model_type fusepatch has no rows for (with the supported ones), or ``""``."""
-    from fusepatch.core.registry import known_model_types
+    from fusepatch.engine.registry import known_model_types
 
     known = known_model_types()
     unknown = [t for t in given or [] if t not in known]
@@ -57,8 +57,8 @@ def _unknown_model_types(given: list[str] | None) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from fusepatch.core.registry import all_rows
-    from fusepatch.core.resolve import ordered, preferred_sources
+    from fusepatch.engine.registry import all_rows
+    from fusepatch.engine.resolve import ordered, preferred_sources
     from fusepatch.ops import OPS
 
     unknown = _unknown_model_types(args.model_type)
@@ -147,7 +147,7 @@ class _CompileBar:
 def _build(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fusepatch.core.env import capture
+    from fusepatch.base.env import capture
     from fusepatch.tools.build import BuildError, plan_build, run_build
 
     try:

@@ -33,7 +33,7 @@ def run(
 ) -> dict:
     """Train the same tiny model twice from the same weights, unpatched then patched; return the numbers."""
     import fusepatch
-    from fusepatch.core.resolve import dtype_name
+    from fusepatch.base.dtypes import dtype_name
     from fusepatch.tools.tiny import tiny_model
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

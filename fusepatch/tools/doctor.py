@@ -7,13 +7,13 @@ import logging
 import time
 
 from fusepatch import __version__, backends
-from fusepatch.core.env import Environment, capture
-from fusepatch.core.known_issues import KNOWN_ISSUES
-from fusepatch.core.op import Op
-from fusepatch.core.registry import all_rows
-from fusepatch.core.requirements import version_in
-from fusepatch.core.resolve import evaluate, first_verdict, ordered, preferred_sources
-from fusepatch.core.selftest import COMPILED_S
+from fusepatch.base.env import Environment, capture
+from fusepatch.base.known_issues import KNOWN_ISSUES
+from fusepatch.base.op import Op
+from fusepatch.base.requirements import version_in
+from fusepatch.engine.registry import all_rows
+from fusepatch.engine.resolve import evaluate, first_verdict, ordered, preferred_sources
+from fusepatch.engine.selftest import COMPILED_S
 from fusepatch.ops import OPS
 
 logger = logging.getLogger("fusepatch")

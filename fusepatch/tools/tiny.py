@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fusepatch.core.env import require_transformers
+from fusepatch.base.env import require_transformers
 
 COMMON: dict[str, Any] = dict(
     vocab_size=512,

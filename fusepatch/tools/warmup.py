@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusepatch.core.env import require_transformers
+from fusepatch.base.env import require_transformers
 
 CACHE_VARIABLES = {
     "triton (compiled kernels; fla's autotuning results too, FLA_CACHE_RESULTS=1)": (
@@ -39,7 +39,7 @@ class OpTiming:
     def compiled(self) -> bool:
         """Compiled or autotuned here: a slow self-test, or a first call far slower than the second; a kernel
         that came from the on-disk caches is fast in both."""
-        from fusepatch.core.selftest import COMPILED_S
+        from fusepatch.engine.selftest import COMPILED_S
 
         return self.ready_s >= COMPILED_S or self.first_s > 10 * self.second_s + 0.5
 
@@ -48,7 +48,7 @@ def warmup_config(source: str, *, text_only: bool = True):
     """The model's config with one layer of each kind: a model_type (transformers' default sizes) or a local
     config path. A model type fusepatch has no rows for raises ValueError naming the supported ones: it has no
     kernel to warm."""
-    from fusepatch.core.registry import known_model_types
+    from fusepatch.engine.registry import known_model_types
 
     AutoConfig = require_transformers().AutoConfig
     known = known_model_types()
@@ -94,7 +94,8 @@ def warmup(
     AutoModelForCausalLM = require_transformers().AutoModelForCausalLM
 
     import fusepatch
-    from fusepatch.core.resolve import Dispatch, dtype_name
+    from fusepatch.base.dtypes import dtype_name
+    from fusepatch.engine.resolve import Dispatch
 
     config = warmup_config(source)
     torch.manual_seed(0)

@@ -21,8 +21,8 @@ def _standin_add_norm() -> list:
     """Give the add-norm op a CPU candidate (its eager reference, counting calls)."""
     import dataclasses
 
-    from fusepatch.core.op import Candidate
-    from fusepatch.core.requirements import InputRule
+    from fusepatch.base.op import Candidate
+    from fusepatch.base.requirements import InputRule
     from fusepatch.ops import OPS
 
     calls: list = []

@@ -20,9 +20,10 @@ def require(verdict, what: str):
 
 def kernel(op: str, name: str, dtype):
     """Load candidate ``name`` of ``op`` after its checks (skip, or fail under FUSEPATCH_GPU_REQUIRE=1, if refused)."""
-    from fusepatch.core.env import capture
-    from fusepatch.core.requirements import Inputs
-    from fusepatch.core.resolve import dtype_name, static_verdict
+    from fusepatch.base.dtypes import dtype_name
+    from fusepatch.base.env import capture
+    from fusepatch.base.requirements import Inputs
+    from fusepatch.engine.resolve import static_verdict
     from fusepatch.ops import OPS
 
     candidate = next(c for c in OPS[op].candidates if c.name == name)

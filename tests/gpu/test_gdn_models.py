@@ -22,7 +22,7 @@ import torch
 from conftest import MINI, compare_models, eager, forward_syncs, loss_curves, model_failures, record, require
 
 import fusepatch
-from fusepatch.core import selftest
+from fusepatch.engine import selftest
 from fusepatch.ops import OPS
 from fusepatch.ops.common import relative_error
 from fusepatch.tools.tiny import tiny_model

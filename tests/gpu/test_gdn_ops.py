@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import compare, kernel, require
 
-from fusepatch.core import selftest
-from fusepatch.core.env import capture
-from fusepatch.core.resolve import static_verdict
+from fusepatch.base.env import capture
+from fusepatch.engine import selftest
+from fusepatch.engine.resolve import static_verdict
 from fusepatch.ops import OPS
 
 pytestmark = pytest.mark.gpu
@@ -307,7 +307,7 @@ def _fp32_is_refused_and_still_off(name, inputs, kwargs):
     """The checker refuses fla's delta rule at fp32 (H200 run of 2026-11-29 on the H200: gate gradient 4-6%, A_log/dt_bias
     19-30% off the fp32 reference). Both halves are checked here: the refusal, and that the kernel still misses
     TOL at fp32, so the rule is lifted (this test fails) once a fla release computes fp32 to fp32 precision."""
-    from fusepatch.core.requirements import Inputs
+    from fusepatch.base.requirements import Inputs
 
     candidate = next(c for c in OPS["gated_delta_rule"].candidates if c.name == name)
     refusal = candidate.inputs.check(Inputs("cuda", "float32"))

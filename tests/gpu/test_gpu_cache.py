@@ -16,7 +16,7 @@ import torch
 from conftest import MINI, record
 
 import fusepatch
-from fusepatch.core import selftest
+from fusepatch.engine import selftest
 from fusepatch.ops.common import relative_error
 from fusepatch.tools.tiny import tiny_model
 

@@ -36,9 +36,9 @@ OPS_CHECKED = (
 
 def _loaded(op_name: str):
     """(candidate name, kernel) of every non-eager candidate of ``op_name`` whose checks pass here."""
-    from fusepatch.core.env import capture
-    from fusepatch.core.requirements import Inputs
-    from fusepatch.core.resolve import static_verdict
+    from fusepatch.base.env import capture
+    from fusepatch.base.requirements import Inputs
+    from fusepatch.engine.resolve import static_verdict
     from fusepatch.ops import OPS
 
     found = []
@@ -54,7 +54,7 @@ def _loaded(op_name: str):
 
 @pytest.mark.parametrize("op_name", OPS_CHECKED)
 def test_real_kernels_pass_their_bounds(op_name):
-    from fusepatch.core import selftest
+    from fusepatch.engine import selftest
     from fusepatch.ops import OPS
 
     op = OPS[op_name]
@@ -75,7 +75,7 @@ def test_real_kernels_pass_their_bounds(op_name):
 
 @pytest.mark.parametrize("op_name,fault", cases())
 def test_faults_around_real_kernels_are_refused(op_name, fault):
-    from fusepatch.core import selftest
+    from fusepatch.engine import selftest
     from fusepatch.ops import OPS
 
     kernels = _loaded(op_name)

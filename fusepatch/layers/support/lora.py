@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fusepatch.core.log import logger
+from fusepatch.base.log import logger
 from fusepatch.layers.support.hooks import autocast_dtype, hooked, in_dtype
 
 PEFT_LAYER = "peft.tuners.lora.layer"  # the module defining peft's LoRA ``Linear``

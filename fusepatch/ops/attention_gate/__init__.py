@@ -10,7 +10,7 @@ transformers copies it out first (``gate.reshape``) and then runs four more elem
 
 from __future__ import annotations
 
-from fusepatch.core.op import Op, SelfTest
+from fusepatch.base.op import Op, SelfTest
 from fusepatch.ops.attention_gate.reference import attention_gate_reference
 from fusepatch.ops.common import own_triton_candidate, rand
 

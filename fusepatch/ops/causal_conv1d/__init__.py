@@ -10,8 +10,8 @@ import torch
 
 from fusepatch.backends import causal_conv1d as conv_backend
 from fusepatch.backends.kernels_hub import HubKernel, hub_candidate
-from fusepatch.core.op import Candidate, Op, SelfTest
-from fusepatch.core.requirements import CudaDevice, InputRule
+from fusepatch.base.op import Candidate, Op, SelfTest
+from fusepatch.base.requirements import CudaDevice, InputRule
 from fusepatch.ops.boundaries import host_built, host_values
 from fusepatch.ops.causal_conv1d.reference import causal_conv1d_reference
 from fusepatch.ops.common import CAUSAL_CONV1D_FIX, fla_requirements, package_requirements, rand

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from fusepatch.core.op import Candidate, Op, SelfTest
-from fusepatch.core.requirements import InputRule, OptIn
+from fusepatch.base.op import Candidate, Op, SelfTest
+from fusepatch.base.requirements import InputRule, OptIn
 from fusepatch.ops.common import fla_backward_requirements, rand
 from fusepatch.ops.gated_delta_rule.fla import load_fla, load_fla_graphed
 from fusepatch.ops.gated_delta_rule.reference import gated_delta_rule_reference

@@ -22,7 +22,7 @@ import torch
 
 from fusepatch.backends import fla as fla_backend
 from fusepatch.backends.fla import DQKWG_BUILDER, DQKWG_BUILDER_ARGS
-from fusepatch.core.resolve import dtype_name
+from fusepatch.base.dtypes import dtype_name
 
 BLOCK_K = 128
 BLOCK_V = 64

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from fusepatch.backends.fla import CROSS_ENTROPY, check_signatures
-from fusepatch.core.op import Candidate, Op, SelfTest
-from fusepatch.core.options import DEFAULT_LOGITS_MIB, positive_whole
-from fusepatch.core.requirements import InputRule, TorchVersion
+from fusepatch.base.op import Candidate, Op, SelfTest
+from fusepatch.base.options import DEFAULT_LOGITS_MIB, positive_whole
+from fusepatch.base.requirements import InputRule, TorchVersion
 from fusepatch.ops.common import fla_requirements, on_device, own_triton_candidate, rand
 from fusepatch.ops.linear_cross_entropy.reference import _denominator, _upcast, linear_cross_entropy_reference
 

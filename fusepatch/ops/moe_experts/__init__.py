@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusepatch.core.op import Candidate, Op, SelfTest
-from fusepatch.core.requirements import (
+from fusepatch.base.op import Candidate, Op, SelfTest
+from fusepatch.base.requirements import (
     CudaDevice,
     DistributionVersion,
     Importable,

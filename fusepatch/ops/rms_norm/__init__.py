@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from fusepatch.core.op import Candidate, Op, SelfTest
-from fusepatch.core.requirements import InputRule
+from fusepatch.base.op import Candidate, Op, SelfTest
+from fusepatch.base.requirements import InputRule
 from fusepatch.ops.common import fla_requirements, own_triton_candidate, rand
 from fusepatch.ops.rms_norm.reference import (
     add_rms_norm_reference,

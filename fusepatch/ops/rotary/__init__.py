@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from fusepatch.core.op import Op, SelfTest
+from fusepatch.base.op import Op, SelfTest
 from fusepatch.kernels.rotary_check import unsupported  # noqa: F401 - the layers ask it before calling the op
 from fusepatch.ops.common import own_triton_candidate, rand
 from fusepatch.ops.rotary.reference import rotary_reference

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fusepatch.core.op import Candidate, Op, SelfTest
-from fusepatch.core.requirements import InputRule
+from fusepatch.base.op import Candidate, Op, SelfTest
+from fusepatch.base.requirements import InputRule
 from fusepatch.ops.common import fla_requirements, own_triton_candidate, rand
 from fusepatch.ops.swiglu.reference import swiglu_reference
 

@@ -19,8 +19,8 @@ import inspect
 
 import torch
 
-from fusepatch.core.op import Candidate, Op, SelfTest
-from fusepatch.core.requirements import CudaDevice, Importable, InputRule, MinCapability
+from fusepatch.base.op import Candidate, Op, SelfTest
+from fusepatch.base.requirements import CudaDevice, Importable, InputRule, MinCapability
 from fusepatch.ops.common import rand
 from fusepatch.ops.varlen_attention.reference import varlen_attention_reference
 

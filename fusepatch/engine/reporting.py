@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from fusepatch.core.resolve import Choice, reasons_and_fixes
+from fusepatch.engine.resolve import Choice, reasons_and_fixes
 
 
 @dataclass(frozen=True)

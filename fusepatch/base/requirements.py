@@ -1,6 +1,6 @@
 """Rules that decide whether a kernel candidate may run: each checks one fact and says why not.
 
-A ``Requirement`` reads an :class:`~fusepatch.core.env.Environment` (static facts) and returns a ``Verdict``.
+A ``Requirement`` reads an :class:`~fusepatch.base.env.Environment` (static facts) and returns a ``Verdict``.
 Per-call facts (the tensors' device and dtype) are checked by :class:`Inputs` rules, since a model can be
 moved between devices after ``apply``.
 """
@@ -10,11 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
-
-from fusepatch.core.env import Environment
-from fusepatch.core.options import switch
+from fusepatch.base.env import Environment
+from fusepatch.base.known_issues import KNOWN_ISSUES, matching_issues
+from fusepatch.base.options import switch
+from fusepatch.base.versions import version_in
 
 
 @dataclass(frozen=True)
@@ -43,15 +42,6 @@ class Requirement(Protocol):
     def check(self, env: Environment) -> Verdict: ...
 
     def describe(self) -> str: ...
-
-
-def version_in(version: str, spec: str) -> bool:
-    """Whether ``version`` satisfies ``spec`` (local labels such as ``+cu130`` ignored; pre-releases allowed)."""
-    try:
-        parsed = Version(version.split("+")[0])
-        return SpecifierSet(spec).contains(parsed, prereleases=True)
-    except (InvalidVersion, InvalidSpecifier):
-        return False
 
 
 @dataclass(frozen=True)
@@ -170,13 +160,11 @@ class TorchVersion:
 
 @dataclass(frozen=True)
 class NoKnownIssue:
-    """No entry of the known-issues table matches this stack for ``package`` (see ``core/known_issues.py``)."""
+    """No entry of the known-issues table matches this stack for ``package`` (see ``base/known_issues.py``)."""
 
     package: str
 
     def check(self, env: Environment) -> Verdict:
-        from fusepatch.core.known_issues import matching_issues
-
         for issue in matching_issues(self.package, env):
             return reject(issue.summary(env), issue.fix)
         return OK
@@ -186,8 +174,6 @@ class NoKnownIssue:
 
     @property
     def probes(self) -> tuple[str, ...]:
-        from fusepatch.core.known_issues import KNOWN_ISSUES
-
         return tuple(i.unless_importable for i in KNOWN_ISSUES if i.package == self.package and i.unless_importable)
 
 

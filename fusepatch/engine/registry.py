@@ -7,48 +7,11 @@ family still imports fusepatch. Family tables live in ``fusepatch/models/<family
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import dataclasses
 
-
-@dataclass(frozen=True)
-class Row:
-    """One layer class and how it is patched.
-
-    Args:
-        model_types: the ``config.model_type`` values whose models hold this class.
-        module: the module that defines the class (``transformers.models.qwen3_5.modeling_qwen3_5``).
-        layer: the class name (``Qwen3_5GatedDeltaNet``).
-        ops: ops the replacement forward calls, in the order they run.
-        forward: the replacement forward, or ``None`` when this release replaces nothing in the layer.
-        note: one line for ``fusepatch list``.
-    """
-
-    model_types: tuple[str, ...]
-    module: str
-    layer: str
-    ops: tuple[str, ...]
-    forward: Callable | None
-    note: str = ""
-
-    @property
-    def qualname(self) -> str:
-        return f"{self.module}.{self.layer}"
-
-    def matches(self, module: object) -> bool:
-        cls = type(module)
-        return any(k.__name__ == self.layer and k.__module__ == self.module for k in cls.__mro__)
-
-    def to_dict(self) -> dict:
-        return {
-            "model_types": list(self.model_types),
-            "layer": self.layer,
-            "module": self.module,
-            "ops": list(self.ops),
-            "patched_forward": None if self.forward is None else f"{self.forward.__module__}.{self.forward.__name__}",
-            "note": self.note,
-        }
-
+from fusepatch.base.row import Row
+from fusepatch.models import BUILTIN_ROWS
+from fusepatch.ops import OPS
 
 _USER_ROWS: list[Row] = []
 
@@ -58,11 +21,9 @@ def register(row: Row) -> None:
 
     Example::
 
-        >>> from fusepatch.core.registry import Row, register
+        >>> from fusepatch import Row, register
         >>> register(Row(("my_qwen",), "my_pkg.modeling", "MyRMSNorm", ("rms_norm",), my_forward))  # doctest: +SKIP
     """
-    from fusepatch.ops import OPS
-
     unknown = [op for op in row.ops if op not in OPS]
     if unknown:
         raise ValueError(f"row {row.layer}: unknown op(s) {unknown}; known ops: {sorted(OPS)}")
@@ -70,8 +31,6 @@ def register(row: Row) -> None:
 
 
 def all_rows() -> list[Row]:
-    from fusepatch.models import BUILTIN_ROWS
-
     return [*_USER_ROWS, *BUILTIN_ROWS]
 
 
@@ -91,9 +50,6 @@ def add_candidate(op: str, candidate, *, first: bool = True) -> None:
 
         >>> fusepatch.add_candidate("swiglu", hub_candidate(HubKernel("my-org/swiglu", "swiglu")))  # doctest: +SKIP
     """
-    import dataclasses
-
-    from fusepatch.ops import OPS
 
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; known ops: {sorted(OPS)}")

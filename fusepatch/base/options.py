@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from fusepatch.core.log import LEVELS
+from fusepatch.base.log import LEVELS
 
 if TYPE_CHECKING:
     import torch

@@ -19,21 +19,14 @@ from typing import Any
 import torch
 
 from fusepatch import backends
-from fusepatch.core import options
-from fusepatch.core.env import capture
-from fusepatch.core.log import REASONS
-from fusepatch.core.registry import Row, known_model_types, rows_for
-from fusepatch.core.reporting import LayerReport, PatchReport
-from fusepatch.core.resolve import (
-    PREFERABLE,
-    Choice,
-    Dispatch,
-    autocast_dtype,
-    candidate_names,
-    dtype_name,
-    make_dispatch,
-    preferred_sources,
-)
+from fusepatch.base import options
+from fusepatch.base.dtypes import autocast_dtype, dtype_name, fsdp_compute_dtype
+from fusepatch.base.env import capture
+from fusepatch.base.log import REASONS
+from fusepatch.base.row import Row
+from fusepatch.engine.registry import known_model_types, rows_for
+from fusepatch.engine.reporting import LayerReport, PatchReport
+from fusepatch.engine.resolve import PREFERABLE, Choice, Dispatch, candidate_names, make_dispatch, preferred_sources
 from fusepatch.layers import layer_graphs, mlp_recompute, rotary_embedding
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward, trainer_head
 from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
@@ -235,21 +228,6 @@ def _compute(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -
 def _device_and_dtype(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> tuple[str, str]:
     device, dtype, _ = _compute(model, compute_dtype)
     return device, dtype_name(dtype)
-
-
-def fsdp_compute_dtype(model: torch.nn.Module) -> torch.dtype | None:
-    """FSDP2's MixedPrecisionPolicy.param_dtype, if the model is sharded with one. The Trainer keeps sharded
-    parameters in fp32 and computes in bf16: self-testing fp32 there compiles kernels training never calls
-    (minutes at 27B shapes) and reports choices for a dtype that never runs."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return None
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
-            return getattr(policy, "param_dtype", None)
-    return None
 
 
 def _disabled() -> bool:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fusepatch.core.requirements import InputRule, Requirement
+from fusepatch.base.requirements import InputRule, Requirement
 
 SOURCES = ("pip", "hub", "eager")  # pip: an installed package (a wheel fusepatch built included); hub: the Kernel Hub
 

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from fusepatch.core.op import Candidate, Op
-from fusepatch.core.requirements import OK, Verdict, reject
+from fusepatch.base.op import Candidate, Op
+from fusepatch.base.requirements import OK, Verdict, reject
 from fusepatch.ops.common import relative_error
 
 logger = logging.getLogger("fusepatch")

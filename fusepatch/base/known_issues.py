@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fusepatch.core.env import Environment
-from fusepatch.core.requirements import version_in
+from fusepatch.base.env import Environment
+from fusepatch.base.versions import version_in
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from fusepatch.core import selftest
-from fusepatch.core.env import Environment, capture
-from fusepatch.core.log import REASONS
-from fusepatch.core.op import SOURCES, Candidate, Op
-from fusepatch.core.options import skip_pairs, sources
-from fusepatch.core.requirements import (
+from fusepatch.base.dtypes import dtype_name
+from fusepatch.base.env import Environment, capture
+from fusepatch.base.log import REASONS
+from fusepatch.base.op import SOURCES, Candidate, Op
+from fusepatch.base.options import skip_pairs, sources
+from fusepatch.base.requirements import (
     OK,
     CudaDevice,
     DistributionVersion,
@@ -29,6 +27,7 @@ from fusepatch.core.requirements import (
     Verdict,
     reject,
 )
+from fusepatch.engine import selftest
 from fusepatch.ops import OPS
 
 logger = logging.getLogger("fusepatch")
@@ -123,16 +122,6 @@ class Choice:
             "origin": self.origin,
             "ready_s": round(self.ready_s, 2),
         }
-
-
-def dtype_name(dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``: the form choices are keyed and reported by."""
-    return str(dtype).removeprefix("torch.")
-
-
-def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype an active autocast computes in on ``device_type``, or None when autocast is off there."""
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 # kernel sources a user may prefer (eager is the fallback, always last)

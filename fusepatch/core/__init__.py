@@ -1,1 +1,0 @@
-"""The engine: environment, requirements, op and candidate values, self-test, dispatch, registry, patch, report."""
