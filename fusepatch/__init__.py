@@ -14,8 +14,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from fusepatch.base import log
-
-__version__ = "0.2.0"
+from fusepatch.base.release import __version__  # noqa: F401
 
 # public name -> the module that defines it
 _PUBLIC = {

@@ -1,5 +1,5 @@
-"""The package's shape: no import cycles among module-level imports, kernels that import only each other, a light
-``import fusepatch``, and public names that resolve to what they document."""
+"""The package's shape: layers that import only downwards and no import cycle at any import level, kernels that
+import only each other, a light ``import fusepatch``, and public names that resolve to what they document."""
 
 from __future__ import annotations
 
@@ -21,10 +21,46 @@ def _modules() -> dict[str, pathlib.Path]:
     return found
 
 
-def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
-    """The fusepatch modules ``path`` imports when it is imported (module level; TYPE_CHECKING blocks left out)."""
+# The layers, lowest first (docs/design.md): a module imports only from its own layer or the ones below, at any
+# import level (module, function or class body; TYPE_CHECKING blocks are type hints, not imports).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("fusepatch.base",),
+    ("fusepatch.kernels", "fusepatch.backends"),
+    ("fusepatch.ops",),
+    ("fusepatch.layers",),
+    ("fusepatch.models",),
+    ("fusepatch.engine",),
+    ("fusepatch.diagnostics",),
+    ("fusepatch.integrations", "fusepatch.tools"),
+    ("fusepatch", "fusepatch.__main__"),
+)
+
+
+def _layer(name: str) -> int:
+    for index, prefixes in enumerate(LAYERS):
+        if name in prefixes or any(name.startswith(f"{p}.") for p in prefixes if p != "fusepatch"):
+            return index
+    raise AssertionError(f"{name} is in no layer of LAYERS")
+
+
+def _type_checking_blocks(tree: ast.AST) -> set[int]:
+    """ids of the nodes inside ``if TYPE_CHECKING:`` blocks."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            inside.update(id(n) for child in node.body for n in ast.walk(child))
+    return inside
+
+
+def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path], *, anywhere: bool = True) -> set[str]:
+    """The fusepatch modules ``path`` imports: at any level (``anywhere``), or at module level only."""
+    tree = ast.parse(path.read_text())
+    hints = _type_checking_blocks(tree)
+    nodes = ast.walk(tree) if anywhere else tree.body
     out = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in nodes:
+        if id(node) in hints:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "fusepatch":
             for alias in node.names:
                 name = f"{node.module}.{alias.name}"
@@ -34,9 +70,14 @@ def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
     return {m for m in out if m in modules}
 
 
-def test_no_import_cycles():
+def _graph() -> dict[str, set[str]]:
     modules = _modules()
-    graph = {name: _imports(path, modules) for name, path in modules.items()}
+    return {name: _imports(path, modules) for name, path in modules.items()}
+
+
+def test_no_import_cycles_at_any_level():
+    """Function-level imports included: none of them hides a cycle."""
+    graph = _graph()
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(name: str, path: list[str]) -> None:
@@ -52,6 +93,29 @@ def test_no_import_cycles():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+
+
+def test_layers_import_only_downwards():
+    wrong = [
+        f"{name} (layer {_layer(name)}) imports {dep} (layer {_layer(dep)})"
+        for name, deps in sorted(_graph().items())
+        for dep in sorted(deps)
+        if _layer(dep) > _layer(name)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_base_imports_nothing_of_fusepatch_above_it():
+    graph = _graph()
+    outside = {n: d for n, d in graph.items() if n.startswith("fusepatch.base") and any(_layer(x) for x in d)}
+    assert not outside, outside
+
+
+def test_the_release_version_is_pyprojects():
+    import tomllib
+
+    project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]
+    assert project.get("version", fusepatch.__version__) == fusepatch.__version__
 
 
 def test_every_module_imports_alone():
@@ -72,23 +136,6 @@ def test_every_module_imports_alone():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.stdout.strip() == "ok", result.stdout + result.stderr[-2000:]
-
-
-def test_ops_and_backends_import_nothing_above_them():
-    """The ops and the foreign-package backends sit below the forwards, the patching and the tools
-    (docs/design.md): nothing they import at module level comes from there."""
-    above = (
-        "fusepatch.layers",
-        "fusepatch.models",
-        "fusepatch.tools",
-        "fusepatch.integrations",
-        "fusepatch.engine.patch",
-    )
-    modules = _modules()
-    for name, path in modules.items():
-        if name.startswith(("fusepatch.ops", "fusepatch.backends")):
-            wrong = {m for m in _imports(path, modules) if m.startswith(above)}
-            assert not wrong, f"{name} imports {wrong}"
 
 
 def test_kernels_import_only_kernels():

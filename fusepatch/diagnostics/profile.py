@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from fusepatch.engine.registry import all_rows
+
 # Dense bf16 peak FLOP/s by GPU name (vendor datasheets); MFU is left out for GPUs not listed here
 # unless ``peak_tflops`` is given.
 PEAK_TFLOPS: dict[str, float] = {
@@ -297,8 +299,6 @@ def registry_modules(model: torch.nn.Module, class_names: set[str] | None = None
     """The model's modules whose class is in ``class_names`` (default: every layer class of the registry; hf-fast's
     and Liger's models have the same classes as a patched one)."""
     if class_names is None:
-        from fusepatch.engine.registry import all_rows
-
         class_names = {row.layer for row in all_rows()}
     return [module for module in model.modules() if type(module).__name__ in class_names]
 

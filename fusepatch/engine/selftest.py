@@ -18,24 +18,13 @@ import torch
 
 from fusepatch.base.op import Candidate, Op
 from fusepatch.base.requirements import OK, Verdict, reject
+from fusepatch.base.saved_tensors import own_saved_tensors
 from fusepatch.ops.common import relative_error
 
 logger = logging.getLogger("fusepatch")
 
 _RESULTS: dict[tuple, Verdict] = {}
 COMPILED_S = 5.0  # a kernel that needs this long to load and self-test was compiled/autotuned, not cached
-
-
-def _keep(tensor: torch.Tensor) -> torch.Tensor:
-    """Saved-tensor hook that saves the tensor itself (shadows any checkpointing/offloading hooks around)."""
-    return tensor
-
-
-def own_saved_tensors():
-    """Autograd graphs made inside keep their saved tensors as they are, whatever saved-tensor hooks are around:
-    a kernel check run inside an activation-checkpointed forward must not have its backward ask the checkpoint to
-    re-run the layer from inside that layer's forward (a deadlock on the H200 under FSDP2 + checkpointing)."""
-    return torch.autograd.graph.saved_tensors_hooks(_keep, _keep)
 
 
 def _dtype(name: str) -> torch.dtype:

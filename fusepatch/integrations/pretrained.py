@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fusepatch.base.env import require_transformers
+from fusepatch.engine.patch import apply
 
 
 def from_pretrained(
@@ -27,10 +28,8 @@ def from_pretrained(
 
         >>> model = fusepatch.from_pretrained("Qwen/Qwen3.5-27B", dtype="bfloat16", device_map="cuda")  # doctest: +SKIP
     """
-    import fusepatch
-
     transformers = require_transformers()
     loader = auto_class or transformers.AutoModelForCausalLM
     model = loader.from_pretrained(name_or_path, *args, **kwargs)
-    fusepatch.apply(model, **(apply_kwargs or {}))
+    apply(model, **(apply_kwargs or {}))
     return model

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fusepatch.base.dtypes import autocast_dtype, dtype_name
+from fusepatch.base.dtypes import autocast_dtype, dtype_name, fsdp_compute_dtype
 from fusepatch.layers.support.bindings import hold
 from fusepatch.layers.support.labelled_rows import LabelledRows
 from fusepatch.layers.support.packing import note_padding, traced_plain_call
@@ -139,8 +139,6 @@ def _loss_dtype(weight: torch.Tensor, model: torch.nn.Module | None = None) -> t
     if auto is not None:
         return auto
     if model is not None and _is_sharded(weight):
-        from fusepatch.base.dtypes import fsdp_compute_dtype
-
         return fsdp_compute_dtype(model) or weight.dtype
     return weight.dtype
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fusepatch.engine.selftest import own_saved_tensors
+from fusepatch.base.saved_tensors import own_saved_tensors
 
 logger = logging.getLogger("fusepatch")
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusepatch.base.env import Environment
+from fusepatch.tools import nvcc_filter
 
 logger = logging.getLogger("fusepatch")
 
@@ -155,8 +156,6 @@ def plan_build(
     if not sdist.exists():
         raise BuildError(f"sdist {sdist} does not exist")
     wheel_dir = cache_dir / key
-    from fusepatch.tools import nvcc_filter
-
     keep_nvcc = f"{shlex.quote(sys.executable)} {shlex.quote(os.path.abspath(nvcc_filter.__file__))} --keep {arch} --nvcc {shlex.quote(nvcc)} --"
     build_env = {
         **package.env,

@@ -229,7 +229,7 @@ def _model_types() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fusepatch import __version__
+    from fusepatch.base.release import __version__
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", help="show fusepatch's log as it works")

@@ -7,6 +7,10 @@ import time
 
 import torch
 
+from fusepatch.base.dtypes import dtype_name
+from fusepatch.engine.patch import apply
+from fusepatch.tools.tiny import tiny_model
+
 
 def _train(model, batches, steps: int) -> tuple[list[float], float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -32,9 +36,6 @@ def run(
     *, model_type: str = "qwen3_5_text", steps: int = 5, seq_len: int = 128, batch: int = 2, device: str | None = None
 ) -> dict:
     """Train the same tiny model twice from the same weights, unpatched then patched; return the numbers."""
-    import fusepatch
-    from fusepatch.base.dtypes import dtype_name
-    from fusepatch.tools.tiny import tiny_model
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -46,7 +47,7 @@ def run(
     eager = copy.deepcopy(base)
     eager_losses, eager_rate = _train(eager, batches, steps)
     patched = copy.deepcopy(base)
-    report = fusepatch.apply(patched, verbose=False)  # the report is printed whole below
+    report = apply(patched, verbose=False)  # the report is printed whole below
     patched_losses, patched_rate = _train(patched, batches, steps)
     return {
         "model_type": model_type,

@@ -6,10 +6,11 @@ import collections
 import logging
 import time
 
-from fusepatch import __version__, backends
+from fusepatch import backends
 from fusepatch.base.env import Environment, capture
 from fusepatch.base.known_issues import KNOWN_ISSUES
 from fusepatch.base.op import Op
+from fusepatch.base.release import __version__
 from fusepatch.base.requirements import version_in
 from fusepatch.engine.registry import all_rows
 from fusepatch.engine.resolve import evaluate, first_verdict, ordered, preferred_sources

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from fusepatch.base.dtypes import dtype_name
 from fusepatch.base.env import require_transformers
+from fusepatch.engine.patch import apply
+from fusepatch.engine.registry import known_model_types
+from fusepatch.engine.resolve import Dispatch
+from fusepatch.engine.selftest import COMPILED_S
 
 CACHE_VARIABLES = {
     "triton (compiled kernels; fla's autotuning results too, FLA_CACHE_RESULTS=1)": (
@@ -39,8 +44,6 @@ class OpTiming:
     def compiled(self) -> bool:
         """Compiled or autotuned here: a slow self-test, or a first call far slower than the second; a kernel
         that came from the on-disk caches is fast in both."""
-        from fusepatch.engine.selftest import COMPILED_S
-
         return self.ready_s >= COMPILED_S or self.first_s > 10 * self.second_s + 0.5
 
 
@@ -48,7 +51,6 @@ def warmup_config(source: str, *, text_only: bool = True):
     """The model's config with one layer of each kind: a model_type (transformers' default sizes) or a local
     config path. A model type fusepatch has no rows for raises ValueError naming the supported ones: it has no
     kernel to warm."""
-    from fusepatch.engine.registry import known_model_types
 
     AutoConfig = require_transformers().AutoConfig
     known = known_model_types()
@@ -93,16 +95,12 @@ def warmup(
     second call (synchronised, so the times are the kernels')."""
     AutoModelForCausalLM = require_transformers().AutoModelForCausalLM
 
-    import fusepatch
-    from fusepatch.base.dtypes import dtype_name
-    from fusepatch.engine.resolve import Dispatch
-
     config = warmup_config(source)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     progress(f"choosing and self-testing the kernels for {dtype} on {device} (first use compiles: minutes)")
-    report = fusepatch.apply(model, verbose=False)
+    report = apply(model, verbose=False)
     ready = {(layer.layer, c.op): c.ready_s for layer in report.layers for c in layer.choices}
     timings: dict[tuple[str, str], list[float]] = {}
     kernels: dict[tuple[str, str], str] = {}
