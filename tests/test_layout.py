@@ -154,3 +154,14 @@ def test_import_is_light_and_public_names_resolve():
         assert getattr(fusepatch, name) is not None
     __import__("fusepatch.engine.reporting")  # a submodule import must not shadow a public function
     assert callable(fusepatch.report) and fusepatch.report.__module__ == "fusepatch.engine.patch"
+
+
+def test_apply_is_a_short_pipeline():
+    """``apply`` reads as its steps (check, plan, resolve and self-test, bind, report, finish): its body, the
+    docstring left out, within 40 lines."""
+    import ast
+
+    tree = ast.parse((ROOT / "engine" / "patch.py").read_text())
+    apply = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "apply")
+    body = apply.body[1:] if isinstance(apply.body[0], ast.Expr) else apply.body
+    assert body[-1].end_lineno - body[0].lineno + 1 <= 40

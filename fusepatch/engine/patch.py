@@ -225,11 +225,6 @@ def _compute(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -
     return "cpu", torch.float32, False
 
 
-def _device_and_dtype(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> tuple[str, str]:
-    device, dtype, _ = _compute(model, compute_dtype)
-    return device, dtype_name(dtype)
-
-
 def _disabled() -> bool:
     return options.switch("FUSEPATCH_DISABLE")
 
@@ -244,29 +239,171 @@ def _matches(model: torch.nn.Module, rows: list[Row]) -> dict[Row, list[torch.nn
     return found
 
 
-def _build_report(
-    model: torch.nn.Module,
-    layers: list[LayerReport],
-    *,
-    message: str = "",
-    newly: int = 0,
-    already: int = 0,
-    compute_dtype: torch.dtype | None = None,
-) -> PatchReport:
-    device, compute, cast = _compute(model, compute_dtype)
-    env = capture()
+@dataclass(frozen=True)
+class Request:
+    """``apply``'s arguments, checked (``options``): what may be fused, from where, and what to say."""
+
+    ops: tuple[str, ...] | None
+    exclude: tuple[str, ...]
+    prefer: tuple[str, ...]
+    strict: bool
+    compute_dtype: torch.dtype | None
+    cuda_graphs: bool
+    verbose: bool | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``apply`` found in the model: its layers by registry row, where and in which dtype they compute, and
+    why nothing is patched (``message``) when that is so."""
+
+    model: torch.nn.Module
+    model_types: tuple[str, ...]
+    found: dict[Row, list[torch.nn.Module]]
+    owners: dict[Row, str]  # head rows whose loss a trainer's own fused head computes -> who
+    device: str
+    compute: torch.dtype
+    cast: bool
+    adapters: dict
+    message: str = ""
+
+    @property
+    def on_meta(self) -> bool:
+        return self.device == "meta"
+
+
+@dataclass
+class Resolved:
+    """Each row's dispatchers (one per op) and the layer reports with the choices they made."""
+
+    dispatches: dict[Row, dict[str, Dispatch]]
+    layers: list[LayerReport]
+
+
+def _request(
+    model, ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose
+) -> tuple[torch.nn.Module, Request]:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fusepatch.apply expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    request = Request(
+        ops=None if ops is None else tuple(options.names(ops, "ops")),
+        exclude=tuple(options.names(exclude, "exclude")),
+        prefer=(),
+        strict=options.boolean(strict, "strict"),
+        compute_dtype=options.compute_dtype(compute_dtype),
+        cuda_graphs=options.boolean(cuda_graphs, "cuda_graphs"),
+        verbose=options.optional_boolean(verbose, "verbose"),
+    )
+    options.check_environment(candidate_names(), PREFERABLE)  # every FUSEPATCH_* variable, read or not on this call
+    for name in [*(request.ops or ()), *request.exclude]:
+        if name not in OPS:
+            raise ValueError(f"unknown op {name!r}; known ops: {', '.join(sorted(OPS))}")
+    return unwrapped(model), dataclasses.replace(request, prefer=preferred_sources(prefer))
+
+
+_REPORT_REQUEST = Request(None, (), (), False, None, False, None)  # report(model): a plan that raises nothing
+
+
+def _plan(model: torch.nn.Module, request: Request) -> Plan:
+    """The model's rows and compute dtype, or the reason nothing is patched (disabled, no rows for the model)."""
+    model_types = tuple(_model_types(model))
+    device, compute, cast = _compute(model, request.compute_dtype)
     adapters = lora.survey(model, compute, cast)  # in the dtype the layers compute in
+    plan = Plan(model, model_types, {}, {}, device, compute, cast, adapters if adapters["linears"] else {})
+    if _disabled():
+        message = "FUSEPATCH_DISABLE is set: nothing patched, the model runs as transformers ships it"
+        return dataclasses.replace(plan, message=message)
+    rows = rows_for(set(model_types))
+    found = _matches(model, rows) if rows else {}
+    if not found:
+        label = ", ".join(repr(t) for t in model_types) or "(no config.model_type)"
+        message = (
+            f"no fusepatch rows for model_type {label}; the model is left untouched "
+            f"(supported: {', '.join(known_model_types())})"
+        )
+        held = "" if model_types else _held_model(model)
+        message = f"{held}; {type(model).__name__} is left untouched" if held else message
+        if request.strict:
+            raise FusePatchError(message)
+        return dataclasses.replace(plan, message=message)
+    if plan.on_meta and request.strict:
+        raise FusePatchError(
+            "fusepatch.apply(strict=True): the model is on the meta device, so no kernel can be self-tested; "
+            "call apply after materialising it (model.to_empty(device=...) and loading the weights)"
+        )
+    return dataclasses.replace(plan, found=dict(found), owners=_trainer_heads(found))
+
+
+def _resolve(plan: Plan, request: Request) -> Resolved:
+    """Each row's dispatchers (reused from an earlier apply), and their choices for the model's device and dtype,
+    self-tested; on the meta device each op is chosen at its first real call."""
+    env = capture()
+    resolved = Resolved({}, [])
+    for row, modules in plan.found.items():
+        if (
+            row in plan.owners
+        ):  # a trainer's fused head computes the loss: the head is left to it, and the report says so
+            choices = tuple(_stepped_aside(name, plan.owners[row]) for name in row.ops)
+            resolved.layers.append(LayerReport(row.layer, len(modules), False, choices, note=row.note))
+            logger.info(
+                "fusepatch: %s's loss is computed by %s; fusepatch leaves the head to it", row.layer, plan.owners[row]
+            )
+            continue
+        existing = [m for m in modules if hasattr(m, "_fusepatch")]
+        if existing:  # reuse the dispatchers of an earlier apply: choices and self-tests stay as they were
+            resolved.dispatches[row] = existing[0]._fusepatch.ops
+        else:
+            resolved.dispatches[row] = {
+                name: make_dispatch(
+                    name,
+                    env=env,
+                    prefer=request.prefer,
+                    label=row.layer,
+                    ops=request.ops,
+                    exclude=request.exclude,
+                    module=modules[0],
+                )
+                for name in row.ops
+            }
+        dtype = dtype_name(plan.compute)
+        choices = () if plan.on_meta else tuple(d.choice(plan.device, dtype) for d in resolved.dispatches[row].values())
+        resolved.layers.append(LayerReport(row.layer, len(modules), row.forward is not None, choices, note=row.note))
+    return resolved
+
+
+def _bind(plan: Plan, resolved: Resolved) -> tuple[int, int]:
+    """Every matched module's instance forward replaced; returns (newly patched, already patched)."""
+    newly = already = 0
+    for row, modules in plan.found.items():
+        if row.forward is None or row in plan.owners:
+            continue
+        for module in modules:
+            if hasattr(module, "_fusepatch"):
+                already += 1
+                continue
+            instance_forward = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)
+            module._fusepatch = PatchState(row, resolved.dispatches[row], module, instance_forward)
+            module.forward = _Bound(row.forward, module)
+            module._replicate_for_data_parallel = _Bound(_replicate_patched, module)
+            newly += 1
+    return newly, already
+
+
+def _report(
+    plan: Plan, layers: list[LayerReport], *, message: str = "", newly: int = 0, already: int = 0
+) -> PatchReport:
+    env = capture()
     return PatchReport(
-        model=type(model).__name__,
-        model_types=_model_types(model),
-        device=device,
-        dtype=dtype_name(compute),
+        model=type(plan.model).__name__,
+        model_types=plan.model_types,
+        device=plan.device,
+        dtype=dtype_name(plan.compute),
         layers=tuple(layers),
-        message=message,
+        message=message or plan.message,
         newly_patched=newly,
         already_patched=already,
         drift=backends.drifted(),
-        lora=adapters if adapters["linears"] else {},
+        lora=plan.adapters,
         environment={
             "torch": env.torch,
             "cuda": env.torch_cuda,
@@ -274,6 +411,58 @@ def _build_report(
             "triton": env.triton,
         },
     )
+
+
+def _outcome(plan: Plan, newly: int, already: int) -> str:
+    if plan.on_meta:
+        return (
+            "the model is on the meta device: its layers are patched, and each op's kernel is chosen and "
+            "self-tested at its first call on a real device (fusepatch.report(model) shows the choices then)"
+        )
+    return f"already patched ({already} modules); nothing changed" if newly == 0 and already else ""
+
+
+def _finish(plan: Plan, resolved: Resolved, report: PatchReport, request: Request, newly: int) -> None:
+    """After binding: where dynamo may trace the forwards, later choices announced, the layer graphs, the log."""
+    # dynamo traces the patched forwards only where no op runs a kernel it cannot trace (on meta: chosen later),
+    # on a device type where the traced path is checked
+    eager_on = None if report.fused_ops or plan.on_meta else report.device
+    traceable_on = eager_on if eager_on in TRACED_DEVICES else None
+    for modules in plan.found.values():
+        for module in modules:
+            state = module.__dict__.get("_fusepatch")  # a trainer-owned head or a row without a forward: none
+            if state is not None:
+                state.traceable_on = traceable_on
+                state.untraced_on = eager_on if traceable_on is None else None
+    for row_dispatches in resolved.dispatches.values():
+        for dispatch in row_dispatches.values():
+            dispatch.announce = True
+    if request.cuda_graphs:
+        _install_graphs(plan.model)
+    _log(report, request.verbose, said=bool(newly or plan.on_meta))
+    if newly and mlp_recompute.RECOMPUTE and any(row.forward is swiglu_mlp_forward for row in resolved.dispatches):
+        logger.info(
+            "fusepatch: FUSEPATCH_MLP_RECOMPUTE=1: the SwiGLU MLPs' down projections recompute their input in the "
+            "backward instead of keeping it (less activation memory, one more SwiGLU kernel per MLP a step)"
+        )
+
+
+def _log(report: PatchReport, verbose: bool | None, *, said: bool) -> None:
+    """The table (verbose), its totals (default) or nothing; each fallback reason once per process (``said``:
+    this call patched something new, or chose nothing yet on meta); the LoRA lines."""
+    if verbose:
+        logger.info("%s", report)
+    elif verbose is None:
+        logger.info("%s", report.totals())
+    if not said:
+        return
+    for reason, line in report.fallback_reasons():
+        REASONS.warn(reason, "%s", line)  # once per process: another model, or apply again, says it no more
+    lines = report.lora_lines()
+    if lines:
+        logger.info(lines[0])
+        for line in lines[1:]:
+            logger.warning(line)
 
 
 def apply(
@@ -326,138 +515,19 @@ def apply(
             >>> report = fusepatch.apply(model)
             >>> print(report)  # doctest: +SKIP
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"fusepatch.apply expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
-    model = unwrapped(model)
-    strict = options.boolean(strict, "strict")
-    cuda_graphs = options.boolean(cuda_graphs, "cuda_graphs")
-    verbose = options.optional_boolean(verbose, "verbose")
-    compute_dtype = options.compute_dtype(compute_dtype)
-    options.check_environment(candidate_names(), PREFERABLE)  # every FUSEPATCH_* variable, read or not on this call
-    ops = None if ops is None else options.names(ops, "ops")
-    exclude = options.names(exclude, "exclude")
-    for name in [*(ops or []), *exclude]:
-        if name not in OPS:
-            raise ValueError(f"unknown op {name!r}; known ops: {', '.join(sorted(OPS))}")
-    prefer = preferred_sources(prefer)
-    model_types = _model_types(model)
-
-    if _disabled():
-        message = "FUSEPATCH_DISABLE is set: nothing patched, the model runs as transformers ships it"
-        logger.warning("fusepatch: %s", message)
-        return _build_report(model, [], message=message, compute_dtype=compute_dtype)
-
-    rows = rows_for(set(model_types))
-    found = _matches(model, rows) if rows else {}
-    if not found:
-        label = ", ".join(repr(t) for t in model_types) or "(no config.model_type)"
-        message = (
-            f"no fusepatch rows for model_type {label}; the model is left untouched "
-            f"(supported: {', '.join(known_model_types())})"
-        )
-        held = "" if model_types else _held_model(model)
-        if held:
-            message = f"{held}; {type(model).__name__} is left untouched"
-        if strict:
-            raise FusePatchError(message)
-        logger.warning("fusepatch: %s", message)
-        return _build_report(model, [], message=message, compute_dtype=compute_dtype)
-
-    device, dtype = _device_and_dtype(model, compute_dtype)
-    on_meta = device == "meta"
-    if on_meta and strict:
+    model, request = _request(model, ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose)
+    plan = _plan(model, request)
+    if plan.message:  # nothing to patch: disabled, or no rows for the model
+        logger.warning("fusepatch: %s", plan.message)
+        return _report(plan, [])
+    resolved = _resolve(plan, request)
+    if request.strict and (pending := _report(plan, resolved.layers)).fallbacks():
         raise FusePatchError(
-            "fusepatch.apply(strict=True): the model is on the meta device, so no kernel can be self-tested; "
-            "call apply after materialising it (model.to_empty(device=...) and loading the weights)"
+            "fusepatch.apply(strict=True): nothing patched; fallbacks:\n" + "\n".join(pending.log_lines())
         )
-    env = capture()
-    layers: list[LayerReport] = []
-    dispatches: dict[Row, dict[str, Dispatch]] = {}
-    owners = _trainer_heads(found)
-    for row, modules in found.items():
-        if row in owners:  # a trainer's fused head computes the loss: the head is left to it, and the report says so
-            choices = tuple(_stepped_aside(name, owners[row]) for name in row.ops)
-            layers.append(LayerReport(row.layer, len(modules), False, choices, note=row.note))
-            logger.info(
-                "fusepatch: %s's loss is computed by %s; fusepatch leaves the head to it", row.layer, owners[row]
-            )
-            continue
-        existing = [m for m in modules if hasattr(m, "_fusepatch")]
-        if existing:  # reuse the dispatchers of an earlier apply: choices and self-tests stay as they were
-            dispatches[row] = existing[0]._fusepatch.ops
-        else:
-            dispatches[row] = {
-                name: make_dispatch(
-                    name, env=env, prefer=prefer, label=row.layer, ops=ops, exclude=exclude, module=modules[0]
-                )
-                for name in row.ops
-            }
-        # On the meta device nothing can run: each op is chosen (and self-tested) at its first real call.
-        choices = () if on_meta else tuple(d.choice(device, dtype) for d in dispatches[row].values())
-        layers.append(LayerReport(row.layer, len(modules), row.forward is not None, choices, note=row.note))
-
-    if strict:
-        pending = _build_report(model, layers, compute_dtype=compute_dtype)
-        if pending.fallbacks():
-            raise FusePatchError(
-                "fusepatch.apply(strict=True): nothing patched; fallbacks:\n" + "\n".join(pending.log_lines())
-            )
-
-    newly = already = 0
-    for row, modules in found.items():
-        if row.forward is None or row in owners:
-            continue
-        for module in modules:
-            if hasattr(module, "_fusepatch"):
-                already += 1
-                continue
-            instance_forward = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)
-            module._fusepatch = PatchState(row, dispatches[row], module, instance_forward)
-            module.forward = _Bound(row.forward, module)
-            module._replicate_for_data_parallel = _Bound(_replicate_patched, module)
-            newly += 1
-
-    message = ""
-    if on_meta:
-        message = (
-            "the model is on the meta device: its layers are patched, and each op's kernel is chosen and "
-            "self-tested at its first call on a real device (fusepatch.report(model) shows the choices then)"
-        )
-    elif newly == 0 and already:
-        message = f"already patched ({already} modules); nothing changed"
-    report = _build_report(model, layers, message=message, newly=newly, already=already, compute_dtype=compute_dtype)
-    # dynamo traces the patched forwards only where no op runs a kernel it cannot trace (on meta: chosen later),
-    # on a device type where the traced path is checked
-    eager_on = None if report.fused_ops or on_meta else report.device
-    traceable_on = eager_on if eager_on in TRACED_DEVICES else None
-    for modules in found.values():
-        for module in modules:
-            state = module.__dict__.get("_fusepatch")  # a trainer-owned head or a row without a forward: none
-            if state is not None:
-                state.traceable_on = traceable_on
-                state.untraced_on = eager_on if traceable_on is None else None
-    for row_dispatches in dispatches.values():
-        for dispatch in row_dispatches.values():
-            dispatch.announce = True
-    if cuda_graphs:
-        _install_graphs(model)
-    if verbose:
-        logger.info("%s", report)
-    elif verbose is None:
-        logger.info("%s", report.totals())
-    if newly or on_meta:
-        for reason, line in report.fallback_reasons():
-            REASONS.warn(reason, "%s", line)  # once per process: another model, or apply again, says it no more
-        lines = report.lora_lines()
-        if lines:
-            logger.info(lines[0])
-            for line in lines[1:]:
-                logger.warning(line)
-    if newly and mlp_recompute.RECOMPUTE and any(row.forward is swiglu_mlp_forward for row in dispatches):
-        logger.info(
-            "fusepatch: FUSEPATCH_MLP_RECOMPUTE=1: the SwiGLU MLPs' down projections recompute their input in the "
-            "backward instead of keeping it (less activation memory, one more SwiGLU kernel per MLP a step)"
-        )
+    newly, already = _bind(plan, resolved)
+    report = _report(plan, resolved.layers, message=_outcome(plan, newly, already), newly=newly, already=already)
+    _finish(plan, resolved, report, request, newly)
     return report
 
 
@@ -566,8 +636,8 @@ def report(model: torch.nn.Module, compute_dtype: torch.dtype | str | None = Non
     and dtype (a model moved to the GPU after ``apply`` shows its GPU choices; ``compute_dtype`` as in
     :func:`apply`)."""
     model = unwrapped(model)
-    compute_dtype = options.compute_dtype(compute_dtype)
-    device, dtype = _device_and_dtype(model, compute_dtype)
+    plan = _plan(model, dataclasses.replace(_REPORT_REQUEST, compute_dtype=options.compute_dtype(compute_dtype)))
+    device, dtype = plan.device, dtype_name(plan.compute)
     groups: dict[Row, list[torch.nn.Module]] = defaultdict(list)
     for module in model.modules():
         state = module.__dict__.get("_fusepatch")
@@ -583,13 +653,12 @@ def report(model: torch.nn.Module, compute_dtype: torch.dtype | str | None = Non
         else:
             choices = tuple(d.choice(device, dtype) for d in modules[0]._fusepatch.ops.values())
         layers.append(LayerReport(row.layer, len(modules), True, choices, note=row.note))
-    found = _matches(model, rows_for(set(_model_types(model))))
-    for row, owner in _trainer_heads({r: m for r, m in found.items() if r not in groups}).items():
-        layers.append(LayerReport(row.layer, len(found[row]), False, tuple(_stepped_aside(n, owner) for n in row.ops)))
+    for row, owner in _trainer_heads({r: m for r, m in plan.found.items() if r not in groups}).items():
+        layers.append(
+            LayerReport(row.layer, len(plan.found[row]), False, tuple(_stepped_aside(n, owner) for n in row.ops))
+        )
     total = sum(len(m) for m in groups.values())
-    built = _build_report(
-        model, layers, message="" if total else "not patched", already=total, compute_dtype=compute_dtype
-    )
+    built = _report(plan, layers, message="" if total else "not patched", already=total)
     return dataclasses.replace(built, transformers_calls=_transformers_calls(groups))
 
 
