@@ -29,12 +29,14 @@ def _fusepatch_logs(caplog):
 
 
 @pytest.fixture(autouse=True)
-def _reasons_not_said_yet():
-    """Each test starts as a fresh process would: no fallback reason said yet (fusepatch says each one once)."""
-    from fusepatch.base.log import REASONS
+def _fresh_process_state():
+    """Each test starts as a fresh process would (nothing said yet, no drift, no user rows or candidates), keeping
+    only the self-test verdicts and the environment snapshot, which a process computes once either way."""
+    from fusepatch.base.state import ProcessState, current, fresh
 
-    REASONS.reset()
-    yield
+    kept = current()
+    with fresh(ProcessState(selftests=kept.selftests, environment=kept.environment)) as state:
+        yield state
 
 
 @pytest.fixture(autouse=True)

@@ -20,13 +20,6 @@ from fusepatch.base.env import TRANSFORMERS_REQUIREMENT
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_warnings():
-    """Each drift warns once per process: start every test as a fresh process would."""
-    for table in backends.tables():
-        table._warned.clear()
-
-
 def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "fusepatch"]
 

@@ -165,7 +165,6 @@ def test_split_copy_tries_the_triton_split_and_says_once_when_it_fails(monkeypat
     from fusepatch.layers import gated_deltanet
 
     monkeypatch.setattr(gated_deltanet, "TRITON_SPLIT_DEVICES", ("cpu", "cuda"))
-    monkeypatch.setattr(gated_deltanet, "_NOTED", set())
     x = torch.randn(2, 7, 10)
     want = torch.split(x, [3, 3, 4], dim=-1)
     used = []

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import fusepatch
+from fusepatch.base.state import current as process_state
 from fusepatch.tools.tiny import tiny_model
 
 pytestmark = pytest.mark.slow
@@ -57,7 +58,7 @@ def test_verbosity_switches(monkeypatch, caplog):
     monkeypatch.delenv("FUSEPATCH_VERBOSITY")  # apply refuses the value (tests/test_options.py)
     for verbose, table, totals in ((True, True, False), (None, False, True), (False, False, False)):
         caplog.clear()
-        log.REASONS.reset()  # as in a fresh process: each reason is said once per process
+        process_state().said.reset()  # as in a fresh process: each reason is said once per process
         with caplog.at_level(logging.INFO, logger="fusepatch"):
             report = fusepatch.apply(tiny_model("qwen3"), verbose=verbose)
         infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]

@@ -26,7 +26,6 @@ FP64 = dict(rtol=1e-10, atol=1e-12)
 def fused(monkeypatch):
     """The fused path on the CPU; the list of layouts it computed (one per call)."""
     monkeypatch.setattr(projections, "DEVICES", ("cpu", "cuda"))
-    monkeypatch.setattr(lora, "_said", set())
     ran = []
     plain = lora._LoraLinears.apply
     monkeypatch.setattr(lora._LoraLinears, "apply", lambda *a: ran.append(a[2]) or plain(*a))

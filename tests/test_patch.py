@@ -10,6 +10,7 @@ import torch
 from helpers import HYBRID_PAIR, lm_batch, loss_and_grads
 
 import fusepatch
+from fusepatch.base.state import current as process_state
 from fusepatch.tools.tiny import FAMILIES, tiny_model
 
 FAMILY_NAMES = sorted(FAMILIES)
@@ -176,20 +177,17 @@ def test_conditional_generation_wrapper_text_stack_is_found():
 
 def test_register_user_row():
     from fusepatch.base.row import Row
-    from fusepatch.engine.registry import _USER_ROWS, register
+    from fusepatch.engine.registry import register
 
     def forward(self, x):
         return self._fusepatch.original(x) * 1.0
 
     register(Row(("qwen3",), "transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm", ("rms_norm",), forward))
-    try:
-        model = tiny_model("qwen3")
-        fusepatch.apply(model)
-        assert model.model.norm.forward.__func__ is forward
-        with pytest.raises(ValueError, match="unknown op"):
-            register(Row(("x",), "m", "L", ("nope",), forward))
-    finally:
-        _USER_ROWS.clear()
+    model = tiny_model("qwen3")
+    fusepatch.apply(model)
+    assert model.model.norm.forward.__func__ is forward
+    with pytest.raises(ValueError, match="unknown op"):
+        register(Row(("x",), "m", "L", ("nope",), forward))
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next", "qwen3"])
@@ -423,8 +421,6 @@ def _compiled_against_eager(model, caplog, calls: int) -> tuple[object, list[str
     from helpers import grads
     from torch._dynamo.utils import counters
 
-    from fusepatch.engine import patch as patch_module
-
     torch._dynamo.reset()
     counters.clear()
     caplog.set_level(logging.WARNING, logger="fusepatch")
@@ -433,7 +429,7 @@ def _compiled_against_eager(model, caplog, calls: int) -> tuple[object, list[str
     expected.loss.backward()
     expected_grads = grads(model)
     compiled = torch.compile(model, backend="eager")
-    patch_module._said_outside = False
+    process_state().said.reset()  # the note about dynamo is said again
     for _ in range(calls):
         model.zero_grad(set_to_none=True)
         out = compiled(input_ids=ids, labels=ids, use_cache=False)

@@ -153,6 +153,34 @@ def test_a_holder_collected_while_bindings_are_busy_is_swept_after(monkeypatch):
     assert fake.target is original and (fake.__name__, "target") not in bindings._installed
 
 
+def test_a_holder_collected_while_torch_compile_works_is_swept_after(monkeypatch):
+    """The collector may run inside dynamo's own work on a frame, which guards the module-level names it read: a
+    name put back under it failed the compile (a guard on the wrapper's closure found transformers' function). The
+    name comes back at the next sweep after the compile (``apply`` and ``revert`` start with one)."""
+    import types
+
+    from torch._guards import TracingContext, tracing
+
+    from fusepatch.layers.support import bindings
+
+    fake = types.ModuleType("fusepatch_test_fake_compiled_module")
+    fake.target = original = object()
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+
+    class Owner:
+        pass
+
+    owners = [Owner()]
+    assert bindings.hold(owners[0], fake.__name__, "target", lambda found: ("wrapped", found))
+    wrapper = fake.target
+    with tracing(TracingContext(None)):
+        owners.pop()
+        gc.collect()
+        assert fake.target is wrapper  # left as dynamo saw it
+    bindings.sweep()
+    assert fake.target is original and (fake.__name__, "target") not in bindings._installed
+
+
 def _train_step(model, ids):
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=ids, use_cache=False)

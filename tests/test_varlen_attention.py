@@ -13,7 +13,6 @@ import torch.nn.functional as F
 import fusepatch
 from fusepatch.base.op import Candidate
 from fusepatch.base.requirements import InputRule
-from fusepatch.layers import attention
 from fusepatch.layers.support import packing
 from fusepatch.layers.support.packing import mask_plan
 from fusepatch.ops import OPS, boundaries
@@ -166,7 +165,6 @@ def cpu_candidate(monkeypatch):
     )
     op = OPS["varlen_attention"]
     monkeypatch.setitem(OPS, "varlen_attention", dataclasses.replace(op, candidates=(candidate, *op.candidates)))
-    monkeypatch.setattr(attention, "_told", set())
     return calls
 
 

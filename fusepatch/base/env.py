@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
+from fusepatch.base.state import current as process_state
+
 # Distributions whose versions decide what can run. Versions come from importlib.metadata, never from
 # importing the package, so a broken install still shows its version.
 TRACKED_DISTRIBUTIONS: tuple[str, ...] = (
@@ -210,9 +212,6 @@ def _gpus() -> tuple[GPU, ...]:
     return tuple(gpus)
 
 
-_CAPTURED: Environment | None = None
-
-
 def capture(*, refresh: bool = False, probe: Iterable[str] = ()) -> Environment:
     """Snapshot this process's environment (cached per process; ``refresh`` re-reads it).
 
@@ -227,8 +226,8 @@ def capture(*, refresh: bool = False, probe: Iterable[str] = ()) -> Environment:
             >>> env.torch is not None
             True
     """
-    global _CAPTURED
-    if _CAPTURED is None or refresh:
+    process = process_state()
+    if process.environment is None or refresh:
         try:
             import torch
 
@@ -238,7 +237,7 @@ def capture(*, refresh: bool = False, probe: Iterable[str] = ()) -> Environment:
         except ImportError:
             torch_version, torch_cuda, cuda_available = None, None, False
         offline = offline_mode()
-        _CAPTURED = Environment(
+        process.environment = Environment(
             python=platform.python_version(),
             platform=sys.platform,
             torch=torch_version,
@@ -249,5 +248,5 @@ def capture(*, refresh: bool = False, probe: Iterable[str] = ()) -> Environment:
             offline=offline,
         )
     if probe:
-        _CAPTURED = _CAPTURED.with_imports(probe)
-    return _CAPTURED
+        process.environment = process.environment.with_imports(probe)
+    return process.environment

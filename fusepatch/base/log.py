@@ -4,7 +4,7 @@ The ``fusepatch`` logger gets one handler writing to stderr. It stays silent whi
 its own (a handler on the root logger: ``logging.basicConfig``, a Trainer's or a test's), since the record then
 reaches that handler through propagation. The level comes from ``FUSEPATCH_VERBOSITY`` (``error``,
 ``warning``, ``info``, ``debug``; default ``info``: what was patched, every fallback with its reason and fix).
-Each distinct fallback reason is said once per process (:data:`REASONS`).
+Each distinct fallback reason is said once per process (:class:`SaidOnce`, kept in ``base/state.py``).
 """
 
 from __future__ import annotations
@@ -55,12 +55,12 @@ class SaidOnce:
         """Log ``message`` at WARNING the first time ``key`` comes, at DEBUG after."""
         logger.log(logging.WARNING if self.first(key) else logging.DEBUG, message, *args)
 
+    def __contains__(self, key: str) -> bool:
+        return key in self._said
+
     def reset(self) -> None:
         with self._lock:
             self._said.clear()
-
-
-REASONS = SaidOnce()  # the fallback reasons said so far: apply's lines and the choices made after it
 
 
 def verbosity() -> int:

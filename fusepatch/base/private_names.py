@@ -9,18 +9,18 @@ import importlib
 import importlib.metadata
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
-logger = logging.getLogger("fusepatch")
+from fusepatch.base.state import current as process_state
 
-_DRIFT: list[str] = []  # every drift reported in this process, for the patch report
+logger = logging.getLogger("fusepatch")
 
 
 def drifted() -> tuple[str, ...]:
     """The drift lines reported so far in this process (what the report lists under ``drift``)."""
-    return tuple(_DRIFT)
+    return tuple(process_state().drift)
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,6 @@ class PrivateNames:
     checked: tuple[str, ...]  # versions every name below was read against (and the GPU tests ran on)
     names: Mapping[str, tuple[str, ...]]  # module -> attributes fusepatch uses ("" = the module itself)
     fix: str  # the install command that gets a checked version
-    _warned: set[str] = field(default_factory=set, compare=False, repr=False)
 
     def installed(self) -> str | None:
         try:
@@ -66,14 +65,14 @@ class PrivateNames:
     def drift(self, what: str, fallback: str) -> None:
         """Report, once per ``what``, that the installed package no longer has what fusepatch uses, and what runs
         instead. ``what``: the name or signature found wanting; ``fallback``: what fusepatch does instead."""
-        if what in self._warned:
+        process = process_state()
+        if not process.said.first(f"drift {self.distribution}: {what}"):
             return
-        self._warned.add(what)
         version = self.installed() or "?"
         line = (
             f"{self.distribution} {version}: {what} (checked on {', '.join(self.checked)}); {fallback}; fix: {self.fix}"
         )
-        _DRIFT.append(line)
+        process.drift.append(line)
         logger.warning("fusepatch: %s", line)
 
     def to_dict(self, probe: bool = False) -> dict:

@@ -22,8 +22,8 @@ from fusepatch import backends
 from fusepatch.base import options
 from fusepatch.base.dtypes import autocast_dtype, dtype_name, fsdp_compute_dtype
 from fusepatch.base.env import capture
-from fusepatch.base.log import REASONS
 from fusepatch.base.row import Row
+from fusepatch.base.state import current as process_state
 from fusepatch.engine.registry import known_model_types, rows_for
 from fusepatch.engine.reporting import LayerReport, PatchReport
 from fusepatch.engine.resolve import PREFERABLE, Choice, Dispatch, candidate_names, make_dispatch, preferred_sources
@@ -97,7 +97,6 @@ UNCHECKED_TRACE = (
 # compare the traced model with the uncompiled one and it matches (on the H200, everything but the Qwen3.5
 # rotary embedding matched when traced: docs/benchmarks.md, "torch.compile of Qwen3.5 on a GPU")
 TRACED_DEVICES = ("cpu",)
-_said_outside = False
 
 
 def _traceable(state: PatchState, args: tuple, kwargs: dict) -> bool:
@@ -116,9 +115,7 @@ def _traceable(state: PatchState, args: tuple, kwargs: dict) -> bool:
 def _outside_dynamo(function: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
     """A patched forward that torch.compile reached, run as it runs uncompiled; said once per process, with the
     reason that holds for this model: its fused kernels, or a device where the traced path is not checked."""
-    global _said_outside
-    if not _said_outside:
-        _said_outside = True
+    if process_state().said.first("patched forward outside dynamo"):
         untraced = module._fusepatch.untraced_on
         logger.warning(UNCHECKED_TRACE.format(device=untraced) if untraced else OUTSIDE_DYNAMO)
     return function(module, *args, **kwargs)
@@ -306,6 +303,7 @@ _REPORT_REQUEST = Request(None, (), (), False, None, False, None)  # report(mode
 
 def _plan(model: torch.nn.Module, request: Request) -> Plan:
     """The model's rows and compute dtype, or the reason nothing is patched (disabled, no rows for the model)."""
+    bindings.sweep()  # names a model collected during a torch.compile left bound go back first
     model_types = tuple(_model_types(model))
     device, compute, cast = _compute(model, request.compute_dtype)
     adapters = lora.survey(model, compute, cast)  # in the dtype the layers compute in
@@ -457,7 +455,9 @@ def _log(report: PatchReport, verbose: bool | None, *, said: bool) -> None:
     if not said:
         return
     for reason, line in report.fallback_reasons():
-        REASONS.warn(reason, "%s", line)  # once per process: another model, or apply again, says it no more
+        process_state().said.warn(
+            reason, "%s", line
+        )  # once per process: another model, or apply again, says it no more
     lines = report.lora_lines()
     if lines:
         logger.info(lines[0])

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from fusepatch.base.op import Op
 from fusepatch.base.row import Row
+from fusepatch.base.state import current as process_state
 from fusepatch.models import BUILTIN_ROWS
 from fusepatch.ops import OPS
-
-_USER_ROWS: list[Row] = []
 
 
 def register(row: Row) -> None:
@@ -27,11 +27,11 @@ def register(row: Row) -> None:
     unknown = [op for op in row.ops if op not in OPS]
     if unknown:
         raise ValueError(f"row {row.layer}: unknown op(s) {unknown}; known ops: {sorted(OPS)}")
-    _USER_ROWS.insert(0, row)
+    process_state().user_rows.insert(0, row)
 
 
 def all_rows() -> list[Row]:
-    return [*_USER_ROWS, *BUILTIN_ROWS]
+    return [*process_state().user_rows, *BUILTIN_ROWS]
 
 
 def rows_for(model_types: set[str]) -> list[Row]:
@@ -44,7 +44,7 @@ def known_model_types() -> list[str]:
 
 def add_candidate(op: str, candidate, *, first: bool = True) -> None:
     """Add a kernel candidate to an op (first in its source's priority by default). Applies to models patched
-    afterwards.
+    afterwards; the op table itself is left as ``fusepatch.ops`` defines it.
 
     Example::
 
@@ -53,8 +53,20 @@ def add_candidate(op: str, candidate, *, first: bool = True) -> None:
 
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; known ops: {sorted(OPS)}")
-    current = OPS[op]
-    if any(c.name == candidate.name for c in current.candidates):
+    if any(c.name == candidate.name for c in op_with_user_candidates(op).candidates):
         raise ValueError(f"op {op!r} already has a candidate named {candidate.name!r}")
-    candidates = (candidate, *current.candidates) if first else (*current.candidates, candidate)
-    OPS[op] = dataclasses.replace(current, candidates=candidates)
+    added = process_state().user_candidates
+    before, after = added.get(op, ((), ()))
+    added[op] = ((candidate, *before), after) if first else (before, (*after, candidate))
+
+
+def op_with_user_candidates(name: str) -> Op:
+    """The op as ``fusepatch.ops`` defines it, with the candidates users added (``add_candidate``) around its own."""
+    op = OPS[name]
+    before, after = process_state().user_candidates.get(name, ((), ()))
+    return dataclasses.replace(op, candidates=(*before, *op.candidates, *after)) if before or after else op
+
+
+def all_ops() -> dict[str, Op]:
+    """Every op, each with the candidates users added."""
+    return {name: op_with_user_candidates(name) for name in OPS}

@@ -14,7 +14,6 @@ from typing import Any
 
 from fusepatch.base.dtypes import dtype_name
 from fusepatch.base.env import Environment, capture
-from fusepatch.base.log import REASONS
 from fusepatch.base.op import SOURCES, Candidate, Op
 from fusepatch.base.options import skip_pairs, sources
 from fusepatch.base.requirements import (
@@ -27,8 +26,9 @@ from fusepatch.base.requirements import (
     Verdict,
     reject,
 )
+from fusepatch.base.state import current as process_state
 from fusepatch.engine import selftest
-from fusepatch.ops import OPS
+from fusepatch.engine.registry import all_ops, op_with_user_candidates
 
 logger = logging.getLogger("fusepatch")
 
@@ -137,7 +137,7 @@ def preferred_sources(prefer: str | Iterable[str] | None = None) -> tuple[str, .
 
 def candidate_names(op: Op | None = None) -> dict[str, tuple[str, ...]]:
     """Every op's candidates' names (``op``: one being resolved, which may differ from the registry's)."""
-    found = {name: tuple(c.name for c in each.candidates) for name, each in OPS.items()}
+    found = {name: tuple(c.name for c in each.candidates) for name, each in all_ops().items()}
     if op is not None:
         found[op.name] = tuple(c.name for c in op.candidates)
     return found
@@ -415,7 +415,7 @@ class Dispatch:
             else:  # each reason new to this process, with its fix; the whole choice at DEBUG
                 for reason, (_, fixes) in reasons_and_fixes([choice]).items():
                     fix = f"; fix: {'; '.join(fixes)}" if fixes else ""
-                    REASONS.warn(
+                    process_state().said.warn(
                         reason, "fusepatch: %s: %s on %s -> eager: %s%s", self.label, self.op.name, where, reason, fix
                     )
                 logger.debug(
@@ -444,7 +444,7 @@ def make_dispatch(
         disabled = f"not selected (apply(ops={sorted(set(ops))!r}))"
     elif name in set(exclude):
         disabled = "excluded by apply(exclude=...)"
-    op = OPS[name]
+    op = op_with_user_candidates(name)
     dims = None
     if module is not None and op.selftest is not None and op.selftest.dims_from is not None:
         try:
@@ -457,6 +457,13 @@ def make_dispatch(
 def _restored_dispatch(
     op: str, prefer: tuple[str, ...], label: str, disabled_reason: str | None, dims: dict[str, int] | None
 ) -> Dispatch:
-    dispatch = Dispatch(OPS[op], env=capture(), prefer=prefer, label=label, disabled_reason=disabled_reason, dims=dims)
+    dispatch = Dispatch(
+        op_with_user_candidates(op),
+        env=capture(),
+        prefer=prefer,
+        label=label,
+        disabled_reason=disabled_reason,
+        dims=dims,
+    )
     dispatch.announce = True
     return dispatch

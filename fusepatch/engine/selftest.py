@@ -19,11 +19,11 @@ import torch
 from fusepatch.base.op import Candidate, Op
 from fusepatch.base.requirements import OK, Verdict, reject
 from fusepatch.base.saved_tensors import own_saved_tensors
+from fusepatch.base.state import current as process_state
 from fusepatch.ops.common import relative_error
 
 logger = logging.getLogger("fusepatch")
 
-_RESULTS: dict[tuple, Verdict] = {}
 COMPILED_S = 5.0  # a kernel that needs this long to load and self-test was compiled/autotuned, not cached
 
 
@@ -174,10 +174,11 @@ def run(
 
     ``packed`` and ``dims`` make the inputs look like the calls it guards (see ``SelfTest``)."""
     key = (op.name, candidate.name, device, dtype, packed, tuple(sorted((dims or {}).items())))
-    if key in _RESULTS:
-        return _RESULTS[key]
+    results = process_state().selftests
+    if key in results:
+        return results[key]
     if op.selftest is None or candidate.source == "eager":
-        _RESULTS[key] = OK
+        results[key] = OK
         return OK
     start = time.perf_counter()
     if device != "cpu":  # on a GPU the first call compiles and autotunes: minutes on a fresh machine, so say so
@@ -210,9 +211,9 @@ def run(
     logger.debug(
         "self-test %s/%s on %s/%s: %s %s (%.1fs)", op.name, candidate.name, device, dtype, verdict, errors, elapsed
     )
-    _RESULTS[key] = verdict
+    results[key] = verdict
     return verdict
 
 
 def clear_cache() -> None:
-    _RESULTS.clear()
+    process_state().selftests.clear()

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fusepatch.base.dtypes import autocast_dtype, dtype_name
+from fusepatch.base.state import current as process_state
 from fusepatch.layers.support.bindings import hold
 from fusepatch.layers.support.packing import boundaries_for_call, mask_plan
 from fusepatch.layers.support.projections import apply_linear, project
@@ -52,7 +53,6 @@ ROTARY = "apply_rotary_pos_emb"
 INTERFACES = "ALL_ATTENTION_FUNCTIONS"
 
 _local = threading.local()  # .dispatch: this thread's rotary choice; .route: this thread's varlen route
-_told: set[tuple[str, str]] = set()  # (layer, reason) a packed call was not routed for, logged once
 
 
 def _dispatching(original):
@@ -145,8 +145,7 @@ def _route(self, args: tuple, kwargs: dict) -> _Route | None:
             why = "transformers' attention lets its documents attend to each other (an attention_mask was passed?)"
         else:
             why = "its mask is not plain causal within each document (padding or a sliding window)"
-        if (type(self).__name__, why) not in _told:
-            _told.add((type(self).__name__, why))
+        if process_state().said.first(f"{type(self).__name__}: packed batch not routed: {why}"):
             logger.warning(
                 "fusepatch: %s: a packed batch stays on transformers' sdpa, not the varlen kernel: %s. "
                 "Fix: pack without padding (DataCollatorWithFlattening), no attention_mask, use_cache=False.",

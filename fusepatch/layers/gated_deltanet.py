@@ -19,11 +19,11 @@ import logging
 
 import torch
 
+from fusepatch.base.state import current as process_state
 from fusepatch.layers.support import dispatch_guard, linear_cache
 from fusepatch.layers.support.projections import apply_linear, project
 
 logger = logging.getLogger("fusepatch")
-_NOTED: set[str] = set()
 
 
 def _transformers_forward_reason(self, cache, cu_seqlens) -> str | None:
@@ -52,8 +52,7 @@ def _transformers_forward(self, why: str, hidden_states, cache, attention_mask, 
     refused = {name for name, dispatch in state.ops.items() if not dispatch.choice(device, dtype, packed).fused}
     module = type(self).__module__
     key = f"{type(self).__name__}: {why}"
-    if key not in _NOTED:
-        _NOTED.add(key)
+    if process_state().said.first(key):
         kernels = dispatch_guard.kernels_behind(module)
         ran = ", ".join(
             f"{name} -> {'torch (refused by fusepatch)' if dispatch_guard.GUARDED[name] in refused else kernel}"
@@ -94,7 +93,9 @@ def _projections(self, hidden_states: torch.Tensor):
 
 COPY_DEVICES = ("cuda",)  # where split_channels copies (the tests add "cpu" to run that path in a model)
 TRITON_SPLIT_DEVICES = ("cuda",)  # where the copy tries fusepatch's Triton split first (the tests add "cpu")
-_SPLIT_FAILED = "triton-split"  # in _NOTED once the Triton split failed here: torch's op from then on
+_SPLIT_FAILED = (
+    "Gated DeltaNet: the Triton split failed"  # said once the Triton split failed here: torch's op from then on
+)
 
 
 @functools.cache
@@ -112,7 +113,7 @@ def _triton_split(x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]
     Triton, or a Triton that failed to build or launch it here (a broken install, which the ops' self-tests
     refuse on their own: the layer must still run). That failure is said once and torch's op is used from then
     on, never silently."""
-    if len(sizes) != 3 or x.device.type not in TRITON_SPLIT_DEVICES or _SPLIT_FAILED in _NOTED:
+    if len(sizes) != 3 or x.device.type not in TRITON_SPLIT_DEVICES or _SPLIT_FAILED in process_state().said:
         return None
     split3 = _triton_split3()
     if split3 is None:
@@ -122,7 +123,7 @@ def _triton_split(x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # compile and launch errors of a Triton that cannot build kernels here
-        _NOTED.add(_SPLIT_FAILED)
+        process_state().said.first(_SPLIT_FAILED)
         logger.warning(
             "fusepatch: the Gated DeltaNet's Triton q/k/v split failed here (%s: %s); the layers split with torch's "
             "split_with_sizes_copy from now on (one wait for the GPU a layer). Fix: install the Triton your torch "

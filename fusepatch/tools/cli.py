@@ -57,9 +57,8 @@ def _unknown_model_types(given: list[str] | None) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from fusepatch.engine.registry import all_rows
+    from fusepatch.engine.registry import all_ops, all_rows
     from fusepatch.engine.resolve import ordered, preferred_sources
-    from fusepatch.ops import OPS
 
     unknown = _unknown_model_types(args.model_type)
     if unknown:
@@ -70,7 +69,9 @@ def _list(args: argparse.Namespace) -> int:
     if args.json:
         payload = {
             "rows": [r.to_dict() for r in rows],
-            "ops": {n: [f"{c.name} ({c.source})" for c in ordered(op, prefer)] + ["eager"] for n, op in OPS.items()},
+            "ops": {
+                n: [f"{c.name} ({c.source})" for c in ordered(op, prefer)] + ["eager"] for n, op in all_ops().items()
+            },
             "known_issues": [i.to_dict() for i in KNOWN_ISSUES],
         }
         print(json.dumps(payload, indent=2))
@@ -79,7 +80,7 @@ def _list(args: argparse.Namespace) -> int:
     for row in rows:
         ops = []
         for name in row.ops:
-            ops.append(f"{name} [{' > '.join(c.name for c in ordered(OPS[name], prefer))} > eager]")
+            ops.append(f"{name} [{' > '.join(c.name for c in ordered(all_ops()[name], prefer))} > eager]")
         if not ops and row.note:  # a forward with no kernel op (the rotary tables): what it does instead
             ops.append(f"({row.note})")
         patched = "patched" if row.forward is not None else "not patched"

@@ -12,10 +12,9 @@ from fusepatch.base.known_issues import KNOWN_ISSUES
 from fusepatch.base.op import Op
 from fusepatch.base.release import __version__
 from fusepatch.base.requirements import version_in
-from fusepatch.engine.registry import all_rows
+from fusepatch.engine.registry import all_ops, all_rows
 from fusepatch.engine.resolve import evaluate, first_verdict, ordered, preferred_sources
 from fusepatch.engine.selftest import COMPILED_S
-from fusepatch.ops import OPS
 
 logger = logging.getLogger("fusepatch")
 
@@ -136,8 +135,9 @@ def diagnose(
     if model_types and not rows:
         known = sorted({t for r in all_rows() for t in r.model_types})
         raise ValueError(f"no fusepatch rows for model_type {model_types}; known: {', '.join(known)}")
-    op_names = [name for name in OPS if any(name in r.ops for r in rows)]
-    ops = {name: examine_op(OPS[name], env, device, dtype, prefer, static_only, every) for name in op_names}
+    table = all_ops()
+    op_names = [name for name in table if any(name in r.ops for r in rows)]
+    ops = {name: examine_op(table[name], env, device, dtype, prefer, static_only, every) for name in op_names}
     families: dict[str, dict] = {}
     fallbacks: list[str] = []
     fixes: list[str] = []

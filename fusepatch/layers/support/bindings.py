@@ -44,17 +44,31 @@ def _collected() -> None:
     _sweep_if_due()
 
 
+def _tracing() -> bool:
+    """Whether torch.compile is tracing or compiling a frame in this process now. The collector may run inside
+    dynamo's own work, which reads and guards the module-level names it saw: a name changed under it fails the
+    compile (a guard on the wrapper's closure finds transformers' function), so the sweep waits for the next one."""
+    guards = sys.modules.get("torch._guards")
+    return guards is not None and guards.TracingContext.try_get() is not None
+
+
 def _sweep_if_due() -> None:
     """Put transformers' objects back where no live module holds the binding. A sweep marked due while another
-    thread holds the lock is done by that thread when it leaves ``_locked`` (it checks after releasing)."""
+    thread holds the lock is done by that thread when it leaves ``_locked`` (it checks after releasing); one due
+    while torch.compile works is done by the next ``hold``, ``release`` or :func:`sweep`."""
     global _sweep_due
-    while _sweep_due and _lock.acquire(blocking=False):
+    while _sweep_due and not _tracing() and _lock.acquire(blocking=False):
         try:
             _sweep_due = False
             for key in [k for k in _installed if not any(True for _ in _holders.get(k, ()))]:
                 _restore(key)
         finally:
             _lock.release()
+
+
+def sweep() -> None:
+    """Do a sweep that a collected holder left due (``apply`` and ``revert`` call this before they start)."""
+    _sweep_if_due()
 
 
 def _restore(key: tuple[str, str]) -> None:

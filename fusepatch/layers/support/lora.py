@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fusepatch.base.log import logger
+from fusepatch.base.state import current as process_state
 from fusepatch.layers.support.hooks import autocast_dtype, hooked, in_dtype
 
 PEFT_LAYER = "peft.tuners.lora.layer"  # the module defining peft's LoRA ``Linear``
@@ -135,14 +136,10 @@ def part(module: torch.nn.Module, x: torch.Tensor, cast: bool) -> Part | Unfused
     return Part(base.weight, base.bias, tuple(adapters))
 
 
-_said: set[str] = set()
-
-
 def say_once(module: torch.nn.Module, why: Unfused) -> None:
     """Log, once per reason, that a LoRA linear runs through peft's forward, and why."""
-    if why.reason in _said:
+    if not process_state().said.first(f"LoRA: {why.reason}"):
         return
-    _said.add(why.reason)
     logger.warning("fusepatch: %s", describe(type(module).__name__, why))
 
 
