@@ -9,6 +9,7 @@ import torch
 
 import fusepatch
 from fusepatch import FusePatchCallback, attach
+from fusepatch.base.state import current as process_state
 from fusepatch.diagnostics.profile import flops_per_token, matmul_parameters, peak_tflops_for
 from fusepatch.tools.tiny import tiny_model
 
@@ -298,7 +299,27 @@ def test_flop_count_and_peaks():
     dense = sum(m.weight.numel() for m in moe.modules() if isinstance(m, torch.nn.Linear))
     assert matmul_parameters(moe) == pytest.approx(dense + experts * 2 / 4)
     assert peak_tflops_for("NVIDIA H200") == 989.0 and peak_tflops_for("NVIDIA GH200 480GB") == 989.0
+    assert peak_tflops_for("NVIDIA H100 80GB HBM3") == 989.0  # SXM
+    assert peak_tflops_for("NVIDIA H100 PCIe") == 756.0  # not SXM's number
+    assert peak_tflops_for("NVIDIA H100 NVL") == 835.0 and peak_tflops_for("NVIDIA H200 NVL") == 835.0
+    assert peak_tflops_for("NVIDIA A100-SXM4-80GB") == 312.0 and peak_tflops_for("NVIDIA A10G") == 70.0
     assert peak_tflops_for("Some CPU") is None
+
+
+def test_flops_per_token_is_what_torchs_flop_counter_counts():
+    """The MFU's FLOPs per token against ``torch.utils.flop_counter`` on a real training step of a dense model:
+    the GEMMs exactly, and causal attention as half of what the counter counts (it counts the masked half too)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = tiny_model("qwen3").train()
+    tokens = 64
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    counted = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
+    gemms = 6 * matmul_parameters(model)
+    assert counted["aten.mm"] == tokens * gemms
+    assert counted["aten.bmm"] == 2 * tokens * (flops_per_token(model, tokens) - gemms)
 
 
 def test_frozen_weights_count_no_weight_gradient():
@@ -487,13 +508,11 @@ def test_trainer_torch_compile_trains_the_patched_model_as_uncompiled(tmp_path, 
     dynamo: the Trainer's losses are the uncompiled run's, and the first compiled step says why once."""
     from torch._dynamo.utils import counters
 
-    from fusepatch.engine import patch as patch_module
-
     losses = {}
     for compiled in (False, True):
         torch._dynamo.reset()
         counters.clear()
-        patch_module._said_outside = False
+        process_state().said.reset()  # the note about dynamo is said again
         torch.manual_seed(0)
         extra = {"torch_compile": True, "torch_compile_backend": "eager"} if compiled else {}
         trainer = _trainer(tmp_path / str(compiled), [FusePatchCallback(profile=False)], max_steps=3, **extra)

@@ -15,23 +15,31 @@ from fusepatch.engine.registry import all_rows
 
 # Dense bf16 peak FLOP/s by GPU name (vendor datasheets); MFU is left out for GPUs not listed here
 # unless ``peak_tflops`` is given.
-PEAK_TFLOPS: dict[str, float] = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "H800": 989.0,
-    "GH200": 989.0,
-    "B200": 2250.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "L40S": 362.0,
-    "A10G": 70.0,
-    "L4": 121.0,
-}
+# Dense BF16 tensor-core peaks (TFLOP/s, no sparsity) from NVIDIA's data sheets, by the device name's words: the
+# first row whose words all appear in the name (a form factor before its family: an H100 PCIe is not an SXM).
+PEAK_TFLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("H100", "PCIe"), 756.0),
+    (("H800", "PCIe"), 756.0),
+    (("H100", "NVL"), 835.0),
+    (("H200", "NVL"), 835.0),
+    (("GH200",), 989.0),
+    (("H200",), 989.0),
+    (("H100",), 989.0),
+    (("H800",), 989.0),
+    (("B200",), 2250.0),
+    (("A100",), 312.0),
+    (("A800",), 312.0),
+    (("L40S",), 362.0),
+    (("A10G",), 70.0),
+    (("L4",), 121.0),
+)
 
 
 def peak_tflops_for(name: str) -> float | None:
-    for key, value in sorted(PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])):
-        if key in name:
+    """The dense BF16 peak of the GPU called ``name`` (``torch.cuda.get_device_name``), or None if not listed."""
+    words = set(name.replace("-", " ").split())
+    for needed, value in PEAK_TFLOPS:
+        if all(word in words for word in needed):
             return value
     return None
 

@@ -12,6 +12,7 @@ import collections
 import functools
 import logging
 import os
+import statistics
 import time
 
 import torch
@@ -318,12 +319,11 @@ class FusePatchCallback(TrainerCallback):
         ]
         if not steady:
             return {}
-        seconds = sorted(wall for wall, _ in steady)
-        rates = sorted(tokens / wall for wall, tokens in steady if wall > 0)
+        rates = [tokens / wall for wall, tokens in steady if wall > 0]
         return {
             "steps": len(steady),
-            "median_step_s": round(seconds[len(seconds) // 2], 4),
-            "median_tokens_per_s": round(rates[len(rates) // 2], 1) if rates else 0.0,
+            "median_step_s": round(statistics.median(wall for wall, _ in steady), 4),
+            "median_tokens_per_s": round(statistics.median(rates), 1) if rates else 0.0,
         }
 
     def _late_builds(self, step: int, builds: collections.Counter[str]) -> None:
