@@ -7,7 +7,7 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     # xdist's workers share the machine's cores: each gets its share of torch threads (and so do the processes it
     # starts). With torch's default, a thread per core in every worker, the threads waited on each other, and
-    # tests/test_outputs.py with tests/test_packing.py took 186 s on two cores instead of 10 s.
+    # tests/models/test_outputs.py with tests/layers/test_packing.py took 186 s on two cores instead of 10 s.
     _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
     torch.set_num_threads(_threads)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import torch
 
 from fusepatch.base.env import GPU, Environment
@@ -15,11 +17,14 @@ T4 = GPU("Tesla T4", (7, 5))
 HOST_READS = ("aten::nonzero", "aten::is_nonzero", "aten::all", "aten::any", "aten::_local_scalar_dense")
 
 # tiny_model overrides for a Qwen3.5 stack of one layer of each attention kind: what the torch.compile traces need
-# (the AOTAutograd trace of tests/test_decoder.py: 19 s against 25 s for the default four layers on CPU)
+# (the AOTAutograd trace of tests/layers/test_decoder.py: 19 s against 25 s for the default four layers on CPU)
 HYBRID_PAIR = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
 
 # mini-model sizes shared by the GPU tests (and benchmarks/trace_check.py), so fla's kernels compile once for
 # all of them
+TESTS = pathlib.Path(__file__).resolve().parent  # the tests' root: helpers.py, faults.py, conftest.py
+REPO = TESTS.parent
+
 MINI = dict(
     hidden_size=256,
     intermediate_size=512,

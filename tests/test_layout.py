@@ -165,3 +165,17 @@ def test_apply_is_a_short_pipeline():
     apply = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "apply")
     body = apply.body[1:] if isinstance(apply.body[0], ast.Expr) else apply.body
     assert body[-1].end_lineno - body[0].lineno + 1 <= 40
+
+
+def test_tests_mirror_the_package():
+    """Each folder of tests/ is a package of fusepatch (ops/<op>: one of its ops), or the GPU tier (gpu) or the
+    benchmark harness's (benchmarks); only this file, about the whole package, sits at the top."""
+    tests = pathlib.Path(__file__).resolve().parent
+    at_top = sorted(p.name for p in tests.glob("test_*.py"))
+    assert at_top == ["test_layout.py"], at_top
+    for path in tests.rglob("test_*.py"):
+        folder = path.parent.relative_to(tests)
+        if folder.parts and folder.parts[0] in ("gpu", "benchmarks"):
+            continue
+        if folder.parts:
+            assert (ROOT / folder).is_dir(), f"{path.relative_to(tests)}: fusepatch/{folder} does not exist"

@@ -19,7 +19,7 @@ def gate_and_beta(a, b, A_log, dt_bias):
     which AOTAutograd's trace follows, lays its result out as the input, while the kernel that runs lays it out as
     the gradient, which a caller's transpose leaves non-contiguous (the chunked reference's). Under
     ``torch.compile(backend="aot_eager")`` the gate projection's backward then could not ``view`` it
-    (tests/test_ops.py::test_delta_rule_reference_trains_under_aot_autograd)."""
+    (tests/ops/test_ops.py::test_delta_rule_reference_trains_under_aot_autograd)."""
     softplus = F.softplus((a.float() + dt_bias).contiguous())
     if softplus.requires_grad:
         softplus.register_hook(torch.Tensor.contiguous)

@@ -29,7 +29,7 @@ SKIP = "gated_delta_rule/fla-saved-states"
 SKIP_GROUPED = "gated_delta_rule/fla-saved-states-grouped"
 
 # fla's functions called here and every keyword fusepatch passes them (backends/fla.py's table;
-# tests/test_fla_saved_states.py checks it against the calls): check_signatures refuses an fla-core that lost one
+# tests/ops/gated_delta_rule/test_fla_saved_states.py checks it against the calls): check_signatures refuses an fla-core that lost one
 NEEDS = DELTA_RULE_STAGES
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import REPO
 
 import fusepatch
 from fusepatch.base import options
@@ -161,10 +162,9 @@ def test_trusted_publishers(monkeypatch):
 def test_env_vars_page_lists_every_variable_fusepatch_reads():
     """docs/env-vars.md and the package agree: every FUSEPATCH_ variable the package reads is on the page, and
     every one on the page is checked by check_environment (or is a path: FUSEPATCH_CACHE)."""
-    import pathlib
     import re
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = REPO
     page = (root / "docs" / "env-vars.md").read_text()
     documented = set(re.findall(r"^\| `(FUSEPATCH_[A-Z_]+)`", page, re.M))
     read = set()

@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+from helpers import TESTS
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 def _run_in_interpreter(script: str) -> None:
     """Run ``script`` in a fresh process under Triton's CPU interpreter; it prints "ok" when its checks pass. The
     process imports ``tests/helpers.py`` as the tests do (``from helpers import ...``)."""
-    tests = os.path.dirname(os.path.abspath(__file__))
+    tests = str(TESTS)
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from helpers import TESTS
 
 import fusepatch
 from fusepatch.tools.tiny import tiny_model
@@ -35,7 +36,7 @@ def _changed(before: dict, after: dict) -> list:
 REVERT_SCRIPT = """
 import sys, torch, fusepatch
 from fusepatch.tools.tiny import tiny_model
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {here!r}]
 from test_process_state import _changed, _module_names
 
 for model_type in {families!r}:
@@ -59,11 +60,9 @@ print("restored")
 def test_revert_restores_transformers_modules():
     """In a fresh interpreter (no patched model of another test alive): after ``revert`` every module-level name
     of transformers is the object it was before ``apply`` (a wrapped packed-rows check stayed behind)."""
-    import os
     import subprocess
 
-    tests = os.path.dirname(os.path.abspath(__file__))
-    script = REVERT_SCRIPT.format(tests=tests, families=FAMILIES)
+    script = REVERT_SCRIPT.format(tests=str(TESTS), here=str(TESTS / "engine"), families=FAMILIES)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "restored" in done.stdout, done.stderr[-3000:]
 

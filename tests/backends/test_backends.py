@@ -6,10 +6,10 @@ import importlib.util
 import logging
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import tomllib
+from helpers import REPO
 
 from fusepatch import backends
 from fusepatch.backends import PrivateNames, kernels_hub
@@ -17,7 +17,7 @@ from fusepatch.backends import causal_conv1d as conv_backend
 from fusepatch.backends import fla as fla_backend
 from fusepatch.base.env import TRANSFORMERS_REQUIREMENT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 
 def _warnings(caplog) -> list[str]:

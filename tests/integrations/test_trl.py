@@ -98,7 +98,7 @@ def test_apply_before_the_trainer_reports_trls_head(data, tmp_path):
 def test_peft_lora_through_trl(data, tmp_path, monkeypatch):
     """``SFTTrainer(peft_config=...)`` with the callback: TRL's head keeps the loss, the LoRA linears of
     fusepatch's layers run fused (the CPU stands in for the GPU here: ``projections.DEVICES``), the report counts
-    them all fusable, and the losses are TRL's own. (Under autocast: tests/test_lora.py and the GPU tests.)"""
+    them all fusable, and the losses are TRL's own. (Under autocast: tests/layers/test_lora.py and the GPU tests.)"""
     from fusepatch.layers.support import lora, projections
 
     _, expected = _train(data, tmp_path / "trl", peft=True, packing=True)

@@ -205,7 +205,7 @@ def test_torch_compile_of_a_patched_model_traces_one_graph():
     dispatch's lock, a memo, the per-layer search for document starts split the graph at every layer and made
     the compiled model slower than the uncompiled one), and the loss and gradients are the uncompiled ones.
     Packed rows (``position_ids`` given) still get their documents kept apart under tracing: the search reads the
-    data there, at the cost of its graph break. (Inductor's code generation runs in tests/test_decoder.py and the
+    data there, at the cost of its graph break. (Inductor's code generation runs in tests/layers/test_decoder.py and the
     GPU tests.)"""
     from helpers import grads
     from torch._dynamo.utils import counters

@@ -55,7 +55,7 @@ def test_verbosity_switches(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="fusepatch"):
         assert log.verbosity() == logging.INFO
     assert "is not one of error, warning, info, debug" in caplog.text
-    monkeypatch.delenv("FUSEPATCH_VERBOSITY")  # apply refuses the value (tests/test_options.py)
+    monkeypatch.delenv("FUSEPATCH_VERBOSITY")  # apply refuses the value (tests/base/test_options.py)
     for verbose, table, totals in ((True, True, False), (None, False, True), (False, False, False)):
         caplog.clear()
         process_state().said.reset()  # as in a fresh process: each reason is said once per process

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
-from helpers import torchrun
+from helpers import REPO, torchrun
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 EXAMPLE = os.path.join(ROOT, "examples", "sft_ultrachat.py")
 pytest.importorskip("datasets")
 pytest.importorskip("accelerate")
@@ -71,7 +71,7 @@ def test_example_runs_offline_with_packing_and_checkpointing(tmp_path):
 def test_example_under_torchrun_with_fsdp2(tmp_path):
     """Two CPU processes (gloo). On CPU accelerate runs the Trainer's FSDP request as plain data parallel (it
     reports MULTI_CPU), so this checks the distributed launch, the patching and the logging; FSDP2 sharding itself
-    is checked by tests/test_fsdp2.py with fully_shard, and the example prints whether its layers are sharded."""
+    is checked by tests/integrations/test_fsdp2.py with fully_shard, and the example prints whether its layers are sharded."""
     result = torchrun(
         EXAMPLE,
         "--fsdp",

@@ -8,8 +8,9 @@ import sys
 import time
 
 import pytest
+from helpers import REPO
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 import run_all  # noqa: E402
 
 
@@ -562,7 +563,7 @@ def test_host_profile_ranks_the_stack_forwards_python_by_function():
     slow = next(row for name, row in names.items() if name.endswith("(slow_part)"))
     assert slow[3] == 2 and slow[1] > 0  # two layers, one call each
     assert not any(name.endswith("(outside_the_stack)") for name in names)
-    assert "tests" in profile["by_package_ms"] or "other" in profile["by_package_ms"]
+    assert profile["by_package_ms"].keys() & {"tests", "benchmarks", "other"}  # this file's functions, by its folder
     assert not body._forward_hooks and not body._forward_pre_hooks
     text = run_all.profile_lines([{"config": "fusepatch"} | found, {"config": "x", "host_profile_error": "E: boom"}])
     assert "- fusepatch: forward " in text and "(slow_part)" in text
