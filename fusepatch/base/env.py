@@ -154,13 +154,6 @@ class Environment:
             return self
         return replace(self, distributions={**self.distributions, **found})
 
-    def fingerprint(self) -> str:
-        """A short key for caches that depend on this stack (self-test results, built wheels)."""
-        parts = [self.python, self.torch or "-", self.torch_cuda or "cpu", self.triton or "-"]
-        parts += [gpu.arch for gpu in self.gpus[:1]]
-        parts += [f"{k}={v}" for k, v in sorted(self.distributions.items())]
-        return "|".join(parts)
-
     def to_dict(self) -> dict:
         return {
             "python": self.python,

@@ -229,12 +229,3 @@ class InputRule:
                 ),
             )
         return OK
-
-
-def first_failure(requirements: tuple[Requirement, ...], env: Environment) -> Verdict:
-    """The first rejecting verdict of ``requirements``, or OK."""
-    for requirement in requirements:
-        verdict = requirement.check(env)
-        if not verdict.ok:
-            return verdict
-    return OK

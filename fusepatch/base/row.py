@@ -27,10 +27,6 @@ class Row:
     forward: Callable | None
     note: str = ""
 
-    @property
-    def qualname(self) -> str:
-        return f"{self.module}.{self.layer}"
-
     def matches(self, module: object) -> bool:
         cls = type(module)
         return any(k.__name__ == self.layer and k.__module__ == self.module for k in cls.__mro__)

@@ -7,7 +7,6 @@ import contextlib
 import torch
 
 from fusepatch.backends import fla as fla_backend
-from fusepatch.backends import kernels_hub
 from fusepatch.base.op import Candidate
 from fusepatch.base.requirements import (
     CudaDevice,
@@ -21,7 +20,6 @@ from fusepatch.base.requirements import (
 FLA_FIX = fla_backend.FIX
 CAUSAL_CONV1D_FIX = "python -m fusepatch build causal-conv1d   (builds for this GPU only; or: pip install causal-conv1d --no-build-isolation)"
 TRITON_FIX = "pip install triton   (a CUDA build of torch on Linux brings it)"
-HUB_FIX = kernels_hub.FIX
 
 
 def package_requirements(distribution: str, spec: str, module: str, fix: str) -> tuple:

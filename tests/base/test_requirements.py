@@ -156,7 +156,7 @@ def test_input_rule_dtype():
 def test_environment_is_a_value():
     env = gpu_env()
     assert env.capability == (9, 0) and env.triton == "3.6.0" and env.gpus[0].arch == "sm_90"
-    assert env.fingerprint() == gpu_env().fingerprint()
+    assert env == gpu_env()
     assert env.to_dict()["gpus"][0]["arch"] == "sm_90"
     with pytest.raises(FrozenInstanceError):
         env.torch = "x"

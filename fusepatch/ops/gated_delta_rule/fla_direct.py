@@ -127,7 +127,6 @@ def beta_sigmoid(exported: Callable) -> Callable:
     launcher = getattr(gate, "fused_beta_sigmoid_fwd", None)
     if launcher is None:
         NAMES.drift("fla.ops.common.gate.fused_beta_sigmoid_fwd is missing", fallback)
-    if launcher is None:
         return exported
     found, why = unwrap(launcher, "fused_beta_sigmoid_fwd")
     return found if why == "direct" else exported
