@@ -2,8 +2,8 @@
 
 A kernel that specializes on a size which changes from step to step (a packed row's length; rows = tokens x
 heads) is compiled again for each new value, and an autotuned one also benchmarks every configuration again.
-A profile shows only the symptom (thousands of extra kernels and ops in one layer, the GPU idle: the H200 SFT
-H200 run of 2026-11-29); this counter names the cause. Triton calls
+A profile shows only the symptom (thousands of extra kernels and ops in one layer, the GPU idle, as in packed
+SFT, whose row lengths change every step); this counter names the cause. Triton calls
 ``knobs.runtime.jit_post_compile_hook`` each time a process builds a kernel variant it does not hold in memory
 (compiled, or loaded from the on-disk cache), so counts after the first steps mean sizes that keep changing.
 """

@@ -224,8 +224,8 @@ def host_waits(
 
 def _idle_gaps(kernels, cpu_ops, top: int) -> list[tuple[float, str]]:
     """The ``top`` longest gaps between kernels (at least IDLE_GAP_MS), each with the shortest aten op (any
-    thread) whose span covers the gap's middle: the op the CPU was inside while the GPU waited. In the two-GPU
-    SFT trace of the H200 run of 2026-11-29 these were cuDNN attention calls building a plan for each new packed length."""
+    thread) whose span covers the gap's middle: the op the CPU was inside while the GPU waited (in packed SFT,
+    for instance, cuDNN attention building a plan for each new packed length)."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
     gaps, end = [], None
     for start, stop in spans:
@@ -321,8 +321,8 @@ def label_layers(model: torch.nn.Module, class_names: set[str] | None = None, *,
     """Wrap the forward of every module whose class is in ``class_names`` (default: every layer class of the
     registry) in a ``fusepatch::<Class>`` profiler range, so forward ops can be attributed to layers. Yields whether
     it did: not for a compiled model (``compiled``: one compiled from outside, as the Trainer's ``torch_compile``
-    does), whose guards the hooks would fail, so that its next call is traced again (188 ms of a profiled 2B-like
-    step on the H200, H200 run of 2026-12-03)."""
+    does), whose guards the hooks would fail, so that its next call is traced again (a retrace inside the
+    profiled step, which the profile would then show as the step's own time)."""
     if compiled or is_compiled(model):
         yield False
         return

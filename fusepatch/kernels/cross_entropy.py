@@ -5,13 +5,11 @@ per token, the loss and ``(softmax - onehot) / denominator`` in place of the log
 Two kernels: ``_loss``, one program per token streaming its row once (an online log-sum-exp), and
 ``_gradient``, one program per block of a row. Rows of ignored labels get loss 0 and a zero gradient.
 
-Measured on the H200 at the 27B shape (4096 x 248,320 bf16 logits, 2 GB; ``loss_bench.py --kernels``,
-the H200 run of 2026-11-30, two runs): fla's forward (a program loads 64k logits at once, then a reduction kernel) 0.786-0.807
-ms, its forward + backward 1.934-1.942 ms; ``_loss`` alone 0.605-0.666 ms (~3.2 TB/s); both kernels 1.922 ms at
-the launch settings below, 1.924 at 2048 / 4 warps for both, 2.364 at 4096 / 8 warps for the gradient. The
-gradient's in-place read and write (4 GB) is the floor: ~1.26 ms here. A first version computed the gradient
-in the loss kernel's program, streaming the row a second time: 2.609 ms for both, its loop of loads and stores
-to the same addresses running at a third of the bandwidth.
+Why two kernels: fla's forward has a program load 64k logits at once and then runs a reduction kernel, where
+``_loss`` streams each row once; the gradient's in-place read and write of the logits is the floor of the pair,
+and the launch settings below were the fastest tried for it (larger blocks with more warps were slower). Computing
+the gradient in the loss kernel's program, streaming the row a second time, was slower still: its loop of loads
+and stores to the same addresses ran at a fraction of the bandwidth.
 
 The denominator arrives as its reciprocal in a one-element tensor on the GPU (no host sync). The kernels are
 compiled per vocabulary size (a model has one); the token count is the grid, so a new length compiles nothing.

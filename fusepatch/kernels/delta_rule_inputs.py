@@ -3,9 +3,9 @@
 Before fla's chunk kernels run, each layer turns its raw projections into what they read: q and k L2-normalised
 per head (with the inverse norms the backward needs), ``beta = sigmoid(b)``, and the decay
 ``g = -exp(A_log) * softplus(a + dt_bias)`` summed within each 64-token chunk and scaled to log2 space. fla does
-that in four launches (``l2norm_fwd`` twice, ``fused_beta_sigmoid``, ``gdn_gate_chunk_cumsum``), ~0.05 ms of GPU
-work that cost 0.78 ms of host time in the first layer of a synced 27B-shaped step on the H200, where the GPU
-waited for the host (H200 run of 2026-12-02). Its backward is six more (the add of the two decay
+that in four launches (``l2norm_fwd`` twice, ``fused_beta_sigmoid``, ``gdn_gate_chunk_cumsum``): little GPU work
+for many times its cost in host time, which the GPU waits for at the start of a synced step. Its backward is six
+more (the add of the two decay
 gradients, the reverse chunk-local cumsum, the gate backward and its two sums, the sigmoid backward). Here each
 direction is one kernel over (chunk, key head) programs: a program owns the chunk's rows of its key head's q and k
 and of the ``Hv / Hk`` value heads grouped with it (value head ``h * G + j`` belongs to key head ``h``, fla's

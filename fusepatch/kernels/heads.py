@@ -1,8 +1,7 @@
 """Repeat each head of a ``[..., H, D]`` tensor ``G`` times, ``[..., H * G, D]``, in one bandwidth-bound kernel.
 
 ``x.repeat_interleave(G, dim=-2)`` gives the same values, but torch copies from the broadcast (stride-0) view with
-its generic strided kernel: on the H200 (torch 2.11) the grouped delta rule's 12 q/k expansions of a 27B-shaped
-step took 0.81 ms that way, about 1 TB/s (H200 run of 2026-11-30). Here each program loads a tile of
+its generic strided kernel, far below the bandwidth a plain copy reaches. Here each program loads a tile of
 rows once and stores it ``G`` times, with no index tensor and no host work. Out row ``h * G + j`` is in row
 ``h``, the interleaved order of ``repeat_interleave`` (and of fla's and transformers' grouped heads).
 """

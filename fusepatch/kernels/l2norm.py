@@ -2,8 +2,8 @@
 
 With grouped value heads (Qwen3.5-27B: 16 key heads, 48 value heads) fla's backward kernels produce the q and k
 gradients per value head, ``[B, T, Hv, K]``, and sum every group of ``Hv / Hk`` heads in torch before the L2-norm
-backward reads them (``dq.view(B, T, Hk, G, K).sum(3)``, three such sums a layer: 1.09 ms of a 27B step on the
-H200, the H200 run of 2026-11-30). Here the sum happens in the L2-norm backward's registers: one kernel reads the per-value-head
+backward reads them (``dq.view(B, T, Hk, G, K).sum(3)``, three such sums a layer, each a kernel that reads the
+gradients once more). Here the sum happens in the L2-norm backward's registers: one kernel reads the per-value-head
 gradients (and a second gradient to add, fla's WY-backward ``dk``), sums each group in fp32 and applies
 
     dx = rstd * (dy - (dy . y) y),    y = x * rstd,    rstd = 1 / sqrt(x . x + eps)

@@ -4,8 +4,8 @@ and backward each one Triton kernel.
 
 Why: eager, the activation reads the two halves as strided views (non-vectorised kernels), the backward's
 ``chunk`` joins the halves' gradients with a copy, and the routing weight scaled the down projection's output
-(``[slots, hidden]``, four times the activation's width at Qwen3.5-MoE's sizes) forward and backward: about 6 ms of
-elementwise kernels in the 111 ms MoE-shaped step on the H200 (run of 2026-12-01). The weight
+(``[slots, hidden]``, four times the activation's width at Qwen3.5-MoE's sizes) forward and backward, each an
+elementwise kernel of its own. The weight
 scales the activation instead (the down projection is linear in it); the backward writes the gate/up gradient as
 one contiguous ``[slots, 2 x inter]`` tensor, the grouped GEMM's own layout, and the weight's gradient as each
 row's sum, in one program per rows (no atomics: the same bits every run). Math in fp32, results in the input
@@ -64,7 +64,7 @@ def _weighted_swiglu_bwd(
         dy = tl.load(grad_out + r64[:, None] * inter + c[None, :], mask=mask, other=0.0).to(tl.float32)
         dg, du = swiglu_grads(g, u, dy * w[:, None])
         # the weight's gradient is the row's sum of dy * silu(g) * u (not du * u / w: a weight may be zero), in
-        # the order of the 2026-12-01 H200 run's kernel; the compiler shares the sigmoid with swiglu_grads'
+        # a fixed order (the same bits every run); the compiler shares the sigmoid with swiglu_grads'
         dw += tl.sum(dy * (g * tl.sigmoid(g)) * u, axis=1)
         tl.store(grad_gate_up + at, dg.to(grad_gate_up.dtype.element_ty), mask=mask)
         tl.store(grad_gate_up + at + inter, du.to(grad_gate_up.dtype.element_ty), mask=mask)

@@ -7,12 +7,10 @@ Why not fla's for every call: for feature sizes up to 512 (the per-head q/k norm
 attention, whose rows are tokens x heads) fla's RMSNorm kernels take the row-count bucket
 ``NB = cdiv(rows, 2048)`` as a compile-time constant and as an autotune key. With packed batches of varying length
 nearly every step has a new bucket (24 heads: one every ~85 tokens), and each one compiles and autotunes the
-forward and backward kernels again. On the H200 the SFT example (27B layer shapes, FSDP2, packed rows of ~4.1k
-tokens) spent its profiled step there: 22.3 s, 11,998 forward ops inside the RMSNorm modules, 21,802 GPU kernels
-(H200 run of 2026-11-29). fla's gated norm does the same with buckets of 65,536 rows (tokens x value
-heads: one every ~1,365 tokens at 48 heads), and its residual-add backward at the model width takes rows per
-program (``cdiv(rows, SMs)``) as a constexpr: the same SFT run after the plain norms were replaced still built
-fla's ``layer_norm_bwd_kernel_row`` 5 times in 10 steps (H200 run of 2026-11-29). Here the row count is a
+forward and backward kernels again: a packed SFT step then spends most of its time compiling and autotuning
+norms. fla's gated norm does the same with buckets of 65,536 rows (tokens x value heads: one every ~1,365 tokens
+at 48 heads), and its residual-add backward at the model width takes rows per program (``cdiv(rows, SMs)``) as a
+constexpr, so ``layer_norm_bwd_kernel_row`` is built again for new row counts too. Here the row count is a
 runtime argument Triton does not specialize on, the block sizes depend on the feature size only, and nothing is
 autotuned: a layer's norm compiles once per dtype.
 

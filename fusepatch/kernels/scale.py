@@ -4,8 +4,8 @@ A fused linear cross-entropy computes its input and weight gradients during the 
 only multiplies them by the gradient reaching the loss, which is 1 in plain training (and 1/steps or a loss
 scale otherwise). The value lives on the GPU, so the kernel reads it there and returns at once when it is 1:
 no host sync, and no 2.5 GB read and write of Qwen3.5's lm_head gradient per step. fla does the same, but its
-kernel takes the element count as a compile-time constant, so each new packed length compiles it again (the
-SFT run built it once a step: the H200 run of 2026-11-29); here the count is a runtime argument.
+kernel takes the element count as a compile-time constant, so each new packed length compiles it again (in
+packed SFT, about once a step); here the count is a runtime argument.
 
 The grid is a few programs per SM, each striding over the blocks, rather than one program per 4096 elements
 (310 k programs for the 27B shape's 1.27 G-element weight gradient). Measured on the H200 at that shape, where

@@ -2,9 +2,9 @@
 
 The Gated DeltaNet's q, k and v come out of the causal conv as column blocks of one ``[tokens, 2 key + value]``
 tensor; the delta-rule kernels need each contiguous. torch's ``split_with_sizes_copy`` does it in one kernel,
-but on the H200 (torch 2.11) its host-to-device copy of the launch metadata waited for the GPU once per layer
-(``cudaMemcpyAsync`` under ``split_with_sizes_copy``: 6 host waits a 27B-shaped step, each followed by ~60 us
-of idle GPU while the CPU caught up; the H200 run of 2026-11-30). Here the sizes are kernel arguments:
+but (torch 2.11) its host-to-device copy of the launch metadata waits for the GPU once per layer
+(``cudaMemcpyAsync`` under ``split_with_sizes_copy``), and the GPU then idles while the CPU catches up. Here the
+sizes are kernel arguments:
 nothing to copy, nothing to wait for.
 """
 

@@ -1,10 +1,9 @@
 """CUDA graphs over whole decoder layers, for training steps of one shape: ``apply(model, cuda_graphs=True)``.
 
 Why: at the 0.8-2B sizes the host cannot queue a layer's aten ops and Triton launches as fast as the GPU runs them,
-and the GPU idles through the forward (2B-like on the H200: the layers' forward took the host 70.2 ms and the GPU
-42.4 ms). Replayed from graphs, every layer costs the host one launch forward and one backward; measured with the
-benchmark harness's ``+graphs`` rows (docs/benchmarks.md, 2026-12-03): Qwen3.5-0.8B 1.77x hf-fast against 1.60x,
-2B-like 1.50x against 1.29-1.45x, 27B LoRA unchanged (already GPU-bound).
+and the GPU idles through the forward. Replayed from graphs, every layer costs the host one launch forward and one
+backward, so the small shapes become GPU-bound; a step that already keeps the GPU busy (27B with LoRA) gains
+nothing. The measured speed-ups are in docs/benchmarks.md.
 
 How: the layers run as usual while a step's shape settles (kernel choices, self-tests, autotuning). Once
 ``WARM_CALLS`` training steps in a row gave every layer the same signature (shapes, dtypes, which inputs need

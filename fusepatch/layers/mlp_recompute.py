@@ -3,9 +3,8 @@
 Why: the down projection's input ``swiglu(gate, up)`` is ``tokens x intermediate`` (136 MB a layer at the
 Qwen3.5-27B shape and 4096 tokens), kept from the forward only for the down weight's gradient, while the SwiGLU
 op keeps ``gate`` and ``up`` for its own backward anyway. Recomputing it there costs one elementwise SwiGLU
-kernel a layer (reads ``gate`` and ``up``, writes the product). Measured on the H200
-(run of 2026-12-01): 1.06 GiB less peak at the 27B shape (8 layers), 2.25 GiB at the 2B-like shape (24 layers), about
-0.8% slower at 27B. Off by default, for a larger micro-batch or longer rows: ``FUSEPATCH_MLP_RECOMPUTE=1`` (or
+kernel a layer (reads ``gate`` and ``up``, writes the product): less peak memory for a little more GPU time.
+Off by default, for a larger micro-batch or longer rows: ``FUSEPATCH_MLP_RECOMPUTE=1`` (or
 true/yes/on, as fusepatch's other switches) turns it on, read once at import (another value than a switch's raises).
 
 The recomputed product is the forward's bit for bit (the same op on the same inputs), so the down weight's

@@ -2,8 +2,7 @@
 
 transformers recomputes cos/sin from ``position_ids`` on every forward (5.17's Qwen3.5: a float ``bmm``, ``cos``,
 ``sin``, two scalings, the mrope slices and ``cat``s, two casts). Those small kernels run between a step's start
-and layer 0's first GEMM, where nothing else is queued and the GPU waits on each launch: ~0.8 ms of idle GPU in
-the synced 27B-shaped step on the H200 (run of 2026-12-02, the step's idle timeline).
+and layer 0's first GEMM, where nothing else is queued and the GPU waits on each launch.
 
 For the plain positions fusepatch's causal-LM forward builds (``0..T-1`` in every row, layers/support/positions.py) the
 tables depend only on the positions' shape, ``x``'s dtype and device, and the module's ``inv_freq`` and

@@ -28,8 +28,8 @@ def host_built(
     (the caller then derives it from the GPU tensor).
 
     The builders use NumPy, not torch: torch's CPU ``repeat_interleave`` opens an OpenMP parallel region even for
-    eight documents, and in the packed 27B-shaped step on the H200 the GPU sat idle inside those host calls, 9-19
-    ms a step (one gap of 15.5 ms; the H200 run of 2026-11-30); NumPy's ``repeat`` is single-threaded."""
+    eight documents, and in a packed step the GPU sits idle inside those host calls; NumPy's ``repeat`` is
+    single-threaded."""
     host = host_values(cu_seqlens)
     if host is None:
         return None

@@ -1,10 +1,8 @@
 """CUDA-graph replay of a fixed-shape op whose kernels cost the CPU more to launch than the GPU to run.
 
 fla's chunked gated delta rule launches ~30 Triton/TileLang kernels per layer and step (forward and backward),
-each behind Python: autotuner lookups, backend dispatch, argument binding. Measured on the H200 (bench-2b and
-bench-27b with ``BENCH_CPU_PROFILE=1``, the H200 run of 2026-11-29): 1.6 ms of CPU per layer forward and 1.9-3.1 ms per backward
-outside any aten op, against 0.4-1.4 ms of GPU work. At the 2B shape that is ~60 ms of a 235 ms step with the
-GPU 64% busy; at the 27B shape the GPU idles through every linear-attention layer.
+each behind Python: autotuner lookups, backend dispatch, argument binding. That host time outside any aten op
+can exceed the layer's GPU work, so at small shapes the GPU idles through the linear-attention layers.
 
 ``GraphedOp(split)`` runs an op given as two functions of tensors (a ``Split``): ``forward(*inputs)`` returning
 ``(output, saved)`` and ``backward(inputs, saved, grad_output, needs_grad)`` returning the input gradients.

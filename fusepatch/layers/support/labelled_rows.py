@@ -3,8 +3,8 @@
 A fine-tuning batch labels only what the model should learn to write: chat SFT sets the prompt's and the
 template's tokens to -100 (the SFT example keeps the assistant's), packed rows add one -100 at every document
 boundary. transformers computes the ``lm_head`` GEMMs and the cross-entropy for every row anyway and multiplies
-the ignored ones by zero; at Qwen3.5's 248k vocabulary that is three GEMMs of ``rows x 248,320 x hidden`` (13.2-13.7
-ms each in the 27B-shaped step on the H200 at 4096 rows, the H200 run of 2026-11-30). Here the loss gets the labelled rows
+the ignored ones by zero; at Qwen3.5's 248k vocabulary that is three GEMMs of ``rows x 248,320 x hidden``, among
+the largest of the step. Here the loss gets the labelled rows
 only (``index_select``; autograd scatters their gradient back, zeros elsewhere): the same loss and gradients,
 the ignored rows' work skipped.
 
@@ -25,7 +25,7 @@ MIN_DROPPED = 1 / 32  # fraction of ignored rows from which the loss runs on the
 
 
 _pinned: list[torch.Tensor] = []  # host scalars for the count, reused once read (allocating pinned memory queries
-# the caching host allocator's events: ~80 us at the step's start on the H200's host, the H200 run of 2026-12-02)
+# the caching host allocator's events, host time at the step's start, where the GPU waits for the host)
 
 
 class LabelledRows:

@@ -31,8 +31,7 @@ def cu_seqlens_from_position_ids(
     if position_ids.ndim != 2 or position_ids.shape[1] < 2:
         return None
     # One wait for the GPU (nonzero's count), and no host-to-device copy: the end offset is written by a fill
-    # kernel, not copied from a host tensor (a pageable copy waits for the stream too; the H200 trace of
-    # the H200 run of 2026-11-30 listed both, plus an `any()` that waited first).
+    # kernel, not copied from a host tensor (a pageable copy waits for the stream too, as does an `any()`).
     starts = position_ids == 0
     if valid is not None and valid.shape == position_ids.shape:
         valid = valid.to(device=position_ids.device, dtype=torch.bool)

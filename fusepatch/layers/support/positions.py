@@ -5,8 +5,7 @@ transformers builds those positions itself and then checks them for packed docum
 (``masking_utils.find_packed_sequence_indices``: ``.all()`` read on the host), and fusepatch's decoder layers looked
 for document starts (a ``nonzero``). Each read waits for the GPU to finish everything queued before it. In a
 training loop that does not wait between steps, the forward's first wait also waits for the previous step's
-optimizer, and the GPU then idles while the CPU refills the queue: on the H200 the 27B-shaped step idled 6.4 ms
-in its first 10 ms (H200 run of 2026-11-30).
+optimizer, and the GPU then idles while the CPU refills the queue.
 
 So the fused causal-LM forward builds the positions transformers would build, marks the tensor, and both checks
 answer "not packed" for it and every view of it, without a read. A tensor changed in place since (its version

@@ -3,8 +3,8 @@ residual added by the GEMM.
 
 Several projections of one input (the Gated DeltaNet's ``in_proj_qkv/z/b/a``, the MLP's ``gate_proj`` and
 ``up_proj``): called one by one, autograd gives each its own input gradient and adds them, one elementwise
-kernel per extra projection over the whole ``[tokens, hidden]`` tensor (0.88 ms of the 27B-shaped step on the
-H200: ``ViewBackward0 > aten::add``, the H200 run of 2026-11-30). ``project`` computes the same outputs
+kernel per extra projection over the whole ``[tokens, hidden]`` tensor (``ViewBackward0 > aten::add`` in a
+profile). ``project`` computes the same outputs
 with the same kernels and, in its backward, accumulates the input gradient in place through the GEMMs'
 ``beta = 1`` (``addmm_``): no add kernels, one buffer. The narrow ones among them (``in_proj_b`` and
 ``in_proj_a``, one output per value head) share one GEMM, forward and backward (``narrow_group``).

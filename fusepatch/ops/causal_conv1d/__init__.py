@@ -80,10 +80,9 @@ def _direct_conv():
     package's ``torch.library.custom_op`` wrappers; None where the extension is not the one this call matches.
 
     The package (1.7 here) routes every call through two custom ops (``DaoAILab::_causal_conv1d_fwd_cpp`` /
-    ``_bwd_cpp``), which torch.compile needs but which cost the host a custom op's dispatch each way: on the
-    H200's host the conv's call took 243 us through them and 163 us past them, on a host ~15% slower
-    (benchmarks/step_start.py, the H200 run of 2026-12-02), in layer 0 of a synced step where the GPU waits for the
-    host. The kernels, their arguments and the buffers (channel-last ``out``/``dx``, fp32 ``dweight``/``dbias``
+    ``_bwd_cpp``), which torch.compile needs but which cost the host a custom op's dispatch each way, a third of
+    the conv's host time, in layer 0 of a synced step where the GPU waits for the host (benchmarks/step_start.py
+    shows it). The kernels, their arguments and the buffers (channel-last ``out``/``dx``, fp32 ``dweight``/``dbias``
     cast back) are the package's own, so the results are too; under torch.compile the package's function runs."""
     try:
         import causal_conv1d_cuda as ext

@@ -13,8 +13,8 @@ from fusepatch.ops.gated_delta_rule.reference import CHUNK, gate_and_beta
 def chunk_table(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor | None:
     """fla's table of chunks for packed rows, ``[chunks, 2]`` (document, chunk within it), in ``cu_seqlens``'
     dtype and device, built from the boundaries' host values and copied without a wait (``boundaries.host_built``).
-    fla builds it from the GPU tensor (``repeat_interleave`` reads its length on the host): two waits for the GPU
-    per new boundaries on the H200 trace of 2026-11-30, mid-forward. ``None`` where the host values are not
+    fla builds it from the GPU tensor (``repeat_interleave`` reads its length on the host): waits for the GPU
+    per new boundaries, mid-forward. ``None`` where the host values are not
     known: fla then builds it itself."""
 
     def build(host: tuple[int, ...]) -> torch.Tensor:

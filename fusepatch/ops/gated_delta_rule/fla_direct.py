@@ -4,11 +4,10 @@ fla-core 0.6 wraps most op functions in ``fla.backends.dispatch``. On every call
 registered backends, asks each whether it is available and enabled (environment reads), runs its verifier, and
 does all of that inside a ``torch.compiler.disable`` frame; two of the functions fusepatch calls are also wrapped
 in ``input_guard`` (a contiguity pass over every argument, a device context). fusepatch's delta rule calls
-thirteen such functions a layer, forward and backward. At the Qwen3.5-2B-like shape the forward was CPU-bound on
-the H200 (91 ms of host time to queue 43 ms of GPU work, the H200 run of 2026-12-01): switching the dispatch
-off (fla's ``FLA_DISABLE_BACKEND_DISPATCH=1``, read at import, for every caller) took the 18 delta-rule layers'
-forward from 52.2 to 46.6 ms of host time, and calling the functions directly (this module) ran the training
-step at 1.39x hf-fast synced against 1.27x through the dispatch, in one run.
+thirteen such functions a layer, forward and backward. At the Qwen3.5-2B-like shape the forward is CPU-bound (the
+host takes longer to queue it than the GPU to run it), so that per-call work is the step's time: switching the
+dispatch off (fla's ``FLA_DISABLE_BACKEND_DISPATCH=1``, read at import, for every caller) saves host time, and
+calling the functions directly (this module) saves it without changing fla for other callers.
 
 Where no backend registered for a function is available and enabled here, every call ends in the decorated
 function itself, so fusepatch calls that directly: its inputs are already contiguous and on the current device.

@@ -39,9 +39,9 @@ def load(grouped: bool = False, fused_inputs: bool = True):
     ``grouped``: fla's two backward kernels that produce q/k gradients per value head (``chunk_bwd_dqkwg``,
     ``prepare_wy_repr_bwd``) get q and k expanded to the value heads, so that fla sums nothing in torch, and
     fusepatch's L2-norm backward sums the groups (and adds the two k gradients) in one kernel
-    (kernels/l2norm.py). The expansion costs two copies a layer (kernels/heads.py, 0.20 ms a 27B-shaped step on
-    the H200); the three torch sums, fla's L2-norm backward and the add it replaces took 1.14 ms there: 0.59 ms
-    less GPU time a step, the same peak memory (H200 run of 2026-11-30). Without grouping (as many key as value heads) there
+    (kernels/l2norm.py). The expansion costs two copies a layer (kernels/heads.py), less GPU time than the three
+    torch sums, fla's L2-norm backward and the add it replaces, at the same peak memory. Without grouping (as many
+    key as value heads) there
     is nothing to expand: only the L2-norm backward and the add are fused.
 
     ``fused_inputs`` (grouped only): the per-token inputs (q/k L2 norms, beta, the chunk-summed decay) and their

@@ -85,14 +85,11 @@ def fla_chunk_budget() -> int:
     chunk loop (one chunk's logits live at a time). fla's own function splits the tokens into 8 chunks whatever
     their number (512 tokens at seq 4096): each chunk re-reads and re-writes the whole lm_head weight gradient (2.5
     GB at Qwen3.5's 248k x 5120 in bf16) and runs GEMMs with a 512-long inner dimension. Fewer, larger chunks trade
-    logits memory for both. The loss alone at the 27B shape (loss_bench.py, the H200 run of 2026-11-29): fwd+bwd 60.2 ms with fla's 8
-    chunks, 55.0 / 53.7 / 53.0 ms at 512 / 1024 / 2048 MiB. Why 1024 and not 2048 (the default of the H200 runs of 2026-11-30 to 2026-12-01):
-    the loss holds the step's peak since the delta rule keeps its chunk states for the backward (H200 run of 2026-11-30), and
-    there one 4096-token chunk's 1.9 GiB of logits sat on top of every activation. Measured on the H200 (run of 2026-12-01):
-    1024 lowers the peak from 43.79 to 42.84 GiB at the 27B shape and from 35.03 to 34.08 at the 2B-like shape (both
-    under Liger Kernel's, 43.07 and 34.32), its step time within the run-to-run spread (27B back to back 1.209 and
-    1.207x hf-fast against 1.211, 1.203 and 1.213x at 2048). At long rows a budget also bounds the logits where
-    fla's fixed 8 chunks would grow."""
+    logits memory for both, and the loss alone runs faster with a budget than with fla's 8 chunks
+    (benchmarks/loss_bench.py). Why 1024 and not 2048: the loss holds the step's peak since the delta rule keeps
+    its chunk states for the backward, and there one 4096-token chunk's logits (1.9 GiB at Qwen3.5's vocabulary)
+    sit on top of every activation; 1024 lowers the peak by about a GiB at the 27B shape, its step time within the
+    run-to-run spread. At long rows a budget also bounds the logits where fla's fixed 8 chunks would grow."""
     return positive_whole("FUSEPATCH_CE_LOGITS_MIB", DEFAULT_LOGITS_MIB, "MiB") * 2**20
 
 
@@ -117,10 +114,10 @@ class _LinearCrossEntropyLoop(torch.autograd.Function):
     is the kernel: fla's two functions (``_load_fla``) or fusepatch's (kernels/cross_entropy.py).
 
     Why not fla's ``fused_linear_cross_entropy_fwd``: it zero-fills the weight gradient (2.5 GB at the 27B
-    shape) and then adds every chunk into it, the first included (1.56 ms of fill plus a GEMM that reads the
-    zeros back, per step on the H200, the H200 run of 2026-11-29); it divides only by its own token count, so the Trainer's
+    shape) and then adds every chunk into it, the first included (a fill plus a GEMM that reads the zeros back,
+    every step); it divides only by its own token count, so the Trainer's
     ``num_items_in_batch`` needed a pass over both gradients afterwards; and its backward compiles a kernel per
-    token count (10 builds in 10 steps of the SFT example, the H200 run of 2026-11-29). Here the backward only scales the stored
+    token count (in packed SFT, about one build a step). Here the backward only scales the stored
     gradients by the incoming one, and skips that when it is 1 (plain training)."""
 
     @staticmethod
@@ -151,7 +148,7 @@ class _LinearCrossEntropyLoop(torch.autograd.Function):
                     else:
                         grad_weight.addmm_(logits.t(), h)
                 # freed before the next chunk's GEMM allocates its logits, else two chunks' logits live at once
-                # (fla's loop has that peak: 0.6 GiB over Liger's at the Qwen3-32B shape, the H200 run of 2026-11-30)
+                # (fla's loop has that peak: a chunk's logits more than needed)
                 del logits
             if wants_weight and grad_weight is None:  # no tokens at all
                 grad_weight = torch.zeros_like(weight)
@@ -255,7 +252,7 @@ LINEAR_CROSS_ENTROPY = Op(
             provides="fla.modules.fused_cross_entropy.ops.cross_entropy_fwd/_bwd in fusepatch's chunk loop",
             distribution="fla-core",
         ),
-        # fusepatch's own kernels: as fast as fla's at the 27B shape (1.92 against 1.93 ms alone, the H200 run of 2026-11-30) and
+        # fusepatch's own kernels: as fast as fla's at the 27B shape (benchmarks/loss_bench.py --kernels) and
         # as exact; after fla, which is the one measured in the training step, and before torch-chunked (no fla
         # needed: Qwen2/Qwen3 installs without fla get the same loop)
         own_triton_candidate(

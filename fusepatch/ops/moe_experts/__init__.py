@@ -52,9 +52,8 @@ class _Regroup(torch.autograd.Function):
     each other's transpose (a dropped slot's row, zero forward, gets an exactly zero gradient: see
     ``moe_experts_grouped``). Left to autograd, the gather by token's backward is an accumulating ``index_put_``,
     which on CUDA sorts its indices first (several launches a layer), and the combination's is an atomic
-    ``index_add_`` over every slot after a copy of the sum's expanded gradient: 4.6 + 1.5 ms a step at the MoE
-    shape on the H200 (run of 2026-12-01). The gathers take 2.0 ms of that step all told; its kernels 113.3 ms against
-    118.8 with the scatters (H200 run of 2026-12-01)."""
+    ``index_add_`` over every slot after a copy of the sum's expanded gradient. Gathers both ways cost a fraction
+    of those scatters."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, source: torch.Tensor, inverse: torch.Tensor, top_k: int, to_tokens: bool):
@@ -82,7 +81,7 @@ def moe_experts_grouped(
     gradient through it (to the experts, the token and its weight), without a pass over every slot's row to mask
     it, and a non-finite token row cannot reach the last expert's gradient through a slot routed elsewhere.
     Counting the kept slots to slice them off (``int(keep.sum())``) and ``bincount`` (which reads its input's
-    maximum back) each waited for the GPU once per MoE layer (tests/gpu's sync test, the H200 run of 2026-12-01).
+    maximum back) each waited for the GPU once per MoE layer (tests/gpu's sync test checks that none does).
 
     Rows move by gathers only (``index_select`` with the sort's order, its inverse, or the slots' tokens), and
     each token sums its ``top_k`` rows, forward and backward, with ``sum`` (fp32 inside, as transformers'

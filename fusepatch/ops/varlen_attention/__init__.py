@@ -7,8 +7,8 @@ Op signature (tokens of every row flattened, as flash-attention's varlen functio
 
 Hq is a multiple of Hk (grouped-query attention). For a packed row transformers builds a block-causal 4D mask
 and sdpa runs it through cuDNN or the memory-efficient kernel, which compute every masked-out block and, with
-cuDNN, plan anew for every new row length (54-87 ms each in the forward, the checkpoint recompute and the
-backward in the 2026-11-29 H200 run's two-GPU trace). A varlen flash kernel skips the blocks between documents and needs no
+cuDNN, plan anew for every new row length (tens of milliseconds each in the forward, the checkpoint recompute and
+the backward). A varlen flash kernel skips the blocks between documents and needs no
 plan. The eager path of this op is transformers' own masked attention (the layer simply is not routed); the
 reference below only checks candidates.
 """
