@@ -73,8 +73,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         capability_major=None,
         what=(
             "torch.compile (inductor) of Qwen3.5's rotary embedding gives wrong cos/sin tables on the GPU (likely Triton "
-            "miscompiling its stride-3 mrope slices): transformers' own Qwen3.5 compiled on an H200 was 0.127 off "
-            "in its logits (docs/benchmarks.md, 2026-12-03)"
+            "miscompiling its stride-3 mrope slices), so transformers' own Qwen3.5, compiled, trains on wrong logits"
         ),
         link="https://github.com/vllm-project/vllm/pull/40680",
         fix="fusepatch.apply(model) before compiling (a patched model runs outside dynamo on a GPU), or train "

@@ -26,11 +26,9 @@ from fusepatch.ops.gated_delta_rule.fla import load_fla, load_fla_graphed
 from fusepatch.ops.gated_delta_rule.reference import gated_delta_rule_reference
 
 # Off by default: the graphs copy every call's inputs, outputs and saved tensors in and out of their static
-# buffers (Memcpy DtoD: 4.3 ms of the 2B-like step, 1.4 ms of the 27B one on the H200), and with the CPU keeping
-# ahead of the GPU that costs more than the launches it saves: in one H200 run of 2026-11-30
-# fla without graphs was faster at both shapes, 205.2 against 208.6 ms (2B-like) and 215.7 against 218.1 ms
-# (27B). They pay where the CPU holds the GPU back: the H200 run of 2026-11-29 measured 1.6-3.1 ms of CPU per layer and call in
-# fla's Python, and a 2B-like step at 64% GPU busy without them.
+# buffers (device-to-device copies), and with the CPU keeping ahead of the GPU that costs more than the launches
+# it saves. They pay where the CPU holds the GPU back: milliseconds of CPU per layer and call in fla's Python, and
+# the GPU well under fully busy without them.
 GRAPHS_SWITCH = OptIn(
     "FUSEPATCH_CUDA_GRAPHS",
     "steps the CPU holds back: GPU busy well under 90%, small layers, many ranks per CPU",
@@ -71,17 +69,17 @@ def _dims(module) -> dict[str, int]:
     return {"hk": module.num_k_heads, "hv": module.num_v_heads, "dk": module.head_k_dim, "dv": module.head_v_dim}
 
 
-# fp32 is refused: measured on the H200 (fla 0.6.0, Triton 3.6, TileLang backward), fp32 inputs gave gradients
-# of the gate input 4-6% and of A_log/dt_bias 19-30% off the fp32 reference (q/k/v gradients 0.2%), worse than
-# the same kernels at bf16 against that reference: not the precision an fp32 run asks for. tests/gpu checks
+# fp32 is refused: with fla 0.6.0 (Triton 3.6, TileLang backward) fp32 inputs give gradients of the gate input
+# and of A_log/dt_bias further off the fp32 reference than the same kernels at bf16 (the q/k/v gradients are
+# fine): not the precision an fp32 run asks for. tests/gpu checks
 # that this still holds, so the rule is lifted when a fla release fixes it.
 FLA_INPUTS = InputRule(
     kernel="fla's chunked gated delta rule",
     dtypes=("bfloat16", "float16"),
     why={
         "float32": (
-            "at float32 its gate and decay-parameter gradients were measured 4-30% off an fp32 reference "
-            "(fla 0.6, H200), so fp32 keeps the eager delta rule"
+            "at float32 its gate and decay-parameter gradients are further off an fp32 reference than at bf16 "
+            "(fla 0.6), so fp32 keeps the eager delta rule"
         )
     },
     notes={
@@ -112,8 +110,7 @@ GATED_DELTA_RULE = Op(
             inputs=FLA_INPUTS,
             provides=(
                 "fla-saved-states with the q/k gradients' sums over grouped value heads done in fusepatch's L2-norm "
-                "backward kernel (fusepatch.kernels.l2norm) instead of torch sums inside fla: 0.6 ms less GPU time "
-                "a 27B-shaped step on the H200 (run of 2026-11-30)"
+                "backward kernel (fusepatch.kernels.l2norm) instead of torch sums inside fla: fewer kernels a step"
             ),
             distribution="fla-core",
         ),

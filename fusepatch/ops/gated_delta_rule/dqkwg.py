@@ -3,9 +3,9 @@
 On Hopper with Triton 3.4-3.7.0 fla runs ``chunk_bwd_dqkwg`` as a TileLang kernel (its Triton kernel gives wrong
 gradients there). fla builds it with K in 64-wide blocks and 4 warps: two programs per chunk and head, each reading
 the chunk's ``v``, ``do`` and ``dv`` and computing ``do @ v^T`` again for its half of K. Built by the same builder
-with K in one block (K <= 128) and 8 warps, it took 0.288 ms at the Qwen3.5-27B layer shape on the H200 against
-0.426 ms for fla's call, with dq, dk and dw bit for bit fla's and dg to float rounding (fla adds its two K halves'
-partial sums; benchmarks/dqkwg_bench.py, the H200 run of 2026-11-30). Six such layers: 0.8 ms a step.
+with K in one block (K <= 128) and 8 warps, one program reads those inputs and computes ``do @ v^T`` once, with dq,
+dk and dw bit for bit fla's and dg to float rounding (fla adds its two K halves' partial sums);
+benchmarks/dqkwg_bench.py compares the two tilings.
 
 Used only where fla itself would run TileLang (its ``common`` TileLang backend available, enabled and accepting
 the call) and the tiling applies; fla's own call otherwise.
@@ -27,7 +27,7 @@ from fusepatch.base.dtypes import dtype_name
 BLOCK_K = 128
 BLOCK_V = 64
 WARPS = 8
-_FALLBACK = "the delta rule's dq/dk/dw/dg kernel runs with fla's own tiling (0.14 ms more a layer at the 27B shape)"
+_FALLBACK = "the delta rule's dq/dk/dw/dg kernel runs with fla's own tiling (two programs per chunk and head: slower)"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
