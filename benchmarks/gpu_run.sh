@@ -1,29 +1,38 @@
 #!/usr/bin/env bash
-# Everything the H200 run needs, in phases (the device tool's calls are short; tilelang must travel alone):
-#   bash benchmarks/gpu_run.sh tilelang            # call 1, carry .whl-tl1 .src: install tilelang, and start
-#                                                      #   `fusepatch build causal-conv1d` in the background
-#   bash benchmarks/gpu_run.sh tests               # call 2, carry .whl-tl2 .whl: deps, fla, all GPU tests
+# The GPU tests and benchmarks of docs/benchmarks.md, in phases, for a Linux machine with NVIDIA GPUs that may
+# have no network. Dependencies come from wheel folders in the working tree (pip --no-index) and go into folders
+# under /tmp, which PYTHONPATH puts after the working tree: /tmp/site-tl (tilelang), /tmp/site-fla (fla,
+# causal-conv1d, kernels, liger-kernel), /tmp/site-ex (the SFT example's datasets and its dependencies). Every
+# phase writes its logs and results under $OUT (default /tmp/out); compile caches are kept under /tmp/cache.
+#   bash benchmarks/gpu_run.sh tilelang            # install tilelang (.whl-tl1/); with a causal-conv1d sdist in
+#                                                      #   .src/, build it in the background (fusepatch build)
+#   bash benchmarks/gpu_run.sh tests               # needs .whl-tl2/ and .whl/: deps, fla, all GPU tests, doctor
 #                                                      #   (TESTS=files, K=filter, TAG=log name suffix)
 #   bash benchmarks/gpu_run.sh built               # the built causal-conv1d wheel: install it, test it, doctor
-#   bash benchmarks/gpu_run.sh bench 27b [layers]  # call 3+: the benchmark table for one shape
+#   bash benchmarks/gpu_run.sh bench 27b [layers]  # the benchmark table for one shape (benchmarks/run_all.py)
 #   CONFIGS=fusepatch bash benchmarks/gpu_run.sh probe 27b  # where a synced step's forward waits for the host
 #   bash benchmarks/gpu_run.sh loss 27b            # the loss alone (benchmarks/loss_bench.py)
 #   bash benchmarks/gpu_run.sh tracecheck          # which patched forward dynamo's trace gets wrong (trace_check.py)
 #   bash benchmarks/gpu_run.sh fidelity 27b        # gradients against fp32 eager (benchmarks/fidelity.py)
 #   bash benchmarks/gpu_run.sh warmstart 27b       # `fusepatch warmup` on fresh caches, then a new process's first step
-#   bash benchmarks/gpu_run.sh curves              # carry .whl-ex: SFT loss curves, two seeds (loss_curves.py)
+#   bash benchmarks/gpu_run.sh curves              # needs .whl-ex/: SFT loss curves, two seeds (loss_curves.py)
 #   bash benchmarks/gpu_run.sh norm                # the RMSNorm candidates alone (benchmarks/norm_bench.py)
 #   bash benchmarks/gpu_run.sh moe                 # the MoE experts op alone, per candidate (benchmarks/moe_bench.py)
+#   bash benchmarks/gpu_run.sh dqkwg               # fla's TileLang dqkwg kernel at other tilings (dqkwg_bench.py)
 #   bash benchmarks/gpu_run.sh gemm 27b            # the step's GEMMs alone, each layout (benchmarks/gemm_bench.py)
-#   bash benchmarks/gpu_run.sh sft                 # carry .whl .whl-ex: the SFT example, FSDP2 world size 1
+#   bash benchmarks/gpu_run.sh sft                 # needs .whl/ and .whl-ex/: the SFT example, FSDP2 world size 1
 #                                                      #   (NPROC=all STEPS=30 LAYERS=N: every GPU)
-#   bash benchmarks/gpu_run.sh start [STEPS...]    # carry .whl-tl2 .whl .whl-ex: run STEPS (default: bench-27b
+#   bash benchmarks/gpu_run.sh start [STEPS...]    # needs .whl-tl2/, .whl/, .whl-ex/: run STEPS (default: bench-27b
 #                                                      #   tests bench-2b sft) one after another in the background
-#   bash benchmarks/gpu_run.sh poll SECONDS        # wait (at most SECONDS) and bring back what is done so far
-# start/poll: one sequence longer than a call's limit, with no idle gap between its steps; each poll must
-# follow the last call within ~30 s or the machine (and the sequence) is gone.
-# Wheels: bash ../shared/gpu/wheels.sh, plus the causal-conv1d wheel copied into .whl; the sdist into .src.
-# Calls must follow each other within ~30 s so the machine (and /tmp, where everything is installed) stays.
+#   bash benchmarks/gpu_run.sh poll SECONDS        # wait (at most SECONDS) and print what is done so far
+# start/poll: a sequence of steps runs detached from the shell that started it, with no idle gap between them
+# (a `+` waits for every lane of the stage before it, a `/` splits a stage into lanes: see `start`); `poll`
+# prints its progress and each step's last log lines, and packs /tmp/seq (progress, a log per step, out/) into
+# $OUT. Run `tilelang` first: the other phases need it on the same machine (all but norm, moe and gemm).
+# Wheel folders: .whl-tl1/ (tilelang), .whl-tl2/ (more wheels for /tmp/site-tl), .whl/ (fla-core,
+# flash-linear-attention, causal-conv1d, kernels, liger-kernel), .whl-ex/ (datasets, dill, multiprocess), .whl-pa/
+# (a newer pyarrow, where the image's is older than 24); .src/ holds a causal-conv1d sdist. Fill them with
+# `pip download` for the GPU machine's Python and platform.
 set -uo pipefail
 phase=${1:?phase}
 OUT=${OUT:-/tmp/out}
@@ -31,18 +40,18 @@ mkdir -p "$OUT" /tmp/site-fla /tmp/site-tl
 # Inside a started sequence everything is installed once by `start`: steps running side by side must not
 # reinstall into the folders the other lane is importing from.
 pipi() { [ "${SEQ_INSTALLED:-0}" = 1 ] && return 0; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$1" "${@:2}"; }
-# One compile cache for every call and process of the session: later calls reuse what earlier ones compiled.
+# One compile cache for every phase and process on the machine: later phases reuse what earlier ones compiled.
 export FLA_FLASH_QLA=0 PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/cache/triton TILELANG_CACHE_DIR=/tmp/cache/tilelang
 export FUSEPATCH_CACHE=/tmp/cache/fusepatch
-export HF_HUB_OFFLINE=1  # no network there: Hub candidates look in the local cache only, at once
+export HF_HUB_OFFLINE=1  # the machine may have no network: Hub candidates look in the local cache only, at once
 need_tilelang() { [ -d /tmp/site-tl/tilelang ] || { echo "tilelang missing: run the tilelang phase first"; exit 3; }; }
 case "$phase" in
   tilelang)
     pipi /tmp/site-tl .whl-tl1/*.whl && ls /tmp/site-tl | head -3
     python3 -c "import pyarrow; print('pyarrow', pyarrow.__version__, '(datasets 5.2 needs >= 24: else carry .whl-pa)')"
     if ls .src/causal_conv1d-*.tar.gz >/dev/null 2>&1; then
-      # The source build runs beside the next calls (CPU only, niced); its own copy of fusepatch, since the
-      # working tree is replaced by each call.
+      # The source build runs beside the next phases (CPU only, niced), on its own copy of fusepatch, so that
+      # the working tree may change meanwhile.
       sdist=$(ls .src/causal_conv1d-*.tar.gz | head -1)
       rm -rf /tmp/build && mkdir -p /tmp/build && cp -r fusepatch "$sdist" /tmp/build/
       (cd /tmp/build && setsid nohup bash -c "s=\$(date +%s); PYTHONPATH=/tmp/build nice -n 10 python3 -m fusepatch build \
@@ -59,22 +68,22 @@ case "$phase" in
     export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl:/tmp/site-ex"
     # pytest-xdist: the tests are dominated by Triton/TileLang compiling (CPU), so workers compile in parallel.
     # The op files first: they fill the compile caches (same head sizes) that the model files then reuse.
-    # -v, a log per group and the errors each test measured: partial results survive a cut-off call.
+    # -v, a log per group and the errors each test measured: partial results survive a group cut off at its limit.
     # TESTS replaces the groups (one group), K adds a -k filter.
     # (a step's own TESTS may separate files with commas: a step's environment cannot hold spaces)
     groups=${TESTS:-"tests/gpu/test_gdn_ops.py tests/gpu/test_other_ops.py tests/gpu/test_attention.py|tests/gpu/test_gdn_models.py tests/gpu/test_models.py tests/gpu/test_trainer.py"}
     groups=${groups//,/ }
     # a step's K may list names with commas: K=saved_states,cross_entropy is -k "saved_states or cross_entropy"
-    # (its environment splits on ':', so test ids with '::' cannot go in a step's TESTS; the H200 run of 2026-11-30 lost a step so)
+    # (its environment splits on ':', so test ids with '::' cannot go in a step's TESTS)
     K=${K:+${K//,/ or }}
     i=0; IFS='|' read -ra parts <<< "$groups"
     for files in "${parts[@]}"; do
       i=$((i + 1))
       # NICE=10: the compiling workers yield the CPU to a benchmark running in the other lane
-      # setsid: the group in a session of its own, killed whole afterwards. In the H200 run of 2026-12-02 a group cut off at its
-      # limit (pytest hung after its last test) may have left workers or compilers behind, and the benchmarks
-      # after it ran on a host twice as slow; nothing of a finished group may outlive it. (Without
-      # setsid the group runs as before, and the kill below finds nothing.)
+      # setsid: the group in a session of its own, killed whole afterwards. A group cut off at its limit (pytest
+      # hung after its last test, say) can leave workers or compilers behind, which slow the benchmarks after
+      # it; nothing of a finished group may outlive it. (Without setsid the group runs as before, and the kill
+      # below finds nothing.)
       FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR=/tmp/errors $(command -v setsid) timeout ${TEST_TIMEOUT:-230} nice -n ${NICE:-0} python3 -m pytest \
         $files ${K:+-k "$K"} -n ${WORKERS:-8} -v -rfE --tb=short --durations=20 --timeout ${PER_TEST:-220} -p no:cacheprovider \
         > "$OUT/gpu-tests${TAG:+-$TAG}-$i.log" 2>&1 &
@@ -227,16 +236,15 @@ EOF
   sft)
     # The SFT example at the 27B layer shapes (LAYERS deep), packed ultrachat-format data, FSDP2 world size 1
     # (fully_shard + its activation checkpointing) under torchrun; hf-fast (no fusepatch) then fusepatch.
-    # Carry .whl and .whl-ex (datasets, dill, multiprocess: not on the H200 image).
+    # Needs .whl and .whl-ex (datasets, dill, multiprocess, where the image lacks them).
     need_tilelang
     pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
     pipi /tmp/site-ex .whl-ex/*.whl
-    # datasets needs pyarrow >= 24; if the image's is older, carry .whl-pa (55 MB: with .whl-ex alone, after
-    # a call that installed .whl into /tmp/site-fla)
+    # datasets needs pyarrow >= 24; if the image's is older, put a newer pyarrow wheel in .whl-pa
     ls .whl-pa/*.whl >/dev/null 2>&1 && pipi /tmp/site-ex .whl-pa/*.whl
     python3 -c "import sys; sys.path[:0] = ['/tmp/site-ex']; import datasets, pyarrow; print('datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)"
-    # OMP_NUM_THREADS: torchrun sets 1 otherwise (runs built 27B-shaped layers on the CPU with one
-    # thread and spent their whole limit there; the example now draws random weights on the GPU)
+    # OMP_NUM_THREADS: torchrun sets 1 otherwise, and whatever the example computes on the CPU runs on one
+    # thread
     export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl:/tmp/site-ex" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 OMP_NUM_THREADS=8
     # NPROC: processes (= GPUs) for torchrun, "all" for every GPU of the machine (a multi-GPU run:
     # NPROC=all STEPS=30 LAYERS=<deepest that fits>); the table goes to $OUT/sft-table.md.
@@ -246,8 +254,8 @@ EOF
     # the sample repeated so that every rank gets full batches for every step
     batch=${BATCH:-48}; steps=${STEPS:-12}; repeat=$(( (steps * batch * nproc + 23) / 24 ))
     # SFT_CONFIGS: which configurations, in which order (comma-separated; the table always compares to hf-fast)
-    # LR: the learning rate (default 1e-3, the example's; at 24 layers of random 27B-shaped weights it gave loss
-    # spikes in the H200 run of 2026-11-29, which make two curves hard to compare)
+    # LR: the learning rate (default 1e-3, the example's; at 24 layers of random 27B-shaped weights it can give
+    # loss spikes, which make two curves hard to compare)
     # LAYERS may list depths, deepest first (LAYERS=24,16): a depth whose run runs out of GPU memory is given
     # up for the next one, every configuration again, so the table compares one depth (the deepest
     # that fits)
@@ -275,7 +283,7 @@ EOF
     pipi /tmp/site-tl .whl-tl2/*.whl; pipi /tmp/site-fla .whl/*.whl; ls .whl-ex/*.whl >/dev/null 2>&1 && pipi /tmp/site-ex .whl-ex/*.whl
     python3 -c "import pyarrow; print('pyarrow', pyarrow.__version__)"
     nvidia-smi -L
-    rm -rf /tmp/seq && mkdir -p /tmp/seq/out && cp -r . /tmp/seq/tree  # the working tree is replaced by each call
+    rm -rf /tmp/seq && mkdir -p /tmp/seq/out && cp -r . /tmp/seq/tree  # a copy: the working tree may change while the sequence runs
     : > /tmp/seq/progress  # before the runner starts: `poll` tells a started sequence from none by this file
     steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
     env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT)=" > /tmp/seq/env || true
@@ -287,7 +295,7 @@ set -f  # steps are split on spaces only: a '*' in FUSEPATCH_SKIP=*/triton is no
 set -a; . /tmp/seq/env; set +a; export SEQ_INSTALLED=1
 step() {  # step LANE STEP: its log is named by lane and step, so a step in two lanes keeps both logs
   local name=${2%%@*} extra=${2#*@} s=$(date +%s) log=/tmp/seq/$1-$(echo "$2" | tr -c 'A-Za-z0-9.\n-' _ | cut -c1-150).log
-  # (cut: a step with several test ids made a name over the file system's 255 bytes, and the step never ran)
+  # (cut: a step with several test ids would make a name over the file system's 255 bytes, and not run)
   [ "$extra" = "$2" ] && extra=
   echo "== [$1] $2 started $(date +%T)" >> /tmp/seq/progress
   env ${extra//:/ } OUT=/tmp/seq/out bash benchmarks/gpu_run.sh ${name%%-*} $(echo "$name" | sed -n 's/^[a-z]*-//p') > "$log" 2>&1
@@ -320,14 +328,13 @@ done
 echo done >> /tmp/seq/progress
 RUN
     # The redirections close the whole background job's hold on the caller's output: with them on the runner
-    # alone, the backgrounded `cd && ...` list kept the caller's pipe open until the sequence ended, so
-    # `start ... | tail -1 && poll N` waited for the whole sequence (H200 run of 2026-11-30 lost two calls' output so).
+    # alone, the backgrounded `cd && ...` list would keep the caller's pipe open until the sequence ended, so
+    # `start ... | tail -1 && poll N` would wait for the whole sequence.
     (cd /tmp/seq/tree && STEPS_ARG="$steps" setsid nohup bash /tmp/seq/run.sh) > /tmp/seq/runner.log 2>&1 < /dev/null &
     echo "started: $steps" ;;
   poll)
-    # No sequence here: a fresh machine (the call came more than ~30 s after the last one) or a `start` that
-    # failed behind `| tail -1` (its exit status is the pipe's). Waiting would spend the whole limit on nothing
-    # (H200 run of 2026-12-01 lost 660 s of device time so, twice).
+    # No sequence here: a machine where `start` never ran, or a `start` that failed behind `| tail -1` (its
+    # exit status is the pipe's). Waiting would spend the whole limit on nothing.
     [ -f /tmp/seq/progress ] || { echo "poll: no sequence on this machine (fresh machine, or start failed): nothing to wait for"; exit 4; }
     deadline=$(($(date +%s) + ${2:-560}))
     while [ "$(date +%s)" -lt "$deadline" ] && ! grep -q "^done" /tmp/seq/progress 2>/dev/null; do sleep 5; done
