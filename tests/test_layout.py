@@ -183,16 +183,14 @@ def test_tests_mirror_the_package():
 
 
 # Records say when, the code says why: a dated run (YYYY-MM-DD) belongs in benchmarks/records/ and the docs that
-# cite them, not in the package. fusepatch/engine/ still quotes dated runs and repository paths in these files
-# until its rewrite lands.
-PENDING_REWRITE = frozenset({"engine/patch.py"})
+# cite them, not in the package.
 DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 
 
 def test_no_dated_runs_in_the_package():
     found = []
     for path in sorted(ROOT.rglob("*")):
-        if not path.is_file() or path.suffix == ".pyc" or path.relative_to(ROOT).as_posix() in PENDING_REWRITE:
+        if not path.is_file() or path.suffix == ".pyc":
             continue
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if DATE.search(line):
@@ -247,7 +245,6 @@ def test_messages_name_no_repository_paths():
     found = [
         f"{path.relative_to(ROOT.parent)}:{line}: {text[:100]!r}"
         for path in sorted(ROOT.rglob("*.py"))
-        if path.relative_to(ROOT).as_posix() not in PENDING_REWRITE
         for line, text in _message_strings(path)
         if REPOSITORY_PATH.search(text)
     ]

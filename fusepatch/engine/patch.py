@@ -82,20 +82,18 @@ class _Bound:
 
 OUTSIDE_DYNAMO = (
     "fusepatch: torch.compile: the patched model runs outside dynamo, on its fused kernels; the rest compiles "
-    "as usual. Its kernels are not traceable ops yet, and every call of one splits the graph: compiled around "
-    "them, a training step ran at 0.89x (Qwen3.5-27B layers) and 0.67x (2B-like) of the uncompiled patched step "
-    "(H200, 2026-12-03, benchmarks/records/2026-12-03-speed-h200.jsonl)"
+    "as usual. Its kernels are not traceable ops yet: every call of one would split the graph, and a step compiled "
+    "around them is slower than the uncompiled patched step"
 )
 UNCHECKED_TRACE = (
     "fusepatch: torch.compile: the patched model runs outside dynamo on {device}, eagerly as it runs uncompiled; "
     "the rest compiles as usual. On a GPU, inductor compiles transformers' Qwen3.5 rotary embedding to wrong "
-    "cos/sin tables (likely a Triton fault with its stride-3 mrope slices): transformers' own Qwen3.5 compiled on the "
-    "H200 was 0.127 off in its logits against the bound 0.016 (2026-12-03, benchmarks/trace_check.py). Patched "
+    "cos/sin tables (transformers' own Qwen3.5 compiled gives logits far outside the bf16 bound). Patched "
     "forwards are traced only on the CPU, where the tests check the trace"
 )
 # the device types on which dynamo may trace a patched forward without fused kernels: those where the tests
-# compare the traced model with the uncompiled one and it matches (on the H200, everything but the Qwen3.5
-# rotary embedding matched when traced: docs/benchmarks.md, "torch.compile of Qwen3.5 on a GPU")
+# compare the traced model with the uncompiled one and it matches (on a GPU, everything but the Qwen3.5 rotary
+# embedding matched when traced)
 TRACED_DEVICES = ("cpu",)
 
 
@@ -103,8 +101,8 @@ def _traceable(state: PatchState, args: tuple, kwargs: dict) -> bool:
     """Whether dynamo may trace this call of a patched forward: only on the device type where ``apply`` found
     that no op runs a fused kernel. A model patched on the CPU and moved to a GPU afterwards chooses its kernels
     at its first call there, so a call on another device type is kept outside too. (Traced through the fused
-    kernels or not, a Qwen3.5 mini model gave wrong logits on the H200, 2026-12-03, from inductor's compile of
-    transformers' rotary embedding: tests/gpu/test_models.py, benchmarks/trace_check.py.)"""
+    kernels or not, a Qwen3.5 mini model gave wrong logits on a GPU, from inductor's compile of transformers'
+    rotary embedding: the GPU tests keep that checked.)"""
     if state.traceable_on is None:
         return False
     device = next((v.device.type for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
@@ -504,7 +502,7 @@ def apply(
             without any logging set up (``FUSEPATCH_VERBOSITY``: error, warning, info, debug; default info).
 
     Raises:
-        TypeError, ValueError: an argument, or a ``FUSEPATCH_*`` variable (docs/env-vars.md), outside the values it
+        TypeError, ValueError: an argument, or a ``FUSEPATCH_*`` variable (the docs' environment variables page), outside the values it
             takes (``strict="no"``, ``compute_dtype=torch.int8``, ``FUSEPATCH_DISABLE=maybe``); the message names
             the values it takes. Nothing is patched then.
         FusePatchError: ``strict=True`` and an op would fall back.

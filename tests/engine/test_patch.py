@@ -453,7 +453,7 @@ def test_torch_compile_runs_a_model_with_fused_kernels_outside_dynamo(chunked_on
     assert all(m._fusepatch.traceable_on is None for m in model.modules() if hasattr(m, "_fusepatch"))
     out, said, graphs = _compiled_against_eager(model, caplog, calls=2)
     assert out.logits is None  # the fused loss ran (it returns no logits in training)
-    assert len(said) == 1 and "0.89x" in said[0], said
+    assert len(said) == 1 and "would split the graph" in said[0], said
     assert graphs <= 1  # at most the empty graph before the patched call
 
 
@@ -486,7 +486,7 @@ def test_torch_compile_keeps_a_model_without_kernels_outside_dynamo_where_tracin
     states = [m._fusepatch for m in model.modules() if hasattr(m, "_fusepatch")]
     assert states and all(s.traceable_on is None and s.untraced_on == "cpu" for s in states)
     _, said, graphs = _compiled_against_eager(model, caplog, calls=1)
-    assert len(said) == 1 and "on cpu, eagerly" in said[0] and "0.127" in said[0], said
+    assert len(said) == 1 and "on cpu, eagerly" in said[0] and "rotary embedding" in said[0], said
     assert graphs <= 1
 
 
