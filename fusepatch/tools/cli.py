@@ -8,7 +8,7 @@ import logging
 import sys
 import textwrap
 
-from fusepatch.base.env import MissingDependency
+from fusepatch.base.env import MissingDependency, require_transformers
 from fusepatch.base.known_issues import KNOWN_ISSUES
 
 WIDTH = 100  # what the printed lines fit unless --wide
@@ -35,6 +35,7 @@ def fit(text: str, wide: bool, width: int = WIDTH) -> str:
 def _doctor(args: argparse.Namespace) -> int:
     from fusepatch.tools.doctor import diagnose, render
 
+    require_transformers()  # every model fusepatch patches is transformers': without it nothing here can run
     prefer = tuple(args.prefer.split(",")) if args.prefer else None
     try:
         report = diagnose(model_types=args.model_type or None, prefer=prefer, static_only=args.static, every=args.all)

@@ -192,14 +192,14 @@ sys.meta_path.insert(0, _Hidden())
 def test_without_transformers_every_command_is_one_line_with_the_fix(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(HIDE_TRANSFORMERS)
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
-    for args in (["demo", "--steps", "1"], ["warmup", "qwen3_5_text", "--device", "cpu"]):
+    for args in (["demo", "--steps", "1"], ["warmup", "qwen3_5_text", "--device", "cpu"], ["doctor", "--static"]):
         result = subprocess.run(
             [sys.executable, "-m", "fusepatch", *args], capture_output=True, text=True, timeout=600, env=env
         )
         assert result.returncode == 2, result.stderr[-2000:]
         assert "Traceback" not in result.stderr
         assert f"pip install '{TRANSFORMERS_REQUIREMENT}'" in result.stderr
-    for args in (["list"], ["doctor", "--static"]):
+    for args in (["list"],):
         result = subprocess.run(
             [sys.executable, "-m", "fusepatch", *args], capture_output=True, text=True, timeout=600, env=env
         )
@@ -207,6 +207,20 @@ def test_without_transformers_every_command_is_one_line_with_the_fix(tmp_path):
     probe = "import fusepatch, fusepatch.tools.tiny\ntry:\n    fusepatch.tools.tiny.tiny_model()\nexcept ImportError as e:\n    print(e)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=env)
     assert f"fix: pip install '{TRANSFORMERS_REQUIREMENT}'" in result.stdout, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args", [["doctor"], ["doctor", "--static"], ["doctor", "--json"]])
+def test_doctor_without_transformers_fails_with_the_install_fix(monkeypatch, capsys, args):
+    """Without transformers nothing can be patched: doctor must not exit 0 as if all were well."""
+    from fusepatch.tools import cli
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # ``import transformers`` raises ModuleNotFoundError
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("python -m fusepatch doctor: error: ")
+        and f"fix: pip install '{TRANSFORMERS_REQUIREMENT}'" in err
+    )
 
 
 @pytest.mark.parametrize(
