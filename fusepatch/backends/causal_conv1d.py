@@ -18,4 +18,5 @@ NAMES = PrivateNames(
     checked=("1.7.0",),
     names={EXTENSION: tuple(ARITIES), "causal_conv1d": ("causal_conv1d_fn",)},
     fix="python -m fusepatch build causal-conv1d   (or: pip install 'causal-conv1d>=1.7,<1.8' --no-build-isolation)",
+    import_needs_gpu="its CUDA extension loads CUDA's libraries",
 )

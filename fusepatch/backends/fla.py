@@ -79,6 +79,8 @@ NAMES = PrivateNames(
         ),  # the per-call dispatch fusepatch looks past (ops/gated_delta_rule/fla_direct.py)
     },
     fix=FIX,
+    optional={"fla.ops.common.backends.tilelang.chunk_bwd": "tilelang"},  # fla's TileLang backward, used if installed
+    import_needs_gpu="importing fla asks Triton for the GPU's driver",
 )
 
 

@@ -9,13 +9,16 @@ import importlib
 import importlib.metadata
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from packaging.version import InvalidVersion, Version
 
 from fusepatch.base.state import current as process_state
 
 logger = logging.getLogger("fusepatch")
+
+# what a name found missing by a probe (doctor) costs: the ops that use it say which kernel runs instead
+PROBE_FALLBACK = "what uses it falls back (python -m fusepatch doctor lists each op's kernel)"
 
 
 def drifted() -> tuple[str, ...]:
@@ -31,6 +34,10 @@ class PrivateNames:
     checked: tuple[str, ...]  # versions every name below was read against (and the GPU tests ran on)
     names: Mapping[str, tuple[str, ...]]  # module -> attributes fusepatch uses ("" = the module itself)
     fix: str  # the install command that gets a checked version
+    # module -> the optional distribution it needs (fla's TileLang backend: tilelang); probed only where installed
+    optional: Mapping[str, str] = field(default_factory=dict)
+    # why importing the modules needs a GPU ("" = importing them is harmless anywhere): not probed without one
+    import_needs_gpu: str = ""
 
     def installed(self) -> str | None:
         try:
@@ -49,17 +56,35 @@ class PrivateNames:
             return False
         return any(Version(v).release == release for v in self.checked)
 
+    def absent_backends(self) -> dict[str, str]:
+        """Module -> the optional distribution it needs that is not installed (its names are not probed)."""
+        out = {}
+        for module_name, needs in self.optional.items():
+            try:
+                importlib.metadata.version(needs)
+            except importlib.metadata.PackageNotFoundError:
+                out[module_name] = needs
+        return out
+
     def missing(self) -> list[str]:
-        """``module.name`` for every name the installed package lacks (imports the modules: call on a GPU machine
-        or where importing them is harmless)."""
+        """``module.name`` for every name the installed package lacks, each reported once as drift (a WARNING).
+        A module whose import raises anything counts as missing with its error; the modules of an optional
+        backend that is not installed are skipped. Imports the modules: see ``import_needs_gpu``."""
         gone: list[str] = []
+        skipped = self.absent_backends()
         for module_name, attributes in self.names.items():
+            if module_name in skipped:
+                continue
             try:
                 module = importlib.import_module(module_name)
-            except ImportError:
+            except Exception as exc:  # fla-core 0.5.2 under Triton 3.9 raises ValueError at import, not ImportError
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
                 gone.append(module_name)
+                self.drift(f"{module_name} cannot be imported ({type(exc).__name__}: {first})", PROBE_FALLBACK)
                 continue
-            gone.extend(f"{module_name}.{a}" for a in attributes if a and not hasattr(module, a))
+            for name in (f"{module_name}.{a}" for a in attributes if a and not hasattr(module, a)):
+                gone.append(name)
+                self.drift(f"{name} is missing", PROBE_FALLBACK)
         return gone
 
     def drift(self, what: str, fallback: str) -> None:
@@ -75,8 +100,9 @@ class PrivateNames:
         process.drift.append(line)
         logger.warning("fusepatch: %s", line)
 
-    def to_dict(self, probe: bool = False) -> dict:
-        """For doctor: the table, the installed version, and (``probe``) the names it lacks."""
+    def to_dict(self, probe: bool = False, gpu: bool = False) -> dict:
+        """For doctor: the table, the installed version, and (``probe``) the names it lacks, or why they were
+        not probed. ``gpu``: a GPU is visible, so modules whose import needs one can be imported."""
         version = self.installed()
         out = {
             "distribution": self.distribution,
@@ -85,6 +111,13 @@ class PrivateNames:
             "checked_here": self.is_checked(version),
             "names": {m: list(a) for m, a in self.names.items()},
         }
-        if probe and version is not None:
+        if version is None:
+            return out
+        if not probe:
+            out["not_probed"] = "--static imports nothing"
+        elif self.import_needs_gpu and not gpu:
+            out["not_probed"] = f"no GPU here, and {self.import_needs_gpu}"
+        else:
             out["missing"] = self.missing()
+            out["skipped"] = {m: f"{d} is not installed" for m, d in self.absent_backends().items()}
         return out

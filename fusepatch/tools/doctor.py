@@ -171,8 +171,8 @@ def diagnose(
         "fallbacks": fallbacks,
         "fixes": fixes,
         "recommended": recommendations(probed),
-        # imported only where their kernels could run (a GPU, and checks beyond --static)
-        "private_names": [t.to_dict(probe=device == "cuda" and not static_only) for t in backends.tables()],
+        # imported beyond --static, where importing them is harmless (some need a GPU: each table says)
+        "private_names": [t.to_dict(probe=not static_only, gpu=device == "cuda") for t in backends.tables()],
         "drift": list(backends.drifted()),
     }
 
@@ -213,7 +213,12 @@ def render(report: dict) -> str:
             continue
         state = "a checked version" if table["checked_here"] else f"NOT a checked version ({checked})"
         missing = table.get("missing")
-        names = "not probed" if missing is None else ("all present" if not missing else f"MISSING {missing}")
+        if missing is None:
+            names = f"not probed ({table.get('not_probed') or 'not asked'})"
+        else:
+            names = "all present" if not missing else f"MISSING {missing}"
+            skipped = table.get("skipped") or {}
+            names += "".join(f"; {module} not probed: {why}" for module, why in skipped.items())
         lines.append(f"  {table['distribution']} {table['installed']}: {state}; {count} names: {names}")
     for line in report.get("drift", []):
         lines.append(f"  drift: {line}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import logging
 import sys
@@ -26,15 +27,95 @@ def _warnings(caplog) -> list[str]:
 
 def test_drift_is_one_warning_with_the_fallback_and_the_fix(caplog):
     table = PrivateNames("fusepatch-test-package", ("1.0.0",), {"json": ("dumps", "no_such_name")}, "pip install x")
-    assert table.missing() == ["json.no_such_name"]
     with caplog.at_level(logging.WARNING, logger="fusepatch"):
         table.drift("json.no_such_name is missing", "the slow path runs")
         table.drift("json.no_such_name is missing", "the slow path runs")
+        assert table.missing() == ["json.no_such_name"]  # the probe's own report of it is the same line, said once
     lines = _warnings(caplog)
     assert len(lines) == 1
     assert "fusepatch-test-package ?: json.no_such_name is missing (checked on 1.0.0); the slow path runs" in lines[0]
     assert lines[0].endswith("fix: pip install x")
     assert any("json.no_such_name" in line for line in backends.drifted())
+
+
+class _Anything(types.ModuleType):
+    """A module that has every attribute: the installed package as the table expects it."""
+
+    def __getattr__(self, name: str) -> object:
+        return object()
+
+
+def _probe_imports(monkeypatch, raising: dict[str, Exception]) -> None:
+    """``importlib.import_module`` as the probe sees it: ``raising`` modules raise, every other one has it all."""
+
+    def import_module(name: str, package: str | None = None) -> types.ModuleType:
+        if name in raising:
+            raise raising[name]
+        return _Anything(name)
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+
+
+def test_a_probe_whose_import_raises_anything_is_a_warning_not_a_crash(monkeypatch, caplog):
+    """fla-core 0.5.2 under Triton 3.9 raises ValueError at import: doctor reports it instead of crashing."""
+    _probe_imports(monkeypatch, {"fakefla.ops": ValueError("Triton 3.9 is not supported\nmore")})
+    table = PrivateNames(
+        "fusepatch-probe-a", ("1.0.0",), {"fakefla.ops": ("chunk",), "fakefla": ("x",)}, "pip install y"
+    )
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        assert table.missing() == ["fakefla.ops"]
+    (line,) = _warnings(caplog)
+    assert "fakefla.ops cannot be imported (ValueError: Triton 3.9 is not supported)" in line
+    assert "falls back" in line and line.endswith("fix: pip install y")
+
+
+def test_names_of_an_optional_backend_are_probed_only_where_it_is_installed(monkeypatch, caplog):
+    tilelang_module = "fla.ops.common.backends.tilelang.chunk_bwd"
+    assert fla_backend.NAMES.optional == {tilelang_module: "tilelang"}
+    _probe_imports(monkeypatch, {tilelang_module: ModuleNotFoundError("No module named 'tilelang'", name="tilelang")})
+    version = importlib.metadata.version
+
+    def without_tilelang(name: str) -> str:
+        if name == "tilelang":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return version(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", without_tilelang)
+    assert fla_backend.NAMES.missing() == []
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.1.15" if name == "tilelang" else version(name))
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        assert fla_backend.NAMES.missing() == [tilelang_module]  # installed, and fla's module will not import
+
+
+def test_doctor_probes_where_importing_is_harmless_and_says_why_not_elsewhere(monkeypatch):
+    from fusepatch.tools.doctor import render
+
+    _probe_imports(monkeypatch, {})
+    harmless = PrivateNames("packaging", ("1",), {"json": ("dumps",)}, "pip install packaging")
+    needs_gpu = PrivateNames("packaging", ("1",), {"json": ("dumps",)}, "x", import_needs_gpu="it loads CUDA")
+    assert harmless.to_dict(probe=True, gpu=False)["missing"] == []  # probed on a CPU machine too
+    assert needs_gpu.to_dict(probe=True, gpu=True)["missing"] == []
+    cpu = needs_gpu.to_dict(probe=True, gpu=False)
+    assert "missing" not in cpu and cpu["not_probed"] == "no GPU here, and it loads CUDA"
+    assert harmless.to_dict(probe=False)["not_probed"] == "--static imports nothing"
+    assert {t.distribution: bool(t.import_needs_gpu) for t in backends.tables()} == {
+        "fla-core": True,
+        "causal-conv1d": True,
+        "kernels": False,
+    }
+    report = {
+        "environment": {"gpus": [], "python": "3", "torch": "2", "torch_cuda": None, "triton": None},
+        "fusepatch": "x",
+        "target": {"device": "cpu", "dtype": "float32"},
+        "known_issues": [],
+        "private_names": [cpu, harmless.to_dict(probe=True, gpu=False)],
+        "ops": {},
+        "families": {},
+        "recommended": [],
+    }
+    report["environment"].update(transformers=None, distributions={})
+    text = render(report)
+    assert "1 names: not probed (no GPU here, and it loads CUDA)" in text and "1 names: all present" in text
 
 
 def test_the_tables_cover_the_names_the_ops_call():
