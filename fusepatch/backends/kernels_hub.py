@@ -27,9 +27,10 @@ from fusepatch.base.op import Candidate
 from fusepatch.base.options import kernels_lock, trusted_kernels
 from fusepatch.base.private_names import PrivateNames
 from fusepatch.base.requirements import OK, DistributionVersion, Importable, InputRule, Verdict, reject
+from fusepatch.base.versions import SUPPORT
 
 DISTRIBUTION = "kernels"
-REQUIRED = ">=0.17,<0.20"
+REQUIRED = SUPPORT[DISTRIBUTION].spec  # fusepatch/base/versions.py
 FIX = 'pip install "fusepatch[hub]"'
 
 

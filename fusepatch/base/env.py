@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from fusepatch.base.state import current as process_state
+from fusepatch.base.versions import SUPPORT
 
 # Distributions whose versions decide what can run. Versions come from importlib.metadata, never from
 # importing the package, so a broken install still shows its version.
@@ -36,7 +37,7 @@ TRACKED_DISTRIBUTIONS: tuple[str, ...] = (
 OFFLINE_VARIABLES: tuple[str, ...] = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
-TRANSFORMERS_REQUIREMENT = "transformers>=5.17,<5.26"
+TRANSFORMERS_REQUIREMENT = SUPPORT["transformers"].requirement()
 
 
 class MissingDependency(ImportError):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusepatch.base.env import Environment
+from fusepatch.base.versions import SUPPORT
 from fusepatch.tools import nvcc_filter
 
 logger = logging.getLogger("fusepatch")
@@ -36,7 +37,7 @@ class SourcePackage:
 SOURCE_PACKAGES: dict[str, SourcePackage] = {
     "causal-conv1d": SourcePackage(
         distribution="causal-conv1d",
-        version="1.7.0",
+        version=SUPPORT["causal-conv1d"].pin,  # the GPU suite's (fusepatch/base/versions.py)
         import_name="causal_conv1d",
         env={"CAUSAL_CONV1D_FORCE_BUILD": "TRUE"},  # skip its attempt to download a prebuilt wheel
     ),

@@ -11,20 +11,15 @@ from fusepatch.base.env import Environment, capture
 from fusepatch.base.known_issues import KNOWN_ISSUES
 from fusepatch.base.op import Op
 from fusepatch.base.release import __version__
-from fusepatch.base.requirements import version_in
+from fusepatch.base.versions import SUPPORT, version_in
 from fusepatch.engine.registry import all_ops, all_rows
 from fusepatch.engine.resolve import evaluate, first_verdict, ordered, preferred_sources
 from fusepatch.engine.selftest import COMPILED_S
 
 logger = logging.getLogger("fusepatch")
 
-# The versions fusepatch's GPU tests and benchmarks ran with: what doctor pins.
-TESTED_VERSIONS = {
-    "flash-linear-attention": "0.6.0",
-    "causal-conv1d": "1.7.0",
-    "tilelang": "0.1.15",
-    "kernels": "0.17.2",
-}
+# The versions fusepatch's GPU tests and benchmarks ran with: what doctor pins (base/versions.py's table).
+TESTED_VERSIONS = {name: entry.pin for name, entry in SUPPORT.items() if entry.pin}
 
 
 def recommendations(env: Environment) -> list[str]:

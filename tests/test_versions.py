@@ -1,0 +1,148 @@
+"""One table of version facts (fusepatch/base/versions.py): pyproject, the README, doctor, CI and the private-name
+tables all agree with it, and every lower bound is a version a test ran on."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from fusepatch import backends
+from fusepatch.backends import causal_conv1d as conv_backend
+from fusepatch.backends import fla as fla_backend
+from fusepatch.backends import kernels_hub
+from fusepatch.base.env import TRANSFORMERS_REQUIREMENT
+from fusepatch.base.versions import SUPPORT, support, version_in
+from fusepatch.tools import build, doctor
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``2.11`` and ``2.11.0`` alike: the release without trailing zeros."""
+    release = list(Version(version).release)
+    while len(release) > 1 and release[-1] == 0:
+        release.pop()
+    return tuple(release)
+
+
+def _requirements() -> dict[str, list[tuple[str, Requirement]]]:
+    """Every requirement in pyproject, by name: (where: "" or the extra, the requirement)."""
+    project = PYPROJECT["project"]
+    found: dict[str, list[tuple[str, Requirement]]] = {}
+    for where, lines in [("", project["dependencies"]), *project["optional-dependencies"].items()]:
+        for line in lines:
+            requirement = Requirement(line)
+            found.setdefault(requirement.name, []).append((where, requirement))
+    return found
+
+
+def test_pyproject_bounds_are_the_table():
+    project = PYPROJECT["project"]
+    assert SpecifierSet(project["requires-python"]) == SpecifierSet(SUPPORT["python"].spec)
+    lowest_python = Version(SUPPORT["python"].lowest)
+    assert PYPROJECT["tool"]["ruff"]["target-version"] == f"py{lowest_python.major}{lowest_python.minor}"
+    found = _requirements()
+    for name, entries in found.items():
+        if name == "fusepatch":
+            continue
+        entry = support(name)
+        for where, requirement in entries:
+            assert requirement.specifier == SpecifierSet(entry.spec), (name, where, str(requirement.specifier))
+    for entry in SUPPORT.values():
+        if not entry.spec or entry.name == "python":
+            continue
+        places = {where for where, _ in found.get(entry.name, [])}
+        assert places == (set(entry.extras) or {""}), (entry.name, places)
+    assert TRANSFORMERS_REQUIREMENT == "transformers" + SUPPORT["transformers"].spec
+
+
+def test_every_lower_bound_was_tested_and_every_tested_version_is_in_range():
+    for entry in SUPPORT.values():
+        assert entry.tested and entry.ran_on, entry.name
+        for version in entry.tested:
+            assert not entry.spec or version_in(version, entry.spec), (entry.name, version)
+        if entry.lowest:
+            assert _release(entry.lowest) in {_release(v)[: len(_release(entry.lowest))] for v in entry.tested}
+            assert any(_release(v)[: len(_release(entry.lowest))] == _release(entry.lowest) for v in entry.tested)
+        if entry.pin:
+            assert entry.pin in entry.tested, entry.name
+
+
+def test_doctor_and_build_pin_the_table():
+    assert doctor.TESTED_VERSIONS == {
+        "flash-linear-attention": SUPPORT["flash-linear-attention"].pin,
+        "causal-conv1d": SUPPORT["causal-conv1d"].pin,
+        "tilelang": SUPPORT["tilelang"].pin,
+        "kernels": SUPPORT["kernels"].pin,
+    }
+    assert build.SOURCE_PACKAGES["causal-conv1d"].version == SUPPORT["causal-conv1d"].pin
+
+
+def test_private_names_were_checked_on_tested_versions_in_range():
+    for table in backends.tables():
+        entry = support(table.distribution)
+        assert set(table.checked) <= set(entry.tested), (table.distribution, table.checked, entry.tested)
+        assert all(version_in(v, entry.spec) for v in table.checked)
+    assert SUPPORT["flash-linear-attention"].spec in fla_backend.FIX
+    assert version_in(SUPPORT["flash-linear-attention"].lowest, fla_backend.REQUIRED)
+    assert SUPPORT["causal-conv1d"].spec in conv_backend.NAMES.fix
+    assert kernels_hub.REQUIRED == SUPPORT["kernels"].spec
+
+
+def _readme_range(spec: str) -> str:
+    """How the README's support table writes a range: ``0.6.x``, ``2.11 to 2.14``, ``>= 1.16``."""
+    lower = upper = None
+    for s in SpecifierSet(spec):
+        if s.operator == ">=":
+            lower = Version(s.version)
+        elif s.operator == "<":
+            upper = Version(s.version)
+    assert lower is not None, spec
+    if upper is None:
+        return f">= {lower}"
+    if (upper.major, upper.minor) == (lower.major, lower.minor + 1):
+        return f"{lower.major}.{lower.minor}.x"
+    return f"{lower} to {upper.major}.{upper.minor - 1}"
+
+
+README_ROWS = {
+    "Python": ("python",),
+    "torch": ("torch",),
+    "transformers": ("transformers",),
+    "flash-linear-attention": ("flash-linear-attention",),
+    "causal-conv1d": ("causal-conv1d",),
+    "kernels (Kernel Hub)": ("kernels",),
+    "TRL, PEFT": ("trl", "peft"),
+}
+
+
+def test_readme_support_table_is_the_table():
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Support") :]
+    rows = {}
+    for line in section.splitlines()[2:]:
+        if line.startswith("| ") and not line.startswith("| ---"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    for label, names in README_ROWS.items():
+        supported, tested = rows[label]
+        for name in names:
+            entry = SUPPORT[name]
+            assert _readme_range(entry.spec) in supported, (label, supported, _readme_range(entry.spec))
+            for version in entry.tested:
+                minor = ".".join(version.split(".")[:2])
+                assert minor in tested, (label, version, tested)
+
+
+def test_ci_installs_only_tested_versions():
+    text = (ROOT / ".ci" / "run").read_text()
+    pins = re.findall(r'"([A-Za-z0-9_.-]+)==([0-9][0-9A-Za-z.+]*)"', text)
+    assert ("transformers", "5.17.0") in pins and ("torch", "2.13.0") in pins
+    for name, version in pins:
+        assert version in support(name).tested, (name, version)
