@@ -4,9 +4,11 @@ tables all agree with it, and every lower bound is a version a test ran on."""
 from __future__ import annotations
 
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -146,3 +148,26 @@ def test_ci_installs_only_tested_versions():
     assert ("transformers", "5.17.0") in pins and ("torch", "2.13.0") in pins
     for name, version in pins:
         assert version in support(name).tested, (name, version)
+
+
+# pip's index option is spelled in two pieces so that this file does not match itself
+INDEX_ADDRESS = re.compile(r"https?://[a-z.]*pytorch\.org|index" r"-url|pypi\.org|download\.pytorch", re.IGNORECASE)
+
+
+def test_no_package_index_address_in_the_repository():
+    """The user's pip configuration says where an index is; the repository names indexes in words."""
+    try:
+        listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    hits = []
+    for name in listed.splitlines():
+        path = ROOT / name
+        if not path.is_file():
+            continue
+        try:
+            lines = path.read_text().splitlines()
+        except UnicodeDecodeError:
+            continue
+        hits += [f"{name}:{i}: {line.strip()}" for i, line in enumerate(lines, 1) if INDEX_ADDRESS.search(line)]
+    assert not hits, "\n".join(hits)

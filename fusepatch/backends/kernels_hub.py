@@ -31,7 +31,7 @@ from fusepatch.base.versions import SUPPORT
 
 DISTRIBUTION = "kernels"
 REQUIRED = SUPPORT[DISTRIBUTION].spec  # fusepatch/base/versions.py
-FIX = 'pip install "fusepatch[hub]"'
+FIX = f'pip install "{DISTRIBUTION}{REQUIRED}"'  # fusepatch's [hub] extra, for a clone: pip install -e ".[hub]"
 
 
 def _variants_module() -> str:

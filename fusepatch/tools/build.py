@@ -113,7 +113,8 @@ def plan_build(
     if env.torch_cuda is None:
         raise BuildError(
             f"torch {env.torch} is a CPU-only build: a CUDA extension cannot be built against it; "
-            "fix: install a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu130)"
+            "fix: install a CUDA build of torch (from PyTorch's CUDA wheel index for your driver, e.g. its CUDA 13.0 "
+            "one, set as pip's index)"
         )
     if arch is None:
         if env.capability is None:
