@@ -2,7 +2,7 @@
 
 ``pyproject.toml``'s bounds, the README's support table, ``doctor``'s pins and the versions each private-name
 table in ``fusepatch/backends/`` was checked on are all checked against :data:`SUPPORT` by
-``tests/test_versions.py``, so a range cannot be widened here or there without a test run on its new end.
+``tests/base/test_versions.py``, so a range cannot be widened here or there without a test run on its new end.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Support:
         return f"{self.name}{self.spec}"
 
 
-# Each entry's ``tested`` must contain a version at its lower bound (tests/test_versions.py checks it).
+# Each entry's ``tested`` must contain a version at its lower bound (tests/base/test_versions.py checks it).
 SUPPORT: dict[str, Support] = {
     s.name: s
     for s in (

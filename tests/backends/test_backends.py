@@ -6,10 +6,10 @@ import importlib.metadata
 import importlib.util
 import logging
 import sys
+import tomllib
 import types
 
 import pytest
-import tomllib
 from helpers import REPO
 
 from fusepatch import backends

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 import subprocess
 import tomllib
-from pathlib import Path
 
 import pytest
+from helpers import REPO
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -21,7 +21,7 @@ from fusepatch.base.env import TRANSFORMERS_REQUIREMENT
 from fusepatch.base.versions import SUPPORT, support, version_in
 from fusepatch.tools import build, doctor
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
