@@ -298,3 +298,37 @@ def cpu_candidates(monkeypatch, kernels: dict, *, name: str = "cpu-standin") -> 
         monkeypatch.setitem(OPS, op_name, dataclasses.replace(op, candidates=(candidate, *op.candidates)))
     selftest.clear_cache()
     return seen
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """Rows of random tokens, labelled with themselves."""
+
+    def __init__(self, n=16, length=48, vocab=512):
+        self.rows = [torch.randint(0, vocab, (length,)) for _ in range(n)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def cpu_trainer(tmp_path, callbacks, max_steps=4, **extra):
+    """A transformers Trainer on the CPU over a tiny Qwen3.5 and random tokens, with ``callbacks``."""
+    from transformers import Trainer, TrainingArguments
+
+    from fusepatch.tools.tiny import tiny_model
+
+    args = TrainingArguments(
+        **extra,
+        output_dir=str(tmp_path),
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        learning_rate=1e-3,
+    )
+    return Trainer(model=tiny_model("qwen3_5_text"), args=args, train_dataset=RandomTokens(), callbacks=callbacks)

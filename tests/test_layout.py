@@ -249,3 +249,16 @@ def test_messages_name_no_repository_paths():
         if REPOSITORY_PATH.search(text)
     ]
     assert not found, "messages naming repository paths:\n" + "\n".join(found)
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in helpers.py (on the path from conftest.py): a test module importing another one
+    works in the whole run and fails when its folder runs alone (CI runs single files)."""
+    tests = pathlib.Path(__file__).resolve().parent
+    wrong = []
+    for path in tests.rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            wrong += [f"{path.relative_to(tests)}: {n}" for n in names if n.startswith("test_")]
+    assert not wrong, wrong

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from helpers import RandomTokens, cpu_trainer
 
 import fusepatch
 from fusepatch import FusePatchCallback, attach
@@ -16,38 +17,9 @@ from fusepatch.tools.tiny import tiny_model
 pytest.importorskip("accelerate")
 
 
-class RandomTokens(torch.utils.data.Dataset):
-    def __init__(self, n=16, length=48, vocab=512):
-        self.rows = [torch.randint(0, vocab, (length,)) for _ in range(n)]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
-
-
-def _trainer(tmp_path, callbacks, max_steps=4, **extra):
-    from transformers import Trainer, TrainingArguments
-
-    args = TrainingArguments(
-        **extra,
-        output_dir=str(tmp_path),
-        max_steps=max_steps,
-        per_device_train_batch_size=2,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        learning_rate=1e-3,
-    )
-    return Trainer(model=tiny_model("qwen3_5_text"), args=args, train_dataset=RandomTokens(), callbacks=callbacks)
-
-
 def test_callback_applies_logs_the_report_and_profiles_a_step(tmp_path, caplog):
     callback = FusePatchCallback(profile_step=2, trace_dir=str(tmp_path / "traces"), time_steps=True)
-    trainer = _trainer(tmp_path, [callback])
+    trainer = cpu_trainer(tmp_path, [callback])
     with caplog.at_level(logging.INFO, logger="fusepatch"):
         trainer.train()
     assert callback.report is not None and callback.report.patched > 0
@@ -105,7 +77,7 @@ def test_mixed_precision_survives_patching_after_the_trainer_wrapped_the_model(t
     monkeypatch.setitem(OPS, "linear_cross_entropy", dataclasses.replace(op, candidates=(standin,)))
     selftest.clear_cache()
     callback = FusePatchCallback(profile=False)
-    trainer = _trainer(tmp_path, [callback], max_steps=2, bf16=True)
+    trainer = cpu_trainer(tmp_path, [callback], max_steps=2, bf16=True)
     layer_autocast = []
     trainer.model.model.layers[0].register_forward_hook(
         lambda module, args, out: layer_autocast.append(torch.is_autocast_enabled("cpu"))
@@ -157,7 +129,7 @@ def test_steps_not_profiled_neither_sync_nor_read_tensors_back(tmp_path, monkeyp
             torch.Tensor, name, lambda t, *a, _real=real, _name=name: (inside and reads.append(_name)) or _real(t, *a)
         )
     callback = FusePatchCallback(**kwargs)
-    trainer = _trainer(tmp_path, [Steps(), callback])
+    trainer = cpu_trainer(tmp_path, [Steps(), callback])
     trainer.train_dataset = PaddedTokens()
     trainer.train()
     assert syncs == synced and reads == []
@@ -207,14 +179,14 @@ def test_first_steps_are_timed_on_the_gpu_without_waiting_for_it(monkeypatch):
 
 
 def test_profiling_off(tmp_path):
-    trainer = _trainer(tmp_path, [FusePatchCallback(profile=False)], max_steps=2)
+    trainer = cpu_trainer(tmp_path, [FusePatchCallback(profile=False)], max_steps=2)
     trainer.train()
     keys = {k for entry in trainer.state.log_history for k in entry}
     assert "fusepatch/fused_ops" in keys and "fusepatch/cpu_ops_per_step" not in keys
 
 
 def test_attach_puts_the_callback_first(tmp_path):
-    trainer = _trainer(tmp_path, None, max_steps=1)
+    trainer = cpu_trainer(tmp_path, None, max_steps=1)
     callback = attach(trainer, FusePatchCallback(profile_step=1))
     assert trainer.callback_handler.callbacks[0] is callback
     trainer.train()
@@ -267,7 +239,7 @@ def test_a_cpu_bound_step_says_what_cuda_graphs_would_do(tmp_path, caplog, monke
     monkeypatch.setattr(profiling, "summarize", waiting)
     callback = FusePatchCallback(profile_step=2, apply_kwargs=apply_kwargs)
     with caplog.at_level(logging.INFO, logger="fusepatch"):
-        _trainer(tmp_path, [callback], max_steps=3).train()
+        cpu_trainer(tmp_path, [callback], max_steps=3).train()
     profiled = [r.getMessage() for r in caplog.records if "fusepatch profile of step 2" in r.getMessage()]
     assert len(profiled) == 1 and "CPU-bound" in profiled[0] and said in profiled[0], profiled
 
@@ -443,7 +415,7 @@ def test_kernel_builds_after_the_warm_up_steps_are_named(tmp_path, caplog):
     knobs.runtime.jit_post_compile_hook = earlier_hook
     try:
         callback = FusePatchCallback(profile_step=4)
-        trainer = _trainer(tmp_path, [callback], max_steps=5)
+        trainer = cpu_trainer(tmp_path, [callback], max_steps=5)
         steps = []
         trainer.model.register_forward_pre_hook(lambda module, args: steps.append(1))
         # every forward builds "warm_up_kernel" during steps 1-2 and "size_specialized_kernel" afterwards
@@ -471,7 +443,7 @@ def test_no_kernel_builds_no_warning(tmp_path, caplog):
     pytest.importorskip("triton.knobs")
     callback = FusePatchCallback(profile_step=3)
     with caplog.at_level(logging.INFO, logger="fusepatch"):
-        _trainer(tmp_path, [callback], max_steps=4).train()
+        cpu_trainer(tmp_path, [callback], max_steps=4).train()
     assert not callback.late_builds
     assert "Triton kernel build" not in "\n".join(r.getMessage() for r in caplog.records)
 
@@ -515,7 +487,7 @@ def test_trainer_torch_compile_trains_the_patched_model_as_uncompiled(tmp_path, 
         process_state().said.reset()  # the note about dynamo is said again
         torch.manual_seed(0)
         extra = {"torch_compile": True, "torch_compile_backend": "eager"} if compiled else {}
-        trainer = _trainer(tmp_path / str(compiled), [FusePatchCallback(profile=False)], max_steps=3, **extra)
+        trainer = cpu_trainer(tmp_path / str(compiled), [FusePatchCallback(profile=False)], max_steps=3, **extra)
         with caplog.at_level(logging.INFO, logger="fusepatch"):
             trainer.train()
         losses[compiled] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

@@ -331,14 +331,14 @@ def test_the_trainer_callback_trains_with_graphs_as_without(capture, tmp_path):
     the callback's profiled step (its layer labels are passive hooks, which graphs leave be): the same logged
     losses as without graphs, the layers captured once and replayed."""
     pytest.importorskip("accelerate")
-    from test_callback import _trainer
+    from helpers import cpu_trainer
 
     made, replays = capture
     losses = {}
     for graphs in (False, True):
         torch.manual_seed(0)
         callback = fusepatch.FusePatchCallback(profile_step=5, apply_kwargs={"cuda_graphs": graphs})
-        trainer = _trainer(tmp_path / str(graphs), [callback], max_steps=6, gradient_accumulation_steps=2)
+        trainer = cpu_trainer(tmp_path / str(graphs), [callback], max_steps=6, gradient_accumulation_steps=2)
         trainer.train()
         losses[graphs] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses[True]) == 6 and losses[True] == losses[False]
