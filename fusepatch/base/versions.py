@@ -68,6 +68,7 @@ SUPPORT: dict[str, Support] = {
         ),
         Support("packaging", ">=23", ("23.0", "26.4"), "23.0: the version tests; 26.4: CI"),
         Support("numpy", ">=1.26", ("1.26.4", "2.4.6"), "1.26: the packing tests; 2.4: CI"),
+        Support("platformdirs", ">=4", ("4.0.0", "4.14.9"), "4.0: the build tests; 4.14: CI"),
         Support(
             "flash-linear-attention",
             ">=0.6,<0.7",

@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import platformdirs
+
 from fusepatch.base.env import Environment
 from fusepatch.base.versions import SUPPORT
 from fusepatch.tools import nvcc_filter
@@ -72,15 +74,20 @@ class BuildPlan:
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("FUSEPATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fusepatch")
+    """``$FUSEPATCH_CACHE/wheels``, else the user's cache folder's (``$XDG_CACHE_HOME/fusepatch`` or
+    ``~/.cache/fusepatch`` on Linux)."""
+    base = os.environ.get("FUSEPATCH_CACHE") or platformdirs.user_cache_dir("fusepatch", appauthor=False)
     return Path(base) / "wheels"
 
 
 def find_nvcc() -> str | None:
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
-            return os.path.join(home, "bin", "nvcc")
-    return shutil.which("nvcc")
+    """The nvcc the build compiles with: torch's extension builder takes the toolkit at its ``CUDA_HOME`` (the
+    ``CUDA_HOME`` or ``CUDA_PATH`` variable, else the one of ``nvcc`` on the PATH, else ``/usr/local/cuda``)."""
+    from torch.utils import cpp_extension  # finds the toolkit as it imports: only when a build asks
+
+    home = cpp_extension.CUDA_HOME
+    nvcc = os.path.join(home, "bin", "nvcc") if home else None
+    return nvcc if nvcc and os.path.exists(nvcc) else None
 
 
 def nvcc_version(nvcc: str) -> str | None:

@@ -277,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--arch", help="GPU architecture, e.g. 9.0 (default: the visible GPU's)")
     build.add_argument("--jobs", type=_positive, default=None, help="parallel compile jobs (MAX_JOBS)")
     build.add_argument(
-        "--cache-dir", default=None, help="wheel cache (default: $FUSEPATCH_CACHE or ~/.cache/fusepatch)"
+        "--cache-dir",
+        default=None,
+        help="wheel cache (default: $FUSEPATCH_CACHE, else $XDG_CACHE_HOME/fusepatch or ~/.cache/fusepatch)",
     )
     build.add_argument("--dry-run", action="store_true", help="print the plan and stop")
     build.add_argument("--no-install", action="store_true", help="build and cache the wheel only")

@@ -158,3 +158,30 @@ def test_build_cli_dry_run_refuses_on_a_cpu_machine():
         [sys.executable, "-m", "fusepatch", "build", "causal-conv1d", "--dry-run"], capture_output=True, text=True
     )
     assert result.returncode == 1 and "fusepatch build:" in result.stderr
+
+
+def test_the_wheel_cache_follows_the_users_cache_folder(monkeypatch, tmp_path):
+    """``$FUSEPATCH_CACHE`` first, else the platform's user cache folder (``$XDG_CACHE_HOME`` on Linux), which the
+    cache ignored for ``~/.cache``."""
+    from fusepatch.tools.build import default_cache_dir
+
+    monkeypatch.delenv("FUSEPATCH_CACHE", raising=False)
+    monkeypatch.setattr("sys.platform", "linux")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "fusepatch" / "wheels"
+    monkeypatch.setenv("FUSEPATCH_CACHE", str(tmp_path / "own"))
+    assert default_cache_dir() == tmp_path / "own" / "wheels"
+
+
+def test_nvcc_is_the_one_torch_builds_extensions_with(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    from fusepatch.tools.build import find_nvcc
+
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(tmp_path / "cuda"))
+    assert find_nvcc() == str(nvcc)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    assert find_nvcc() is None
