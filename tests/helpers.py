@@ -7,6 +7,7 @@ import pathlib
 import torch
 
 from fusepatch.base.env import GPU, Environment
+from fusepatch.tools import tiny
 
 H200 = GPU("NVIDIA H200", (9, 0))
 A100 = GPU("NVIDIA A100-SXM4-80GB", (8, 0))
@@ -22,6 +23,18 @@ HYBRID_PAIR = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_a
 
 # mini-model sizes shared by the GPU tests (and benchmarks/trace_check.py), so fla's kernels compile once for
 # all of them
+# The model families: the one table of tiny configs (fusepatch/tools/tiny.py), so a family added there is in every
+# family-wide test. HYBRID: Gated DeltaNet layers beside gated attention; MOE: routed experts.
+FAMILIES: tuple[str, ...] = tuple(tiny.FAMILIES)
+HYBRID = tuple(f for f, c in tiny.FAMILIES.items() if "linear_attention" in c.get("layer_types", ()))
+MOE = tuple(f for f, c in tiny.FAMILIES.items() if "num_experts" in c)
+NOT_HYBRID = tuple(f for f in FAMILIES if f not in HYBRID)
+# one family of each kind (hybrid, hybrid MoE, dense, MoE), for tests that cost seconds a family
+ONE_OF_EACH = tuple(
+    next(f for f in FAMILIES if (f in HYBRID, f in MOE) == kind)
+    for kind in ((True, False), (True, True), (False, False), (False, True))
+)
+
 TESTS = pathlib.Path(__file__).resolve().parent  # the tests' root: helpers.py, faults.py, conftest.py
 REPO = TESTS.parent
 

@@ -262,3 +262,20 @@ def test_no_test_module_imports_another():
             names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
             wrong += [f"{path.relative_to(tests)}: {n}" for n in names if n.startswith("test_")]
     assert not wrong, wrong
+
+
+def test_family_lists_come_from_the_one_table():
+    """A test lists families through helpers.py (FAMILIES, HYBRID, MOE, ONE_OF_EACH: fusepatch/tools/tiny.py's
+    table), so adding a family touches its row file, its tiny config and no test; a literal list of three or more
+    family names is refused (a pair picked for its cost may stay)."""
+    from fusepatch.tools.tiny import FAMILIES
+
+    tests = pathlib.Path(__file__).resolve().parent
+    wrong = []
+    for path in tests.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+                named = [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in FAMILIES]
+                if len(named) >= 3:
+                    wrong.append(f"{path.relative_to(tests)}:{node.lineno}: {named}")
+    assert not wrong, wrong

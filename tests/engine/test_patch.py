@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from helpers import HYBRID_PAIR, lm_batch, loss_and_grads
+from helpers import HYBRID, HYBRID_PAIR, ONE_OF_EACH, lm_batch, loss_and_grads
 
 import fusepatch
 from fusepatch.base.state import current as process_state
@@ -43,7 +43,7 @@ def test_apply_revert_keeps_outputs_gradients_and_structure(model_type):
     assert grads1.keys() == grads0.keys()
     for name in grads0:
         torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-3, atol=1e-5, msg=name)
-    if model_type not in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
+    if model_type not in HYBRID:
         assert torch.equal(logits1, logits0)
 
     assert fusepatch.revert(model) == report.newly_patched
@@ -190,7 +190,7 @@ def test_register_user_row():
         register(Row(("x",), "m", "L", ("nope",), forward))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next", "qwen3"])
+@pytest.mark.parametrize("model_type", ONE_OF_EACH)
 def test_cached_generation_is_unchanged(model_type):
     model = tiny_model(model_type).eval()
     ids = torch.randint(0, model.config.vocab_size, (1, 12))

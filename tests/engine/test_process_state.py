@@ -11,12 +11,12 @@ import sys
 
 import pytest
 import torch
-from helpers import TESTS
+from helpers import ONE_OF_EACH, TESTS
 
 import fusepatch
 from fusepatch.tools.tiny import tiny_model
 
-FAMILIES = ["qwen3_5_text", "qwen3", "qwen3_next", "qwen2_moe"]
+FAMILIES = ONE_OF_EACH
 
 
 def _module_names() -> dict[tuple[str, str], object]:

@@ -20,6 +20,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import MINI, compare_models, eager, forward_syncs, loss_curves, model_failures, record, require
+from helpers import HYBRID
 
 import fusepatch
 from fusepatch.engine import selftest
@@ -28,7 +29,6 @@ from fusepatch.ops.common import relative_error
 from fusepatch.tools.tiny import tiny_model
 
 pytestmark = pytest.mark.gpu
-HYBRID = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
 
 CANDIDATE_CASES = [
     ("qwen3_5_text", "fla-saved-states"),

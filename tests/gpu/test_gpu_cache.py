@@ -14,6 +14,7 @@ import functools
 import pytest
 import torch
 from conftest import MINI, record
+from helpers import HYBRID
 
 import fusepatch
 from fusepatch.engine import selftest
@@ -21,7 +22,6 @@ from fusepatch.ops.common import relative_error
 from fusepatch.tools.tiny import tiny_model
 
 pytestmark = pytest.mark.gpu
-HYBRID = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
 BF16_TOL = 2e-2  # a bf16 model against another bf16 path (fla's kernels, transformers' dispatch of them)
 MOE_TOL = 6e-2  # the same, where bf16 routing may pick other experts for a token on the two paths
 

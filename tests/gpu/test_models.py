@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 from conftest import MINI, compare_models, forward_syncs, loss_curves, model_failures, record
+from helpers import HYBRID, MOE, NOT_HYBRID
 
 pytestmark = pytest.mark.gpu
-FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "qwen2_moe"]
+FAMILIES = list(NOT_HYBRID)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -21,7 +22,7 @@ def test_mini_model_logits_loss_and_every_gradient(model_type):
     assert not failures, f"kernels fp32 {kernels32} bf16 {kernels16}; errors against fp32 eager: {failures}"
 
 
-@pytest.mark.parametrize("model_type", FAMILIES + ["qwen3_5_moe_text", "qwen3_next"])
+@pytest.mark.parametrize("model_type", FAMILIES + [f for f in HYBRID if f in MOE])
 def test_thirty_training_steps_track_the_eager_loss_curve(model_type):
     eager_curve, fused_curve = loss_curves(model_type)
     assert eager_curve[-1] < eager_curve[0] - 0.5  # it learns (tokens drawn from a 64-token subset)

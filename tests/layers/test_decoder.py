@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ADD_OPS, HYBRID_PAIR, assert_same_training, lm_batch, loss_and_grads, training_model
+from helpers import (
+    ADD_OPS,
+    HYBRID,
+    HYBRID_PAIR,
+    ONE_OF_EACH,
+    assert_same_training,
+    lm_batch,
+    loss_and_grads,
+    training_model,
+)
 
 import fusepatch
 from fusepatch.tools.tiny import FAMILIES, tiny_model
-
-HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
 
 def _in_model(calls: list[tuple]) -> list[tuple]:
@@ -43,7 +50,7 @@ def test_fused_residual_forward_equals_the_layer_transformers_ships(model_type, 
     assert_same_training(expected, got, exact=model_type not in HYBRID)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ONE_OF_EACH)
 def test_fused_residual_forward_under_activation_checkpointing(model_type, calls):
     plain = tiny_model(model_type).train()
     checkpointed = tiny_model(model_type).train()
@@ -77,7 +84,7 @@ def test_fused_residual_forward_with_packed_rows(model_type, checkpointing, call
         start += len(doc)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next", "qwen3", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ONE_OF_EACH)
 def test_cached_generation_through_the_fused_forward(model_type, calls):
     model = tiny_model(model_type).eval()
     ids = torch.randint(0, model.config.vocab_size, (1, 12))

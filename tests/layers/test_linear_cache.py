@@ -17,6 +17,7 @@ import importlib
 
 import pytest
 import torch
+from helpers import HYBRID
 
 import fusepatch
 from fusepatch.base.op import Candidate
@@ -25,7 +26,7 @@ from fusepatch.engine import selftest
 from fusepatch.ops import OPS
 from fusepatch.tools.tiny import tiny_model
 
-HYBRIDS = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+HYBRIDS = HYBRID
 MOE_TYPES = ("qwen3_5_moe_text", "qwen3_next")  # transformers' grouped-GEMM experts take no fp64: fp32 there
 TOL = dict(rtol=1e-6, atol=1e-7)  # the layers compute the delta rule in fp32 (as transformers' torch code does)
 TOL32 = dict(rtol=2e-5, atol=2e-6)

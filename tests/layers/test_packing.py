@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from helpers import ONE_OF_EACH
 
 import fusepatch
 from fusepatch.layers.support import packing
@@ -107,7 +108,7 @@ def test_unpatched_transformers_leaks_across_documents():
     assert not torch.allclose(packed[start : start + LENGTHS[2]], alone, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ONE_OF_EACH)
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("attention_mask", [False, True])
 def test_packed_batch_whose_attention_would_leak_is_refused(model_type, attn_implementation, attention_mask):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers.masking_utils as masking
-from helpers import HOST_READS, grads
+from helpers import HOST_READS, HYBRID, ONE_OF_EACH, grads
 
 import fusepatch
 from fusepatch.layers.support import packing
@@ -38,7 +38,7 @@ def test_packed_check_skips_plain_positions_only():
     assert check(torch.arange(5)[None]) is None  # the original's own answer
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next", "qwen3", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ONE_OF_EACH)
 def test_forward_without_positions_reads_nothing_back_and_matches_transformers(chunked_on_cpu, monkeypatch, model_type):
     """The patched forward with labels and nothing else: neither transformers' packed check nor fusepatch's
     boundary search runs (each reads the GPU), and the loss and every gradient equal the unpatched model's."""
@@ -76,7 +76,7 @@ def test_forward_without_positions_reads_nothing_back_and_matches_transformers(c
     # the caller's own positions are checked as before
     model(input_ids=ids, labels=ids, position_ids=torch.arange(19)[None].expand(2, -1).clone(), use_cache=False)
     assert reads["packed"] > 0, reads  # transformers' check, once per mask kind of the family
-    if model_type in ("qwen3_5_text", "qwen3_next"):  # hybrid layers look for boundaries (on CPU too)
+    if model_type in HYBRID:  # hybrid layers look for boundaries (on CPU too)
         assert reads["boundaries"] == 1, reads
     fusepatch.revert(model)
 

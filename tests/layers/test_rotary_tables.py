@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import grads
+from helpers import FAMILIES, grads
 
 import fusepatch
 from fusepatch.layers import rotary_embedding
@@ -14,8 +14,6 @@ from fusepatch.layers.support import positions
 from fusepatch.layers.support.labelled_rows import LabelledRows
 from fusepatch.layers.support.positions import is_whole_plain, plain_positions, wants_plain_positions
 from fusepatch.tools.tiny import tiny_model
-
-FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3", "qwen3_moe", "qwen2", "qwen2_moe"]
 
 
 def _model_positions(model_type: str, made: torch.Tensor) -> torch.Tensor:

@@ -17,12 +17,13 @@ import copy
 
 import pytest
 import torch
+from helpers import MOE
 
 import fusepatch
 from fusepatch.tools.tiny import FAMILIES, tiny_model
 
 FAMILY_TYPES = sorted(FAMILIES)
-MOE_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "qwen3_next")
+MOE_TYPES = MOE
 TOL = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 

@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import assert_same_training, lm_batch, loss_and_grads, training_model
+from helpers import HYBRID, assert_same_training, lm_batch, loss_and_grads, training_model
 
 import fusepatch
 from fusepatch.base.op import Candidate
@@ -25,7 +25,7 @@ from fusepatch.layers.support import projections
 from fusepatch.ops import OPS
 from fusepatch.tools.tiny import tiny_model
 
-GATED = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+GATED = HYBRID  # the families with gated attention
 
 
 @pytest.fixture

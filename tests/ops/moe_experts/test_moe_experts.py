@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import HOST_READS, loss_and_grads
+from helpers import HOST_READS, MOE, loss_and_grads
 
 import fusepatch
 from fusepatch.base.requirements import InputRule
@@ -141,7 +141,7 @@ def grouped_on_cpu(monkeypatch):
     selftest.clear_cache()
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "qwen3_next"])
+@pytest.mark.parametrize("model_type", MOE)
 def test_moe_families_use_grouped_experts(grouped_on_cpu, model_type):
     reference = tiny_model(model_type)
     model = tiny_model(model_type)
