@@ -27,7 +27,7 @@ from fusepatch.base.state import current as process_state
 from fusepatch.engine.registry import known_model_types, rows_for
 from fusepatch.engine.reporting import LayerReport, PatchReport
 from fusepatch.engine.resolve import PREFERABLE, Choice, Dispatch, candidate_names, make_dispatch, preferred_sources
-from fusepatch.layers import layer_graphs, mlp_recompute, rotary_embedding
+from fusepatch.layers import layer_graphs, rotary_embedding
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward, trainer_head
 from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
 from fusepatch.layers.simple import swiglu_mlp_forward
@@ -143,6 +143,8 @@ class PatchState:
     untraced_on: str | None = dataclasses.field(default=None, repr=False)
     # calls that ran transformers' forward instead of the replacement, by reason (``report`` lists them)
     transformers_calls: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
+    # FUSEPATCH_MLP_RECOMPUTE=1 when apply patched it: the SwiGLU MLP recomputes its product in the backward
+    mlp_recompute: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         self.original = self._forward_before()
@@ -245,6 +247,7 @@ class Request:
     compute_dtype: torch.dtype | None
     cuda_graphs: bool
     verbose: bool | None
+    mlp_recompute: bool = False  # FUSEPATCH_MLP_RECOMPUTE, read when apply runs
 
 
 @dataclass(frozen=True)
@@ -288,6 +291,7 @@ def _request(
         compute_dtype=options.compute_dtype(compute_dtype),
         cuda_graphs=options.boolean(cuda_graphs, "cuda_graphs"),
         verbose=options.optional_boolean(verbose, "verbose"),
+        mlp_recompute=options.switch("FUSEPATCH_MLP_RECOMPUTE"),
     )
     options.check_environment(candidate_names(), PREFERABLE)  # every FUSEPATCH_* variable, read or not on this call
     for name in [*(request.ops or ()), *request.exclude]:
@@ -367,7 +371,7 @@ def _resolve(plan: Plan, request: Request) -> Resolved:
     return resolved
 
 
-def _bind(plan: Plan, resolved: Resolved) -> tuple[int, int]:
+def _bind(plan: Plan, resolved: Resolved, request: Request) -> tuple[int, int]:
     """Every matched module's instance forward replaced; returns (newly patched, already patched)."""
     newly = already = 0
     for row, modules in plan.found.items():
@@ -379,6 +383,7 @@ def _bind(plan: Plan, resolved: Resolved) -> tuple[int, int]:
                 continue
             instance_forward = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)
             module._fusepatch = PatchState(row, resolved.dispatches[row], module, instance_forward)
+            module._fusepatch.mlp_recompute = request.mlp_recompute
             module.forward = _Bound(row.forward, module)
             module._replicate_for_data_parallel = _Bound(_replicate_patched, module)
             newly += 1
@@ -436,7 +441,7 @@ def _finish(plan: Plan, resolved: Resolved, report: PatchReport, request: Reques
     if request.cuda_graphs:
         _install_graphs(plan.model)
     _log(report, request.verbose, said=bool(newly or plan.on_meta))
-    if newly and mlp_recompute.RECOMPUTE and any(row.forward is swiglu_mlp_forward for row in resolved.dispatches):
+    if newly and request.mlp_recompute and any(row.forward is swiglu_mlp_forward for row in resolved.dispatches):
         logger.info(
             "fusepatch: FUSEPATCH_MLP_RECOMPUTE=1: the SwiGLU MLPs' down projections recompute their input in the "
             "backward instead of keeping it (less activation memory, one more SwiGLU kernel per MLP a step)"
@@ -523,7 +528,7 @@ def apply(
         raise FusePatchError(
             "fusepatch.apply(strict=True): nothing patched; fallbacks:\n" + "\n".join(pending.log_lines())
         )
-    newly, already = _bind(plan, resolved)
+    newly, already = _bind(plan, resolved, request)
     report = _report(plan, resolved.layers, message=_outcome(plan, newly, already), newly=newly, already=already)
     _finish(plan, resolved, report, request, newly)
     return report

@@ -5,7 +5,8 @@ Qwen3.5-27B shape and 4096 tokens), kept from the forward only for the down weig
 op keeps ``gate`` and ``up`` for its own backward anyway. Recomputing it there costs one elementwise SwiGLU
 kernel a layer (reads ``gate`` and ``up``, writes the product): less peak memory for a little more GPU time.
 Off by default, for a larger micro-batch or longer rows: ``FUSEPATCH_MLP_RECOMPUTE=1`` (or
-true/yes/on, as fusepatch's other switches) turns it on, read once at import (another value than a switch's raises).
+true/yes/on, as fusepatch's other switches) turns it on for the models ``apply`` patches while it is set
+(another value than a switch's is an error of ``apply``).
 
 The recomputed product is the forward's bit for bit (the same op on the same inputs), so the down weight's
 gradient is the same GEMM on the same values; the SwiGLU op's own backward (whichever candidate the registry
@@ -19,10 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from fusepatch.base.options import switch
 from fusepatch.layers.support.projections import gemm_ready
-
-RECOMPUTE = switch("FUSEPATCH_MLP_RECOMPUTE")  # any other value than a switch value raises here
 
 
 class _RecomputedDown(torch.autograd.Function):
@@ -61,13 +59,19 @@ class _RecomputedDown(torch.autograd.Function):
 
 
 def recomputed_down(
-    swiglu: Callable, gate: torch.Tensor, up: torch.Tensor, down: torch.nn.Module, residual: torch.Tensor | None
+    swiglu: Callable,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.nn.Module,
+    residual: torch.Tensor | None,
+    *,
+    enabled: bool,
 ) -> torch.Tensor | None:
     """``[residual +] down(swiglu(gate, up))`` with the product recomputed in the backward, when it is switched on
-    (``RECOMPUTE``), a gradient is being recorded, and ``down`` is a bias-free plain ``nn.Linear`` in the inputs'
+    (``enabled``: ``FUSEPATCH_MLP_RECOMPUTE=1`` when the model was patched), a gradient is being recorded, and ``down`` is a bias-free plain ``nn.Linear`` in the inputs'
     dtype (no autocast; the residual, if any, of the output's shape and dtype); None otherwise (the caller runs
     the usual path)."""
-    if not (RECOMPUTE and torch.is_grad_enabled() and up.shape == gate.shape and up.dtype == gate.dtype):
+    if not (enabled and torch.is_grad_enabled() and up.shape == gate.shape and up.dtype == gate.dtype):
         return None
     if not gemm_ready(down, gate, residual):  # the conditions of linear_plus's one-GEMM path
         return None

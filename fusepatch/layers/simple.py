@@ -29,7 +29,7 @@ def swiglu_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = No
         return out if residual is None else residual + out
     swiglu = self._fusepatch.ops["swiglu"]
     gate, up = project(x, self.gate_proj, self.up_proj)
-    out = recomputed_down(swiglu, gate, up, self.down_proj, residual)  # FUSEPATCH_MLP_RECOMPUTE=1 only
+    out = recomputed_down(swiglu, gate, up, self.down_proj, residual, enabled=self._fusepatch.mlp_recompute)
     if out is not None:
         return out
     act = swiglu(gate, up)

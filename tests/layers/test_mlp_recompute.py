@@ -18,7 +18,7 @@ from fusepatch.tools.tiny import FAMILIES
 @pytest.fixture
 def on(monkeypatch):
     monkeypatch.setattr(projections, "DEVICES", ("cpu", "cuda"))
-    monkeypatch.setattr(mlp_recompute, "RECOMPUTE", True)
+    monkeypatch.setenv("FUSEPATCH_MLP_RECOMPUTE", "1")
     ran = []
     real = mlp_recompute._RecomputedDown.apply
     monkeypatch.setattr(mlp_recompute._RecomputedDown, "apply", lambda *a: ran.append(1) or real(*a))
@@ -38,7 +38,7 @@ def test_recomputed_down_equals_the_usual_path(on, residual):
     """Output and the gradients of gate, up, the down weight and the residual equal ``[residual +]
     down(swiglu(gate, up))`` through autograd (fp64), and torch's gradcheck passes through the recompute."""
     down, gate, up, res = _inputs(residual)
-    out = mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res)
+    out = mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res, enabled=True)
     assert on == [1]
     expected = down(swiglu_reference(gate, up)) + (res if residual else 0)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
@@ -71,7 +71,7 @@ def test_the_product_is_not_kept(on):
         return sum(sizes)
 
     usual = kept(lambda: projections.linear_plus(down, swiglu_reference(gate, up), res))
-    recomputed = kept(lambda: mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res))
+    recomputed = kept(lambda: mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res, enabled=True))
     product = gate.numel()
     assert recomputed == 2 * gate.numel() + down.weight.numel()
     assert usual >= recomputed + product, (usual, recomputed, product)
@@ -81,36 +81,37 @@ def test_the_usual_path_runs_when_off_or_not_plain(monkeypatch, on):
     """Off (the default), without a gradient being recorded, a biased, hooked or autocast down projection, or a
     residual of another dtype: None, and the caller runs the usual path."""
     down, gate, up, res = _inputs(True)
-    monkeypatch.setattr(mlp_recompute, "RECOMPUTE", False)
-    assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res) is None
-    monkeypatch.setattr(mlp_recompute, "RECOMPUTE", True)
+    assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res, enabled=False) is None
     with torch.no_grad():
-        assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res) is None
-    assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res.float()) is None
+        assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res, enabled=True) is None
+    assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res.float(), enabled=True) is None
     biased = torch.nn.Linear(10, 6, dtype=torch.float64)
-    assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, biased, res) is None
+    assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, biased, res, enabled=True) is None
     handle = down.register_forward_hook(lambda *a: None)
-    assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res) is None
+    assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res, enabled=True) is None
     handle.remove()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res) is None
+        assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res, enabled=True) is None
     assert on == []
 
 
-def test_off_unless_the_environment_says_so():
-    """The switch is the environment's ``FUSEPATCH_MLP_RECOMPUTE``, read at import as fusepatch's other switches
-    (``env.flag_set``): off unset and for "0", on for "1" and "true"."""
-    import os
-    import subprocess
-    import sys
+def test_on_for_the_models_patched_while_the_environment_says_so(monkeypatch):
+    """The switch is the environment's ``FUSEPATCH_MLP_RECOMPUTE`` when ``apply`` runs (it was read once, at
+    import): off unset and for "0", on for "1" and "true", for the models patched then; a value that is not a
+    switch's is an error of ``apply``."""
+    from fusepatch.tools.tiny import tiny_model
 
-    script = "from fusepatch.layers import mlp_recompute; print(mlp_recompute.RECOMPUTE)"
-    for value, expected in ((None, "False"), ("0", "False"), ("1", "True"), ("true", "True")):
-        env = {k: v for k, v in os.environ.items() if k != "FUSEPATCH_MLP_RECOMPUTE"}
-        if value is not None:
-            env["FUSEPATCH_MLP_RECOMPUTE"] = value
-        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.strip() == expected, (value, out.stdout, out.stderr)
+    for value, expected in ((None, False), ("0", False), ("1", True), ("true", True)):
+        if value is None:
+            monkeypatch.delenv("FUSEPATCH_MLP_RECOMPUTE", raising=False)
+        else:
+            monkeypatch.setenv("FUSEPATCH_MLP_RECOMPUTE", value)
+        model = tiny_model("qwen3")
+        fusepatch.apply(model)
+        assert model.model.layers[0].mlp._fusepatch.mlp_recompute is expected, value
+    monkeypatch.setenv("FUSEPATCH_MLP_RECOMPUTE", "maybe")
+    with pytest.raises(ValueError, match="FUSEPATCH_MLP_RECOMPUTE"):
+        fusepatch.apply(tiny_model("qwen3"))
 
 
 @pytest.mark.parametrize("model_type", sorted(set(FAMILIES) - {"qwen3_moe"}))
