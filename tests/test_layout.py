@@ -23,7 +23,7 @@ def _modules() -> dict[str, pathlib.Path]:
 
 
 # The layers, lowest first (docs/design.md): a module imports only from its own layer or the ones below, at any
-# import level (module, function or class body; TYPE_CHECKING blocks are type hints, not imports).
+# import level (module, function or class body, type-checking blocks too).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("fusepatch.base",),
     ("fusepatch.kernels", "fusepatch.backends"),
@@ -44,24 +44,12 @@ def _layer(name: str) -> int:
     raise AssertionError(f"{name} is in no layer of LAYERS")
 
 
-def _type_checking_blocks(tree: ast.AST) -> set[int]:
-    """ids of the nodes inside ``if TYPE_CHECKING:`` blocks."""
-    inside: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
-            inside.update(id(n) for child in node.body for n in ast.walk(child))
-    return inside
-
-
 def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path], *, anywhere: bool = True) -> set[str]:
     """The fusepatch modules ``path`` imports: at any level (``anywhere``), or at module level only."""
     tree = ast.parse(path.read_text())
-    hints = _type_checking_blocks(tree)
     nodes = ast.walk(tree) if anywhere else tree.body
     out = set()
     for node in nodes:
-        if id(node) in hints:
-            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "fusepatch":
             for alias in node.names:
                 name = f"{node.module}.{alias.name}"

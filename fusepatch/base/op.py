@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fusepatch.base.requirements import InputRule, Requirement
 
@@ -84,3 +84,16 @@ class Op:
             ),
             provides=f"{self.reference.__module__}.{self.reference.__qualname__}",
         )
+
+
+class OpDispatch(Protocol):
+    """What a layer calls an op through (the engine's ``Dispatch`` is one): the op for the call's tensors, and the
+    choice it makes for a device, dtype and packing."""
+
+    disabled_reason: str | None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def choice(self, device: str, dtype: str, packed: bool = False) -> Any: ...
+
+    def implementation(self, device: str, dtype: str, packed: bool = False) -> Callable[..., Any]: ...

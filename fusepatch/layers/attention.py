@@ -32,20 +32,17 @@ import logging
 import sys
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from fusepatch.base.dtypes import autocast_dtype, dtype_name
+from fusepatch.base.op import OpDispatch
 from fusepatch.base.state import current as process_state
 from fusepatch.layers.support.bindings import hold
 from fusepatch.layers.support.packing import boundaries_for_call, mask_plan
 from fusepatch.layers.support.projections import apply_linear, project
 from fusepatch.layers.support.signature import CACHE_NAMES, forward_parameters
 from fusepatch.ops.rotary import unsupported
-
-if TYPE_CHECKING:  # the engine's dispatcher, handed to the layer by apply
-    from fusepatch.engine.resolve import Dispatch
 
 logger = logging.getLogger("fusepatch")
 
@@ -72,7 +69,7 @@ def _dispatching(original):
 class _Route:
     """A packed call's varlen plan: the boundaries over the flattened rows and the longest document."""
 
-    dispatch: Dispatch
+    dispatch: OpDispatch
     cu_seqlens: torch.Tensor
     longest: int
     tokens: int
