@@ -4,6 +4,7 @@ import only each other, a light ``import fusepatch``, and public names that reso
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import re
 import subprocess
@@ -44,10 +45,10 @@ def _layer(name: str) -> int:
     raise AssertionError(f"{name} is in no layer of LAYERS")
 
 
-def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path], *, anywhere: bool = True) -> set[str]:
-    """The fusepatch modules ``path`` imports: at any level (``anywhere``), or at module level only."""
+def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The fusepatch modules ``path`` imports, at any level (module, function or class body)."""
     tree = ast.parse(path.read_text())
-    nodes = ast.walk(tree) if anywhere else tree.body
+    nodes = ast.walk(tree)
     out = set()
     for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "fusepatch":
@@ -59,6 +60,7 @@ def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path], *, anywhere: 
     return {m for m in out if m in modules}
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     return {name: _imports(path, modules) for name, path in modules.items()}
