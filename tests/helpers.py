@@ -258,8 +258,7 @@ def fallback_reasons(*models: torch.nn.Module) -> dict[str, str]:
             state = module.__dict__.get("_fusepatch")
             for dispatch in state.ops.values() if state is not None else ():
                 for choice in dispatch.seen():
-                    wired = [r for r in choice.rejected if not r.set_aside] or list(choice.rejected)
-                    for rejection in wired if not choice.fused else ():
+                    for rejection in choice.rejected if not choice.fused else ():
                         for reason, fix in rejection.reasons():
                             found.setdefault(reason, fix)
     return found

@@ -42,14 +42,6 @@ DELTA_RULE_STAGES: dict[str, set[str]] = {
     "fused_beta_sigmoid": {"scale"},
     "fused_beta_sigmoid_bwd": {"scale"},
 }
-DELTA_RULE_WHOLE: dict[str, set[str]] = {  # the graphed candidate: fla's whole forward and backward
-    "chunk_gated_delta_rule_fwd": {"use_gate_in_kernel", "A_log", "dt_bias", "g", "beta", "scale"},
-    "chunk_gated_delta_rule_bwd": {"use_gate_in_kernel", "g_input", "A_log", "dt_bias", "A", "do", "dht"},
-    "l2norm_fwd": set(),
-    "l2norm_bwd": set(),
-    "fused_beta_sigmoid": {"scale"},
-    "fused_beta_sigmoid_bwd": {"scale"},
-}
 CROSS_ENTROPY: dict[str, set[str]] = {
     "cross_entropy_fwd": {"logits", "target", "ignore_index"},
     "cross_entropy_bwd": {
@@ -67,7 +59,7 @@ NAMES = PrivateNames(
     distribution=DISTRIBUTION,
     checked=("0.6.0",),
     names={
-        CHUNK: tuple(sorted({*DELTA_RULE_STAGES, *DELTA_RULE_WHOLE})),
+        CHUNK: tuple(sorted(DELTA_RULE_STAGES)),
         "fla.ops.utils.constant": ("RCP_LN2",),
         "fla.ops.utils.index": ("prepare_chunk_indices",),
         "fla.ops.common.gate": ("fused_beta_sigmoid_fwd",),

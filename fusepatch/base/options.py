@@ -9,6 +9,7 @@ the log is imported here (the op and candidate names come in as arguments), and 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -22,7 +23,14 @@ if TYPE_CHECKING:
 SWITCH_ON: tuple[str, ...] = ("1", "true", "yes", "on")
 SWITCH_OFF: tuple[str, ...] = ("0", "false", "no", "off")
 
-SWITCHES: tuple[str, ...] = ("FUSEPATCH_DISABLE", "FUSEPATCH_CUDA_GRAPHS", "FUSEPATCH_MLP_RECOMPUTE")
+SWITCHES: tuple[str, ...] = ("FUSEPATCH_DISABLE", "FUSEPATCH_MLP_RECOMPUTE")
+# variables fusepatch no longer reads -> what a user who still sets one gets instead (said at apply)
+RETIRED: dict[str, str] = {
+    "FUSEPATCH_CUDA_GRAPHS": (
+        "the graphed delta-rule candidate it switched on is gone (slower than fla's own kernels); "
+        "whole decoder layers are graphed by apply(model, cuda_graphs=True)"
+    ),
+}
 # every variable check_environment reads (FUSEPATCH_CACHE, a folder ``python -m fusepatch build`` creates, takes any path)
 VARIABLES: tuple[str, ...] = (
     *SWITCHES,
@@ -241,6 +249,9 @@ def check_environment(candidates: Mapping[str, Iterable[str]], source_names: Ite
     checks.append(lambda: skip_pairs(_raw("FUSEPATCH_SKIP"), candidates))
     checks.append(lambda: positive_whole("FUSEPATCH_CE_LOGITS_MIB", DEFAULT_LOGITS_MIB, "MiB"))
     checks.append(lambda: sources(_raw("FUSEPATCH_PREFER"), "FUSEPATCH_PREFER", source_names))
+    for variable, instead in RETIRED.items():
+        if _raw(variable):
+            logging.getLogger("fusepatch").warning("%s is no longer read: %s; fix: unset it", variable, instead)
     for check in checks:
         try:
             check()

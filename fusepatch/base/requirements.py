@@ -12,7 +12,6 @@ from typing import Protocol
 
 from fusepatch.base.env import Environment
 from fusepatch.base.known_issues import KNOWN_ISSUES, matching_issues
-from fusepatch.base.options import switch
 from fusepatch.base.versions import version_in
 
 
@@ -23,7 +22,6 @@ class Verdict:
     ok: bool
     reason: str = ""
     fix: str = ""
-    off: bool = False  # an opt-in candidate the environment has not switched on: not a fallback to fix
     # each failed check's (reason, fix) when several are joined above, so the report can group equal reasons
     parts: tuple[tuple[str, str], ...] = ()
 
@@ -175,23 +173,6 @@ class NoKnownIssue:
     @property
     def probes(self) -> tuple[str, ...]:
         return tuple(i.unless_importable for i in KNOWN_ISSUES if i.package == self.package and i.unless_importable)
-
-
-@dataclass(frozen=True)
-class OptIn:
-    """A candidate that pays only for some workloads: off unless the environment variable switches it on (read
-    when the candidate is resolved, like FUSEPATCH_SKIP)."""
-
-    variable: str
-    when: str  # the workload it is for, shown with the reason
-
-    def check(self, env: Environment) -> Verdict:
-        if switch(self.variable):  # a value that is not a switch value raises, naming the ones it takes
-            return OK
-        return Verdict(False, f"off unless {self.variable}=1 (for {self.when})", f"export {self.variable}=1", off=True)
-
-    def describe(self) -> str:
-        return f"{self.variable}=1"
 
 
 @dataclass(frozen=True)

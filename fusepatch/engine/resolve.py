@@ -43,17 +43,11 @@ class Rejection:
     source: str
     reason: str
     fix: str = ""
-    off: bool = False  # opt-in and not switched on: listed, but not a reason to fix
     parts: tuple[tuple[str, str], ...] = ()  # (reason, fix) of each failed check; empty: (reason, fix) itself
 
     def reasons(self) -> tuple[tuple[str, str], ...]:
         """Each failed check's reason and fix (what the report groups across ops)."""
         return self.parts or ((self.reason, self.fix),)
-
-    @property
-    def set_aside(self) -> bool:
-        """Switched off (an opt-in candidate): shown by doctor, left out of the fallback reasons and fixes."""
-        return self.off
 
     def to_dict(self) -> dict:
         return {
@@ -61,7 +55,6 @@ class Rejection:
             "source": self.source,
             "reason": self.reason,
             "fix": self.fix,
-            "off": self.off,
         }
 
 
@@ -91,20 +84,16 @@ class Choice:
         return self.source != "eager"
 
     def primary_rejection(self) -> Rejection:
-        """The rejection worth showing first: a wired-up candidate's, before the switched-off ones'."""
-        wired = [r for r in self.rejected if not r.set_aside]
-        return (wired or list(self.rejected))[0]
+        """The rejection worth showing first: the first candidate's."""
+        return self.rejected[0]
 
     def reason_text(self) -> str:
-        """``fla: <reason>; causal-conv1d: <reason>`` for log lines (switched-off candidates left out)."""
-        wired = [r for r in self.rejected if not r.set_aside] or list(self.rejected)
-        return "; ".join(f"{r.candidate}: {r.reason}" for r in wired)
+        """``fla: <reason>; causal-conv1d: <reason>`` for log lines."""
+        return "; ".join(f"{r.candidate}: {r.reason}" for r in self.rejected)
 
     def fixes(self) -> list[str]:
         seen: list[str] = []
         for r in self.rejected:
-            if r.set_aside:
-                continue
             if r.fix and r.fix not in seen:
                 seen.append(r.fix)
         return seen
@@ -210,9 +199,8 @@ def static_verdict(candidate: Candidate, env: Environment) -> tuple[Verdict, Env
         return OK, env
     reason = "; ".join(v.reason for v in failures)
     fix = " && ".join(dict.fromkeys(v.fix for v in failures if v.fix))
-    off = any(v.off for v in failures)
     parts = tuple((v.reason, v.fix) for v in failures)
-    return Verdict(False, reason, fix, off=off, parts=parts), env
+    return Verdict(False, reason, fix, parts=parts), env
 
 
 def evaluate(
@@ -273,8 +261,7 @@ def reasons_and_fixes(choices: Iterable[Choice]) -> dict[str, tuple[list[str], l
     for choice in choices:
         if choice.fused:
             continue
-        wired = [r for r in choice.rejected if not r.set_aside] or list(choice.rejected)
-        for rejection in wired:
+        for rejection in choice.rejected:
             for reason, fix in rejection.reasons():
                 ops, fixes = groups.setdefault(reason, ([], []))
                 if choice.op not in ops:
@@ -387,7 +374,6 @@ class Dispatch:
                     candidate.source,
                     verdict.reason,
                     verdict.fix,
-                    verdict.off,
                     verdict.parts,
                 )
             )

@@ -76,7 +76,7 @@ def examine_op(
         checks_only = static_only or (chosen is not None and not every)
         verdict, _ = evaluate(op, candidate, static, device, dtype, checks_only=checks_only)
         seconds = time.perf_counter() - started
-        status = "ok" if verdict.ok else ("off" if verdict.off else "rejected")
+        status = "ok" if verdict.ok else "rejected"
         if verdict.ok and checks_only and not static_only:
             status = "passes the checks (not self-tested: an earlier candidate is chosen)"
         logger.info("doctor: %s/%s %s (%.1f s)", op.name, candidate.name, status, seconds)
@@ -86,7 +86,6 @@ def examine_op(
                 "source": candidate.source,
                 "provides": candidate.provides,
                 "ok": verdict.ok,
-                "off": verdict.off,
                 "reason": verdict.reason,
                 "fix": verdict.fix,
                 # each failed check's reason and fix: render() says a reason most candidates share once
@@ -105,7 +104,6 @@ def examine_op(
             "source": "eager",
             "provides": op.reference.__qualname__,
             "ok": True,
-            "off": False,
             "reason": "",
             "fix": "",
             "checked": "reference",
@@ -146,7 +144,7 @@ def diagnose(
                 }
     for name in sorted({n for r in rows for n in r.ops}):
         if ops[name]["chosen"] == "eager":
-            wired = [c for c in ops[name]["candidates"] if c["source"] != "eager" and not c["off"]]
+            wired = [c for c in ops[name]["candidates"] if c["source"] != "eager"]
             reasons = "; ".join(f"{c['name']}: {c['reason']}" for c in wired)
             fallbacks.append(f"{name} -> eager ({reasons})")
             for c in wired:
@@ -231,7 +229,7 @@ def render(report: dict) -> str:
         for c in op["candidates"]:
             if c["source"] == "eager":
                 continue
-            status = "ok" if c["ok"] else ("off" if c["off"] else "rejected")
+            status = "ok" if c["ok"] else "rejected"
             detail = ""
             if not c["ok"]:
                 parts = [tuple(p) for p in c.get("parts") or [(c["reason"], c["fix"])]]
@@ -262,7 +260,7 @@ def render(report: dict) -> str:
             continue
         reasons: list[str] = []
         for c in op["candidates"]:
-            if c["source"] == "eager" or c["off"]:
+            if c["source"] == "eager":
                 continue
             for part in map(tuple, c.get("parts") or [(c["reason"], c["fix"])]):
                 label = f"[shared {shared.index(part) + 1}]" if part in shared else part[0]

@@ -13,7 +13,6 @@ from fusepatch.tools.tiny import tiny_model
 
 ALL_VARIABLES = (
     "FUSEPATCH_DISABLE",
-    "FUSEPATCH_CUDA_GRAPHS",
     "FUSEPATCH_MLP_RECOMPUTE",
     "FUSEPATCH_VERBOSITY",
     "FUSEPATCH_PREFER",
@@ -81,7 +80,6 @@ def test_a_compute_dtype_name_is_the_dtype_apply_and_report_use():
     "variable, value, match",
     [
         ("FUSEPATCH_DISABLE", "maybe", r"FUSEPATCH_DISABLE='maybe'.*1, true, yes, on.*0, false, no, off"),
-        ("FUSEPATCH_CUDA_GRAPHS", "xyz", r"FUSEPATCH_CUDA_GRAPHS='xyz'"),
         ("FUSEPATCH_MLP_RECOMPUTE", "2", r"FUSEPATCH_MLP_RECOMPUTE='2'"),
         ("FUSEPATCH_VERBOSITY", "loud", r"FUSEPATCH_VERBOSITY='loud'.*error, warning, info, debug"),
         ("FUSEPATCH_PREFER", "conda", r"FUSEPATCH_PREFER='conda'.*'pip', 'hub'"),
@@ -111,6 +109,16 @@ def test_every_variable_is_checked_and_reported_together(monkeypatch):
     with pytest.raises(ValueError) as raised:
         options.check_environment({"rms_norm": ("triton", "fla")})
     assert "FUSEPATCH_DISABLE='maybe'" in str(raised.value) and "FUSEPATCH_VERBOSITY='loud'" in str(raised.value)
+
+
+def test_a_retired_variable_is_said_and_apply_still_patches(monkeypatch, caplog):
+    """A variable fusepatch no longer reads is not silently ignored: apply says so, with what replaced it."""
+    monkeypatch.setenv("FUSEPATCH_CUDA_GRAPHS", "1")
+    with caplog.at_level("WARNING", logger="fusepatch"):
+        report = fusepatch.apply(tiny_model("qwen3"), verbose=False)
+    said = [r.getMessage() for r in caplog.records if "FUSEPATCH_CUDA_GRAPHS" in r.getMessage()]
+    assert len(said) == 1 and "cuda_graphs=True" in said[0] and "unset it" in said[0]
+    assert report.newly_patched > 0
 
 
 @pytest.mark.parametrize("value", ["1", "TRUE", "Yes", "on", " On "])
@@ -170,5 +178,6 @@ def test_env_vars_page_lists_every_variable_fusepatch_reads():
     read = set()
     for path in (root / "fusepatch").rglob("*.py"):
         read |= set(re.findall(r"\"(FUSEPATCH_[A-Z_]+)\"", path.read_text()))
-    assert read <= documented, read - documented
+    assert read - set(options.RETIRED) <= documented, read - documented
     assert documented - {"FUSEPATCH_CACHE"} == set(options.VARIABLES)
+    assert all(f"`{variable}`" in page for variable in options.RETIRED)  # said as no longer read

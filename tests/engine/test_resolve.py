@@ -309,27 +309,6 @@ def test_fusepatch_skip_refuses_named_candidates_with_the_reason(monkeypatch):
         _dispatch(op)
 
 
-def test_an_opt_in_candidate_switched_off_is_listed_but_not_a_fallback_to_fix(monkeypatch):
-    """fla-graphed on the H200's stack with tilelang: without FUSEPATCH_CUDA_GRAPHS=1 it is refused as 'off' (doctor
-    lists it so), and the choice's reasons and fixes leave it out, so nobody is told to
-    export the switch to get a kernel; with the switch it passes the same checks as fla."""
-    from fusepatch.engine.resolve import Choice, Rejection
-
-    env = gpu_env(H200, imports={"tilelang": None})
-    monkeypatch.delenv("FUSEPATCH_CUDA_GRAPHS", raising=False)
-    verdict, _ = static_verdict(_candidate("gated_delta_rule", "fla-graphed"), env)
-    assert not verdict.ok and verdict.off and "FUSEPATCH_CUDA_GRAPHS=1" in verdict.reason
-    monkeypatch.setenv("FUSEPATCH_CUDA_GRAPHS", "1")
-    assert static_verdict(_candidate("gated_delta_rule", "fla-graphed"), env)[0].ok
-    off = Rejection("fla-graphed", "pip", verdict.reason, verdict.fix, off=True)
-    real = Rejection("fla", "pip", "fla-core is not installed", 'pip install "flash-linear-attention[cuda]"')
-    choice = Choice("gated_delta_rule", "eager", "eager", rejected=(off, real))
-    assert choice.primary_rejection() is real
-    assert choice.reason_text() == "fla: fla-core is not installed"
-    assert choice.fixes() == ['pip install "flash-linear-attention[cuda]"']
-    assert choice.to_dict()["rejected"][0]["off"] is True
-
-
 def test_self_tests_leave_the_global_random_state_alone(monkeypatch):
     """A self-test draws its inputs and its output cotangent from its own generator: the program's random state is
     the same after `apply` (and after a self-test at a first call inside training) as without fusepatch. It once

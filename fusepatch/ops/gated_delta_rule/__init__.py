@@ -20,19 +20,10 @@ from __future__ import annotations
 import torch
 
 from fusepatch.base.op import Candidate, Op, SelfTest
-from fusepatch.base.requirements import InputRule, OptIn
+from fusepatch.base.requirements import InputRule
 from fusepatch.ops.common import fla_backward_requirements, rand
-from fusepatch.ops.gated_delta_rule.fla import load_fla, load_fla_graphed
+from fusepatch.ops.gated_delta_rule.fla import load_fla
 from fusepatch.ops.gated_delta_rule.reference import gated_delta_rule_reference
-
-# Off by default: the graphs copy every call's inputs, outputs and saved tensors in and out of their static
-# buffers (device-to-device copies), and with the CPU keeping ahead of the GPU that costs more than the launches
-# it saves. They pay where the CPU holds the GPU back: milliseconds of CPU per layer and call in fla's Python, and
-# the GPU well under fully busy without them.
-GRAPHS_SWITCH = OptIn(
-    "FUSEPATCH_CUDA_GRAPHS",
-    "steps the CPU holds back: GPU busy well under 90%, small layers, many ranks per CPU",
-)
 
 
 def _load_fla_saved_states(grouped: bool = False):
@@ -92,16 +83,6 @@ GATED_DELTA_RULE = Op(
     summary="chunked gated delta rule fwd+bwd, gate/beta/L2-norm in kernel, native grouped value heads",
     reference=gated_delta_rule_reference,
     candidates=(
-        Candidate(
-            name="fla-graphed",
-            source="pip",
-            requirements=fla_backward_requirements("fla.ops.gated_delta_rule") + (GRAPHS_SWITCH,),
-            load=load_fla_graphed,
-            inputs=FLA_INPUTS,
-            provides="fla.ops.gated_delta_rule.chunk_gated_delta_rule (as 'fla'), replayed from CUDA graphs per shape",
-            distribution="fla-core",
-            varlen=False,  # packed rows: new boundaries every step, and fla reads them on the CPU
-        ),
         Candidate(
             name="fla-saved-states-grouped",
             source="pip",
