@@ -254,7 +254,7 @@ def _fp32_is_refused_and_still_off(name, inputs, kwargs):
 
     candidate = next(c for c in OPS["gated_delta_rule"].candidates if c.name == name)
     refusal = candidate.inputs.check(Inputs("cuda", "float32"))
-    assert not refusal.ok and "4-30%" in refusal.reason, refusal
+    assert not refusal.ok and "further off an fp32 reference than at bf16" in refusal.reason, refusal
     verdict, _ = static_verdict(candidate, capture(refresh=True))
     require(verdict, f"gated_delta_rule/{name}")
     fn = candidate.load()

@@ -64,8 +64,7 @@ def test_list_shows_the_registry():
     text = _run("list", "--wide").stdout
     assert (
         "Qwen3_5GatedDeltaNet" in text
-        and "gated_delta_rule [fla-saved-states-grouped > fla-saved-states > fla > fla-gate-outside > eager]"
-        in text
+        and "gated_delta_rule [fla-saved-states-grouped > fla-saved-states > fla > fla-gate-outside > eager]" in text
     )
     # a row with no kernel op says what its forward does instead
     assert "Qwen3RotaryEmbedding                 patched      (cos/sin of plain positions computed once" in text
