@@ -5,6 +5,7 @@ from __future__ import annotations
 from fusepatch.base.op import Candidate, Op, SelfTest
 from fusepatch.ops.attention_gate import ATTENTION_GATE
 from fusepatch.ops.causal_conv1d import CAUSAL_CONV1D
+from fusepatch.ops.fp8_linear import FP8_LINEAR
 from fusepatch.ops.gated_delta_rule import GATED_DELTA_RULE
 from fusepatch.ops.linear_cross_entropy import LINEAR_CROSS_ENTROPY
 from fusepatch.ops.moe_experts import MOE_EXPERTS
@@ -35,6 +36,7 @@ OPS: dict[str, Op] = {
         VARLEN_ATTENTION,
         LINEAR_CROSS_ENTROPY,
         MOE_EXPERTS,
+        FP8_LINEAR,
     )
 }
 
