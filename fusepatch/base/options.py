@@ -86,6 +86,21 @@ def boolean(value: object, argument: str) -> bool:
     )
 
 
+PRECISIONS: tuple[str, ...] = ("fp8",)
+
+
+def precision(value: object) -> str | None:
+    """``apply(precision=...)``: None (the model's own GEMM precision) or one of PRECISIONS (any case)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in PRECISIONS:
+        return value.strip().lower()
+    raise ValueError(
+        f"precision expects None or one of {', '.join(repr(p) for p in PRECISIONS)}, got {value!r}; fix: "
+        'precision="fp8" trains the decoder\'s projections with FP8 GEMMs, None leaves them as they are'
+    )
+
+
 def optional_boolean(value: object, argument: str) -> bool | None:
     """True, False or None (``verbose``: None is its own level)."""
     if value is None or isinstance(value, bool):

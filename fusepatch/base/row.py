@@ -18,6 +18,10 @@ class Row:
         ops: ops the replacement forward calls, in the order they run.
         forward: the replacement forward, or ``None`` when this release replaces nothing in the layer.
         note: one line for ``fusepatch list``.
+        names: when set, only modules of exactly this class held under one of these attribute names
+            (``q_proj``): a row for a generic class such as ``torch.nn.Linear``, whose subclasses (a quantized
+            or already converted layer) are left as they are.
+        precision: when set, the row applies only to ``apply(model, precision=...)`` with this value.
     """
 
     model_types: tuple[str, ...]
@@ -26,9 +30,14 @@ class Row:
     ops: tuple[str, ...]
     forward: Callable | None
     note: str = ""
+    names: tuple[str, ...] = ()
+    precision: str | None = None
 
-    def matches(self, module: object) -> bool:
+    def matches(self, module: object, name: str = "") -> bool:
+        """Whether this row patches ``module``, held by its parent as ``name`` (the last part of its path)."""
         cls = type(module)
+        if self.names:
+            return name in self.names and cls.__name__ == self.layer and cls.__module__ == self.module
         return any(k.__name__ == self.layer and k.__module__ == self.module for k in cls.__mro__)
 
     def to_dict(self) -> dict:
@@ -39,4 +48,6 @@ class Row:
             "ops": list(self.ops),
             "patched_forward": None if self.forward is None else f"{self.forward.__module__}.{self.forward.__name__}",
             "note": self.note,
+            **({"names": list(self.names)} if self.names else {}),
+            **({"precision": self.precision} if self.precision else {}),
         }

@@ -307,7 +307,7 @@ def registry_modules(model: torch.nn.Module, class_names: set[str] | None = None
     """The model's modules whose class is in ``class_names`` (default: every layer class of the registry; hf-fast's
     and Liger's models have the same classes as a patched one)."""
     if class_names is None:
-        class_names = {row.layer for row in all_rows()}
+        class_names = {row.layer for row in all_rows() if row.precision is None}  # not every nn.Linear
     return [module for module in model.modules() if type(module).__name__ in class_names]
 
 

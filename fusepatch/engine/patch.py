@@ -228,9 +228,10 @@ def _disabled() -> bool:
 
 def _matches(model: torch.nn.Module, rows: list[Row]) -> dict[Row, list[torch.nn.Module]]:
     found: dict[Row, list[torch.nn.Module]] = defaultdict(list)
-    for module in model.modules():
+    for path, module in model.named_modules():
+        name = path.rpartition(".")[2]
         for row in rows:
-            if row.matches(module):
+            if row.matches(module, name):
                 found[row].append(module)
                 break
     return found
@@ -248,6 +249,7 @@ class Request:
     cuda_graphs: bool
     verbose: bool | None
     mlp_recompute: bool = False  # FUSEPATCH_MLP_RECOMPUTE, read when apply runs
+    precision: str | None = None  # "fp8": the precision rows too (None: the model's own GEMM precision)
 
 
 @dataclass(frozen=True)
@@ -279,7 +281,7 @@ class Resolved:
 
 
 def _request(
-    model, ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose
+    model, ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose, precision=None
 ) -> tuple[torch.nn.Module, Request]:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fusepatch.apply expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
@@ -292,6 +294,7 @@ def _request(
         cuda_graphs=options.boolean(cuda_graphs, "cuda_graphs"),
         verbose=options.optional_boolean(verbose, "verbose"),
         mlp_recompute=options.switch("FUSEPATCH_MLP_RECOMPUTE"),
+        precision=options.precision(precision),
     )
     options.check_environment(candidate_names(), PREFERABLE)  # every FUSEPATCH_* variable, read or not on this call
     for name in [*(request.ops or ()), *request.exclude]:
@@ -313,7 +316,7 @@ def _plan(model: torch.nn.Module, request: Request) -> Plan:
     if _disabled():
         message = "FUSEPATCH_DISABLE is set: nothing patched, the model runs as transformers ships it"
         return dataclasses.replace(plan, message=message)
-    rows = rows_for(set(model_types))
+    rows = rows_for(set(model_types), request.precision)
     found = _matches(model, rows) if rows else {}
     if not found:
         label = ", ".join(repr(t) for t in model_types) or "(no config.model_type)"
@@ -478,6 +481,7 @@ def apply(
     compute_dtype: torch.dtype | str | None = None,
     cuda_graphs: bool = False,
     verbose: bool | None = None,
+    precision: str | None = None,
 ) -> PatchReport:
     """Patch every layer of ``model`` that the registry knows, in place.
 
@@ -502,6 +506,10 @@ def apply(
         cuda_graphs: replay the decoder layers of training steps from CUDA graphs once a step's shape is steady
             (``fusepatch/layers/layer_graphs.py``): for small models whose GPU waits for the host. Fixed-shape
             batches without packing, padding masks or caches; other calls run as usual, and why is said once.
+        precision: ``"fp8"``: the decoder's projections (attention q/k/v/o, the Gated DeltaNet's input and output
+            projections, the MLPs' gate/up/down) train with FP8 GEMMs (op ``fp8_linear``; an Ada, Hopper or newer
+            GPU), their weights and optimizer as they are; where FP8 cannot run they stay as they were and the
+            fallback is said. Default None: every GEMM in the model's own precision.
         verbose: ``True``: log the whole report table; ``None``: one line of totals; ``False``: neither. Every
             fallback is logged at WARNING in all three (each distinct reason once, with its fix). The log shows
             without any logging set up (``FUSEPATCH_VERBOSITY``: error, warning, info, debug; default info).
@@ -518,7 +526,7 @@ def apply(
             >>> report = fusepatch.apply(model)
             >>> print(report)  # doctest: +SKIP
     """
-    model, request = _request(model, ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose)
+    model, request = _request(model, ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose, precision)
     plan = _plan(model, request)
     if plan.message:  # nothing to patch: disabled, or no rows for the model
         logger.warning("fusepatch: %s", plan.message)

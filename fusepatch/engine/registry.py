@@ -34,8 +34,13 @@ def all_rows() -> list[Row]:
     return [*process_state().user_rows, *BUILTIN_ROWS]
 
 
-def rows_for(model_types: set[str]) -> list[Row]:
-    return [row for row in all_rows() if set(row.model_types) & model_types]
+def rows_for(model_types: set[str], precision: str | None = None) -> list[Row]:
+    """The rows of these model types; rows of a precision only when that precision is asked for."""
+    return [
+        row
+        for row in all_rows()
+        if set(row.model_types) & model_types and (row.precision is None or row.precision == precision)
+    ]
 
 
 def known_model_types() -> list[str]:

@@ -7,6 +7,7 @@ from fusepatch.layers.attention import attention_forward, gated_attention_forwar
 from fusepatch.layers.base_model import base_model_forward
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward
 from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
+from fusepatch.layers.fp8 import PROJECTIONS, fp8_linear_forward
 from fusepatch.layers.gated_deltanet import gated_deltanet_forward
 from fusepatch.layers.rotary_embedding import rotary_embedding_forward
 from fusepatch.layers.simple import (
@@ -23,6 +24,23 @@ ROPE_TABLES = "cos/sin of plain positions computed once and reused across steps;
 # the base model every head calls: padded rows told apart from packed ones for every head, not the causal LM's alone
 PADDING = "the call's attention_mask noted, so padded rows are not taken for packed ones; no kernel"
 
+
+def fp8_projections(model_types: tuple[str, ...]) -> Row:
+    """The decoder's projections of these model types under ``apply(model, precision="fp8")``: plain
+    ``nn.Linear`` held as one of ``PROJECTIONS`` (a subclass, such as a layer torchao already converted or a
+    peft LoRA wrapper, is left as it is)."""
+    return Row(
+        model_types,
+        "torch.nn.modules.linear",
+        "Linear",
+        ("fp8_linear",),
+        fp8_linear_forward,
+        note="decoder projections with FP8 GEMMs: " + ", ".join(PROJECTIONS),
+        names=PROJECTIONS,
+        precision="fp8",
+    )
+
+
 __all__ = [
     "ATTENTION_OPS",
     "GATED_ATTENTION_OPS",
@@ -36,6 +54,7 @@ __all__ = [
     "conditional_generation_forward",
     "decoder_layer_forward",
     "experts_forward",
+    "fp8_projections",
     "gated_attention_forward",
     "gated_deltanet_forward",
     "hybrid_decoder_layer_forward",

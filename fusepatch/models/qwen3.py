@@ -10,6 +10,7 @@ from fusepatch.models._rows import (
     causal_lm_forward,
     decoder_layer_forward,
     experts_forward,
+    fp8_projections,
     rms_norm_forward,
     rotary_embedding_forward,
     swiglu_mlp_forward,
@@ -36,4 +37,5 @@ ROWS = [
     Row(MOE, MOE_MODULE, "Qwen3MoeAttention", ATTENTION_OPS, attention_forward),
     Row(MOE, MOE_MODULE, "Qwen3MoeModel", (), base_model_forward, note=PADDING),
     Row(MOE, MOE_MODULE, "Qwen3MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
+    fp8_projections(DENSE + MOE),
 ]

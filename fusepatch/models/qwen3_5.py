@@ -10,6 +10,7 @@ from fusepatch.models._rows import (
     causal_lm_forward,
     conditional_generation_forward,
     experts_forward,
+    fp8_projections,
     gated_attention_forward,
     gated_deltanet_forward,
     hybrid_decoder_layer_forward,
@@ -86,4 +87,5 @@ ROWS = [
         conditional_generation_forward,
         note="image-text wrapper: text loss only",
     ),
+    fp8_projections(DENSE + MOE),
 ]

@@ -9,6 +9,7 @@ from fusepatch.models._rows import (
     base_model_forward,
     causal_lm_forward,
     experts_forward,
+    fp8_projections,
     gated_attention_forward,
     gated_deltanet_forward,
     hybrid_decoder_layer_forward,
@@ -37,4 +38,5 @@ ROWS = [
     Row(TYPES, MODULE, "Qwen3NextAttention", GATED_ATTENTION_OPS, gated_attention_forward, note="gated full attention"),
     Row(TYPES, MODULE, "Qwen3NextModel", (), base_model_forward, note=PADDING),
     Row(TYPES, MODULE, "Qwen3NextForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
+    fp8_projections(TYPES),
 ]

@@ -14,7 +14,8 @@ The MLP's down projection plus the decoder layer's residual (``residual + down_p
 recompute). The sum is rounded once, from fp32, instead of twice: within one bf16 ulp of transformers' result.
 
 peft's LoRA linears go to ``lora.project``, which fuses their adapters into these GEMMs. Otherwise both paths
-take plain ``nn.Linear`` modules only (no subclass such as a quantised or FSDP-wrapped layer, no hooks), outside
+take plain ``nn.Linear`` modules only (no subclass such as a quantised or FSDP-wrapped layer, no hooks, no forward of
+its own such as an FP8 projection's), outside
 ``torch.compile``, on the devices in ``DEVICES``; the projections in one dtype or under autocast (cast as
 autocast casts them), the residual GEMM in one dtype outside autocast (there the residual stream is fp32 and the
 MLP output bf16). Anything else calls the modules as transformers does.
@@ -34,7 +35,7 @@ DEVICES = ("cuda",)  # where the fused paths run (the tests add "cpu" to run the
 
 def plain_linears(x: torch.Tensor, linears: tuple[torch.nn.Module, ...], autocast: bool = False) -> bool:
     """Whether ``linears`` can be computed here instead of through their modules, with the same result: plain
-    ``nn.Linear`` without hooks, on a device in ``DEVICES``, outside ``torch.compile``; in ``x``'s dtype, or,
+    ``nn.Linear`` without hooks or an instance forward, on a device in ``DEVICES``, outside ``torch.compile``; in ``x``'s dtype, or,
     where the caller casts as autocast would (``autocast=True``), under autocast."""
     if x.device.type not in DEVICES or torch.compiler.is_compiling():
         return False
@@ -42,7 +43,9 @@ def plain_linears(x: torch.Tensor, linears: tuple[torch.nn.Module, ...], autocas
     if cast and not autocast:
         return False
     for linear in linears:
-        if type(linear) is not torch.nn.Linear or hooked(linear):
+        # an instance forward (apply(precision="fp8") gives its projections one) computes what the weight alone
+        # does not say: the module is called
+        if type(linear) is not torch.nn.Linear or hooked(linear) or "forward" in linear.__dict__:
             return False
         if not cast and not in_dtype(linear, x.dtype):  # an exact nn.Linear: its parameters are these two
             return False
