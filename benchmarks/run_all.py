@@ -33,13 +33,17 @@ CONFIGS = {
 
 
 # label words that are train_step options: fusepatch+compile, hf-fast+compile+quick, fusepatch+graphs+quick,
-# fusepatch+cudagraphs+quick (the library's apply(cuda_graphs=True)), fusepatch+cache+quick (the config's use_cache=True)
+# fusepatch+cudagraphs+quick (the library's apply(cuda_graphs=True)), fusepatch+cache+quick (the config's use_cache=True),
+# fusepatch+fp8+quick (apply(precision="fp8")), hf-fast+torchao+compile+quick (torchao's float8 rowwise, compiled
+# as torchao advises)
 FLAGS = {
     "compile": ["--compile"],
     "quick": ["--no-diagnostics"],
     "graphs": ["--graph-layers"],
     "cudagraphs": ["--cuda-graphs"],
     "cache": ["--default-cache"],
+    "fp8": ["--precision", "fp8"],
+    "torchao": ["--torchao-float8"],
 }
 
 

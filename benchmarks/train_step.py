@@ -156,6 +156,16 @@ def main() -> int:
         help="fusepatch.apply(model, cuda_graphs=True): the library's own layer graphs (captured at the third step)",
     )
     parser.add_argument(
+        "--precision",
+        choices=("fp8",),
+        help='fusepatch.apply(model, precision="fp8"): the decoder\'s projections with FP8 GEMMs',
+    )
+    parser.add_argument(
+        "--torchao-float8",
+        action="store_true",
+        help="torchao's float8 training (rowwise recipe) on the decoder's projections, before any patching",
+    )
+    parser.add_argument(
         "--default-cache",
         action="store_true",
         help="the model's config with use_cache=True (Qwen3.5's default) and no use_cache in the call, as a plain "
@@ -220,6 +230,16 @@ def build(args) -> tuple:
         lora = peft.LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear", lora_dropout=0.0)
         model = peft.get_peft_model(model, lora, autocast_adapter_dtype=False)
         info["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if args.torchao_float8:  # the peer a user builds by hand: torchao's float8 training on the same projections
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        from fusepatch.layers.fp8 import PROJECTIONS
+
+        convert_to_float8_training(
+            model,
+            config=Float8LinearConfig.from_recipe_name("rowwise"),
+            module_filter_fn=lambda module, fqn: fqn.rpartition(".")[2] in PROJECTIONS,
+        )
     if args.config == "liger":  # the peer: hf-fast plus Liger's norms, SwiGLU and fused loss (its rope raises for 3.5)
         import liger_kernel.transformers as liger
 
@@ -234,7 +254,7 @@ def build(args) -> tuple:
         import fusepatch
 
         start = time.perf_counter()
-        report = fusepatch.apply(model, cuda_graphs=args.cuda_graphs)
+        report = fusepatch.apply(model, cuda_graphs=args.cuda_graphs, precision=args.precision)
         info["apply_s"] = round(time.perf_counter() - start, 1)  # loads + self-tests: first-use compiles
         info["report"] = report.to_dict()["layers"]
         info["fallbacks"] = report.log_lines()
