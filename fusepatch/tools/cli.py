@@ -107,7 +107,9 @@ def _demo(args: argparse.Namespace) -> int:
         raise CommandError(f"--device cuda: {_no_gpu()}; fix: run on a GPU machine or drop it")
     if not args.verbose:  # the report printed below holds every fallback's reason and fix
         logging.getLogger("fusepatch").setLevel(logging.ERROR)
-    result = run(model_type=args.model_type, steps=args.steps, seq_len=args.seq_len, device=args.device)
+    result = run(
+        model_type=args.model_type, steps=args.steps, seq_len=args.seq_len, device=args.device, precision=args.precision
+    )
     print(fit(str(result["report"]), args.wide))
     print()
     print(f"device {result['device']} / {result['dtype']}, {args.steps} training steps, seq {args.seq_len}")
@@ -269,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=_positive, default=5)
     demo.add_argument("--seq-len", type=_positive, default=128)
     demo.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    demo.add_argument("--precision", default=None, choices=["fp8"], help="train the projections in FP8 (docs/fp8.md)")
     demo.set_defaults(func=_demo)
 
     build = sub.add_parser("build", parents=[common], help="build a kernel package for this GPU, cache, install it")

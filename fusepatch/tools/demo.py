@@ -33,7 +33,13 @@ def _train(model, batches, steps: int) -> tuple[list[float], float]:
 
 
 def run(
-    *, model_type: str = "qwen3_5_text", steps: int = 5, seq_len: int = 128, batch: int = 2, device: str | None = None
+    *,
+    model_type: str = "qwen3_5_text",
+    steps: int = 5,
+    seq_len: int = 128,
+    batch: int = 2,
+    device: str | None = None,
+    precision: str | None = None,
 ) -> dict:
     """Train the same tiny model twice from the same weights, unpatched then patched; return the numbers."""
 
@@ -47,7 +53,7 @@ def run(
     eager = copy.deepcopy(base)
     eager_losses, eager_rate = _train(eager, batches, steps)
     patched = copy.deepcopy(base)
-    report = apply(patched, verbose=False)  # the report is printed whole below
+    report = apply(patched, verbose=False, precision=precision)  # the report is printed whole below
     patched_losses, patched_rate = _train(patched, batches, steps)
     return {
         "model_type": model_type,

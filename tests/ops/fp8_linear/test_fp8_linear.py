@@ -195,3 +195,18 @@ def test_fused_projections_call_an_instance_forward():
     assert projections.plain_linears(x, (linear,)) == ("cpu" in projections.DEVICES)
     linear.forward = lambda t: t
     assert not projections.plain_linears(x, (linear,))
+
+
+def test_the_trainer_callback_and_the_demo_take_the_precision(tmp_path, capsys):
+    """``FusePatchCallback(apply_kwargs={"precision": "fp8"})`` patches the projections a Trainer trains, and
+    ``python -m fusepatch demo --precision fp8`` runs with the FP8 rows (on the CPU: falling back, said)."""
+    from helpers import cpu_trainer
+
+    from fusepatch.integrations.trainer import FusePatchCallback
+    from fusepatch.tools.cli import main
+
+    trainer = cpu_trainer(tmp_path, [FusePatchCallback(apply_kwargs={"precision": "fp8"})], max_steps=1)
+    trainer.train()
+    assert _fp8_modules(trainer.model)
+    assert main(["demo", "--precision", "fp8", "--steps", "1", "--seq-len", "32"]) == 0
+    assert "fp8_linear" in capsys.readouterr().out
