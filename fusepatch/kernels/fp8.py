@@ -13,10 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from fusepatch.kernels.fp8_range import FP8_MAX, FP8_TINY
+
 BLOCK = 1024
 WARPS = 4
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-TINY = 1e-12  # an all-zero row gets a finite scale (its values stay zero)
 
 
 @triton.jit
@@ -51,6 +51,15 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inverse = torch.empty((rows, 1), device=x.device, dtype=torch.float32)
     if rows:
         _quantize_rows[(rows,)](
-            x, q, inverse, columns, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX, TINY=TINY, BLOCK=BLOCK, num_warps=WARPS
+            x,
+            q,
+            inverse,
+            columns,
+            x.stride(0),
+            q.stride(0),
+            FP8_MAX=FP8_MAX,
+            TINY=FP8_TINY,
+            BLOCK=BLOCK,
+            num_warps=WARPS,
         )
     return q, inverse

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import torch
 
+from fusepatch.kernels.fp8_range import FP8_MAX, FP8_TINY
+
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-TINY = 1e-12
 MULTIPLE = 16  # _scaled_mm's alignment of the reduction and output dimensions
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernels/fp8.quantize_rows`` in PyTorch: the same power-of-two scales and the same bits."""
-    peak = x.abs().amax(dim=1, keepdim=True).float().clamp_min(TINY)
+    peak = x.abs().amax(dim=1, keepdim=True).float().clamp_min(FP8_TINY)
     scale = torch.exp2(torch.floor(torch.log2(FP8_MAX / peak)))
     q = (x.float() * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale.reciprocal()
