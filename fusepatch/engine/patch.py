@@ -145,6 +145,8 @@ class PatchState:
     transformers_calls: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
     # FUSEPATCH_MLP_RECOMPUTE=1 when apply patched it: the SwiGLU MLP recomputes its product in the backward
     mlp_recompute: bool = dataclasses.field(default=False, repr=False)
+    # what a patched forward keeps between calls (an FP8 projection's frozen weight, quantized): never pickled
+    cache: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.original = self._forward_before()
@@ -157,11 +159,13 @@ class PatchState:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         del state["original"]  # a bound method of the owner: derived again, never pickled by name
+        state["cache"] = {}  # derived from the module's tensors, again at the next call
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("transformers_calls", {})  # pickled by a release without the count
+        self.__dict__.setdefault("cache", {})
         self.original = self._forward_before()
 
 
@@ -229,7 +233,7 @@ def _disabled() -> bool:
 def _matches(model: torch.nn.Module, rows: list[Row]) -> dict[Row, list[torch.nn.Module]]:
     found: dict[Row, list[torch.nn.Module]] = defaultdict(list)
     for path, module in model.named_modules():
-        name = path.rpartition(".")[2]
+        name = lora.held_as(path)
         for row in rows:
             if row.matches(module, name):
                 found[row].append(module)

@@ -1,5 +1,13 @@
-"""Rowwise FP8 (e4m3) quantization in one Triton kernel: each row's absolute maximum, its power-of-two scale and
-the cast, reading the row twice and writing it once in FP8.
+"""FP8 (e4m3) quantization in Triton, along rows and along columns: each row's (column's) absolute maximum, its
+power-of-two scale and the cast, reading the tensor twice and writing it once in FP8.
+
+Along rows (``quantize_rows``): one program per row; an optional factor per column is applied first (a frozen
+weight's rowwise scales moved into the gradient that multiplies it, so the backward reuses the forward's FP8 weight).
+Along columns (``quantize_columns``): the operands whose GEMM reduces over their rows (the weight gradient's tokens,
+the input gradient's weight) are written transposed, already in the layout ``torch._scaled_mm`` reads, with the
+token dimension padded with zeros to its alignment: two kernels, the column maxima (atomic, over row blocks in
+parallel) and the scaled, transposed write, instead of a transposed copy of the high-precision tensor and a
+quantization of the copy.
 
 Why a kernel: in eager PyTorch the same quantization is five kernels over the whole tensor (abs, amax, multiply,
 clamp, cast) and costs about what the FP8 GEMM it feeds saves. Why power-of-two scales: the dequantization in
@@ -21,7 +29,17 @@ WARPS = 4
 
 @triton.jit
 def _quantize_rows(
-    x, q, inverse, columns, stride_x, stride_q, FP8_MAX: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr
+    x,
+    q,
+    inverse,
+    factor,
+    columns,
+    stride_x,
+    stride_q,
+    FP8_MAX: tl.constexpr,
+    TINY: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FACTOR: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     start_x, start_q = x + row * stride_x, q + row * stride_q
@@ -29,6 +47,8 @@ def _quantize_rows(
     for offset in range(0, columns, BLOCK):
         cols = offset + tl.arange(0, BLOCK)
         values = tl.load(start_x + cols, mask=cols < columns, other=0.0).to(tl.float32)
+        if FACTOR:
+            values = values * tl.load(factor + cols, mask=cols < columns, other=0.0)
         amax = tl.maximum(amax, tl.abs(values))
     peak = tl.maximum(tl.max(amax, axis=0), TINY)
     scale = tl.exp2(tl.floor(tl.log2(FP8_MAX / peak)))  # the largest power of two that keeps the row in range
@@ -36,17 +56,22 @@ def _quantize_rows(
         cols = offset + tl.arange(0, BLOCK)
         mask = cols < columns
         values = tl.load(start_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if FACTOR:
+            values = values * tl.load(factor + cols, mask=mask, other=0.0)
         scaled = tl.minimum(tl.maximum(values * scale, -FP8_MAX), FP8_MAX)
         tl.store(start_q + cols, scaled.to(q.dtype.element_ty), mask=mask)
     tl.store(inverse + row, 1.0 / scale)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, factor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, inverse_scale)`` of a 2-D tensor whose rows are contiguous: ``q`` float8_e4m3fn of ``x``'s shape,
-    ``inverse_scale`` fp32 ``[rows, 1]`` with ``x ~= q * inverse_scale``."""
+    ``inverse_scale`` fp32 ``[rows, 1]`` with ``x * factor ~= q * inverse_scale`` (``factor``: fp32, one value per
+    column, or None)."""
     rows, columns = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
+    if factor is not None:
+        factor = factor.reshape(-1).float().contiguous()
     q = torch.empty((rows, columns), device=x.device, dtype=torch.float8_e4m3fn)
     inverse = torch.empty((rows, 1), device=x.device, dtype=torch.float32)
     if rows:
@@ -54,12 +79,94 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             x,
             q,
             inverse,
+            inverse if factor is None else factor,
             columns,
             x.stride(0),
             q.stride(0),
             FP8_MAX=FP8_MAX,
             TINY=FP8_TINY,
             BLOCK=BLOCK,
+            FACTOR=factor is not None,
             num_warps=WARPS,
         )
+    return q, inverse
+
+
+TILE_ROWS, TILE_COLUMNS = 64, 64
+
+
+@triton.jit
+def _column_peaks(x, peaks, rows, columns, stride_x, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    """``peaks[c] = max(peaks[c], max |x[r, c]|)`` over this program's block of rows (``peaks`` starts at 0)."""
+    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    c = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
+    mask = (r[:, None] < rows) & (c[None, :] < columns)
+    values = tl.load(x + r[:, None].to(tl.int64) * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.atomic_max(peaks + c, tl.max(tl.abs(values), axis=0), mask=c < columns)
+
+
+@triton.jit
+def _quantize_columns(
+    x,
+    q,
+    inverse,
+    peaks,
+    rows,
+    rows_out,
+    columns,
+    stride_x,
+    stride_q,
+    FP8_MAX: tl.constexpr,
+    TINY: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+):
+    """``q[c, r] = x[r, c] * scale[c]`` in FP8 for ``r < rows_out``, zero where ``r >= rows`` (the padding)."""
+    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    c = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
+    peak = tl.maximum(tl.load(peaks + c, mask=c < columns, other=1.0), TINY)
+    scale = tl.exp2(tl.floor(tl.log2(FP8_MAX / peak)))
+    mask = (r[:, None] < rows) & (c[None, :] < columns)
+    values = tl.load(x + r[:, None].to(tl.int64) * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    scaled = tl.minimum(tl.maximum(values * scale[None, :], -FP8_MAX), FP8_MAX)
+    out = (r[:, None] < rows_out) & (c[None, :] < columns)
+    tl.store(q + c[None, :].to(tl.int64) * stride_q + r[:, None], scaled.to(q.dtype.element_ty), mask=out)
+    if tl.program_id(1) == 0:
+        tl.store(inverse + c, 1.0 / scale, mask=c < columns)
+
+
+def quantize_columns(x: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows(x.t())`` with the transposed rows padded with zeros to a multiple of ``multiple``, without
+    the transposed copy: ``q`` float8_e4m3fn ``[columns, padded rows]`` (row-major), ``inverse_scale`` fp32
+    ``[columns, 1]``."""
+    rows, columns = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows_out = -(-rows // multiple) * multiple
+    q = torch.empty((columns, rows_out), device=x.device, dtype=torch.float8_e4m3fn)
+    inverse = torch.empty((columns, 1), device=x.device, dtype=torch.float32)
+    if columns == 0 or rows_out == 0:
+        return q, inverse
+    peaks = torch.zeros(columns, device=x.device, dtype=torch.float32)
+    blocks = triton.cdiv(columns, TILE_COLUMNS)
+    if rows:
+        _column_peaks[(blocks, triton.cdiv(rows, TILE_ROWS))](
+            x, peaks, rows, columns, x.stride(0), ROWS=TILE_ROWS, COLUMNS=TILE_COLUMNS, num_warps=WARPS
+        )
+    _quantize_columns[(blocks, triton.cdiv(rows_out, TILE_ROWS))](
+        x,
+        q,
+        inverse,
+        peaks,
+        rows,
+        rows_out,
+        columns,
+        x.stride(0),
+        q.stride(0),
+        FP8_MAX=FP8_MAX,
+        TINY=FP8_TINY,
+        ROWS=TILE_ROWS,
+        COLUMNS=TILE_COLUMNS,
+        num_warps=WARPS,
+    )
     return q, inverse

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from fusepatch.layers.support.hooks import autocast_dtype
-from fusepatch.ops.fp8_linear.scaled_mm import MULTIPLE
+from fusepatch.ops.fp8_linear.scaled_mm import MULTIPLE, QuantizedWeight, quantize_weight
 
 # the decoder's projections that train in FP8: attention q/k/v/o, the Gated DeltaNet's input and output
 # projections, the MLPs' (and the MoE shared expert's) gate/up/down. Left as they are: the embeddings, the norms,
@@ -34,9 +34,25 @@ def fp8_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if self.weight.shape[0] % MULTIPLE or self.weight.shape[1] % MULTIPLE:
         state.transformers_calls[UNALIGNED] = state.transformers_calls.get(UNALIGNED, 0) + 1
         return state.original(x)
+    fp8_linear = state.ops["fp8_linear"]
     cast = autocast_dtype(x)
     if cast is not None:  # autocast would run the projection in its dtype: quantize from that input
         with torch.autocast(x.device.type, enabled=False):
             bias = None if self.bias is None else self.bias.to(cast)
-            return state.ops["fp8_linear"](x.to(cast), self.weight, bias)
-    return state.ops["fp8_linear"](x, self.weight, self.bias)
+            return fp8_linear(x.to(cast), self.weight, bias, frozen=frozen_weight(self, state.cache))
+    return fp8_linear(x, self.weight, self.bias, frozen=frozen_weight(self, state.cache))
+
+
+def frozen_weight(module: torch.nn.Module, cache: dict) -> QuantizedWeight | None:
+    """A frozen weight's FP8 copy, quantized once per weight version (LoRA's base: every step reuses it); None
+    for a weight that trains (quantized afresh at every GEMM) or inside ``torch.compile`` (traced as a fresh
+    quantization). Keyed by the tensor's storage, version, shape and dtype: an in-place update, a load or a new
+    tensor quantizes again."""
+    weight = module.weight
+    if weight.requires_grad or torch.compiler.is_compiling():
+        return None
+    key = (weight.device, weight.data_ptr(), weight._version, weight.shape, weight.dtype)
+    held = cache.get("fp8")
+    if held is None or held[0] != key:
+        held = cache["fp8"] = (key, quantize_weight(weight))
+    return held[1]

@@ -1,6 +1,7 @@
-"""FP8 projections on the H200: the Triton quantization kernel against its PyTorch twin (the same bits), the FP8
-GEMMs' error against fp32 at the 27B layer widths, and a mini Qwen3.5 model trained with
-``apply(model, precision="fp8")`` against the same model patched in bf16."""
+"""FP8 projections on the H200: the Triton quantization kernels (rows, rows with a factor per column, columns
+written transposed and padded) against their PyTorch twins (the same bits), the FP8 GEMMs' error against fp32 at
+the 27B layer widths for a trained and a frozen weight, a mini Qwen3.5 model trained with
+``apply(model, precision="fp8")`` against the same model patched in bf16, and the same with peft LoRA."""
 
 from __future__ import annotations
 
@@ -35,24 +36,49 @@ def test_quantize_kernel_gives_the_reference_bits(shape, dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(301, 5120), (4096, 1024), (7, 1000), (0, 64)], ids=["pad", "tall", "odd", "empty"])
+def test_column_and_factor_kernels_give_the_reference_bits(shape, dtype):
+    from fusepatch.kernels.fp8 import quantize_columns, quantize_rows
+    from fusepatch.ops.fp8_linear.scaled_mm import quantize_columns_reference, quantize_rows_reference
+
+    x = torch.randn(shape, device="cuda").to(dtype)
+    if shape[0] > 2:
+        x[:, 0] *= 1e4
+        x[:, 1] = 0
+    for multiple in (1, 16):
+        q, inverse = quantize_columns(x, multiple)
+        want_q, want_inverse = quantize_columns_reference(x, multiple)
+        assert q.shape == want_q.shape and torch.equal(inverse, want_inverse)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    factor = torch.exp2(torch.randint(-8, 8, (shape[1],), device="cuda").float())
+    q, inverse = quantize_rows(x, factor)
+    want_q, want_inverse = quantize_rows_reference(x, factor)
+    assert torch.equal(inverse, want_inverse) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
 @pytest.mark.parametrize(
     "tokens, inputs, outputs", [(4096, 5120, 7168), (4096, 17408, 5120), (1000, 2048, 6144)], ids=["qkv", "down", "2b"]
 )
-def test_fp8_gemms_on_the_gpu(tokens, inputs, outputs):
+def test_fp8_gemms_on_the_gpu(tokens, inputs, outputs, frozen):
     """Output and both gradients in FP8's band against fp32 at the 27B and 2B-like widths (1000 tokens: the
-    weight gradient's token dimension padded)."""
+    weight gradient's token dimension padded); a frozen weight (LoRA's base): output and input gradient, through
+    the forward's FP8 weight."""
     fn = kernel("fp8_linear", "scaled-mm", torch.bfloat16)
     x = torch.randn(tokens, inputs, device="cuda")
     w = torch.randn(outputs, inputs, device="cuda") * inputs**-0.5
     grad = torch.randn(tokens, outputs, device="cuda")
     results = []
     for f, dtype in ((torch.nn.functional.linear, torch.float32), (fn, torch.bfloat16)):
-        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (x, w)]
+        leaves = [t.detach().to(dtype).requires_grad_(not (frozen and i == 1)) for i, t in enumerate((x, w))]
         out = f(*leaves)
         out.backward(grad.to(out.dtype))
         results.append((out, leaves[0].grad, leaves[1].grad))
-    errors = {n: relative_error(g, w) for n, g, w in zip(("out", "dx", "dw"), results[1], results[0])}
-    record(f"fp8-{tokens}x{inputs}x{outputs}", {"errors": errors, "band": FP8_ERROR})
+    names = ("out", "dx") if frozen else ("out", "dx", "dw")
+    errors = {n: relative_error(g, w) for n, g, w in zip(names, results[1], results[0])}
+    assert not frozen or results[1][2] is None
+    record(f"fp8-{tokens}x{inputs}x{outputs}{'-frozen' if frozen else ''}", {"errors": errors, "band": FP8_ERROR})
     assert all(FP8_ERROR[0] < e < FP8_ERROR[1] for e in errors.values()), errors
 
 
@@ -79,3 +105,29 @@ def test_mini_model_trains_in_fp8_close_to_bf16():
     record("fp8-mini-model", {"losses": losses, "worst": max(errors.values())})
     assert abs(losses[1] - losses[0]) / losses[0] < 0.02, losses
     assert max(errors.values()) < 0.25, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_mini_model_lora_over_an_fp8_base():
+    """peft LoRA over a mini Qwen3.5 model with ``precision="fp8"`` (peft first, as a training script does): the
+    fused LoRA path runs the FP8 bases; loss near the bf16 LoRA model's, and the bases quantized once over two
+    steps."""
+    peft = pytest.importorskip("peft")
+    import fusepatch
+    from fusepatch.tools.tiny import tiny_model
+
+    base = tiny_model("qwen3_5_text", **MINI).cuda().to(torch.bfloat16)
+    config = peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
+    losses = []
+    ids = torch.randint(0, base.config.vocab_size, (2, 512), device="cuda")
+    for precision in (None, "fp8"):
+        torch.manual_seed(0)
+        model = peft.get_peft_model(copy.deepcopy(base), config)
+        fusepatch.apply(model, precision=precision, verbose=False)
+        for _ in range(2):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+        losses.append(loss.item())
+        caches = [m._fusepatch.cache for m in model.modules() if "_fusepatch" in m.__dict__ and m._fusepatch.cache]
+        assert (precision is None) == (not caches)
+    record("fp8-mini-lora", {"losses": losses})
+    assert abs(losses[1] - losses[0]) / losses[0] < 0.02, losses

@@ -17,12 +17,22 @@ order, so one generator state gives peft's masks; each dropped input gets its ow
 It runs for peft's ``lora.Linear`` over a plain ``nn.Linear`` with vanilla adapters (no DoRA or other variant,
 no LoRA bias), enabled and unmerged, without hooks, in one dtype or under autocast. Merged or disabled adapters
 and hooked modules go through peft's forward as they should; anything else that cannot be fused (a QLoRA
-4-bit base, DoRA, fp32 adapters over bf16 inputs without autocast) goes through peft's forward too, and the
-first such call says why (``survey`` says it at ``apply``).
+4-bit base, DoRA) goes through peft's forward too, and the first such call says why (``survey`` says it at
+``apply``).
+
+peft's default keeps the adapters in fp32 over a bf16 model (``autocast_adapter_dtype``), and without autocast
+computes them in fp32: FFMA GEMMs, a tenth of the tensor cores' rate. Here their GEMMs run in the input's dtype,
+as autocast would run them; the adapters' weights, and their gradients (through the cast's backward), stay
+fp32. Said once at INFO.
+
+A base projection that ``apply(model, precision="fp8")`` trains in FP8 (``layers/fp8.py``) is called as its
+module: its output, from its own FP8 GEMM, is what the adapters' products are added to (the first through the GEMM's
+``beta``, out of place), and its input gradient comes from its own backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 
@@ -35,9 +45,9 @@ from fusepatch.layers.support.hooks import autocast_dtype, hooked, in_dtype
 
 PEFT_LAYER = "peft.tuners.lora.layer"  # the module defining peft's LoRA ``Linear``
 
-AUTOCAST_FIX = (
-    "train under autocast (Trainer(bf16=True)), or keep the adapters in the model's dtype "
-    "(peft.get_peft_model(model, config, autocast_adapter_dtype=False))"
+ADAPTERS_CAST = (
+    "peft LoRA adapters in {adapters} over {inputs} inputs: fusepatch runs their GEMMs in {inputs}, as autocast "
+    "would (their weights and gradients stay {adapters})"
 )
 
 
@@ -61,17 +71,31 @@ class Unfused:
 
 @dataclass(frozen=True)
 class Part:
-    """One projection: the base linear's weight and bias, and its adapters (none for a plain ``nn.Linear``)."""
+    """One projection: the base linear's weight and bias, and its adapters (none for a plain ``nn.Linear``);
+    ``called``: a base with a forward of its own (an FP8 projection), called for its output."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     adapters: tuple[Adapter, ...] = ()
+    called: torch.nn.Module | None = None
+
+
+def _own_forward(linear: torch.nn.Module) -> bool:
+    """Whether a plain ``nn.Linear`` computes through a forward ``apply`` gave it (an FP8 projection)."""
+    return "forward" in linear.__dict__ and "_fusepatch" in linear.__dict__
 
 
 def lora_linear_type() -> type | None:
     """peft's LoRA ``Linear`` class if peft is imported (a model cannot hold one otherwise: no import here)."""
     module = sys.modules.get(PEFT_LAYER)
     return getattr(module, "Linear", None) if module is not None else None
+
+
+def held_as(path: str) -> str:
+    """The name a module at ``path`` stands for in its layer: its own, or for peft's ``base_layer`` of a wrapped
+    linear the wrapper's (``self_attn.q_proj.base_layer`` is the layer's ``q_proj``)."""
+    parts = path.split(".")
+    return parts[-2] if len(parts) > 1 and parts[-1] == "base_layer" else parts[-1]
 
 
 def is_lora(module: torch.nn.Module) -> bool:
@@ -92,7 +116,11 @@ def part(module: torch.nn.Module, x: torch.Tensor, cast: bool) -> Part | Unfused
     disabled adapters, not a linear of fusepatch's kind); ``Unfused`` where it is a LoRA layer that cannot be
     fused. ``cast``: under autocast (every tensor is cast to its dtype, as autocast would)."""
     if type(module) is torch.nn.Linear:
-        if hooked(module) or (not cast and not in_dtype(module, x.dtype)):
+        if hooked(module) or ("forward" in module.__dict__ and not _own_forward(module)):
+            return None
+        if _own_forward(module):
+            return Part(module.weight, module.bias, called=module)
+        if not cast and not in_dtype(module, x.dtype):
             return None
         return Part(module.weight, module.bias)
     if not is_lora(module):
@@ -108,7 +136,7 @@ def part(module: torch.nn.Module, x: torch.Tensor, cast: bool) -> Part | Unfused
     base = module.base_layer
     if type(base) is not torch.nn.Linear:
         return Unfused(f"its base layer is a {type(base).__name__}, not nn.Linear")
-    if hooked(base):
+    if hooked(base) or ("forward" in base.__dict__ and not _own_forward(base)):
         return None
     adapters = []
     for name in module.active_adapters:
@@ -124,16 +152,23 @@ def part(module: torch.nn.Module, x: torch.Tensor, cast: bool) -> Part | Unfused
         dropout = _dropout(module.lora_dropout[name])
         if isinstance(dropout, Unfused):
             return dropout
-        if not cast and (a.weight.dtype != x.dtype or b.weight.dtype != x.dtype):
+        if not cast and not (_castable(a.weight, x) and _castable(b.weight, x)):
             return Unfused(
                 f"adapter weights in {str(a.weight.dtype).removeprefix('torch.')} over "
-                f"{str(x.dtype).removeprefix('torch.')} inputs without autocast (peft computes the adapters apart)",
-                AUTOCAST_FIX,
+                f"{str(x.dtype).removeprefix('torch.')} inputs without autocast"
             )
         adapters.append(Adapter(a.weight, b.weight, float(module.scaling[name]), dropout))
+    if _own_forward(base):
+        return Part(base.weight, base.bias, tuple(adapters), called=base)
     if not cast and not in_dtype(base, x.dtype):
         return None
     return Part(base.weight, base.bias, tuple(adapters))
+
+
+def _castable(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """An adapter weight the fused path can compute with in ``x``'s dtype: that dtype, or fp32 master weights
+    over 16-bit inputs (peft's default, cast as autocast would cast them)."""
+    return weight.dtype == x.dtype or (weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def say_once(module: torch.nn.Module, why: Unfused) -> None:
@@ -150,18 +185,25 @@ def describe(name: str, why: Unfused) -> str:
 
 class _LoraLinears(torch.autograd.Function):
     """``base_i(x) + sum_a B_a (A_a dropout_a(x)) s_a`` for every projection i of one input ``x``; with
-    ``residual`` (one projection) ``residual + ...``. ``layout``: per projection, its bias flag and per adapter
-    ``(scaling, dropped)``; ``tensors``: the weights, the biases, then ``A, B, dropped input`` per adapter."""
+    ``residual`` (one projection) ``residual + ...``. ``layout``: per projection, its bias flag, per adapter
+    ``(scaling, dropped)``, and whether its base output is given; ``tensors``: the weights (a given base's
+    output in its place: the adapters' products are added to it), the biases, then ``A, B, dropped input`` per
+    adapter."""
 
     @staticmethod
     def forward(ctx, x, residual, layout, *tensors):
         n = len(layout)
         weights, biases, rest = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
+        given = [entry[2] for entry in layout]
         flat = x.reshape(-1, x.shape[-1])
         if residual is not None:
             outs = [torch.addmm(residual.reshape(-1, residual.shape[-1]), flat, weights[0].t())]
         else:
-            outs = [F.linear(flat, w, b) for w, b in zip(weights, biases)]
+            outs = [
+                w.view(-1, w.shape[-1]) if given[i] else F.linear(flat, w, b)
+                for i, (w, b) in enumerate(zip(weights, biases))
+            ]
+        owned = [not g for g in given]  # a given output is another node's: the first product is added out of place
         # (projection, scaling, A, B, dropped input or None)
         adapters = [(i, scaling, *rest[3 * k : 3 * k + 3]) for k, (i, scaling, _) in enumerate(_adapter_plan(layout))]
         shared = [ad for ad in adapters if ad[4] is None]
@@ -172,7 +214,7 @@ class _LoraLinears(torch.autograd.Function):
             _scale_columns(h, [(ad[1], ad[2].shape[0]) for ad in shared])
             start = 0
             for i, _, _, b, _ in shared:
-                outs[i].addmm_(h[:, start : start + b.shape[1]], b.t())
+                _accumulate(outs, owned, i, h[:, start : start + b.shape[1]], b.t())
                 start += b.shape[1]
         own = []
         for i, scaling, a, b, dropped in adapters:
@@ -180,12 +222,14 @@ class _LoraLinears(torch.autograd.Function):
                 hd = dropped.reshape(-1, dropped.shape[-1]).mm(a.t())
                 if scaling != 1.0:
                     hd.mul_(scaling)
-                outs[i].addmm_(hd, b.t())
+                _accumulate(outs, owned, i, hd, b.t())
                 own.append(hd)
         ctx.layout, ctx.has_residual = layout, residual is not None
+        ctx.given_shapes = [w.shape if g else None for w, g in zip(weights, given)]
         ctx.set_materialize_grads(False)
         droppeds = [ad[4] for ad in adapters if ad[4] is not None]
-        ctx.save_for_backward(x, joined, h, *weights, *[t for ad in adapters for t in ad[2:4]], *own, *droppeds)
+        bases = [None if g else w for w, g in zip(weights, given)]
+        ctx.save_for_backward(x, joined, h, *bases, *[t for ad in adapters for t in ad[2:4]], *own, *droppeds)
         return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outs)
 
     @staticmethod
@@ -205,6 +249,9 @@ class _LoraLinears(torch.autograd.Function):
         dbiases: list = [None] * n
         for i, g in enumerate(grads):
             if g is None:
+                continue
+            if layout[i][2]:  # a given base output: its gradient is the output's, its backward its own
+                dweights[i] = g.view(ctx.given_shapes[i])
                 continue
             if needs[0]:
                 dx = g.mm(weights[i]) if dx is None else dx.addmm_(g, weights[i])
@@ -266,9 +313,18 @@ class _LoraLinears(torch.autograd.Function):
         return dx, dresidual, None, *dweights, *dbiases, *dtensors
 
 
+def _accumulate(outs: list, owned: list, i: int, m1: torch.Tensor, m2: torch.Tensor) -> None:
+    """``outs[i] += m1 @ m2`` through the GEMM; out of place the first time for an output this function does not
+    own (a given base output: another autograd node's)."""
+    if owned[i]:
+        outs[i].addmm_(m1, m2)
+    else:
+        outs[i], owned[i] = torch.addmm(outs[i], m1, m2), True
+
+
 def _adapter_plan(layout: tuple) -> list[tuple[int, float, bool]]:
     """Per adapter, in the order ``tensors`` holds them: its projection, its scaling, whether its input is dropped."""
-    return [(i, scaling, dropped) for i, (_, plan) in enumerate(layout) for scaling, dropped in plan]
+    return [(i, scaling, dropped) for i, (_, plan, _) in enumerate(layout) for scaling, dropped in plan]
 
 
 def _scale_columns(t: torch.Tensor, blocks: list[tuple[float, int]]) -> None:
@@ -304,33 +360,58 @@ def project(
         parts.append(found)
     if not any(p.adapters for p in parts):
         return None
+    if residual is not None and parts[0].called is not None:  # the base's own GEMM cannot take the residual
+        fused = project(x, linears)
+        return None if fused is None else (residual + fused[0],)
     if residual is not None and (
         parts[0].bias is not None
         or residual.dtype != (cast_to or x.dtype)
         or residual.shape != (*x.shape[:-1], parts[0].weight.shape[0])
     ):
         return None
-    droppeds = []
-    for p in parts:  # peft's order: each linear's adapters in turn (same generator draws, same masks)
-        droppeds.append([None if ad.dropout is None else ad.dropout(x) for ad in p.adapters])
-    layout = tuple(
-        (p.bias is not None, tuple((ad.scaling, ad.dropout is not None) for ad in p.adapters)) for p in parts
-    )
-    tensors = [p.weight for p in parts] + [p.bias for p in parts]
-    for p, drops in zip(parts, droppeds):
-        for ad, dropped in zip(p.adapters, drops):
-            tensors += [ad.a, ad.b, dropped]
+    dtype = cast_to or x.dtype
     if cast_to is None:
-        return _LoraLinears.apply(x, residual, layout, *tensors)
-    cast = [t.to(cast_to) if t is not None and t.is_floating_point() else t for t in (x, *tensors)]
-    with torch.autocast(x.device.type, enabled=False):
-        return _LoraLinears.apply(cast[0], residual, layout, *cast[1:])
+        _say_cast(parts, x.dtype)
+    with torch.autocast(x.device.type, enabled=False) if cast_to is not None else contextlib.nullcontext():
+        x = x.to(dtype)
+        droppeds = []
+        for p in parts:  # peft's order: each linear's adapters in turn (same generator draws, same masks)
+            droppeds.append([None if ad.dropout is None else ad.dropout(x) for ad in p.adapters])
+        # a base with a forward of its own (FP8) computes its output itself; the adapters are added to it
+        given = [None if p.called is None else p.called(x) for p in parts]
+        layout = tuple(
+            (
+                p.bias is not None and p.called is None,
+                tuple((ad.scaling, ad.dropout is not None) for ad in p.adapters),
+                p.called is not None,
+            )
+            for p in parts
+        )
+        tensors = [p.weight if g is None else g for p, g in zip(parts, given)]
+        tensors += [None if p.called is not None else p.bias for p in parts]
+        for p, drops in zip(parts, droppeds):
+            for ad, dropped in zip(p.adapters, drops):
+                tensors += [ad.a, ad.b, dropped]
+        cast = [t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors]
+        return _LoraLinears.apply(x, residual, layout, *cast)
+
+
+def _say_cast(parts: list[Part], dtype: torch.dtype) -> None:
+    """Say once that fp32 adapters over 16-bit inputs compute their GEMMs in the inputs' dtype."""
+    for p in parts:
+        for ad in p.adapters:
+            if ad.a.dtype != dtype or ad.b.dtype != dtype:
+                adapters, inputs = (str(t).removeprefix("torch.") for t in (ad.a.dtype, dtype))
+                line = ADAPTERS_CAST.format(adapters=adapters, inputs=inputs)
+                if process_state().said.first(line):
+                    logger.info("fusepatch: %s", line)
+                return
 
 
 def survey(model: torch.nn.Module, dtype: torch.dtype, cast: bool) -> dict:
     """The model's peft LoRA linears as ``apply`` reports them: how many; how many can be fused when computing
     in ``dtype`` (``cast``: under autocast or a mixed-precision policy; only dtypes are read); the others as
-    log lines with their reason and fix (QLoRA, DoRA, fp32 adapters without autocast) and their count. Merged,
+    log lines with their reason and fix (QLoRA, DoRA) and their count. Merged,
     disabled or hooked adapters count as neither: they run through peft's forward as they should."""
     probe = torch.empty(0, dtype=dtype)
     total, fusable, unfused = 0, 0, {}

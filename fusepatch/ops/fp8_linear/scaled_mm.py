@@ -11,6 +11,9 @@ padded with zero rows to a multiple of 16, and outputs in another dtype are cast
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
 from fusepatch.kernels.fp8_range import FP8_MAX, FP8_TINY
@@ -19,46 +22,66 @@ FP8 = torch.float8_e4m3fn
 MULTIPLE = 16  # _scaled_mm's alignment of the reduction and output dimensions
 
 
-def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_reference(x: torch.Tensor, factor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernels/fp8.quantize_rows`` in PyTorch: the same power-of-two scales and the same bits."""
-    peak = x.abs().amax(dim=1, keepdim=True).float().clamp_min(FP8_TINY)
+    values = x.float() if factor is None else x.float() * factor.reshape(1, -1).float()
+    peak = values.abs().amax(dim=1, keepdim=True).clamp_min(FP8_TINY)
     scale = torch.exp2(torch.floor(torch.log2(FP8_MAX / peak)))
-    q = (x.float() * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = (values * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale.reciprocal()
 
 
-def _quantizer(device: torch.device):
-    if device.type == "cuda":
-        from fusepatch.kernels.fp8 import quantize_rows
-
-        return quantize_rows
-    return quantize_rows_reference
-
-
-def _transposed(x: torch.Tensor) -> torch.Tensor:
-    """``x.t()`` contiguous, its columns (the tokens) padded with zeros to a multiple of 16."""
+def quantize_columns_reference(x: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels/fp8.quantize_columns`` in PyTorch: ``x.t()`` padded with zero columns to a multiple of
+    ``multiple``, quantized along its rows."""
     rows, columns = x.shape
-    padded = -(-rows // MULTIPLE) * MULTIPLE
-    out = x.new_zeros((columns, padded)) if padded != rows else x.new_empty((columns, rows))
-    out[:, :rows].copy_(x.t())
-    return out
+    padded = -(-rows // multiple) * multiple
+    transposed = x.new_zeros((columns, padded))
+    transposed[:, :rows] = x.t()
+    return quantize_rows_reference(transposed)
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b.t()`` in FP8 for row-major ``a [M, K]`` and ``b [N, K]``, rowwise scales along K, in ``dtype``."""
-    quantize = _quantizer(a.device)
-    aq, a_scale = quantize(a)
-    bq, b_scale = quantize(b)
-    out = torch._scaled_mm(aq, bq.t(), scale_a=a_scale, scale_b=b_scale.t(), out_dtype=torch.bfloat16)
+class Quantizers(NamedTuple):
+    rows: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    columns: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def _quantizers(device: torch.device) -> Quantizers:
+    if device.type == "cuda":
+        from fusepatch.kernels.fp8 import quantize_columns, quantize_rows
+
+        return Quantizers(quantize_rows, quantize_columns)
+    return Quantizers(quantize_rows_reference, quantize_columns_reference)
+
+
+def _scaled_mm(a, a_inverse, b, b_inverse, dtype: torch.dtype) -> torch.Tensor:
+    """``(a * a_inverse) @ (b * b_inverse).t()`` for FP8 ``a [M, K]`` and ``b [N, K]``, both row-major, with
+    rowwise inverse scales ``[M, 1]`` and ``[N, 1]``, in ``dtype`` (``_scaled_mm`` writes bf16)."""
+    out = torch._scaled_mm(a, b.t(), scale_a=a_inverse, scale_b=b_inverse.t(), out_dtype=torch.bfloat16)
     return out if dtype == torch.bfloat16 else out.to(dtype)
 
 
+class QuantizedWeight(NamedTuple):
+    """A weight ``[out, in]`` in FP8 along its rows (the forward's layout) and its inverse scales ``[out, 1]``."""
+
+    q: torch.Tensor
+    inverse: torch.Tensor
+
+
+def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
+    """``weight`` as the forward GEMM reads it: what a frozen weight keeps between steps."""
+    return QuantizedWeight(*_quantizers(weight.device).rows(weight.detach()))
+
+
 class _FP8Linear(torch.autograd.Function):
+    """A trained weight: quantized afresh for every GEMM, along each GEMM's reduction dimension."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.set_materialize_grads(False)
+        quantize = _quantizers(x.device)
         flat = x.reshape(-1, x.shape[-1])
-        out = _mm(flat, weight, x.dtype)
+        out = _scaled_mm(*quantize.rows(flat), *quantize.rows(weight), x.dtype)
         if bias is not None:
             out = out + bias.to(out.dtype)
         ctx.save_for_backward(x, weight)
@@ -70,24 +93,74 @@ class _FP8Linear(torch.autograd.Function):
         if grad is None:
             return None, None, None
         x, weight = ctx.saved_tensors
+        quantize = _quantizers(grad.device)
         flat_grad = grad.reshape(-1, grad.shape[-1])
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:  # dx = grad @ W: reduction over the outputs
-            dx = _mm(flat_grad, weight.t(), x.dtype).view(x.shape)
-        if ctx.needs_input_grad[1]:  # dW = grad.t() @ x: reduction over the tokens
-            dw = _mm(_transposed(flat_grad), _transposed(x.reshape(-1, x.shape[-1])), weight.dtype)
+        if ctx.needs_input_grad[0]:  # dx = grad @ W: reduction over the outputs (W's columns)
+            dx = _scaled_mm(*quantize.rows(flat_grad), *quantize.columns(weight), x.dtype).view(x.shape)
+        if ctx.needs_input_grad[1]:  # dW = grad.t() @ x: reduction over the tokens (both operands' columns)
+            flat = x.reshape(-1, x.shape[-1])
+            g, x_t = quantize.columns(flat_grad, MULTIPLE), quantize.columns(flat, MULTIPLE)
+            dw = _scaled_mm(*g, *x_t, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = flat_grad.sum(0)
         return dx, dw, db
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with its forward and backward GEMMs in FP8; output and input gradient in
-    ``x``'s dtype, weight and bias gradients in theirs. ``weight``'s two dimensions must be multiples of 16."""
+class _FP8FrozenLinear(torch.autograd.Function):
+    """A frozen weight, already in FP8 (``quantize_weight``): no weight gradient. The input gradient reuses the
+    forward's FP8 weight: ``dx = grad @ W = (grad * s) @ q`` for ``W = diag(s) q``, so the rowwise scales ``s``
+    move into the gradient before it is quantized (exact: they are powers of two), and ``q`` is only transposed."""
+
+    @staticmethod
+    def forward(ctx, x, q, inverse, bias):
+        ctx.set_materialize_grads(False)
+        flat = x.reshape(-1, x.shape[-1])
+        out = _scaled_mm(*_quantizers(x.device).rows(flat), q, inverse, x.dtype)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        ctx.save_for_backward(q, inverse)
+        ctx.shape, ctx.has_bias = x.shape, bias is not None
+        return out.view(*x.shape[:-1], q.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None):
+        if grad is None:
+            return None, None, None, None
+        q, inverse = ctx.saved_tensors
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        dx = db = None
+        if ctx.needs_input_grad[0]:
+            g, g_inverse = _quantizers(grad.device).rows(flat_grad, inverse)
+            ones = inverse.new_ones((q.shape[1], 1))
+            dx = _scaled_mm(g, g_inverse, q.t().contiguous(), ones, grad.dtype).view(ctx.shape)
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            db = flat_grad.sum(0)
+        return dx, None, None, db
+
+
+def _aligned(weight: torch.Tensor) -> None:
     if weight.shape[0] % MULTIPLE or weight.shape[1] % MULTIPLE:
         raise ValueError(
             f"fp8_linear: weight {tuple(weight.shape)}: FP8 GEMMs need both dimensions multiples of {MULTIPLE}"
         )
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    frozen: QuantizedWeight | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with its forward and backward GEMMs in FP8; output and input gradient in
+    ``x``'s dtype, weight and bias gradients in theirs. ``weight``'s two dimensions must be multiples of 16.
+    ``frozen``: the weight's ``quantize_weight``, for a weight that takes no gradient (it is used as given: the
+    caller keeps it current)."""
+    _aligned(weight)
+    if frozen is not None or not weight.requires_grad:
+        if frozen is None:
+            frozen = quantize_weight(weight)
+        return _FP8FrozenLinear.apply(x, frozen.q, frozen.inverse, bias)
     return _FP8Linear.apply(x, weight, bias)
 
 
