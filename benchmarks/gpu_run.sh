@@ -16,6 +16,7 @@
 #   bash benchmarks/gpu_run.sh fidelity 27b        # gradients against fp32 eager (benchmarks/fidelity.py)
 #   bash benchmarks/gpu_run.sh warmstart 27b       # `fusepatch warmup` on fresh caches, then a new process's first step
 #   bash benchmarks/gpu_run.sh curves              # needs .whl-ex/: SFT loss curves, two seeds (loss_curves.py)
+#   bash benchmarks/gpu_run.sh textcurves          # bf16 vs fp8 on unrepeated text, two seeds (text_curves.py)
 #   bash benchmarks/gpu_run.sh norm                # the RMSNorm candidates alone (benchmarks/norm_bench.py)
 #   bash benchmarks/gpu_run.sh moe                 # the MoE experts op alone, per candidate (benchmarks/moe_bench.py)
 #   bash benchmarks/gpu_run.sh dqkwg               # fla's TileLang dqkwg kernel at other tilings (dqkwg_bench.py)
@@ -187,6 +188,23 @@ EOF
     done
     python3 benchmarks/loss_curves.py "${runs[@]}" --out "$OUT/loss_curves.jsonl" \
       --command "STEPS=$steps bash benchmarks/gpu_run.sh curves" | tee "$OUT/loss-curves.md" ;;
+  textcurves)
+    # bf16 against fp8 projections on the standard library's code, read once (no memorising), two seeds each,
+    # with a held-out eval loss (benchmarks/text_curves.py; no datasets); BATCH, LR: text_curves.py's defaults
+    need_tilelang
+    pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
+    export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl"
+    steps=${STEPS:-300}; runs=()
+    for seed in 0 1; do
+      for precision in bf16 fp8; do
+        log="$OUT/text-curve-$precision-$seed.log"
+        timeout ${CURVE_TIMEOUT:-240} python3 benchmarks/text_curves.py --precision "$precision" --seed "$seed" --steps "$steps" \
+          ${BATCH:+--batch $BATCH} ${LR:+--lr $LR} --json-out "$OUT/text-curve-$precision-$seed.json" > "$log" 2>&1
+        echo "== $precision seed $seed: exit $?"; grep -E "^(data|tokens/s|eval):" "$log" | cut -c1-300; runs+=("$precision:$seed=$log")
+      done
+    done
+    python3 benchmarks/loss_curves.py "${runs[@]}" --baseline bf16 --candidate fp8 --out "$OUT/text_curves.jsonl" \
+      --command "STEPS=$steps bash benchmarks/gpu_run.sh textcurves" | tee "$OUT/text-curves.md" ;;
   probe)
     # where the GPU waits for the host in a synced step's forward (benchmarks/step_start.py), per CONFIGS
     need_tilelang
