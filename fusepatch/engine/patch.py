@@ -30,6 +30,7 @@ from fusepatch.engine.resolve import PREFERABLE, Choice, Dispatch, candidate_nam
 from fusepatch.layers import layer_graphs, rotary_embedding
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward, trainer_head
 from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
+from fusepatch.layers.fp8 import DroppedWeight, restore_dropped
 from fusepatch.layers.simple import swiglu_mlp_forward
 from fusepatch.layers.support import bindings, lora
 from fusepatch.ops import OPS
@@ -147,6 +148,8 @@ class PatchState:
     mlp_recompute: bool = dataclasses.field(default=False, repr=False)
     # what a patched forward keeps between calls (an FP8 projection's frozen weight, quantized): never pickled
     cache: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    # apply(precision="fp8", drop_frozen_weights=True): a frozen FP8 projection keeps its weight in FP8 only
+    drop_frozen: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         self.original = self._forward_before()
@@ -159,13 +162,15 @@ class PatchState:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         del state["original"]  # a bound method of the owner: derived again, never pickled by name
-        state["cache"] = {}  # derived from the module's tensors, again at the next call
+        if not isinstance(self.owner.__dict__.get("_parameters", {}).get("weight"), DroppedWeight):
+            state["cache"] = {}  # derived from the module's tensors, again at the next call (unless it is all left)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("transformers_calls", {})  # pickled by a release without the count
         self.__dict__.setdefault("cache", {})
+        self.__dict__.setdefault("drop_frozen", False)
         self.original = self._forward_before()
 
 
@@ -254,6 +259,7 @@ class Request:
     verbose: bool | None
     mlp_recompute: bool = False  # FUSEPATCH_MLP_RECOMPUTE, read when apply runs
     precision: str | None = None  # "fp8": the precision rows too (None: the model's own GEMM precision)
+    drop_frozen_weights: bool = False  # with "fp8": frozen projections keep their weight in FP8 only
 
 
 @dataclass(frozen=True)
@@ -285,7 +291,7 @@ class Resolved:
 
 
 def _request(
-    model, ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose, precision=None
+    model, ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose, precision=None, drop_frozen_weights=False
 ) -> tuple[torch.nn.Module, Request]:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fusepatch.apply expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
@@ -299,7 +305,12 @@ def _request(
         verbose=options.optional_boolean(verbose, "verbose"),
         mlp_recompute=options.switch("FUSEPATCH_MLP_RECOMPUTE"),
         precision=options.precision(precision),
+        drop_frozen_weights=options.boolean(drop_frozen_weights, "drop_frozen_weights"),
     )
+    if request.drop_frozen_weights and request.precision != "fp8":
+        raise ValueError(
+            'drop_frozen_weights=True keeps frozen projections in FP8 only; fix: pass precision="fp8" with it'
+        )
     options.check_environment(candidate_names(), PREFERABLE)  # every FUSEPATCH_* variable, read or not on this call
     for name in [*(request.ops or ()), *request.exclude]:
         if name not in OPS:
@@ -391,6 +402,7 @@ def _bind(plan: Plan, resolved: Resolved, request: Request) -> tuple[int, int]:
             instance_forward = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)
             module._fusepatch = PatchState(row, resolved.dispatches[row], module, instance_forward)
             module._fusepatch.mlp_recompute = request.mlp_recompute
+            module._fusepatch.drop_frozen = request.drop_frozen_weights and row.precision == "fp8"
             module.forward = _Bound(row.forward, module)
             module._replicate_for_data_parallel = _Bound(_replicate_patched, module)
             newly += 1
@@ -486,6 +498,7 @@ def apply(
     cuda_graphs: bool = False,
     verbose: bool | None = None,
     precision: str | None = None,
+    drop_frozen_weights: bool = False,
 ) -> PatchReport:
     """Patch every layer of ``model`` that the registry knows, in place.
 
@@ -514,6 +527,9 @@ def apply(
             projections, the MLPs' gate/up/down) train with FP8 GEMMs (op ``fp8_linear``; an Ada, Hopper or newer
             GPU), their weights and optimizer as they are; where FP8 cannot run they stay as they were and the
             fallback is said. Default None: every GEMM in the model's own precision.
+        drop_frozen_weights: with ``precision="fp8"``: a projection whose weight takes no gradient (LoRA's frozen
+            base) keeps it in FP8 only from its first FP8 call: half its memory. The module's ``weight`` then
+            raises if read for values (``revert`` puts back an FP8-rounded copy and says so).
         verbose: ``True``: log the whole report table; ``None``: one line of totals; ``False``: neither. Every
             fallback is logged at WARNING in all three (each distinct reason once, with its fix). The log shows
             without any logging set up (``FUSEPATCH_VERBOSITY``: error, warning, info, debug; default info).
@@ -530,7 +546,9 @@ def apply(
             >>> report = fusepatch.apply(model)
             >>> print(report)  # doctest: +SKIP
     """
-    model, request = _request(model, ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose, precision)
+    model, request = _request(
+        model, ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose, precision, drop_frozen_weights
+    )
     plan = _plan(model, request)
     if plan.message:  # nothing to patch: disabled, or no rows for the model
         logger.warning("fusepatch: %s", plan.message)
@@ -639,6 +657,7 @@ def revert(model: torch.nn.Module) -> int:
             module.forward = state.instance_forward
         module.__dict__.pop("_replicate_for_data_parallel", None)
         module.__dict__.pop(rotary_embedding.TABLES, None)
+        restore_dropped(module, state.cache)
         del module._fusepatch
         bindings.release(module)  # transformers' module-level names back once no patched layer holds them
         restored += 1

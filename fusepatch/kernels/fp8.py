@@ -7,7 +7,8 @@ Along columns (``quantize_columns``): the operands whose GEMM reduces over their
 the input gradient's weight) are written transposed, already in the layout ``torch._scaled_mm`` reads, with the
 token dimension padded with zeros to its alignment: two kernels, the column maxima (atomic, over row blocks in
 parallel) and the scaled, transposed write, instead of a transposed copy of the high-precision tensor and a
-quantization of the copy.
+quantization of the copy. ``transpose``: an FP8 tensor transposed in tiles (a frozen weight's FP8 copy for the
+input gradient).
 
 Why a kernel: in eager PyTorch the same quantization is five kernels over the whole tensor (abs, amax, multiply,
 clamp, cast) and costs about what the FP8 GEMM it feeds saves. Why power-of-two scales: the dequantization in
@@ -16,6 +17,8 @@ the GEMM's epilogue is then exact, and this kernel and :func:`fusepatch.ops.fp8_
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -95,14 +98,21 @@ def quantize_rows(x: torch.Tensor, factor: torch.Tensor | None = None) -> tuple[
 TILE_ROWS, TILE_COLUMNS = 64, 64
 
 
+PEAK_TILES = 16  # row tiles per program of _column_peaks: one atomic per column per 1024 rows
+
+
 @triton.jit
-def _column_peaks(x, peaks, rows, columns, stride_x, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
-    """``peaks[c] = max(peaks[c], max |x[r, c]|)`` over this program's block of rows (``peaks`` starts at 0)."""
-    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+def _column_peaks(x, peaks, rows, columns, stride_x, ROWS: tl.constexpr, COLUMNS: tl.constexpr, TILES: tl.constexpr):
+    """``peaks[c] = max(peaks[c], max |x[r, c]|)`` over this program's ``TILES`` blocks of rows (``peaks`` starts
+    at 0; a maximum does not depend on the order the programs' atomics land in)."""
     c = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
-    mask = (r[:, None] < rows) & (c[None, :] < columns)
-    values = tl.load(x + r[:, None].to(tl.int64) * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.atomic_max(peaks + c, tl.max(tl.abs(values), axis=0), mask=c < columns)
+    peak = tl.zeros((COLUMNS,), dtype=tl.float32)
+    for tile in range(TILES):
+        r = (tl.program_id(1) * TILES + tile) * ROWS + tl.arange(0, ROWS)
+        mask = (r[:, None] < rows) & (c[None, :] < columns)
+        values = tl.load(x + r[:, None].to(tl.int64) * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        peak = tl.maximum(peak, tl.max(tl.abs(values), axis=0))
+    tl.atomic_max(peaks + c, peak, mask=c < columns)
 
 
 @triton.jit
@@ -145,13 +155,22 @@ def quantize_columns(x: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, 
     rows_out = -(-rows // multiple) * multiple
     q = torch.empty((columns, rows_out), device=x.device, dtype=torch.float8_e4m3fn)
     inverse = torch.empty((columns, 1), device=x.device, dtype=torch.float32)
-    if columns == 0 or rows_out == 0:
+    if columns == 0 or rows_out == 0:  # no tokens: every column's peak is a zero column's
+        inverse.fill_(1.0 / 2.0 ** math.floor(math.log2(FP8_MAX / FP8_TINY)))
         return q, inverse
     peaks = torch.zeros(columns, device=x.device, dtype=torch.float32)
     blocks = triton.cdiv(columns, TILE_COLUMNS)
     if rows:
-        _column_peaks[(blocks, triton.cdiv(rows, TILE_ROWS))](
-            x, peaks, rows, columns, x.stride(0), ROWS=TILE_ROWS, COLUMNS=TILE_COLUMNS, num_warps=WARPS
+        _column_peaks[(blocks, triton.cdiv(rows, TILE_ROWS * PEAK_TILES))](
+            x,
+            peaks,
+            rows,
+            columns,
+            x.stride(0),
+            ROWS=TILE_ROWS,
+            COLUMNS=TILE_COLUMNS,
+            TILES=PEAK_TILES,
+            num_warps=WARPS,
         )
     _quantize_columns[(blocks, triton.cdiv(rows_out, TILE_ROWS))](
         x,
@@ -170,3 +189,25 @@ def quantize_columns(x: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, 
         num_warps=WARPS,
     )
     return q, inverse
+
+
+@triton.jit
+def _transpose(q, out, rows, columns, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    c = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
+    mask = (r[:, None] < rows) & (c[None, :] < columns)
+    tile = tl.load(q + r[:, None].to(tl.int64) * columns + c[None, :], mask=mask)
+    tl.store(out + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+
+def transpose(q: torch.Tensor) -> torch.Tensor:
+    """``q.t().contiguous()`` of a contiguous 2-D FP8 tensor in tiles (a frozen weight for its input gradient):
+    the strided elementwise copy moves single bytes; the tiles move rows of them."""
+    rows, columns = q.shape
+    out = torch.empty((columns, rows), device=q.device, dtype=q.dtype)
+    if q.numel():
+        source, target = q.contiguous().view(torch.uint8), out.view(torch.uint8)
+        _transpose[(triton.cdiv(rows, TILE_ROWS), triton.cdiv(columns, TILE_COLUMNS))](
+            source, target, rows, columns, ROWS=TILE_ROWS, COLUMNS=TILE_COLUMNS, num_warps=WARPS
+        )
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from fusepatch.base.log import logger
 from fusepatch.layers.support.hooks import autocast_dtype
 from fusepatch.ops.fp8_linear.scaled_mm import MULTIPLE, QuantizedWeight, quantize_weight
 
@@ -47,12 +48,97 @@ def frozen_weight(module: torch.nn.Module, cache: dict) -> QuantizedWeight | Non
     """A frozen weight's FP8 copy, quantized once per weight version (LoRA's base: every step reuses it); None
     for a weight that trains (quantized afresh at every GEMM) or inside ``torch.compile`` (traced as a fresh
     quantization). Keyed by the tensor's storage, version, shape and dtype: an in-place update, a load or a new
-    tensor quantizes again."""
+    tensor quantizes again. With ``apply(drop_frozen_weights=True)`` the weight itself is dropped once quantized."""
     weight = module.weight
+    if isinstance(weight, DroppedWeight):
+        return cache["fp8"][1]
     if weight.requires_grad or torch.compiler.is_compiling():
         return None
     key = (weight.device, weight.data_ptr(), weight._version, weight.shape, weight.dtype)
     held = cache.get("fp8")
     if held is None or held[0] != key:
         held = cache["fp8"] = (key, quantize_weight(weight))
+    if module._fusepatch.drop_frozen:
+        module.weight = DroppedWeight.of(weight)
     return held[1]
+
+
+DROPPED = (
+    'fusepatch: this projection\'s weight was dropped: apply(model, precision="fp8", drop_frozen_weights=True) '
+    "keeps frozen projections in FP8 only; fix: fusepatch.revert(model) puts back a bf16 copy (rounded to FP8), "
+    "or apply without drop_frozen_weights to keep the weight"
+)
+
+
+class DroppedWeight(torch.nn.Parameter):
+    """What a frozen FP8 projection holds as ``weight`` after ``drop_frozen_weights``: shape, dtype, device and
+    ``requires_grad`` as before, and no values (a meta tensor). Reading it for values (a GEMM, a copy, a move to
+    another device) raises with the fix instead of computing with nothing; ``detach`` (``state_dict``) gives a
+    meta tensor, which peft's adapter saving leaves out."""
+
+    device_of: torch.device
+
+    @staticmethod
+    def of(weight: torch.Tensor) -> DroppedWeight:
+        dropped = DroppedWeight(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
+        dropped.device_of = weight.device
+        return dropped
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is torch.Tensor.device:  # the ``device`` property's getter
+            return args[0].device_of
+        if func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu) and _same_place(args, kwargs):
+            return args[0]
+        if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__", "detach"):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        raise RuntimeError(DROPPED)
+
+
+_METADATA = {
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.numel,
+    torch.Tensor.element_size,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.requires_grad_,
+    torch.Tensor.__repr__,
+    torch.Tensor.__format__,
+    torch.Tensor.__hash__,
+    torch.Tensor.__eq__,
+    torch.Tensor.data_ptr,
+    torch._has_compatible_shallow_copy_type,
+}
+
+
+def _same_place(args: tuple, kwargs: dict) -> bool:
+    """``weight.to(...)``, ``.cuda()``, ``.cpu()`` that would change nothing: its own device and dtype."""
+    weight, targets = args[0], [*args[1:], *kwargs.values()]
+    for target in targets:
+        if isinstance(target, torch.dtype) and target != weight.dtype:
+            return False
+        if isinstance(target, (str, torch.device, int)) and not isinstance(target, bool):
+            device = torch.device(target) if not isinstance(target, int) else torch.device("cuda", target)
+            if device.type != weight.device_of.type or (device.index is not None and device != weight.device_of):
+                return False
+        if isinstance(target, torch.Tensor):
+            return False
+    return True
+
+
+def restore_dropped(module: torch.nn.Module, cache: dict) -> None:
+    """``revert``: a dropped weight back as a real parameter, dequantized from its FP8 copy (rounded: FP8 keeps
+    3 mantissa bits), and said; anything else as it is."""
+    weight = module.__dict__.get("_parameters", {}).get("weight")
+    if not isinstance(weight, DroppedWeight):
+        return
+    q, inverse = cache["fp8"][1]
+    values = (q.float() * inverse).to(weight.dtype)
+    module.weight = torch.nn.Parameter(values, requires_grad=False)
+    logger.warning(
+        "fusepatch: revert: %s's frozen weight was kept in FP8 only (drop_frozen_weights=True); it is back, "
+        "rounded to FP8 (about 3%% off the original values); reload the checkpoint for the exact weights",
+        type(module).__name__,
+    )

@@ -37,7 +37,9 @@ def test_quantize_kernel_gives_the_reference_bits(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("shape", [(301, 5120), (4096, 1024), (7, 1000), (0, 64)], ids=["pad", "tall", "odd", "empty"])
+@pytest.mark.parametrize(
+    "shape", [(301, 5120), (4096, 1024), (2500, 80), (7, 1000), (0, 64)], ids=["pad", "tall", "peaks", "odd", "empty"]
+)
 def test_column_and_factor_kernels_give_the_reference_bits(shape, dtype):
     from fusepatch.kernels.fp8 import quantize_columns, quantize_rows
     from fusepatch.ops.fp8_linear.scaled_mm import quantize_columns_reference, quantize_rows_reference
@@ -51,6 +53,10 @@ def test_column_and_factor_kernels_give_the_reference_bits(shape, dtype):
         want_q, want_inverse = quantize_columns_reference(x, multiple)
         assert q.shape == want_q.shape and torch.equal(inverse, want_inverse)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    from fusepatch.kernels.fp8 import transpose
+
+    q = quantize_rows(x)[0]
+    assert torch.equal(transpose(q).view(torch.uint8), q.t().contiguous().view(torch.uint8))
     factor = torch.exp2(torch.randint(-8, 8, (shape[1],), device="cuda").float())
     q, inverse = quantize_rows(x, factor)
     want_q, want_inverse = quantize_rows_reference(x, factor)

@@ -25,7 +25,10 @@ MULTIPLE = 16  # _scaled_mm's alignment of the reduction and output dimensions
 def quantize_rows_reference(x: torch.Tensor, factor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernels/fp8.quantize_rows`` in PyTorch: the same power-of-two scales and the same bits."""
     values = x.float() if factor is None else x.float() * factor.reshape(1, -1).float()
-    peak = values.abs().amax(dim=1, keepdim=True).clamp_min(FP8_TINY)
+    if values.shape[1] == 0:  # no values (a step without tokens): the peak of a zero row
+        peak = values.new_full((values.shape[0], 1), FP8_TINY)
+    else:
+        peak = values.abs().amax(dim=1, keepdim=True).clamp_min(FP8_TINY)
     scale = torch.exp2(torch.floor(torch.log2(FP8_MAX / peak)))
     q = (values * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale.reciprocal()
@@ -41,17 +44,23 @@ def quantize_columns_reference(x: torch.Tensor, multiple: int = 1) -> tuple[torc
     return quantize_rows_reference(transposed)
 
 
+def transpose_reference(q: torch.Tensor) -> torch.Tensor:
+    """``kernels/fp8.transpose`` in PyTorch."""
+    return q.t().contiguous()
+
+
 class Quantizers(NamedTuple):
     rows: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     columns: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    transpose: Callable[[torch.Tensor], torch.Tensor]
 
 
 def _quantizers(device: torch.device) -> Quantizers:
     if device.type == "cuda":
-        from fusepatch.kernels.fp8 import quantize_columns, quantize_rows
+        from fusepatch.kernels.fp8 import quantize_columns, quantize_rows, transpose
 
-        return Quantizers(quantize_rows, quantize_columns)
-    return Quantizers(quantize_rows_reference, quantize_columns_reference)
+        return Quantizers(quantize_rows, quantize_columns, transpose)
+    return Quantizers(quantize_rows_reference, quantize_columns_reference, transpose_reference)
 
 
 def _scaled_mm(a, a_inverse, b, b_inverse, dtype: torch.dtype) -> torch.Tensor:
@@ -131,9 +140,10 @@ class _FP8FrozenLinear(torch.autograd.Function):
         flat_grad = grad.reshape(-1, grad.shape[-1])
         dx = db = None
         if ctx.needs_input_grad[0]:
-            g, g_inverse = _quantizers(grad.device).rows(flat_grad, inverse)
+            quantize = _quantizers(grad.device)
+            g, g_inverse = quantize.rows(flat_grad, inverse)
             ones = inverse.new_ones((q.shape[1], 1))
-            dx = _scaled_mm(g, g_inverse, q.t().contiguous(), ones, grad.dtype).view(ctx.shape)
+            dx = _scaled_mm(g, g_inverse, quantize.transpose(q), ones, grad.dtype).view(ctx.shape)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = flat_grad.sum(0)
         return dx, None, None, db

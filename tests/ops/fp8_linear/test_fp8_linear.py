@@ -294,3 +294,99 @@ def test_lora_over_an_fp8_base_quantizes_it_once_per_version(monkeypatch, order)
         weight.mul_(2)  # an in-place update: a new version, quantized again
     model(**batch)
     assert len(quantized) == len(fp8) + 1
+
+
+def test_dropped_frozen_weights_train_the_same_and_revert_saying_so(monkeypatch, caplog):
+    """``drop_frozen_weights=True``: after the first step every frozen FP8 base holds no values (half the
+    memory of its bf16 weight stays, in FP8), the next steps compute exactly what the kept-weight model computes,
+    peft's adapter state dict is unchanged, reading a dropped weight for values raises with the fix, and
+    ``revert`` puts back FP8-rounded weights and says so. Without ``precision="fp8"`` the argument is refused."""
+    from fusepatch.layers.fp8 import DROPPED, DroppedWeight
+
+    peft = pytest.importorskip("peft")
+    cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    monkeypatch.setattr(projections, "DEVICES", (*projections.DEVICES, "cpu"))
+    torch.manual_seed(0)
+    base = tiny_model("qwen3_5_text", hidden_size=128, intermediate_size=256).to(torch.bfloat16)
+    originals = {n: p.detach().clone() for n, p in base.named_parameters()}
+    models, losses = [], []
+    for drop in (False, True):
+        torch.manual_seed(1)
+        model = _lora(copy.deepcopy(base))
+        fusepatch.apply(model, precision="fp8", drop_frozen_weights=drop, verbose=False)
+        batch = lm_batch(model, length=48)
+        steps = []
+        for _ in range(2):
+            model.zero_grad()
+            loss = model(**batch).loss
+            loss.backward()
+            steps.append(loss.item())
+        models.append(model)
+        losses.append(steps)
+    kept, dropped = models
+    assert losses[0] == losses[1]
+    for (name, p), (_, q) in zip(kept.named_parameters(), dropped.named_parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    gone = [m for m in _fp8_modules(dropped).values() if isinstance(m.weight, DroppedWeight)]
+    assert gone and len(gone) == len(_fp8_modules(dropped))
+    assert all(m.weight.device.type == "cpu" and m.weight.shape == (m.out_features, m.in_features) for m in gone)
+    saved = peft.get_peft_model_state_dict(dropped)
+    want = peft.get_peft_model_state_dict(kept)
+    assert saved.keys() == want.keys() and all(torch.equal(saved[k], want[k]) for k in saved)
+    with pytest.raises(RuntimeError, match="drop_frozen_weights"):
+        gone[0].weight.sum()
+    dropped.to("cpu")  # a move to where it is changes nothing
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        fusepatch.revert(dropped)
+    assert any("rounded to FP8" in r.getMessage() for r in caplog.records)
+    for name, p in dropped.base_model.model.named_parameters():
+        if name.endswith("base_layer.weight") and name.split(".")[-3] in PROJECTIONS:
+            original = originals[name.replace(".base_layer", "")]
+            assert not isinstance(p, DroppedWeight) and 0 < relative_error(p, original) < FP8_ERROR[1]
+    assert "revert" in DROPPED
+    with pytest.raises(ValueError, match='precision="fp8"'):
+        fusepatch.apply(tiny_model("qwen3_5_text"), drop_frozen_weights=True)
+
+
+def _fp8_model(monkeypatch, **config):
+    cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_5_text", hidden_size=128, intermediate_size=256, **config).to(torch.bfloat16)
+    fusepatch.apply(model, precision="fp8", verbose=False)
+    return model
+
+
+def _step(model, batch):
+    model.zero_grad()
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def test_activation_checkpointing_recomputes_the_same_fp8_forward(monkeypatch):
+    """Checkpointed layers run their FP8 projections again in the backward: the recompute quantizes the same
+    inputs to the same bits, so loss and every gradient equal the run without checkpointing exactly."""
+    model = _fp8_model(monkeypatch)
+    batch = lm_batch(model, length=48)
+    plain = _step(model, batch)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    checkpointed = _step(model, batch)
+    assert torch.equal(plain[0], checkpointed[0])
+    assert plain[1].keys() == checkpointed[1].keys()
+    assert all(torch.equal(plain[1][n], checkpointed[1][n]) for n in plain[1])
+
+
+def test_torch_compile_traces_the_fp8_projections(monkeypatch):
+    """``torch.compile`` over a model with FP8 projections: dynamo traces the autograd function (the frozen-weight
+    cache is skipped while compiling), and the compiled step's loss and gradients match the eager FP8 step's to
+    bf16 rounding (inductor may fuse the quantization's elementwise ops differently)."""
+    model = _fp8_model(monkeypatch)
+    batch = lm_batch(model, length=32)
+    eager = _step(model, batch)
+    compiled = torch.compile(model, backend="aot_eager")
+    got = _step(compiled, batch)
+    assert abs(got[0].item() - eager[0].item()) < 1e-2
+    worst = max(relative_error(got[1][n], eager[1][n]) for n in eager[1])
+    assert worst < 0.05, worst
