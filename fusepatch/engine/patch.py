@@ -162,8 +162,11 @@ class PatchState:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         del state["original"]  # a bound method of the owner: derived again, never pickled by name
-        if not isinstance(self.owner.__dict__.get("_parameters", {}).get("weight"), DroppedWeight):
-            state["cache"] = {}  # derived from the module's tensors, again at the next call (unless it is all left)
+        if isinstance(self.owner.__dict__.get("_parameters", {}).get("weight"), DroppedWeight):
+            key, quantized, _ = state["cache"]["fp8"]  # all that is left of the weight (its weak reference is not)
+            state["cache"] = {"fp8": (key, quantized, None)}
+        else:
+            state["cache"] = {}  # derived from the module's tensors, again at the next call
         return state
 
     def __setstate__(self, state: dict) -> None:

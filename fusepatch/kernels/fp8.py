@@ -31,6 +31,13 @@ WARPS = 4
 
 
 @triton.jit
+def _clamped(scaled, FP8_MAX: tl.constexpr):
+    """``scaled`` clamped to FP8's range, NaN kept (Triton's minimum and maximum drop a NaN operand)."""
+    clamped = tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
+    return tl.where(scaled == scaled, clamped, scaled)
+
+
+@triton.jit
 def _quantize_rows(
     x,
     q,
@@ -47,13 +54,16 @@ def _quantize_rows(
     row = tl.program_id(0).to(tl.int64)
     start_x, start_q = x + row * stride_x, q + row * stride_q
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    nan = tl.zeros((BLOCK,), dtype=tl.int32)
     for offset in range(0, columns, BLOCK):
         cols = offset + tl.arange(0, BLOCK)
         values = tl.load(start_x + cols, mask=cols < columns, other=0.0).to(tl.float32)
         if FACTOR:
             values = values * tl.load(factor + cols, mask=cols < columns, other=0.0)
         amax = tl.maximum(amax, tl.abs(values))
+        nan = nan | (values != values).to(tl.int32)
     peak = tl.maximum(tl.max(amax, axis=0), TINY)
+    peak = tl.where(tl.max(nan, axis=0) > 0, float("nan"), peak)  # a NaN row stays NaN, as in its twin
     scale = tl.exp2(tl.floor(tl.log2(FP8_MAX / peak)))  # the largest power of two that keeps the row in range
     for offset in range(0, columns, BLOCK):
         cols = offset + tl.arange(0, BLOCK)
@@ -61,8 +71,7 @@ def _quantize_rows(
         values = tl.load(start_x + cols, mask=mask, other=0.0).to(tl.float32)
         if FACTOR:
             values = values * tl.load(factor + cols, mask=mask, other=0.0)
-        scaled = tl.minimum(tl.maximum(values * scale, -FP8_MAX), FP8_MAX)
-        tl.store(start_q + cols, scaled.to(q.dtype.element_ty), mask=mask)
+        tl.store(start_q + cols, _clamped(values * scale, FP8_MAX).to(q.dtype.element_ty), mask=mask)
     tl.store(inverse + row, 1.0 / scale)
 
 
@@ -102,17 +111,22 @@ PEAK_TILES = 16  # row tiles per program of _column_peaks: one atomic per column
 
 
 @triton.jit
-def _column_peaks(x, peaks, rows, columns, stride_x, ROWS: tl.constexpr, COLUMNS: tl.constexpr, TILES: tl.constexpr):
-    """``peaks[c] = max(peaks[c], max |x[r, c]|)`` over this program's ``TILES`` blocks of rows (``peaks`` starts
-    at 0; a maximum does not depend on the order the programs' atomics land in)."""
+def _column_peaks(
+    x, peaks, nans, rows, columns, stride_x, ROWS: tl.constexpr, COLUMNS: tl.constexpr, TILES: tl.constexpr
+):
+    """``peaks[c] = max(peaks[c], max |x[r, c]|)`` over this program's ``TILES`` blocks of rows, and ``nans[c]``
+    1 where one is NaN (both start at 0; a maximum does not depend on the order the atomics land in)."""
     c = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
     peak = tl.zeros((COLUMNS,), dtype=tl.float32)
+    nan = tl.zeros((COLUMNS,), dtype=tl.int32)
     for tile in range(TILES):
         r = (tl.program_id(1) * TILES + tile) * ROWS + tl.arange(0, ROWS)
         mask = (r[:, None] < rows) & (c[None, :] < columns)
         values = tl.load(x + r[:, None].to(tl.int64) * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
         peak = tl.maximum(peak, tl.max(tl.abs(values), axis=0))
+        nan = nan | tl.max((values != values).to(tl.int32), axis=0)
     tl.atomic_max(peaks + c, peak, mask=c < columns)
+    tl.atomic_max(nans + c, nan, mask=c < columns)
 
 
 @triton.jit
@@ -121,6 +135,7 @@ def _quantize_columns(
     q,
     inverse,
     peaks,
+    nans,
     rows,
     rows_out,
     columns,
@@ -132,16 +147,17 @@ def _quantize_columns(
     COLUMNS: tl.constexpr,
 ):
     """``q[c, r] = x[r, c] * scale[c]`` in FP8 for ``r < rows_out``, zero where ``r >= rows`` (the padding)."""
-    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    c = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # the tokens on the grid's first axis: no 65535 bound
+    c = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
     peak = tl.maximum(tl.load(peaks + c, mask=c < columns, other=1.0), TINY)
+    peak = tl.where(tl.load(nans + c, mask=c < columns, other=0) > 0, float("nan"), peak)
     scale = tl.exp2(tl.floor(tl.log2(FP8_MAX / peak)))
     mask = (r[:, None] < rows) & (c[None, :] < columns)
     values = tl.load(x + r[:, None].to(tl.int64) * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    scaled = tl.minimum(tl.maximum(values * scale[None, :], -FP8_MAX), FP8_MAX)
+    scaled = _clamped(values * scale[None, :], FP8_MAX)
     out = (r[:, None] < rows_out) & (c[None, :] < columns)
     tl.store(q + c[None, :].to(tl.int64) * stride_q + r[:, None], scaled.to(q.dtype.element_ty), mask=out)
-    if tl.program_id(1) == 0:
+    if tl.program_id(0) == 0:
         tl.store(inverse + c, 1.0 / scale, mask=c < columns)
 
 
@@ -159,11 +175,13 @@ def quantize_columns(x: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, 
         inverse.fill_(1.0 / 2.0 ** math.floor(math.log2(FP8_MAX / FP8_TINY)))
         return q, inverse
     peaks = torch.zeros(columns, device=x.device, dtype=torch.float32)
+    nans = torch.zeros(columns, device=x.device, dtype=torch.int32)
     blocks = triton.cdiv(columns, TILE_COLUMNS)
     if rows:
         _column_peaks[(blocks, triton.cdiv(rows, TILE_ROWS * PEAK_TILES))](
             x,
             peaks,
+            nans,
             rows,
             columns,
             x.stride(0),
@@ -172,11 +190,12 @@ def quantize_columns(x: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, 
             TILES=PEAK_TILES,
             num_warps=WARPS,
         )
-    _quantize_columns[(blocks, triton.cdiv(rows_out, TILE_ROWS))](
+    _quantize_columns[(triton.cdiv(rows_out, TILE_ROWS), blocks)](
         x,
         q,
         inverse,
         peaks,
+        nans,
         rows,
         rows_out,
         columns,

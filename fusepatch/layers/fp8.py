@@ -8,10 +8,14 @@ GEMMs run there too.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from fusepatch.base.dtypes import dtype_name
 from fusepatch.base.log import logger
 from fusepatch.layers.support.hooks import autocast_dtype
+from fusepatch.ops.fp8_linear.reference import fp8_linear_reference
 from fusepatch.ops.fp8_linear.scaled_mm import MULTIPLE, QuantizedWeight, quantize_weight
 
 # the decoder's projections that train in FP8: attention q/k/v/o, the Gated DeltaNet's input and output
@@ -35,30 +39,38 @@ def fp8_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if self.weight.shape[0] % MULTIPLE or self.weight.shape[1] % MULTIPLE:
         state.transformers_calls[UNALIGNED] = state.transformers_calls.get(UNALIGNED, 0) + 1
         return state.original(x)
-    fp8_linear = state.ops["fp8_linear"]
     cast = autocast_dtype(x)
+    dtype = cast or x.dtype
+    fp8_linear = state.ops["fp8_linear"].implementation(x.device.type, dtype_name(dtype))
+    # a frozen weight's FP8 copy is the FP8 kernel's alone: the fallback computes with the weight as it is
+    frozen = None if fp8_linear is fp8_linear_reference else frozen_weight(self, state)
     if cast is not None:  # autocast would run the projection in its dtype: quantize from that input
         with torch.autocast(x.device.type, enabled=False):
             bias = None if self.bias is None else self.bias.to(cast)
-            return fp8_linear(x.to(cast), self.weight, bias, frozen=frozen_weight(self, state.cache))
-    return fp8_linear(x, self.weight, self.bias, frozen=frozen_weight(self, state.cache))
+            return fp8_linear(x.to(cast), self.weight, bias, frozen=frozen)
+    return fp8_linear(x, self.weight, self.bias, frozen=frozen)
 
 
-def frozen_weight(module: torch.nn.Module, cache: dict) -> QuantizedWeight | None:
+def frozen_weight(module: torch.nn.Module, state) -> QuantizedWeight | None:
     """A frozen weight's FP8 copy, quantized once per weight version (LoRA's base: every step reuses it); None
-    for a weight that trains (quantized afresh at every GEMM) or inside ``torch.compile`` (traced as a fresh
-    quantization). Keyed by the tensor's storage, version, shape and dtype: an in-place update, a load or a new
-    tensor quantizes again. With ``apply(drop_frozen_weights=True)`` the weight itself is dropped once quantized."""
+    for a weight that trains (quantized afresh at every GEMM), inside ``torch.compile`` (traced as a fresh
+    quantization) or under ``torch.inference_mode`` (its tensors cannot serve a later training step). Kept for
+    this very tensor (a weak reference) at its version: an in-place update, a load or a new tensor quantizes
+    again. A write through ``.data`` leaves the version as it was: peft's ``merge`` and ``unmerge`` are seen by
+    the fused LoRA path (``layers/support/lora.py`` drops the copy); other ``.data`` writes to a frozen
+    projection need ``revert`` and ``apply``.
+    With ``apply(drop_frozen_weights=True)`` the weight itself is dropped once quantized."""
     weight = module.weight
+    cache = state.cache
     if isinstance(weight, DroppedWeight):
         return cache["fp8"][1]
-    if weight.requires_grad or torch.compiler.is_compiling():
+    if weight.requires_grad or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         return None
-    key = (weight.device, weight.data_ptr(), weight._version, weight.shape, weight.dtype)
+    key = (weight.device, weight._version, weight.shape, weight.dtype)
     held = cache.get("fp8")
-    if held is None or held[0] != key:
-        held = cache["fp8"] = (key, quantize_weight(weight))
-    if module._fusepatch.drop_frozen:
+    if held is None or held[0] != key or held[2]() is not weight:
+        held = cache["fp8"] = (key, quantize_weight(weight), weakref.ref(weight))
+    if state.drop_frozen:
         module.weight = DroppedWeight.of(weight)
     return held[1]
 
@@ -80,21 +92,35 @@ class DroppedWeight(torch.nn.Parameter):
 
     @staticmethod
     def of(weight: torch.Tensor) -> DroppedWeight:
-        dropped = DroppedWeight(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
-        dropped.device_of = weight.device
-        return dropped
+        return _dropped(tuple(weight.shape), weight.dtype, weight.device)
+
+    def __deepcopy__(self, memo: dict) -> DroppedWeight:
+        memo[id(self)] = copied = _dropped(tuple(self.shape), self.dtype, self.device_of)
+        return copied
+
+    def __reduce_ex__(self, protocol):
+        return _dropped, (tuple(self.shape), self.dtype, self.device_of)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__self__", None) is torch.Tensor.device:  # the ``device`` property's getter
             return args[0].device_of
+        if getattr(func, "__self__", None) is torch.Tensor.data and func.__name__ == "__get__":
+            return args[0]  # ``weight.data += delta`` (a merge) reaches the raising path, not a meta tensor
         if func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu) and _same_place(args, kwargs):
             return args[0]
         if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__", "detach"):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         raise RuntimeError(DROPPED)
+
+
+def _dropped(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> DroppedWeight:
+    """A ``DroppedWeight`` of this shape and dtype standing for a weight on ``device`` (also how it unpickles)."""
+    dropped = DroppedWeight(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+    dropped.device_of = device
+    return dropped
 
 
 _METADATA = {

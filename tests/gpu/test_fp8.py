@@ -137,3 +137,16 @@ def test_mini_model_lora_over_an_fp8_base():
         assert (precision is None) == (not caches)
     record("fp8-mini-lora", {"losses": losses})
     assert abs(losses[1] - losses[0]) / losses[0] < 0.02, losses
+
+
+def test_a_nan_stays_nan_in_the_kernels():
+    """A NaN in a row (rows kernel) or a column (columns kernel) makes that row's or column's scale NaN, as in
+    the PyTorch twins: never a finite FP8 value in a NaN's place."""
+    from fusepatch.kernels.fp8 import quantize_columns, quantize_rows
+
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    x[7, 11] = float("nan")
+    q, inverse = quantize_rows(x)
+    assert torch.isnan(inverse[7]) and torch.isnan(q[7].float()).all() and torch.isfinite(inverse[8:]).all()
+    q, inverse = quantize_columns(x, 16)
+    assert torch.isnan(inverse[11]) and torch.isnan(q[11, :300].float()).all() and torch.isfinite(inverse[12:]).all()

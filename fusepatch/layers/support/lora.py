@@ -165,6 +165,16 @@ def part(module: torch.nn.Module, x: torch.Tensor, cast: bool) -> Part | Unfused
     return Part(base.weight, base.bias, tuple(adapters))
 
 
+def _follow_merges(module: torch.nn.Module) -> None:
+    """peft's ``merge``/``unmerge`` write the base weight through ``.data``, which its version does not show: an
+    FP8 base (``layers/fp8.py``) drops its kept FP8 copy when the adapters' merged state changes."""
+    state = module.base_layer.__dict__.get("_fusepatch")
+    if state is None or state.cache.get("merged", False) == module.merged:
+        return
+    state.cache.pop("fp8", None)
+    state.cache["merged"] = module.merged
+
+
 def _castable(weight: torch.Tensor, x: torch.Tensor) -> bool:
     """An adapter weight the fused path can compute with in ``x``'s dtype: that dtype, or fp32 master weights
     over 16-bit inputs (peft's default, cast as autocast would cast them)."""
@@ -349,6 +359,9 @@ def project(
     through ``_LoraLinears`` when at least one is a LoRA linear and every one can be fused; ``None`` otherwise
     (the caller calls the modules), having said why for a LoRA linear that cannot be fused."""
     cast_to = autocast_dtype(x)
+    for linear in linears:  # each one, before any of them sends the call to peft's forward
+        if is_lora(linear):
+            _follow_merges(linear)
     parts = []
     for linear in linears:
         found = part(linear, x, cast_to is not None)
@@ -377,8 +390,15 @@ def project(
         droppeds = []
         for p in parts:  # peft's order: each linear's adapters in turn (same generator draws, same masks)
             droppeds.append([None if ad.dropout is None else ad.dropout(x) for ad in p.adapters])
-        # a base with a forward of its own (FP8) computes its output itself; the adapters are added to it
+        # a base with a forward of its own (FP8) computes its output itself; the adapters are added to it, and
+        # one without adapters is its own output (never an output of the function)
         given = [None if p.called is None else p.called(x) for p in parts]
+        fused = [i for i, p in enumerate(parts) if p.called is None or p.adapters]
+        parts, droppeds, given_fused = (
+            [parts[i] for i in fused],
+            [droppeds[i] for i in fused],
+            [given[i] for i in fused],
+        )
         layout = tuple(
             (
                 p.bias is not None and p.called is None,
@@ -387,13 +407,16 @@ def project(
             )
             for p in parts
         )
-        tensors = [p.weight if g is None else g for p, g in zip(parts, given)]
+        tensors = [p.weight if g is None else g for p, g in zip(parts, given_fused)]
         tensors += [None if p.called is not None else p.bias for p in parts]
         for p, drops in zip(parts, droppeds):
             for ad, dropped in zip(p.adapters, drops):
                 tensors += [ad.a, ad.b, dropped]
         cast = [t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors]
-        return _LoraLinears.apply(x, residual, layout, *cast)
+        outs = _LoraLinears.apply(x, residual, layout, *cast)
+        for i, out in zip(fused, outs):
+            given[i] = out
+        return tuple(given)
 
 
 def _say_cast(parts: list[Part], dtype: torch.dtype) -> None:

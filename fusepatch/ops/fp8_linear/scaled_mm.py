@@ -89,13 +89,12 @@ class _FP8Linear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.set_materialize_grads(False)
         quantize = _quantizers(x.device)
-        flat = x.reshape(-1, x.shape[-1])
-        out = _scaled_mm(*quantize.rows(flat), *quantize.rows(weight), x.dtype)
+        out = _scaled_mm(*quantize.rows(x), *quantize.rows(weight), x.dtype)
         if bias is not None:
             out = out + bias.to(out.dtype)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None):
@@ -103,16 +102,14 @@ class _FP8Linear(torch.autograd.Function):
             return None, None, None
         x, weight = ctx.saved_tensors
         quantize = _quantizers(grad.device)
-        flat_grad = grad.reshape(-1, grad.shape[-1])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:  # dx = grad @ W: reduction over the outputs (W's columns)
-            dx = _scaled_mm(*quantize.rows(flat_grad), *quantize.columns(weight), x.dtype).view(x.shape)
+            dx = _scaled_mm(*quantize.rows(grad), *quantize.columns(weight), x.dtype)
         if ctx.needs_input_grad[1]:  # dW = grad.t() @ x: reduction over the tokens (both operands' columns)
-            flat = x.reshape(-1, x.shape[-1])
-            g, x_t = quantize.columns(flat_grad, MULTIPLE), quantize.columns(flat, MULTIPLE)
+            g, x_t = quantize.columns(grad, MULTIPLE), quantize.columns(x, MULTIPLE)
             dw = _scaled_mm(*g, *x_t, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = flat_grad.sum(0)
+            db = grad.sum(0)
         return dx, dw, db
 
 
@@ -124,28 +121,26 @@ class _FP8FrozenLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, q, inverse, bias):
         ctx.set_materialize_grads(False)
-        flat = x.reshape(-1, x.shape[-1])
-        out = _scaled_mm(*_quantizers(x.device).rows(flat), q, inverse, x.dtype)
+        out = _scaled_mm(*_quantizers(x.device).rows(x), q, inverse, x.dtype)
         if bias is not None:
             out = out + bias.to(out.dtype)
         ctx.save_for_backward(q, inverse)
-        ctx.shape, ctx.has_bias = x.shape, bias is not None
-        return out.view(*x.shape[:-1], q.shape[0])
+        ctx.has_bias = bias is not None
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None):
         if grad is None:
             return None, None, None, None
         q, inverse = ctx.saved_tensors
-        flat_grad = grad.reshape(-1, grad.shape[-1])
         dx = db = None
         if ctx.needs_input_grad[0]:
             quantize = _quantizers(grad.device)
-            g, g_inverse = quantize.rows(flat_grad, inverse)
+            g, g_inverse = quantize.rows(grad, inverse)
             ones = inverse.new_ones((q.shape[1], 1))
-            dx = _scaled_mm(g, g_inverse, quantize.transpose(q), ones, grad.dtype).view(ctx.shape)
+            dx = _scaled_mm(g, g_inverse, quantize.transpose(q), ones, grad.dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
-            db = flat_grad.sum(0)
+            db = grad.sum(0)
         return dx, None, None, db
 
 
@@ -167,11 +162,14 @@ def fp8_linear(
     ``frozen``: the weight's ``quantize_weight``, for a weight that takes no gradient (it is used as given: the
     caller keeps it current)."""
     _aligned(weight)
+    flat = x.reshape(-1, x.shape[-1])  # the functions see 2-D tensors: their outputs are no views of their own
     if frozen is not None or not weight.requires_grad:
         if frozen is None:
             frozen = quantize_weight(weight)
-        return _FP8FrozenLinear.apply(x, frozen.q, frozen.inverse, bias)
-    return _FP8Linear.apply(x, weight, bias)
+        out = _FP8FrozenLinear.apply(flat, frozen.q, frozen.inverse, bias)
+    else:
+        out = _FP8Linear.apply(flat, weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def load():

@@ -390,3 +390,111 @@ def test_torch_compile_traces_the_fp8_projections(monkeypatch):
     assert abs(got[0].item() - eager[0].item()) < 1e-2
     worst = max(relative_error(got[1][n], eager[1][n]) for n in eager[1])
     assert worst < 0.05, worst
+
+
+def _lora_fp8(monkeypatch, **apply_kwargs):
+    cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    monkeypatch.setattr(projections, "DEVICES", (*projections.DEVICES, "cpu"))
+    torch.manual_seed(0)
+    model = _lora(tiny_model("qwen3_5_text", hidden_size=128, intermediate_size=256).to(torch.bfloat16))
+    fusepatch.apply(model, precision="fp8", verbose=False, **apply_kwargs)
+    return model
+
+
+def test_a_merge_through_data_requantizes_the_frozen_base(monkeypatch):
+    """peft's ``merge`` adds the adapters into the base weight through ``.data`` (its version does not move):
+    the kept FP8 copies are dropped, so the merged model computes exactly what a model patched afresh over the
+    merged weights computes, and likewise after ``unmerge``; a stale copy would compute the base without its
+    adapters."""
+    model = _lora_fp8(monkeypatch)
+    batch = lm_batch(model, length=32)
+
+    def logits():
+        return model(**batch).logits.float()
+
+    def afresh():
+        fusepatch.revert(model)
+        fusepatch.apply(model, precision="fp8", verbose=False)
+        return logits()
+
+    with torch.no_grad():
+        unmerged = logits()
+        with model.disable_adapter():
+            base = logits()
+        model.merge_adapter()
+        merged = logits()
+        assert torch.equal(merged, afresh())
+        model.unmerge_adapter()
+        assert torch.equal(logits(), afresh())
+    assert relative_error(base, unmerged) > 0.2  # the adapters matter: a stale base would be far off
+    assert not torch.equal(merged, base)
+
+
+def test_an_inference_mode_evaluation_does_not_break_training(monkeypatch):
+    """A frozen base first quantized under ``torch.inference_mode`` (an evaluation loop) is not kept: the next
+    training step quantizes it again and saves it for its backward."""
+    model = _lora_fp8(monkeypatch)
+    batch = lm_batch(model, length=32)
+    with torch.inference_mode():
+        model(**batch)
+    model(**batch).loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n and p.requires_grad)
+
+
+def test_dropping_waits_for_the_fp8_kernel(monkeypatch):
+    """Where FP8 falls back (here: the CPU without a stand-in), ``drop_frozen_weights=True`` drops nothing: the
+    fallback computes with the weights, step after step. A dropped model deep-copies and saves whole."""
+    import io
+
+    from fusepatch.layers.fp8 import DroppedWeight
+
+    torch.manual_seed(0)
+    model = _lora(tiny_model("qwen3_5_text", hidden_size=128, intermediate_size=256).to(torch.bfloat16))
+    fusepatch.apply(model, precision="fp8", drop_frozen_weights=True, verbose=False)
+    batch = lm_batch(model, length=32)
+    for _ in range(2):
+        model(**batch).loss.backward()
+    assert not any(isinstance(p, DroppedWeight) for p in model.parameters())
+    dropped = _lora_fp8(monkeypatch, drop_frozen_weights=True)
+    dropped(**batch).loss.backward()
+    saved = io.BytesIO()
+    torch.save(dropped, saved)  # (plain pickle cannot hold torch's float8 tensors)
+    saved.seek(0)
+    copies = [copy.deepcopy(dropped), torch.load(saved, weights_only=False)]
+    for other in copies:
+        weights = [p for p in other.parameters() if isinstance(p, DroppedWeight)]
+        assert weights and all(w.device.type == "cpu" for w in weights)
+
+
+def test_an_fp8_projection_without_adapters_beside_a_lora_one_is_its_own_output(monkeypatch):
+    """Gate (FP8, no adapter) and up (LoRA over FP8) of one input: the gate's output is its own tensor, not a
+    view out of the fused function, so it may be changed in place as transformers' MLP would."""
+    peft = pytest.importorskip("peft")
+    cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    monkeypatch.setattr(projections, "DEVICES", (*projections.DEVICES, "cpu"))
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["up_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(
+        tiny_model("qwen3_5_text", hidden_size=128, intermediate_size=256).to(torch.bfloat16), config
+    )
+    fusepatch.apply(model, precision="fp8", verbose=False)
+    mlp = model.base_model.model.model.layers[0].mlp
+    x = torch.randn(2, 8, 128, dtype=torch.bfloat16, requires_grad=True)
+    gate, up = projections.project(x, mlp.gate_proj, mlp.up_proj)
+    gate.mul_(2)
+    (gate * up).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_a_nan_stays_nan_through_the_quantization():
+    """A NaN in a row (or a column, for the transposed operands) makes the whole row's scale NaN in the PyTorch
+    twin, which the Triton kernels follow (tests/gpu/test_fp8.py): FP8 never turns a NaN gradient finite."""
+    from fusepatch.ops.fp8_linear.scaled_mm import quantize_columns_reference
+
+    x = torch.randn(4, 32)
+    x[1, 3] = float("nan")
+    q, inverse = quantize_rows_reference(x)
+    assert torch.isnan(inverse[1]) and torch.isnan(q[1].float()).all()
+    assert torch.isfinite(inverse[[0, 2, 3]]).all()
+    q, inverse = quantize_columns_reference(x, 16)
+    assert torch.isnan(inverse[3]) and torch.isnan(q[3, :4].float()).all()
