@@ -34,8 +34,8 @@ CONFIGS = {
 
 # label words that are train_step options: fusepatch+compile, hf-fast+compile+quick, fusepatch+graphs+quick,
 # fusepatch+cudagraphs+quick (the library's apply(cuda_graphs=True)), fusepatch+cache+quick (the config's use_cache=True),
-# fusepatch+fp8+quick (apply(precision="fp8")), hf-fast+torchao+compile+quick (torchao's float8 rowwise, compiled
-# as torchao advises)
+# fusepatch+fp8+quick (apply(precision="fp8")), fusepatch+fp8+drop+quick (and drop_frozen_weights=True: LoRA's frozen
+# bases kept in FP8 only), hf-fast+torchao+compile+quick (torchao's float8 rowwise, compiled as torchao advises)
 FLAGS = {
     "compile": ["--compile"],
     "quick": ["--no-diagnostics"],
@@ -43,6 +43,7 @@ FLAGS = {
     "cudagraphs": ["--cuda-graphs"],
     "cache": ["--default-cache"],
     "fp8": ["--precision", "fp8"],
+    "drop": ["--drop-frozen-weights"],
     "torchao": ["--torchao-float8"],
 }
 

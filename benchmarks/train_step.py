@@ -161,6 +161,11 @@ def main() -> int:
         help='fusepatch.apply(model, precision="fp8"): the decoder\'s projections with FP8 GEMMs',
     )
     parser.add_argument(
+        "--drop-frozen-weights",
+        action="store_true",
+        help="with --precision fp8: apply(drop_frozen_weights=True), LoRA's frozen bases kept in FP8 only",
+    )
+    parser.add_argument(
         "--torchao-float8",
         action="store_true",
         help="torchao's float8 training (rowwise recipe) on the decoder's projections, before any patching",
@@ -254,7 +259,12 @@ def build(args) -> tuple:
         import fusepatch
 
         start = time.perf_counter()
-        report = fusepatch.apply(model, cuda_graphs=args.cuda_graphs, precision=args.precision)
+        report = fusepatch.apply(
+            model,
+            cuda_graphs=args.cuda_graphs,
+            precision=args.precision,
+            drop_frozen_weights=args.drop_frozen_weights,
+        )
         info["apply_s"] = round(time.perf_counter() - start, 1)  # loads + self-tests: first-use compiles
         info["report"] = report.to_dict()["layers"]
         info["fallbacks"] = report.log_lines()

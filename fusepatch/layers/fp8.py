@@ -63,6 +63,8 @@ def frozen_weight(module: torch.nn.Module, state) -> QuantizedWeight | None:
     weight = module.weight
     cache = state.cache
     if isinstance(weight, DroppedWeight):
+        if weight.requires_grad:  # set to train after it was dropped: there is nothing to train
+            raise RuntimeError(DROPPED)
         return cache["fp8"][1]
     if weight.requires_grad or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         return None

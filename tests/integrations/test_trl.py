@@ -114,6 +114,33 @@ def test_peft_lora_through_trl(data, tmp_path, monkeypatch):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-5)
 
 
+def test_fp8_lora_through_trl(data, tmp_path, monkeypatch):
+    """``SFTTrainer(peft_config=...)`` over a bf16 model with ``FusePatchCallback(apply_kwargs={"precision":
+    "fp8"})``: every LoRA base runs its FP8 GEMMs (the real FP8 function on the CPU, as its kernel would on the
+    GPU), quantized once for the whole run; peft's default fp32 adapters run in the fused path; the losses stay
+    within FP8's error of TRL's own bf16 run."""
+    from helpers import cpu_candidates
+
+    from fusepatch.layers import fp8 as fp8_layer
+    from fusepatch.layers.support import projections
+    from fusepatch.ops.fp8_linear import scaled_mm
+
+    dataset, tokenizer = data
+    bf16 = {"model": tiny_model("qwen3", vocab_size=len(tokenizer)).to(torch.bfloat16), "peft": True}
+    _, expected = _train(data, tmp_path / "trl", **bf16)
+    calls = cpu_candidates(monkeypatch, {"fp8_linear": scaled_mm.fp8_linear})
+    monkeypatch.setattr(projections, "DEVICES", ("cpu", "cuda"))
+    quantized = []
+    monkeypatch.setattr(fp8_layer, "quantize_weight", lambda w: quantized.append(1) or scaled_mm.quantize_weight(w))
+    callback = fusepatch.FusePatchCallback(profile=False, apply_kwargs={"precision": "fp8"})
+    bf16["model"] = tiny_model("qwen3", vocab_size=len(tokenizer)).to(torch.bfloat16)
+    trainer, losses = _train(data, tmp_path / "fp8", callbacks=[callback], **bf16)
+    bases = [m for n, m in trainer.model.named_modules() if n.endswith("base_layer") and "_fusepatch" in m.__dict__]
+    assert bases and callback.report.lora["linears"] == callback.report.lora["fusable"] > 0
+    assert len(calls) > 3 * len(bases) and len(quantized) == len(bases)  # three steps, one quantization each
+    assert max(abs(a - b) / b for a, b in zip(losses, expected)) < 0.02, (losses, expected)
+
+
 def test_packed_hybrid_model_trains_through_trl(data, tmp_path):
     """Qwen3.5 with packed rows: transformers alone refuses on a machine without causal-conv1d (its conv cannot
     keep documents apart); patched, the documents are kept apart and TRL's head computes the loss."""

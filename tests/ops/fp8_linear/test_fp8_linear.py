@@ -335,6 +335,10 @@ def test_dropped_frozen_weights_train_the_same_and_revert_saying_so(monkeypatch,
     assert saved.keys() == want.keys() and all(torch.equal(saved[k], want[k]) for k in saved)
     with pytest.raises(RuntimeError, match="drop_frozen_weights"):
         gone[0].weight.sum()
+    gone[0].weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="drop_frozen_weights"):
+        dropped(**batch)
+    gone[0].weight.requires_grad_(False)
     dropped.to("cpu")  # a move to where it is changes nothing
     with caplog.at_level(logging.WARNING, logger="fusepatch"):
         fusepatch.revert(dropped)
@@ -382,11 +386,17 @@ def test_torch_compile_traces_the_fp8_projections(monkeypatch):
     """``torch.compile`` over a model with FP8 projections: dynamo traces the autograd function (the frozen-weight
     cache is skipped while compiling), and the compiled step's loss and gradients match the eager FP8 step's to
     bf16 rounding (inductor may fuse the quantization's elementwise ops differently)."""
+    from torch._dynamo.utils import counters
+
     model = _fp8_model(monkeypatch)
     batch = lm_batch(model, length=32)
     eager = _step(model, batch)
     compiled = torch.compile(model, backend="aot_eager")
-    got = _step(compiled, batch)
+    try:
+        got = _step(compiled, batch)
+    finally:  # dynamo's caches and counters are the process's: the next test starts without them
+        torch._dynamo.reset()
+        counters.clear()
     assert abs(got[0].item() - eager[0].item()) < 1e-2
     worst = max(relative_error(got[1][n], eager[1][n]) for n in eager[1])
     assert worst < 0.05, worst
