@@ -199,7 +199,9 @@ def run(
         # activation-checkpointed forward (non-reentrant checkpoint, FSDP's checkpoint_wrapper): the self-test's
         # own graph must keep its saved tensors, else its backward would ask the checkpoint to recompute the
         # layer, from inside that layer's forward (which deadlocked on the dispatcher's lock: H200, FSDP2 + AC).
-        with torch.inference_mode(False), torch.enable_grad(), own_saved_tensors():
+        # It may arrive under the caller's autocast too: the fp32 reference must not run in autocast's dtype.
+        autocast = torch.autocast(device if device in ("cuda", "cpu") else "cpu", enabled=False)
+        with torch.inference_mode(False), torch.enable_grad(), own_saved_tensors(), autocast:
             verdict, errors = compare(op, fn, device, dtype, packed=packed, dims=dims, seed=seed)
     except Exception as exc:  # noqa: BLE001 - any failure of a kernel is a reason to refuse it
         first = (str(exc).strip().splitlines() or [""])[0]

@@ -31,6 +31,15 @@ def _patched(model: torch.nn.Module) -> bool:
     return any("_fusepatch" in m.__dict__ for m in model.modules())
 
 
+def _lacks_precision(model: torch.nn.Module, precision: str | None) -> bool:
+    """Whether ``apply_kwargs`` ask for a ``precision`` whose rows patch none of ``model``'s modules yet."""
+    return precision is not None and not any(
+        getattr(m.__dict__.get("_fusepatch"), "row", None) is not None
+        and m.__dict__["_fusepatch"].row.precision == str(precision).strip().lower()
+        for m in model.modules()
+    )
+
+
 def _mixed_precision(args) -> torch.dtype | None:
     """The dtype the Trainer's mixed precision computes in (``bf16=True`` / ``fp16=True``: autocast)."""
     if getattr(args, "bf16", False):
@@ -123,9 +132,11 @@ class FusePatchCallback(TrainerCallback):
     events (read once the GPU has passed them) to say when the first one compiled kernels.
 
     Args:
-        apply_patches: call ``fusepatch.apply`` on the model if it is not patched yet.
+        apply_patches: call ``fusepatch.apply`` on the model if it is not patched yet (or was patched without the
+            ``precision`` that ``apply_kwargs`` asks for).
         apply_kwargs: keyword arguments for ``fusepatch.apply`` (``ops``, ``exclude``, ``prefer``, ``strict``,
-            ``cuda_graphs``).
+            ``cuda_graphs``, ``precision``, ``drop_frozen_weights``). A model patched before the callback keeps
+            its patches; only a ``precision`` it lacks is added, and the other arguments are said to be unused.
         profile: profile one optimizer step with ``torch.profiler`` (default: only when ``profile_step`` is
             given). What it costs: that step syncs the device at both ends and runs slower, since the profiler
             records every op (a tiny model on CPU: 2.1x the median step); its tokens/s and MFU are measured over
@@ -193,12 +204,22 @@ class FusePatchCallback(TrainerCallback):
         amp = _mixed_precision(args)
         weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
         compute = amp if amp is not None and weights == torch.float32 else None
-        if self.apply_patches and not _patched(model):
+        patched = _patched(model)
+        if self.apply_patches and (not patched or _lacks_precision(model, self.apply_kwargs.get("precision"))):
             # the table is logged once, below; apply itself logs only the fallbacks
             self.report = apply(model, **{"compute_dtype": compute, "verbose": False, **self.apply_kwargs})
+            if patched:  # apply added the precision rows to the patched model: the whole model's report
+                self.report = report(model, self.apply_kwargs.get("compute_dtype", compute))
             if _keep_autocast(model, amp):
                 logger.info("fusepatch: kept the Trainer's %s autocast around the patched forward", amp)
         else:
+            unused = sorted(set(self.apply_kwargs) - {"compute_dtype", "verbose"})
+            if patched and unused:
+                logger.warning(
+                    "fusepatch: FusePatchCallback: the model was patched before training began, so apply_kwargs %s "
+                    "were not used; fix: pass them to the apply that patched it, or fusepatch.revert(model) first",
+                    ", ".join(unused),
+                )
             self.report = report(model, self.apply_kwargs.get("compute_dtype", compute))
         logger.info("%s", self.report)
         self._pending.update(

@@ -14,6 +14,7 @@ import torch
 
 from fusepatch.base.dtypes import dtype_name
 from fusepatch.base.log import logger
+from fusepatch.base.state import current as process_state
 from fusepatch.layers.support.hooks import autocast_dtype
 from fusepatch.ops.fp8_linear.reference import fp8_linear_reference
 from fusepatch.ops.fp8_linear.scaled_mm import MULTIPLE, QuantizedWeight, quantize_weight
@@ -44,6 +45,13 @@ def fp8_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     fp8_linear = state.ops["fp8_linear"].implementation(x.device.type, dtype_name(dtype))
     # a frozen weight's FP8 copy is the FP8 kernel's alone: the fallback computes with the weight as it is
     frozen = None if fp8_linear is fp8_linear_reference else frozen_weight(self, state)
+    if (
+        frozen is None
+        and state.drop_frozen
+        and not self.weight.requires_grad
+        and process_state().said.first(NOTHING_DROPPED)
+    ):
+        logger.warning("fusepatch: %s", NOTHING_DROPPED)
     if cast is not None:  # autocast would run the projection in its dtype: quantize from that input
         with torch.autocast(x.device.type, enabled=False):
             bias = None if self.bias is None else self.bias.to(cast)
@@ -55,10 +63,10 @@ def frozen_weight(module: torch.nn.Module, state) -> QuantizedWeight | None:
     """A frozen weight's FP8 copy, quantized once per weight version (LoRA's base: every step reuses it); None
     for a weight that trains (quantized afresh at every GEMM), inside ``torch.compile`` (traced as a fresh
     quantization) or under ``torch.inference_mode`` (its tensors cannot serve a later training step). Kept for
-    this very tensor (a weak reference) at its version: an in-place update, a load or a new tensor quantizes
-    again. A write through ``.data`` leaves the version as it was: peft's ``merge`` and ``unmerge`` are seen by
-    the fused LoRA path (``layers/support/lora.py`` drops the copy); other ``.data`` writes to a frozen
-    projection need ``revert`` and ``apply``.
+    this very tensor (a weak reference) at its storage and version: an in-place update, a load, a new tensor or
+    new storage (``weight.data = ...``) quantizes again. A write into ``.data`` leaves both as they were: peft's
+    merges and unmerges are seen by the fused LoRA path (``layers/support/lora.py`` drops the copy); other such
+    writes to a frozen projection need ``revert`` and ``apply``.
     With ``apply(drop_frozen_weights=True)`` the weight itself is dropped once quantized."""
     weight = module.weight
     cache = state.cache
@@ -68,19 +76,24 @@ def frozen_weight(module: torch.nn.Module, state) -> QuantizedWeight | None:
         return cache["fp8"][1]
     if weight.requires_grad or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         return None
-    key = (weight.device, weight._version, weight.shape, weight.dtype)
+    key = (weight.device, weight.data_ptr(), weight._version, weight.shape, weight.dtype)
     held = cache.get("fp8")
     if held is None or held[0] != key or held[2]() is not weight:
         held = cache["fp8"] = (key, quantize_weight(weight), weakref.ref(weight))
     if state.drop_frozen:
         module.weight = DroppedWeight.of(weight)
+        cache["dropped"] = True  # the copy is all that is left: nothing may drop it (lora's merge follow-up)
     return held[1]
 
 
 DROPPED = (
     'fusepatch: this projection\'s weight was dropped: apply(model, precision="fp8", drop_frozen_weights=True) '
-    "keeps frozen projections in FP8 only; fix: fusepatch.revert(model) puts back a bf16 copy (rounded to FP8), "
-    "or apply without drop_frozen_weights to keep the weight"
+    "keeps frozen projections in FP8 only; fix: fusepatch.revert(model) puts back a copy in the weight's dtype "
+    "(rounded to FP8), or reload the checkpoint and apply without drop_frozen_weights for the exact weight"
+)
+NOTHING_DROPPED = (
+    "drop_frozen_weights=True: nothing is dropped where the FP8 projections fall back (their weights are what "
+    "they compute with); the fallback's reason and fix are in the report"
 )
 
 
@@ -112,6 +125,9 @@ class DroppedWeight(torch.nn.Parameter):
             return args[0]  # ``weight.data += delta`` (a merge) reaches the raising path, not a meta tensor
         if func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu) and _same_place(args, kwargs):
             return args[0]
+        cast = _CASTS.get(func)
+        if cast is not None and cast == args[0].dtype:  # model.bfloat16() on a bf16 model: nothing to do
+            return args[0]
         if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__", "detach"):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
@@ -138,6 +154,14 @@ _METADATA = {
     torch.Tensor.__eq__,
     torch.Tensor.data_ptr,
     torch._has_compatible_shallow_copy_type,
+}
+
+
+_CASTS = {
+    torch.Tensor.bfloat16: torch.bfloat16,
+    torch.Tensor.half: torch.float16,
+    torch.Tensor.float: torch.float32,
+    torch.Tensor.double: torch.float64,
 }
 
 

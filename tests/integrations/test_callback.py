@@ -518,3 +518,27 @@ def test_layer_labels_leave_a_compiled_model_as_dynamo_traced_it():
         assert labelled is True and plain[0]._forward_hooks
     with label_layers(plain, {"Linear"}, compiled=True) as labelled:
         assert labelled is False and not plain[0]._forward_hooks
+
+
+def test_the_callback_adds_a_precision_the_patched_model_lacks(tmp_path, caplog):
+    """A model patched before training (``from_pretrained``, an earlier ``apply``) and a callback asking for
+    ``precision="fp8"``: the FP8 rows are added; other apply_kwargs are said to be unused, with the fix."""
+    import types
+
+    model = tiny_model("qwen3", hidden_size=64, intermediate_size=128).to(torch.bfloat16)
+    fusepatch.apply(model, verbose=False)
+    callback = fusepatch.FusePatchCallback(profile=False, apply_kwargs={"precision": "fp8"})
+    args = types.SimpleNamespace(bf16=False, fp16=False)
+    callback.on_train_begin(args, None, None, model=model)
+    assert any(c.op == "fp8_linear" for layer in callback.report.layers for c in layer.choices)
+    assert any(
+        "forward" in m.__dict__ and m.__dict__["_fusepatch"].row.precision == "fp8"
+        for m in model.modules()
+        if "_fusepatch" in m.__dict__
+    )
+    callback.on_train_end(args, None, None, model=model)
+    other = fusepatch.FusePatchCallback(profile=False, apply_kwargs={"exclude": "swiglu"})
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        other.on_train_begin(args, None, None, model=model)
+    assert any("exclude" in r.getMessage() and "fix:" in r.getMessage() for r in caplog.records)
+    other.on_train_end(args, None, None, model=model)

@@ -166,13 +166,17 @@ def part(module: torch.nn.Module, x: torch.Tensor, cast: bool) -> Part | Unfused
 
 
 def _follow_merges(module: torch.nn.Module) -> None:
-    """peft's ``merge``/``unmerge`` write the base weight through ``.data``, which its version does not show: an
-    FP8 base (``layers/fp8.py``) drops its kept FP8 copy when the adapters' merged state changes."""
+    """peft's ``merge``/``unmerge`` write the base weight through ``.data``, which neither its storage nor its
+    version shows: an FP8 base (``layers/fp8.py``) drops its kept FP8 copy when the adapters merged into it may
+    change (which are merged, or adapters disabled: peft's forward then unmerges), unless that copy is all that
+    is left of the weight (``drop_frozen_weights``: peft's writes to it raise instead)."""
     state = module.base_layer.__dict__.get("_fusepatch")
-    if state is None or state.cache.get("merged", False) == module.merged:
+    if state is None:
         return
-    state.cache.pop("fp8", None)
-    state.cache["merged"] = module.merged
+    merged = () if module.disable_adapters else tuple(getattr(module, "merged_adapters", ()))
+    if state.cache.get("merged", merged) != merged and not state.cache.get("dropped"):
+        state.cache.pop("fp8", None)
+    state.cache["merged"] = merged
 
 
 def _castable(weight: torch.Tensor, x: torch.Tensor) -> bool:

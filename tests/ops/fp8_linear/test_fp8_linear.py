@@ -508,3 +508,88 @@ def test_a_nan_stays_nan_through_the_quantization():
     assert torch.isfinite(inverse[[0, 2, 3]]).all()
     q, inverse = quantize_columns_reference(x, 16)
     assert torch.isnan(inverse[3]) and torch.isnan(q[3, :4].float()).all()
+
+
+def test_disabled_and_second_merged_adapters_requantize(monkeypatch):
+    """Which adapters are merged is what the kept copy follows: the first call under ``disable_adapter()`` over
+    merged adapters (peft's forward unmerges them) and a second adapter merged beside the first each compute what
+    a model patched afresh computes; a new storage (``weight.data = ...``) is seen too."""
+    peft = pytest.importorskip("peft")
+    model = _lora_fp8(monkeypatch)
+    model.add_adapter("other", peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    batch = lm_batch(model, length=32)
+
+    def logits():
+        return model(**batch).logits.float()
+
+    def afresh():
+        fusepatch.revert(model)
+        fusepatch.apply(model, precision="fp8", verbose=False)
+        return logits()
+
+    with torch.no_grad():
+        model.merge_adapter(["default"])
+        logits()
+        with model.disable_adapter():
+            first = logits()
+            assert torch.equal(first, afresh())
+        model.merge_adapter(["default"])
+        logits()
+        model.merge_adapter(["other"])
+        assert torch.equal(logits(), afresh())
+        model.unmerge_adapter()
+        logits()
+        linear = next(iter(_fp8_modules(model).values()))
+        linear.weight.data = linear.weight.data * 2  # new storage, same version
+        assert torch.equal(logits(), afresh())
+
+
+def test_a_dropped_base_cannot_lose_its_copy_to_a_merge(monkeypatch, caplog):
+    """Adapters merged before ``apply`` with ``drop_frozen_weights=True``: unmerging raises (the weight is gone),
+    and the FP8 copy, all that is left, stays: the model still runs, deep-copies and reverts."""
+    torch.manual_seed(0)
+    model = _lora(tiny_model("qwen3_5_text", hidden_size=128, intermediate_size=256).to(torch.bfloat16))
+    model.merge_adapter()
+    cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    monkeypatch.setattr(projections, "DEVICES", (*projections.DEVICES, "cpu"))
+    fusepatch.apply(model, precision="fp8", drop_frozen_weights=True, verbose=False)
+    batch = lm_batch(model, length=32)
+    with torch.no_grad():
+        before = model(**batch).logits
+        with pytest.raises(RuntimeError, match="drop_frozen_weights"):
+            model.unmerge_adapter()
+        model(**batch)
+    copy.deepcopy(model)
+    fusepatch.revert(model)
+    assert before.isfinite().all()
+
+
+def test_nothing_dropped_where_fp8_falls_back_is_said_once(caplog):
+    """``drop_frozen_weights=True`` where FP8 falls back (the CPU): said once, with where the reason is."""
+    torch.manual_seed(0)
+    model = _lora(tiny_model("qwen3_5_text", hidden_size=128, intermediate_size=256).to(torch.bfloat16))
+    fusepatch.apply(model, precision="fp8", drop_frozen_weights=True, verbose=False)
+    batch = lm_batch(model, length=32)
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        model(**batch)
+        model(**batch)
+    said = [r.getMessage() for r in caplog.records if "nothing is dropped" in r.getMessage()]
+    assert len(said) == 1, said
+
+
+def test_the_self_test_runs_without_the_callers_autocast(monkeypatch):
+    """The first call under autocast chooses the kernel: its self-test's fp32 reference runs without autocast."""
+    from fusepatch.engine import selftest
+
+    seen = []
+    plain = selftest.compare
+    monkeypatch.setattr(
+        selftest, "compare", lambda *a, **k: seen.append(torch.is_autocast_enabled("cpu")) or plain(*a, **k)
+    )
+    cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_5_text", hidden_size=128, intermediate_size=256)
+    fusepatch.apply(model, precision="fp8", verbose=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(**lm_batch(model, length=32))
+    assert seen and not any(seen), seen
