@@ -70,6 +70,12 @@ def _scaled_mm(a, a_inverse, b, b_inverse, dtype: torch.dtype) -> torch.Tensor:
     return out if dtype == torch.bfloat16 else out.to(dtype)
 
 
+def _project(x: torch.Tensor, q: torch.Tensor, inverse: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The forward GEMM of both functions: ``x`` quantized by rows against the FP8 weight, plus the bias."""
+    out = _scaled_mm(*_quantizers(x.device).rows(x), q, inverse, x.dtype)
+    return out if bias is None else out + bias.to(out.dtype)
+
+
 class QuantizedWeight(NamedTuple):
     """A weight ``[out, in]`` in FP8 along its rows (the forward's layout) and its inverse scales ``[out, 1]``."""
 
@@ -88,13 +94,9 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.set_materialize_grads(False)
-        quantize = _quantizers(x.device)
-        out = _scaled_mm(*quantize.rows(x), *quantize.rows(weight), x.dtype)
-        if bias is not None:
-            out = out + bias.to(out.dtype)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return out
+        return _project(x, *_quantizers(x.device).rows(weight), bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None):
@@ -121,12 +123,9 @@ class _FP8FrozenLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, q, inverse, bias):
         ctx.set_materialize_grads(False)
-        out = _scaled_mm(*_quantizers(x.device).rows(x), q, inverse, x.dtype)
-        if bias is not None:
-            out = out + bias.to(out.dtype)
         ctx.save_for_backward(q, inverse)
         ctx.has_bias = bias is not None
-        return out
+        return _project(x, q, inverse, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None):

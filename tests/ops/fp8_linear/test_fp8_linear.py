@@ -411,13 +411,8 @@ def _lora_fp8(monkeypatch, **apply_kwargs):
     return model
 
 
-def test_a_merge_through_data_requantizes_the_frozen_base(monkeypatch):
-    """peft's ``merge`` adds the adapters into the base weight through ``.data`` (its version does not move):
-    the kept FP8 copies are dropped, so the merged model computes exactly what a model patched afresh over the
-    merged weights computes, and likewise after ``unmerge``; a stale copy would compute the base without its
-    adapters."""
-    model = _lora_fp8(monkeypatch)
-    batch = lm_batch(model, length=32)
+def _logits_and_afresh(model, batch):
+    """The model's logits now; and its logits after ``revert`` and ``apply`` again (every FP8 copy made anew)."""
 
     def logits():
         return model(**batch).logits.float()
@@ -426,6 +421,19 @@ def test_a_merge_through_data_requantizes_the_frozen_base(monkeypatch):
         fusepatch.revert(model)
         fusepatch.apply(model, precision="fp8", verbose=False)
         return logits()
+
+    return logits, afresh
+
+
+def test_a_merge_through_data_requantizes_the_frozen_base(monkeypatch):
+    """peft's ``merge`` adds the adapters into the base weight through ``.data`` (its version does not move):
+    the kept FP8 copies are dropped, so the merged model computes exactly what a model patched afresh over the
+    merged weights computes, and likewise after ``unmerge``; a stale copy would compute the base without its
+    adapters."""
+    model = _lora_fp8(monkeypatch)
+    batch = lm_batch(model, length=32)
+
+    logits, afresh = _logits_and_afresh(model, batch)
 
     with torch.no_grad():
         unmerged = logits()
@@ -519,13 +527,7 @@ def test_disabled_and_second_merged_adapters_requantize(monkeypatch):
     model.add_adapter("other", peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
     batch = lm_batch(model, length=32)
 
-    def logits():
-        return model(**batch).logits.float()
-
-    def afresh():
-        fusepatch.revert(model)
-        fusepatch.apply(model, precision="fp8", verbose=False)
-        return logits()
+    logits, afresh = _logits_and_afresh(model, batch)
 
     with torch.no_grad():
         model.merge_adapter(["default"])
