@@ -22,6 +22,8 @@ class Row:
             (``q_proj``): a row for a generic class such as ``torch.nn.Linear``, whose subclasses (a quantized
             or already converted layer) are left as they are.
         precision: when set, the row applies only to ``apply(model, precision=...)`` with this value.
+        fits: when set, a module the row matches is patched only if ``fits(module)`` is None; otherwise it gives
+            why it is left as it is (``apply`` says it, naming the modules).
     """
 
     model_types: tuple[str, ...]
@@ -32,6 +34,7 @@ class Row:
     note: str = ""
     names: tuple[str, ...] = ()
     precision: str | None = None
+    fits: Callable[[object], str | None] | None = None
 
     def matches(self, module: object, name: str = "") -> bool:
         """Whether this row patches ``module``, held by its parent as ``name`` (the last part of its path)."""

@@ -238,15 +238,21 @@ def _disabled() -> bool:
     return options.switch("FUSEPATCH_DISABLE")
 
 
-def _matches(model: torch.nn.Module, rows: list[Row]) -> dict[Row, list[torch.nn.Module]]:
+def _matches(model: torch.nn.Module, rows: list[Row]) -> tuple[dict[Row, list[torch.nn.Module]], dict[str, list[str]]]:
+    """The modules each row patches; and, by reason, the paths of those a row matched but leaves (``Row.fits``)."""
     found: dict[Row, list[torch.nn.Module]] = defaultdict(list)
+    left: dict[str, list[str]] = defaultdict(list)
     for path, module in model.named_modules():
         name = lora.held_as(path)
         for row in rows:
             if row.matches(module, name):
-                found[row].append(module)
+                why = row.fits(module) if row.fits is not None else None
+                if why is None:
+                    found[row].append(module)
+                else:
+                    left[why].append(path)
                 break
-    return found
+    return found, dict(left)
 
 
 @dataclass(frozen=True)
@@ -279,6 +285,7 @@ class Plan:
     cast: bool
     adapters: dict
     message: str = ""
+    left: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # reason -> module paths a row leaves
 
     @property
     def on_meta(self) -> bool:
@@ -335,7 +342,7 @@ def _plan(model: torch.nn.Module, request: Request) -> Plan:
         message = "FUSEPATCH_DISABLE is set: nothing patched, the model runs as transformers ships it"
         return dataclasses.replace(plan, message=message)
     rows = rows_for(set(model_types), request.precision)
-    found = _matches(model, rows) if rows else {}
+    found, left = _matches(model, rows) if rows else ({}, {})
     if not found:
         label = ", ".join(repr(t) for t in model_types) or "(no config.model_type)"
         message = (
@@ -352,7 +359,7 @@ def _plan(model: torch.nn.Module, request: Request) -> Plan:
             "fusepatch.apply(strict=True): the model is on the meta device, so no kernel can be self-tested; "
             "call apply after materialising it (model.to_empty(device=...) and loading the weights)"
         )
-    return dataclasses.replace(plan, found=dict(found), owners=_trainer_heads(found))
+    return dataclasses.replace(plan, found=dict(found), owners=_trainer_heads(found), left=left)
 
 
 def _resolve(plan: Plan, request: Request) -> Resolved:
@@ -556,6 +563,9 @@ def apply(
     if plan.message:  # nothing to patch: disabled, or no rows for the model
         logger.warning("fusepatch: %s", plan.message)
         return _report(plan, [])
+    for why, paths in plan.left.items():  # modules a row matched but cannot patch: named, never silent
+        shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+        logger.warning("fusepatch: %d modules run as before: %s: %s", len(paths), why, shown)
     resolved = _resolve(plan, request)
     if request.strict and (pending := _report(plan, resolved.layers)).fallbacks():
         raise FusePatchError(

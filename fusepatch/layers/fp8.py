@@ -28,16 +28,20 @@ PROJECTIONS = (
     *("in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj"),
     *("gate_proj", "up_proj", "down_proj"),
 )
-UNALIGNED = (
-    f"a weight dimension that is not a multiple of {MULTIPLE} (FP8 GEMMs need it): this projection runs as before"
-)
+UNALIGNED = f"a weight dimension that is not a multiple of {MULTIPLE} (FP8 GEMMs need it)"
+
+
+def aligned(module: torch.nn.Module) -> str | None:
+    """``Row.fits`` of the FP8 rows: None for a projection FP8 GEMMs can compute, else why not."""
+    rows, columns = module.weight.shape
+    return UNALIGNED if rows % MULTIPLE or columns % MULTIPLE else None
 
 
 def fp8_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``self(x)`` with FP8 GEMMs where the op chose a kernel for ``x``'s device and compute dtype; the
     projection as before otherwise (the fallback, said by ``apply`` with its reason)."""
     state = self._fusepatch
-    if self.weight.shape[0] % MULTIPLE or self.weight.shape[1] % MULTIPLE:
+    if aligned(self) is not None:  # resized since apply, which patches aligned projections only
         state.transformers_calls[UNALIGNED] = state.transformers_calls.get(UNALIGNED, 0) + 1
         return state.original(x)
     cast = autocast_dtype(x)

@@ -7,7 +7,7 @@ from fusepatch.layers.attention import attention_forward, gated_attention_forwar
 from fusepatch.layers.base_model import base_model_forward
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward
 from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
-from fusepatch.layers.fp8 import PROJECTIONS, fp8_linear_forward
+from fusepatch.layers.fp8 import PROJECTIONS, aligned, fp8_linear_forward
 from fusepatch.layers.gated_deltanet import gated_deltanet_forward
 from fusepatch.layers.rotary_embedding import rotary_embedding_forward
 from fusepatch.layers.simple import (
@@ -28,7 +28,7 @@ PADDING = "the call's attention_mask noted, so padded rows are not taken for pac
 def fp8_projections(model_types: tuple[str, ...]) -> Row:
     """The decoder's projections of these model types under ``apply(model, precision="fp8")``: plain
     ``nn.Linear`` held as one of ``PROJECTIONS`` (a subclass, such as a layer torchao already converted or a
-    peft LoRA wrapper, is left as it is)."""
+    peft LoRA wrapper, is left as it is), with both weight dimensions multiples of 16 (the others are named)."""
     return Row(
         model_types,
         "torch.nn.modules.linear",
@@ -38,6 +38,7 @@ def fp8_projections(model_types: tuple[str, ...]) -> Row:
         note="decoder projections with FP8 GEMMs: " + ", ".join(PROJECTIONS),
         names=PROJECTIONS,
         precision="fp8",
+        fits=aligned,
     )
 
 

@@ -595,3 +595,16 @@ def test_the_self_test_runs_without_the_callers_autocast(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(**lm_batch(model, length=32))
     assert seen and not any(seen), seen
+
+
+def test_unaligned_projections_are_named_at_apply_and_left(caplog):
+    """Projections whose weight has a dimension that is not a multiple of 16 cannot run FP8 GEMMs: ``apply``
+    leaves them unpatched (the report counts only the others) and names them, once, with the reason."""
+    model = tiny_model("qwen3_5_text", hidden_size=128, intermediate_size=120).to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        fusepatch.apply(model, precision="fp8", verbose=False)
+    patched = _fp8_modules(model)
+    mlp = {n for n, m in model.named_modules() if n.rpartition(".")[2] in ("gate_proj", "up_proj", "down_proj")}
+    assert patched and not mlp & set(patched)
+    said = [r.getMessage() for r in caplog.records if "not a multiple of 16" in r.getMessage()]
+    assert len(said) == 1 and f"{len(mlp)} modules run as before" in said[0] and "mlp.gate_proj" in said[0], said
