@@ -30,7 +30,7 @@ from fusepatch.engine.resolve import PREFERABLE, Choice, Dispatch, candidate_nam
 from fusepatch.layers import layer_graphs, rotary_embedding
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward, trainer_head
 from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
-from fusepatch.layers.fp8 import DroppedWeight, restore_dropped
+from fusepatch.layers.fp8 import restore_dropped
 from fusepatch.layers.simple import swiglu_mlp_forward
 from fusepatch.layers.support import bindings, lora
 from fusepatch.ops import OPS
@@ -162,7 +162,7 @@ class PatchState:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         del state["original"]  # a bound method of the owner: derived again, never pickled by name
-        if isinstance(self.owner.__dict__.get("_parameters", {}).get("weight"), DroppedWeight):
+        if self.cache.get("dropped"):
             key, quantized, _ = state["cache"]["fp8"]  # all that is left of the weight (its weak reference is not)
             state["cache"] = {"fp8": (key, quantized, None)}
         else:

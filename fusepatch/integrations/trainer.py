@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from fusepatch.base import options
 from fusepatch.diagnostics import profile as profiling
 from fusepatch.diagnostics.compiles import CompileCounter, describe
 from fusepatch.engine.patch import apply, decoder_stacks, report
@@ -33,10 +34,9 @@ def _patched(model: torch.nn.Module) -> bool:
 
 def _lacks_precision(model: torch.nn.Module, precision: str | None) -> bool:
     """Whether ``apply_kwargs`` ask for a ``precision`` whose rows patch none of ``model``'s modules yet."""
-    return precision is not None and not any(
-        getattr(m.__dict__.get("_fusepatch"), "row", None) is not None
-        and m.__dict__["_fusepatch"].row.precision == str(precision).strip().lower()
-        for m in model.modules()
+    wanted = options.precision(precision)
+    return wanted is not None and not any(
+        "_fusepatch" in m.__dict__ and m.__dict__["_fusepatch"].row.precision == wanted for m in model.modules()
     )
 
 

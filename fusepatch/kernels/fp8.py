@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusepatch.kernels.fp8_range import FP8_MAX, FP8_TINY
+from fusepatch.kernels.fp8_range import FP8_MAX, FP8_TINY, padded
 
 BLOCK = 1024
 WARPS = 4
@@ -168,7 +168,7 @@ def quantize_columns(x: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, 
     rows, columns = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    rows_out = -(-rows // multiple) * multiple
+    rows_out = padded(rows, multiple)
     q = torch.empty((columns, rows_out), device=x.device, dtype=torch.float8_e4m3fn)
     inverse = torch.empty((columns, 1), device=x.device, dtype=torch.float32)
     if columns == 0 or rows_out == 0:  # no tokens: every column's peak is a zero column's

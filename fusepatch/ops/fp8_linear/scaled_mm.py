@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from fusepatch.kernels.fp8_range import FP8_MAX, FP8_TINY
+from fusepatch.kernels.fp8_range import FP8_MAX, FP8_TINY, padded
 
 FP8 = torch.float8_e4m3fn
 MULTIPLE = 16  # _scaled_mm's alignment of the reduction and output dimensions
@@ -38,8 +38,7 @@ def quantize_columns_reference(x: torch.Tensor, multiple: int = 1) -> tuple[torc
     """``kernels/fp8.quantize_columns`` in PyTorch: ``x.t()`` padded with zero columns to a multiple of
     ``multiple``, quantized along its rows."""
     rows, columns = x.shape
-    padded = -(-rows // multiple) * multiple
-    transposed = x.new_zeros((columns, padded))
+    transposed = x.new_zeros((columns, padded(rows, multiple)))
     transposed[:, :rows] = x.t()
     return quantize_rows_reference(transposed)
 
