@@ -48,9 +48,10 @@ def fp8_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     dtype = cast or x.dtype
     fp8_linear = state.ops["fp8_linear"].implementation(x.device.type, dtype_name(dtype))
     # a frozen weight's FP8 copy is the FP8 kernel's alone: the fallback computes with the weight as it is
-    frozen = None if fp8_linear is fp8_linear_reference else frozen_weight(self, state)
+    falls_back = fp8_linear is fp8_linear_reference
+    frozen = None if falls_back else frozen_weight(self, state)
     if (
-        frozen is None
+        falls_back
         and state.drop_frozen
         and not self.weight.requires_grad
         and process_state().said.first(NOTHING_DROPPED)

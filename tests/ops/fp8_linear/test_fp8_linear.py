@@ -579,6 +579,20 @@ def test_nothing_dropped_where_fp8_falls_back_is_said_once(caplog):
     assert len(said) == 1, said
 
 
+def test_an_fp8_run_under_inference_mode_does_not_say_it_falls_back(monkeypatch, caplog):
+    """With the FP8 kernel chosen, a first call under ``torch.inference_mode`` keeps no copy and drops nothing
+    yet; that is no fallback, and nothing says so. The next training call drops the weights."""
+    from fusepatch.layers.fp8 import DroppedWeight
+
+    model = _lora_fp8(monkeypatch, drop_frozen_weights=True)
+    batch = lm_batch(model, length=32)
+    with caplog.at_level(logging.WARNING, logger="fusepatch"), torch.inference_mode():
+        model(**batch)
+    assert not [r for r in caplog.records if "nothing is dropped" in r.getMessage()]
+    model(**batch)
+    assert any(isinstance(p, DroppedWeight) for p in model.parameters())
+
+
 def test_the_self_test_runs_without_the_callers_autocast(monkeypatch):
     """The first call under autocast chooses the kernel: its self-test's fp32 reference runs without autocast."""
     from fusepatch.engine import selftest
