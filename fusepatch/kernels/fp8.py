@@ -107,26 +107,23 @@ def quantize_rows(x: torch.Tensor, factor: torch.Tensor | None = None) -> tuple[
 TILE_ROWS, TILE_COLUMNS = 64, 64
 
 
-PEAK_TILES = 16  # row tiles per program of _column_peaks: one atomic per column per 1024 rows
+SIGN = tl.constexpr(
+    0x7FFFFFFF
+)  # an fp32's bits without its sign: ordered as the absolute values are, NaN above infinity
+ONE = tl.constexpr(0x3F800000)  # the bits of 1.0
 
 
 @triton.jit
-def _column_peaks(
-    x, peaks, nans, rows, columns, stride_x, ROWS: tl.constexpr, COLUMNS: tl.constexpr, TILES: tl.constexpr
-):
-    """``peaks[c] = max(peaks[c], max |x[r, c]|)`` over this program's ``TILES`` blocks of rows, and ``nans[c]``
-    1 where one is NaN (both start at 0; a maximum does not depend on the order the atomics land in)."""
+def _column_peaks(x, peaks, rows, columns, stride_x, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    """``peaks[c] = max(peaks[c], max |x[r, c]|)`` over this program's block of rows, in the bits of the fp32
+    absolute values (``peaks`` int32, starting at 0): as integers they order as the values do and a NaN is the
+    largest, so one integer atomic keeps a NaN column's NaN (a float maximum drops it)."""
+    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
-    peak = tl.zeros((COLUMNS,), dtype=tl.float32)
-    nan = tl.zeros((COLUMNS,), dtype=tl.int32)
-    for tile in range(TILES):
-        r = (tl.program_id(1) * TILES + tile) * ROWS + tl.arange(0, ROWS)
-        mask = (r[:, None] < rows) & (c[None, :] < columns)
-        values = tl.load(x + r[:, None].to(tl.int64) * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        peak = tl.maximum(peak, tl.max(tl.abs(values), axis=0))
-        nan = nan | tl.max((values != values).to(tl.int32), axis=0)
-    tl.atomic_max(peaks + c, peak, mask=c < columns)
-    tl.atomic_max(nans + c, nan, mask=c < columns)
+    mask = (r[:, None] < rows) & (c[None, :] < columns)
+    values = tl.load(x + r[:, None].to(tl.int64) * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    bits = values.to(tl.int32, bitcast=True) & SIGN
+    tl.atomic_max(peaks + c, tl.max(bits, axis=0), mask=c < columns)
 
 
 @triton.jit
@@ -135,7 +132,6 @@ def _quantize_columns(
     q,
     inverse,
     peaks,
-    nans,
     rows,
     rows_out,
     columns,
@@ -149,8 +145,8 @@ def _quantize_columns(
     """``q[c, r] = x[r, c] * scale[c]`` in FP8 for ``r < rows_out``, zero where ``r >= rows`` (the padding)."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # the tokens on the grid's first axis: no 65535 bound
     c = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
-    peak = tl.maximum(tl.load(peaks + c, mask=c < columns, other=1.0), TINY)
-    peak = tl.where(tl.load(nans + c, mask=c < columns, other=0) > 0, float("nan"), peak)
+    peak = tl.load(peaks + c, mask=c < columns, other=ONE).to(tl.float32, bitcast=True)
+    peak = tl.where(peak == peak, tl.maximum(peak, TINY), peak)  # a NaN column stays NaN, as in its twin
     scale = tl.exp2(tl.floor(tl.log2(FP8_MAX / peak)))
     mask = (r[:, None] < rows) & (c[None, :] < columns)
     values = tl.load(x + r[:, None].to(tl.int64) * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -174,28 +170,17 @@ def quantize_columns(x: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, 
     if columns == 0 or rows_out == 0:  # no tokens: every column's peak is a zero column's
         inverse.fill_(1.0 / 2.0 ** math.floor(math.log2(FP8_MAX / FP8_TINY)))
         return q, inverse
-    peaks = torch.zeros(columns, device=x.device, dtype=torch.float32)
-    nans = torch.zeros(columns, device=x.device, dtype=torch.int32)
+    peaks = torch.zeros(columns, device=x.device, dtype=torch.int32)
     blocks = triton.cdiv(columns, TILE_COLUMNS)
     if rows:
-        _column_peaks[(blocks, triton.cdiv(rows, TILE_ROWS * PEAK_TILES))](
-            x,
-            peaks,
-            nans,
-            rows,
-            columns,
-            x.stride(0),
-            ROWS=TILE_ROWS,
-            COLUMNS=TILE_COLUMNS,
-            TILES=PEAK_TILES,
-            num_warps=WARPS,
+        _column_peaks[(blocks, triton.cdiv(rows, TILE_ROWS))](
+            x, peaks, rows, columns, x.stride(0), ROWS=TILE_ROWS, COLUMNS=TILE_COLUMNS, num_warps=WARPS
         )
     _quantize_columns[(triton.cdiv(rows_out, TILE_ROWS), blocks)](
         x,
         q,
         inverse,
         peaks,
-        nans,
         rows,
         rows_out,
         columns,

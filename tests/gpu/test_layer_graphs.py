@@ -31,11 +31,21 @@ def _steps(model, ids, steps: int) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("model_type, lora", [("qwen3_5_text", False), ("qwen3", False), ("qwen3_5_text", True)])
-def test_graphed_layers_train_as_the_model_without_graphs(model_type, lora, caplog):
+@pytest.mark.parametrize(
+    "model_type, lora, precision",
+    [
+        ("qwen3_5_text", False, None),
+        ("qwen3", False, None),
+        ("qwen3_5_text", True, None),
+        ("qwen3_5_text", False, "fp8"),
+        ("qwen3_5_text", True, "fp8"),
+    ],
+)
+def test_graphed_layers_train_as_the_model_without_graphs(model_type, lora, precision, caplog):
     """Six steps with and without graphs (captured at the third): every loss and every parameter after them within
     ``STEP_TOL``; the graphs captured and in use at the end. ``lora``: peft LoRA r8 on every linear, bf16 adapters
-    (a frozen embedding: the first layer's input needs no gradient)."""
+    (a frozen embedding: the first layer's input needs no gradient). ``fp8``: the FP8 projections' quantization
+    kernels and GEMMs captured with their layers (under LoRA, the frozen bases dropped to their FP8 copies)."""
     from conftest import MINI
 
     import fusepatch
@@ -50,8 +60,12 @@ def test_graphed_layers_train_as_the_model_without_graphs(model_type, lora, capl
 
         base = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules="all-linear")).to(torch.bfloat16)
     plain, graphed = copy.deepcopy(base), copy.deepcopy(base)
-    fusepatch.apply(plain)
-    fusepatch.apply(graphed, cuda_graphs=True)
+    kwargs = {"precision": precision, "drop_frozen_weights": lora} if precision else {}
+    fusepatch.apply(plain, **kwargs)
+    report = fusepatch.apply(graphed, cuda_graphs=True, **kwargs)
+    if precision:
+        chosen = {c.op: c.chosen for layer in report.layers for c in layer.choices}
+        assert chosen["fp8_linear"] == "scaled-mm", report.log_lines()
     ids = torch.randint(0, base.config.vocab_size, (2, 256), device="cuda")
     want = _steps(plain, ids, 6)
     got = _steps(graphed, ids, 6)

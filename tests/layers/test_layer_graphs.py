@@ -374,3 +374,37 @@ def test_the_capture_leaves_the_random_streams_as_they_were(capture):
         draws[name] = torch.rand(4)
     assert made == [4]
     torch.testing.assert_close(draws["graphed"], draws["plain"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["trained", "lora-dropped"])
+def test_fp8_projections_are_captured_and_replay_their_fp8_steps(capture, monkeypatch, lora):
+    """``precision="fp8"`` with graphs: the FP8 projections (the real FP8 function on the CPU) are captured with
+    their layers and replayed, every loss and gradient exactly those without graphs; under LoRA with the frozen
+    bases dropped, the replays read the FP8 copies made before the capture."""
+    from helpers import cpu_candidates
+
+    from fusepatch.layers.support import projections
+    from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear
+
+    made, replays = capture
+    calls = cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    monkeypatch.setattr(projections, "DEVICES", (*projections.DEVICES, "cpu"))
+    torch.manual_seed(0)
+    base = tiny_model("qwen3_5_text", hidden_size=128, intermediate_size=256).to(torch.bfloat16).train()
+    kwargs = {"precision": "fp8", "verbose": False}
+    if lora:
+        import peft
+
+        config = peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+        base = peft.get_peft_model(base, config, autocast_adapter_dtype=False)
+        kwargs["drop_frozen_weights"] = True
+    plain, graphed = copy.deepcopy(base), copy.deepcopy(base)
+    fusepatch.apply(plain, **kwargs)
+    fusepatch.apply(graphed, cuda_graphs=True, **kwargs)
+    ids = torch.randint(0, 512, (2, 24))
+    assert _train(graphed, 5, ids) == _train(plain, 5, ids)
+    assert made == [4] and len(replays) == 1 + 3 * 4 and calls  # the FP8 function ran (as the capture did)
+    fp8 = [m for m in graphed.modules() if "fp8_linear" in getattr(getattr(m, "_fusepatch", None), "ops", {})]
+    assert fp8 and all(type(m.weight).__name__ == "DroppedWeight" for m in fp8 if lora)
+    for name, grad in grads(plain).items():
+        torch.testing.assert_close(grads(graphed)[name], grad, rtol=0, atol=0, msg=name)
