@@ -164,7 +164,7 @@ class PatchState:
         del state["original"]  # a bound method of the owner: derived again, never pickled by name
         if self.cache.get("dropped"):
             key, quantized, _ = state["cache"]["fp8"]  # all that is left of the weight (its weak reference is not)
-            state["cache"] = {"fp8": (key, quantized, None)}
+            state["cache"] = {"fp8": (key, quantized, None), "dropped": True}
         else:
             state["cache"] = {}  # derived from the module's tensors, again at the next call
         return state

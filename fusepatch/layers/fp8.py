@@ -16,6 +16,7 @@ from fusepatch.base.dtypes import dtype_name
 from fusepatch.base.log import logger
 from fusepatch.base.state import current as process_state
 from fusepatch.layers.support.hooks import autocast_dtype
+from fusepatch.layers.support.kept import keep
 from fusepatch.ops.fp8_linear.reference import fp8_linear_reference
 from fusepatch.ops.fp8_linear.scaled_mm import MULTIPLE, QuantizedWeight, quantize_weight
 
@@ -84,7 +85,7 @@ def frozen_weight(module: torch.nn.Module, state) -> QuantizedWeight | None:
     key = (weight.device, weight.data_ptr(), weight._version, weight.shape, weight.dtype)
     held = cache.get("fp8")
     if held is None or held[0] != key or held[2]() is not weight:
-        held = cache["fp8"] = (key, quantize_weight(weight), weakref.ref(weight))
+        held = keep(cache, "fp8", (key, quantize_weight(weight), weakref.ref(weight)))
     if state.drop_frozen:
         module.weight = DroppedWeight.of(weight)
         cache["dropped"] = True  # the copy is all that is left: nothing may drop it (lora's merge follow-up)

@@ -12,7 +12,8 @@ pool; forwards in call order, then backwards in reverse, as a step replays them;
 fresh leaves, so that a loop still holding the last step's loss does not matter), checks the first layer's
 replay against its own forward, and replays from then on. A call of another signature runs as usual; a new
 steady signature is captured in turn, up to ``MAX_CAPTURES`` per model. Parameters moved or replaced
-(``model.to``, ``load_state_dict(assign=True)``) or frozen since drop the graphs.
+(``model.to``, ``load_state_dict(assign=True)``) or frozen since, and an FP8 projection's frozen weight quantized
+anew (after a peft merge), drop the graphs.
 
 Calls that run without graphs, said once each with the fix: activation checkpointing (it exists to drop the
 activations a graph keeps), hooks on a layer's modules (they would run once, at capture), FSDP2's sharded
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from fusepatch.layers.support.hooks import autocast_dtype, hooked
+from fusepatch.layers.support.kept import generation
 from fusepatch.layers.support.positions import is_plain
 from fusepatch.layers.support.signature import CACHE_NAMES
 
@@ -83,9 +85,12 @@ class _Call(torch.nn.Module):
         return torch.func.functional_call(self, dict(zip(self.names, aliases)), (hidden, cos, sin), strict=False)
 
 
-def _params(params: Iterable[torch.nn.Parameter]) -> tuple:
-    """What a layer's graphs read: (pointer, dtype, requires_grad) per parameter."""
-    return tuple((p.data_ptr(), p.dtype, p.requires_grad) for p in params)
+def _reads(layer: torch.nn.Module, params: Iterable[torch.nn.Parameter]) -> tuple:
+    """What a layer's graphs read: (pointer, dtype, requires_grad) per parameter, and the generation of what each
+    patched module keeps between calls (``support/kept.py``: an FP8 projection's frozen weight, whose copy made
+    anew after a peft merge frees the memory the graph reads)."""
+    kept = tuple(generation(state.cache) for module in layer.modules() if (state := module.__dict__.get("_fusepatch")))
+    return tuple((p.data_ptr(), p.dtype, p.requires_grad) for p in params), kept
 
 
 class LayerGraphs:
@@ -99,7 +104,7 @@ class LayerGraphs:
         self.steady = 0  # complete steps in a row with ``previous``'s signatures
         self.graphs: dict[tuple, list] = {}  # step signatures -> graphed callables, one per layer
         self.active: list | None = None  # this step's graphs: those of ``previous``, looked up once per step
-        self.params: list[tuple] = []  # what the graphs read, per layer (``_params``)
+        self.params: list[tuple] = []  # what the graphs read, per layer (``_reads``)
         self.disabled = False
         self.said: set[str] = set()
 
@@ -135,9 +140,9 @@ class LayerGraphs:
         if graphed is not None and index < len(self.previous) and self.previous[index] == signature:
             # checked here, layer by layer, rather than for every layer when the step starts: by now the GPU is
             # busy with the layers before, so the walk over the parameters costs the step nothing
-            if _params(params) == self.params[index]:
+            if _reads(layer, params) == self.params[index]:
                 return graphed[index](hidden, cos, sin).clone()  # the output buffer is rewritten by the next replay
-            self._drop()  # moved, replaced or frozen since the capture; the layers before replayed what they read
+            self._drop()  # moved, replaced, frozen or re-quantized since the capture; the layers before replayed theirs
         out = forward(layer, *args, **kwargs)
         if not isinstance(out, torch.Tensor):
             self.say("output")
@@ -175,7 +180,7 @@ class LayerGraphs:
 
     def _capture(self, step: tuple) -> None:
         start = time.perf_counter()
-        params = [_params(layer.parameters()) for layer in self.layers]  # what these graphs will read
+        params = [_reads(layer, layer.parameters()) for layer in self.layers]  # what these graphs will read
         if self.graphs and params != self.params:
             self.graphs.clear()  # other shapes' graphs read parameters moved or replaced since (not replayed yet)
         calls, samples = [], []

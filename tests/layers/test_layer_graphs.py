@@ -408,3 +408,36 @@ def test_fp8_projections_are_captured_and_replay_their_fp8_steps(capture, monkey
     assert fp8 and all(type(m.weight).__name__ == "DroppedWeight" for m in fp8 if lora)
     for name, grad in grads(plain).items():
         torch.testing.assert_close(grads(graphed)[name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_an_fp8_copy_made_anew_after_the_capture_drops_the_graphs(capture, monkeypatch):
+    """A graph reads the memory of the FP8 copy of a frozen base it was captured with; peft's merge for an
+    evaluation and its unmerge make that copy anew (the old one freed), so the next training step runs as usual and
+    the layers are captured again, the losses those of the model without graphs through the same sequence."""
+    import peft
+    from helpers import cpu_candidates
+
+    from fusepatch.layers.support import projections
+    from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear
+
+    made, _ = capture
+    cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    monkeypatch.setattr(projections, "DEVICES", (*projections.DEVICES, "cpu"))
+    torch.manual_seed(0)
+    base = tiny_model("qwen3_5_text", hidden_size=128, intermediate_size=256).to(torch.bfloat16).train()
+    config = peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    base = peft.get_peft_model(base, config, autocast_adapter_dtype=False)
+    plain, graphed = copy.deepcopy(base), copy.deepcopy(base)
+    fusepatch.apply(plain, precision="fp8", verbose=False)
+    fusepatch.apply(graphed, cuda_graphs=True, precision="fp8", verbose=False)
+    ids = torch.randint(0, 512, (2, 24))
+    losses = {}
+    for name, model in (("plain", plain), ("graphed", graphed)):
+        first = _train(model, 3, ids)
+        model.merge_adapter()
+        with torch.no_grad():
+            evaluated = model(input_ids=ids, labels=ids, use_cache=False).loss.item()
+        model.unmerge_adapter()
+        losses[name] = (first, evaluated, _train(model, 4, ids))
+    assert losses["graphed"] == losses["plain"]
+    assert made == [4, 4]  # captured at the third step, and again two steady steps after the unmerge

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from fusepatch.base.log import logger
 from fusepatch.base.state import current as process_state
 from fusepatch.layers.support.hooks import autocast_dtype, hooked, in_dtype
+from fusepatch.layers.support.kept import forget
 
 PEFT_LAYER = "peft.tuners.lora.layer"  # the module defining peft's LoRA ``Linear``
 
@@ -175,7 +176,7 @@ def _follow_merges(module: torch.nn.Module) -> None:
         return
     merged = () if module.disable_adapters else tuple(getattr(module, "merged_adapters", ()))
     if state.cache.get("merged", merged) != merged and not state.cache.get("dropped"):
-        state.cache.pop("fp8", None)
+        forget(state.cache, "fp8")
     state.cache["merged"] = merged
 
 
