@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_run.sh tilelang            # install tilelang (.whl-tl1/); with a causal-conv1d sdist in
 #                                                      #   .src/, build it in the background (fusepatch build)
 #   bash benchmarks/gpu_run.sh tests               # needs .whl-tl2/ and .whl/: deps, fla, all GPU tests, doctor
-#                                                      #   (TESTS=files, K=filter, TAG=log name suffix)
+#                                                      #   (TESTS=files, K=filter, TAG=log name suffix, DOCTOR=0: no doctor)
 #   bash benchmarks/gpu_run.sh built               # the built causal-conv1d wheel: install it, test it, doctor
 #   bash benchmarks/gpu_run.sh bench 27b [layers]  # the benchmark table for one shape (benchmarks/run_all.py)
 #   CONFIGS=fusepatch bash benchmarks/gpu_run.sh probe 27b  # where a synced step's forward waits for the host
@@ -109,10 +109,11 @@ for path in glob.glob("/tmp/errors/model-errors-*.json"):
     merged.update(json.load(open(path)))
 json.dump(merged, open(os.path.join(os.environ.get("OUT", "/tmp/out"), "model-errors.json"), "w"), indent=1)
 EOF
-    timeout ${DOCTOR_TIMEOUT:-120} python3 -m fusepatch -v doctor --model-type qwen3_5 > "$OUT/doctor.txt" 2>&1
+    # DOCTOR=0: the tests alone (the doctor self-tests every op, TileLang's compile included: about two minutes)
+    [ "${DOCTOR:-1}" = 1 ] && timeout ${DOCTOR_TIMEOUT:-120} python3 -m fusepatch -v doctor --model-type qwen3_5 > "$OUT/doctor.txt" 2>&1
     # the stack where fla's guard bites: no tilelang importable
     [ "${NO_TL_DOCTOR:-0}" = 1 ] && PYTHONPATH="$PWD:/tmp/site-fla" timeout ${DOCTOR_TIMEOUT:-60} python3 -m fusepatch -v doctor --model-type qwen3_5 > "$OUT/doctor-no-tilelang.txt" 2>&1
-    grep -A3 "gated_delta_rule:" "$OUT/doctor-no-tilelang.txt" 2>/dev/null; tail -4 "$OUT/doctor.txt"
+    grep -A3 "gated_delta_rule:" "$OUT/doctor-no-tilelang.txt" 2>/dev/null; tail -4 "$OUT/doctor.txt" 2>/dev/null
     [ -f /tmp/build/build.log ] && tail -3 /tmp/build/build.log
     if grep -q "^exit 0" /tmp/build/build.log 2>/dev/null && [ ! -d /tmp/site-built ]; then bash "$0" built; fi ;;
   built)
