@@ -118,8 +118,8 @@ def _column_peaks(x, peaks, rows, columns, stride_x, ROWS: tl.constexpr, COLUMNS
     """``peaks[c] = max(peaks[c], max |x[r, c]|)`` over this program's block of rows, in the bits of the fp32
     absolute values (``peaks`` int32, starting at 0): as integers they order as the values do and a NaN is the
     largest, so one integer atomic keeps a NaN column's NaN (a float maximum drops it)."""
-    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    c = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # the tokens on the grid's first axis: no 65535 bound
+    c = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
     mask = (r[:, None] < rows) & (c[None, :] < columns)
     values = tl.load(x + r[:, None].to(tl.int64) * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
     bits = values.to(tl.int32, bitcast=True) & SIGN
@@ -173,7 +173,7 @@ def quantize_columns(x: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, 
     peaks = torch.zeros(columns, device=x.device, dtype=torch.int32)
     blocks = triton.cdiv(columns, TILE_COLUMNS)
     if rows:
-        _column_peaks[(blocks, triton.cdiv(rows, TILE_ROWS))](
+        _column_peaks[(triton.cdiv(rows, TILE_ROWS), blocks)](
             x, peaks, rows, columns, x.stride(0), ROWS=TILE_ROWS, COLUMNS=TILE_COLUMNS, num_warps=WARPS
         )
     _quantize_columns[(triton.cdiv(rows_out, TILE_ROWS), blocks)](

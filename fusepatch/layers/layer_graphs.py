@@ -85,12 +85,18 @@ class _Call(torch.nn.Module):
         return torch.func.functional_call(self, dict(zip(self.names, aliases)), (hidden, cos, sin), strict=False)
 
 
-def _reads(layer: torch.nn.Module, params: Iterable[torch.nn.Parameter]) -> tuple:
-    """What a layer's graphs read: (pointer, dtype, requires_grad) per parameter, and the generation of what each
-    patched module keeps between calls (``support/kept.py``: an FP8 projection's frozen weight, whose copy made
-    anew after a peft merge frees the memory the graph reads)."""
-    kept = tuple(generation(state.cache) for module in layer.modules() if (state := module.__dict__.get("_fusepatch")))
-    return tuple((p.data_ptr(), p.dtype, p.requires_grad) for p in params), kept
+def _patched(layer: torch.nn.Module) -> tuple:
+    """The states of a layer's patched modules, walked once a capture (a replay reads their generations)."""
+    return tuple(state for module in layer.modules() if (state := module.__dict__.get("_fusepatch")) is not None)
+
+
+def _reads(params: Iterable[torch.nn.Parameter], states: tuple) -> tuple:
+    """What a layer's graphs read: per parameter its pointer, dtype, ``requires_grad`` and, frozen, its version (an
+    in-place load changes what a frozen FP8 projection computes with, its copy being quantized anew only outside
+    a graph); and per patched module the generation of what it keeps between calls (``support/kept.py``: an FP8
+    projection's frozen weight, whose copy made anew frees the memory the graph reads)."""
+    tensors = tuple((p.data_ptr(), p.dtype, p.requires_grad, None if p.requires_grad else p._version) for p in params)
+    return tensors, tuple(generation(state.cache) for state in states)
 
 
 class LayerGraphs:
@@ -105,6 +111,7 @@ class LayerGraphs:
         self.graphs: dict[tuple, list] = {}  # step signatures -> graphed callables, one per layer
         self.active: list | None = None  # this step's graphs: those of ``previous``, looked up once per step
         self.params: list[tuple] = []  # what the graphs read, per layer (``_reads``)
+        self.patched: list[tuple] = []  # the states of each layer's patched modules at the capture (``_patched``)
         self.disabled = False
         self.said: set[str] = set()
 
@@ -140,7 +147,7 @@ class LayerGraphs:
         if graphed is not None and index < len(self.previous) and self.previous[index] == signature:
             # checked here, layer by layer, rather than for every layer when the step starts: by now the GPU is
             # busy with the layers before, so the walk over the parameters costs the step nothing
-            if _reads(layer, params) == self.params[index]:
+            if _reads(params, self.patched[index]) == self.params[index]:
                 return graphed[index](hidden, cos, sin).clone()  # the output buffer is rewritten by the next replay
             self._drop()  # moved, replaced, frozen or re-quantized since the capture; the layers before replayed theirs
         out = forward(layer, *args, **kwargs)
@@ -180,7 +187,8 @@ class LayerGraphs:
 
     def _capture(self, step: tuple) -> None:
         start = time.perf_counter()
-        params = [_reads(layer, layer.parameters()) for layer in self.layers]  # what these graphs will read
+        patched = [_patched(layer) for layer in self.layers]
+        params = [_reads(layer.parameters(), states) for layer, states in zip(self.layers, patched)]
         if self.graphs and params != self.params:
             self.graphs.clear()  # other shapes' graphs read parameters moved or replaced since (not replayed yet)
         calls, samples = [], []
@@ -207,8 +215,11 @@ class LayerGraphs:
                 (str(exc).splitlines() or [""])[0][:300],
             )
             return
+        read = [_reads(layer.parameters(), states) for layer, states in zip(self.layers, patched)]
+        if read != params:  # the capture's forward quantized a frozen weight anew: older captures read the old copy
+            self.graphs.clear()
         self.graphs[step] = list(graphed)
-        self.params = params
+        self.params, self.patched = read, patched
         shape, dtype = step[0][0][:2]
         logger.info(
             "fusepatch: CUDA graphs: %d decoder layers captured for hidden states %s %s in %.1f s; replayed from "

@@ -584,3 +584,61 @@ MOE_SWIGLU_SCRIPT = textwrap.dedent(
 
 def test_moe_weighted_swiglu_kernel_matches_the_reference_in_the_interpreter():
     _run_in_interpreter(MOE_SWIGLU_SCRIPT)
+
+
+FP8_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from fusepatch.kernels.fp8 import quantize_columns, quantize_rows, transpose
+    from fusepatch.ops.fp8_linear.scaled_mm import (
+        quantize_columns_reference, quantize_rows_reference, transpose_reference)
+    torch.manual_seed(0)
+
+    def same_scales(a, b):  # NaN and infinity where the twin has them, every other scale equal
+        return torch.equal(a.nan_to_num(nan=-1.0, posinf=-2.0), b.nan_to_num(nan=-1.0, posinf=-2.0))
+
+    def same_bits(a, b):
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    def exact(rows, columns, dtype):
+        # values FP8 holds exactly at any power-of-two scale here (3 mantissa bits, exponents within 2^7 of each
+        # other): the interpreter's own cast to FP8 rounds otherwise than the GPU's, so only values that need no
+        # rounding compare bit for bit, and they check the layout, the padding and the scaling
+        mantissa = torch.randint(8, 16, (rows, columns)) / 8
+        sign = torch.randint(0, 2, (rows, columns)) * 2 - 1
+        return (sign * mantissa * 2.0 ** torch.randint(-3, 4, (rows, columns))).to(dtype)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x = exact(150, 130, dtype)
+        for multiple in (1, 16):
+            q, inverse = quantize_columns(x, multiple)
+            qr, inverse_r = quantize_columns_reference(x, multiple)
+            assert q.shape == qr.shape and same_bits(q, qr) and torch.equal(inverse, inverse_r), (dtype, multiple)
+        strided = exact(300, 200, dtype)[:, 10:140]  # a view of a wider tensor
+        q, inverse = quantize_columns(strided, 16)
+        qr, inverse_r = quantize_columns_reference(strided, 16)
+        assert same_bits(q, qr) and torch.equal(inverse, inverse_r), dtype
+        q, inverse = quantize_rows(x)
+        qr, inverse_r = quantize_rows_reference(x)
+        assert same_bits(q, qr) and torch.equal(inverse, inverse_r), dtype
+        # scales of any values: a NaN of either sign in any row tile, infinities, signed zeros, wide magnitudes
+        y = (torch.randn(150, 130) * torch.logspace(-3, 3, 130)).to(dtype)
+        y[7, 3], y[100, 129] = float("nan"), -float("nan")
+        y[0, 64], y[149, 65] = float("inf"), -float("inf")
+        y[:, 5], y[:, 6] = -0.0, 0.0
+        assert same_scales(quantize_columns(y, 16)[1], quantize_columns_reference(y, 16)[1]), dtype
+        assert same_scales(quantize_rows(y.t().contiguous())[1], quantize_rows_reference(y.t().contiguous())[1])
+    q, _ = quantize_rows_reference(torch.randn(70, 150))
+    assert same_bits(transpose(q), transpose_reference(q))
+    q, inverse = quantize_columns(torch.randn(0, 70), 16)  # no tokens: no values, finite scales
+    assert q.shape == (70, 0) and bool(inverse.isfinite().all())
+    print("ok")
+    """
+)
+
+
+def test_fp8_quantization_kernels_give_the_twins_results_in_the_interpreter():
+    """The FP8 kernels (rows, columns transposed and padded, the FP8 transpose) against their PyTorch twins: the
+    same bits on values FP8 holds exactly, and on any values the same scales (a NaN of either sign in any row tile
+    makes its column's scale NaN, as in the twin). tests/gpu/test_fp8.py checks the GPU's bits on any values."""
+    _run_in_interpreter(FP8_SCRIPT)

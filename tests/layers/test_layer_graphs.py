@@ -410,17 +410,51 @@ def test_fp8_projections_are_captured_and_replay_their_fp8_steps(capture, monkey
         torch.testing.assert_close(grads(graphed)[name], grad, rtol=0, atol=0, msg=name)
 
 
-def test_an_fp8_copy_made_anew_after_the_capture_drops_the_graphs(capture, monkeypatch):
-    """A graph reads the memory of the FP8 copy of a frozen base it was captured with; peft's merge for an
-    evaluation and its unmerge make that copy anew (the old one freed), so the next training step runs as usual and
-    the layers are captured again, the losses those of the model without graphs through the same sequence."""
+@pytest.fixture
+def reads_captured(capture, monkeypatch):
+    """``capture``, with replays that read the FP8 copies of frozen weights the capture read, as a CUDA graph reads
+    their memory (``_Rerun`` alone would quantize again where a graph cannot): a copy made or changed after the
+    capture reaches a replay only if the graphs were dropped and captured again."""
+    from fusepatch.layers import fp8 as fp8_layer
+
+    real, held = fp8_layer.frozen_weight, {"capturing": None, "replaying": None}
+
+    def frozen_weight(module, state):
+        if held["replaying"] is not None and id(module) in held["replaying"]:
+            return held["replaying"][id(module)]
+        copy_ = real(module, state)
+        if held["capturing"] is not None:
+            held["capturing"][id(module)] = copy_
+        return copy_
+
+    class _Reads(layer_graphs._Rerun):
+        def capture(self, fn, stream):
+            held["capturing"] = self.read = {}
+            try:
+                return super().capture(fn, stream)
+            finally:
+                held["capturing"] = None
+
+        def replay(self) -> None:
+            held["replaying"] = self.read
+            try:
+                super().replay()
+            finally:
+                held["replaying"] = None
+
+    monkeypatch.setattr(fp8_layer, "frozen_weight", frozen_weight)
+    monkeypatch.setattr(layer_graphs, "GRAPH", _Reads)
+    return capture
+
+
+def _lora_fp8_pair(monkeypatch):
+    """A LoRA model over FP8 bases (the real FP8 function on the CPU), without graphs and with them."""
     import peft
     from helpers import cpu_candidates
 
     from fusepatch.layers.support import projections
     from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear
 
-    made, _ = capture
     cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
     monkeypatch.setattr(projections, "DEVICES", (*projections.DEVICES, "cpu"))
     torch.manual_seed(0)
@@ -430,6 +464,15 @@ def test_an_fp8_copy_made_anew_after_the_capture_drops_the_graphs(capture, monke
     plain, graphed = copy.deepcopy(base), copy.deepcopy(base)
     fusepatch.apply(plain, precision="fp8", verbose=False)
     fusepatch.apply(graphed, cuda_graphs=True, precision="fp8", verbose=False)
+    return plain, graphed
+
+
+def test_an_fp8_copy_made_anew_after_the_capture_drops_the_graphs(reads_captured, monkeypatch):
+    """A graph reads the memory of the FP8 copy of a frozen base it was captured with; peft's merge for an
+    evaluation and its unmerge make that copy anew (the old one freed), so the next training step runs as usual and
+    the layers are captured again, the losses those of the model without graphs through the same sequence."""
+    made, _ = reads_captured
+    plain, graphed = _lora_fp8_pair(monkeypatch)
     ids = torch.randint(0, 512, (2, 24))
     losses = {}
     for name, model in (("plain", plain), ("graphed", graphed)):
@@ -441,3 +484,22 @@ def test_an_fp8_copy_made_anew_after_the_capture_drops_the_graphs(capture, monke
         losses[name] = (first, evaluated, _train(model, 4, ids))
     assert losses["graphed"] == losses["plain"]
     assert made == [4, 4]  # captured at the third step, and again two steady steps after the unmerge
+
+
+@pytest.mark.parametrize("when", ["after the capture", "before the capture step"])
+def test_frozen_bases_loaded_in_place_reach_the_graphs(reads_captured, monkeypatch, when):
+    """``load_state_dict`` into the frozen bases (same storage, a new version): outside a graph the FP8 copy is
+    made anew; the graphs see the version and are dropped, so every loss is the model's without graphs. Loaded
+    just before the step that captures, the capture's own forward makes the copy, and one capture serves."""
+    made, _ = reads_captured
+    plain, graphed = _lora_fp8_pair(monkeypatch)
+    ids = torch.randint(0, 512, (2, 24))
+    halved = {k: v * 0.5 for k, v in plain.state_dict().items() if "base_layer.weight" in k}
+    first = 3 if when == "after the capture" else 2
+    losses = {}
+    for name, model in (("plain", plain), ("graphed", graphed)):
+        before = _train(model, first, ids)
+        model.load_state_dict(halved, strict=False)
+        losses[name] = (before, _train(model, 4, ids))
+    assert losses["graphed"] == losses["plain"]
+    assert made == ([4, 4] if when == "after the capture" else [4])
