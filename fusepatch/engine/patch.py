@@ -30,7 +30,7 @@ from fusepatch.engine.resolve import PREFERABLE, Choice, Dispatch, candidate_nam
 from fusepatch.layers import layer_graphs, rotary_embedding
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward, trainer_head
 from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
-from fusepatch.layers.fp8 import restore_dropped
+from fusepatch.layers.fp8 import restore_dropped, say_restored
 from fusepatch.layers.simple import swiglu_mlp_forward
 from fusepatch.layers.support import bindings, lora
 from fusepatch.ops import OPS
@@ -443,6 +443,12 @@ def _report(
     )
 
 
+def _choosing(request: Request, *, prefer_given: bool) -> list[str]:
+    """The arguments given that choose kernels (a module patched before keeps the choices of its own apply)."""
+    given = {"ops": request.ops is not None, "exclude": bool(request.exclude), "prefer": prefer_given}
+    return [name for name, value in given.items() if value]
+
+
 def _outcome(plan: Plan, newly: int, already: int) -> str:
     if plan.on_meta:
         return (
@@ -572,6 +578,14 @@ def apply(
             "fusepatch.apply(strict=True): nothing patched; fallbacks:\n" + "\n".join(pending.log_lines())
         )
     newly, already = _bind(plan, resolved, request)
+    if already and (given := _choosing(request, prefer_given=prefer is not None)):
+        logger.warning(
+            "fusepatch: %d modules were patched before and keep their kernels: %s apply to the %d modules patched by "
+            "this call only; fix: fusepatch.revert(model), then apply with them",
+            already,
+            ", ".join(given),
+            newly,
+        )
     report = _report(plan, resolved.layers, message=_outcome(plan, newly, already), newly=newly, already=already)
     _finish(plan, resolved, report, request, newly)
     return report
@@ -658,7 +672,7 @@ def _install_graphs(model: torch.nn.Module) -> None:
 def revert(model: torch.nn.Module) -> int:
     """Restore every forward ``apply`` replaced, exactly as it was. Returns how many modules were restored."""
     model = unwrapped(model)
-    restored = 0
+    restored = rounded = 0
     for module in model.modules():
         module.__dict__.pop(layer_graphs.ATTRIBUTE, None)
         state = module.__dict__.get("_fusepatch")
@@ -670,10 +684,12 @@ def revert(model: torch.nn.Module) -> int:
             module.forward = state.instance_forward
         module.__dict__.pop("_replicate_for_data_parallel", None)
         module.__dict__.pop(rotary_embedding.TABLES, None)
-        restore_dropped(module, state.cache)
+        rounded += restore_dropped(module, state.cache)
         del module._fusepatch
         bindings.release(module)  # transformers' module-level names back once no patched layer holds them
         restored += 1
+    if rounded:
+        say_restored(rounded)
     logger.info("fusepatch: reverted %d modules", restored)
     return restored
 

@@ -186,17 +186,22 @@ def _same_place(args: tuple, kwargs: dict) -> bool:
     return True
 
 
-def restore_dropped(module: torch.nn.Module, cache: dict) -> None:
+def restore_dropped(module: torch.nn.Module, cache: dict) -> bool:
     """``revert``: a dropped weight back as a real parameter, dequantized from its FP8 copy (rounded: FP8 keeps
-    3 mantissa bits), and said; anything else as it is."""
+    3 mantissa bits); anything else as it is. Whether it restored one (``revert`` says how many, once)."""
     weight = module.__dict__.get("_parameters", {}).get("weight")
     if not isinstance(weight, DroppedWeight):
-        return
+        return False
     q, inverse = cache["fp8"][1]
     values = (q.float() * inverse).to(weight.dtype)
     module.weight = torch.nn.Parameter(values, requires_grad=False)
+    return True
+
+
+def say_restored(count: int) -> None:
+    """What ``revert`` could not give back exactly: the weights ``drop_frozen_weights`` kept in FP8 only."""
     logger.warning(
-        "fusepatch: revert: %s's frozen weight was kept in FP8 only (drop_frozen_weights=True); it is back, "
+        "fusepatch: revert: %d frozen weights were kept in FP8 only (drop_frozen_weights=True); they are back, "
         "rounded to FP8 (about 3%% off the original values); reload the checkpoint for the exact weights",
-        type(module).__name__,
+        count,
     )

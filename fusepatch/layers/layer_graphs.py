@@ -19,8 +19,8 @@ Calls that run without graphs, said once each with the fix: activation checkpoin
 activations a graph keeps), hooks on a layer's modules (they would run once, at capture), FSDP2's sharded
 parameters (gathered anew each step), autocast over parameters of another dtype (its cast cache is per region),
 packed, padded or cached calls (document boundaries and masks decide work on the host), and a capture or check
-that fails (a kernel that waits for the host or runs on another stream). Inference, ``torch.compile`` tracing
-and CPU tensors run as usual, silently.
+that fails (a kernel that waits for the host or runs on another stream), and training off the GPU. Inference
+and ``torch.compile`` tracing run as usual, silently.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ FIXES = {
     "position_ids, an attention mask, a cache: they decide work on the host). Fix: none needed; such calls run "
     "without graphs",
     "output": "the layer returned more than its hidden states. Fix: none needed; the layers run without graphs",
+    "device": "the layers train off the GPU, and CUDA graphs need a CUDA device. Fix: move the model to a GPU "
+    "(model.to('cuda')), or leave cuda_graphs off",
 }
 
 
@@ -402,13 +404,15 @@ def sharded(params: Iterable[torch.nn.Parameter]) -> bool:
 def _signature(layer: torch.nn.Module, args: tuple, kwargs: dict):
     """``(signature, None, hidden, cos, sin, other kwargs, the layer's parameters)`` for a call the graphs may
     take, else ``(None, reason or None, ...)``: a reason for the calls a user should hear about, None for the ones
-    that run as usual silently (inference, tracing, the CPU)."""
+    that run as usual silently (inference, tracing)."""
     none = (None, None, None, None, None, None, None)
     hidden = args[0] if args else kwargs.get("hidden_states")
-    if not isinstance(hidden, torch.Tensor) or hidden.device.type not in DEVICES:
+    if not isinstance(hidden, torch.Tensor):
         return none
     if not (torch.is_grad_enabled() and layer.training) or torch.compiler.is_compiling():
         return none
+    if hidden.device.type not in DEVICES:  # a training step off the GPU: said once, it may be the whole run
+        return (None, "device", *none[2:])
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # inside a capture (ours, or the caller's)
         return none
     if getattr(layer, "gradient_checkpointing", False):

@@ -112,7 +112,12 @@ def _demo(args: argparse.Namespace) -> int:
     )
     print(fit(str(result["report"]), args.wide))
     print()
-    print(f"device {result['device']} / {result['dtype']}, {args.steps} training steps, seq {args.seq_len}")
+    precision = ""
+    if args.precision:  # what the request came to: the FP8 GEMMs, or the fallback the report's row explains
+        fp8 = [c for layer in result["report"].layers for c in layer.choices if c.op == "fp8_linear"]
+        ran = "FP8 GEMMs" if any(c.fused for c in fp8) else "fell back (the fp8_linear row above says why)"
+        precision = f", precision {args.precision}: {ran}"
+    print(f"device {result['device']} / {result['dtype']}, {args.steps} training steps, seq {args.seq_len}{precision}")
     print(
         "eager   losses: "
         + " ".join(f"{x:.4f}" for x in result["eager_losses"])

@@ -503,3 +503,16 @@ def test_frozen_bases_loaded_in_place_reach_the_graphs(reads_captured, monkeypat
         losses[name] = (before, _train(model, 4, ids))
     assert losses["graphed"] == losses["plain"]
     assert made == ([4, 4] if when == "after the capture" else [4])
+
+
+def test_training_off_the_gpu_says_graphs_need_one(caplog):
+    """``cuda_graphs=True`` on a model that trains on the CPU: the layers run as usual, and that is said once with
+    the fix (never a silent request); inference on the CPU says nothing."""
+    _, graphed = _pair()
+    ids = torch.randint(0, 512, (2, 24))
+    with torch.no_grad():
+        graphed.eval()(input_ids=ids, use_cache=False)
+    assert not [r for r in caplog.records if "CUDA graphs" in r.getMessage()]
+    _train(graphed.train(), 2, ids)
+    said = [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage()]
+    assert len(said) == 1 and "model.to('cuda')" in said[0], said

@@ -209,7 +209,8 @@ def test_the_trainer_callback_and_the_demo_take_the_precision(tmp_path, capsys):
     trainer.train()
     assert _fp8_modules(trainer.model)
     assert main(["demo", "--precision", "fp8", "--steps", "1", "--seq-len", "32"]) == 0
-    assert "fp8_linear" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fp8_linear" in out and "precision fp8: fell back (the fp8_linear row above says why)" in out
 
 
 def test_a_frozen_weight_reuses_its_fp8_copy_in_the_backward():
@@ -342,7 +343,8 @@ def test_dropped_frozen_weights_train_the_same_and_revert_saying_so(monkeypatch,
     dropped.to("cpu")  # a move to where it is changes nothing
     with caplog.at_level(logging.WARNING, logger="fusepatch"):
         fusepatch.revert(dropped)
-    assert any("rounded to FP8" in r.getMessage() for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records if "rounded to FP8" in r.getMessage()]
+    assert len(said) == 1 and f"{len(gone)} frozen weights" in said[0], said  # once, with the count
     for name, p in dropped.base_model.model.named_parameters():
         if name.endswith("base_layer.weight") and name.split(".")[-3] in PROJECTIONS:
             original = originals[name.replace(".base_layer", "")]
