@@ -150,6 +150,8 @@ class PatchState:
     cache: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     # apply(precision="fp8", drop_frozen_weights=True): a frozen FP8 projection keeps its weight in FP8 only
     drop_frozen: bool = dataclasses.field(default=False, repr=False)
+    # the apply's kernel choices (ops, exclude, prefer): a later apply with others says they do not reach it
+    choosing: tuple = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         self.original = self._forward_before()
@@ -174,6 +176,7 @@ class PatchState:
         self.__dict__.setdefault("transformers_calls", {})  # pickled by a release without the count
         self.__dict__.setdefault("cache", {})
         self.__dict__.setdefault("drop_frozen", False)
+        self.__dict__.setdefault("choosing", ())
         self.original = self._forward_before()
 
 
@@ -413,6 +416,7 @@ def _bind(plan: Plan, resolved: Resolved, request: Request) -> tuple[int, int]:
             module._fusepatch = PatchState(row, resolved.dispatches[row], module, instance_forward)
             module._fusepatch.mlp_recompute = request.mlp_recompute
             module._fusepatch.drop_frozen = request.drop_frozen_weights and row.precision == "fp8"
+            module._fusepatch.choosing = _choices_of(request)
             module.forward = _Bound(row.forward, module)
             module._replicate_for_data_parallel = _Bound(_replicate_patched, module)
             newly += 1
@@ -443,10 +447,22 @@ def _report(
     )
 
 
-def _choosing(request: Request, *, prefer_given: bool) -> list[str]:
-    """The arguments given that choose kernels (a module patched before keeps the choices of its own apply)."""
-    given = {"ops": request.ops is not None, "exclude": bool(request.exclude), "prefer": prefer_given}
-    return [name for name, value in given.items() if value]
+def _choices_of(request: Request) -> tuple:
+    """What of a request chooses kernels: ``ops``, ``exclude``, ``prefer`` (kept on each module it patches)."""
+    return (request.ops, request.exclude, request.prefer)
+
+
+def _other_choices(plan: Plan, request: Request) -> tuple[int, list[str]] | None:
+    """Modules patched before with other kernel choices than ``request``'s: how many, and which arguments differ."""
+    wanted, count, names = _choices_of(request), 0, set()
+    for modules in plan.found.values():
+        for module in modules:
+            state = module.__dict__.get("_fusepatch")
+            if state is None or not state.choosing or state.choosing == wanted:
+                continue
+            count += 1
+            names.update(n for n, a, b in zip(("ops", "exclude", "prefer"), state.choosing, wanted) if a != b)
+    return (count, sorted(names)) if count else None
 
 
 def _outcome(plan: Plan, newly: int, already: int) -> str:
@@ -473,6 +489,8 @@ def _finish(plan: Plan, resolved: Resolved, report: PatchReport, request: Reques
     for row_dispatches in resolved.dispatches.values():
         for dispatch in row_dispatches.values():
             dispatch.announce = True
+    if newly:  # graphs captured before replay the layers as they were: captured again once steady
+        layer_graphs.drop(plan.model)
     if request.cuda_graphs:
         _install_graphs(plan.model)
     _log(report, request.verbose, said=bool(newly or plan.on_meta))
@@ -578,13 +596,14 @@ def apply(
             "fusepatch.apply(strict=True): nothing patched; fallbacks:\n" + "\n".join(pending.log_lines())
         )
     newly, already = _bind(plan, resolved, request)
-    if already and (given := _choosing(request, prefer_given=prefer is not None)):
+    if already and (differ := _other_choices(plan, request)):
+        count, names = differ
         logger.warning(
-            "fusepatch: %d modules were patched before and keep their kernels: %s apply to the %d modules patched by "
-            "this call only; fix: fusepatch.revert(model), then apply with them",
-            already,
-            ", ".join(given),
-            newly,
+            "fusepatch: %d modules were patched before with other kernel choices and keep them: this call's %s "
+            "did not reach them; fix: fusepatch.revert(model), then apply with them (weights kept in FP8 only come "
+            "back rounded)",
+            count,
+            ", ".join(names),
         )
     report = _report(plan, resolved.layers, message=_outcome(plan, newly, already), newly=newly, already=already)
     _finish(plan, resolved, report, request, newly)
@@ -673,6 +692,7 @@ def revert(model: torch.nn.Module) -> int:
     """Restore every forward ``apply`` replaced, exactly as it was. Returns how many modules were restored."""
     model = unwrapped(model)
     restored = rounded = 0
+    layer_graphs.drop(model)  # a revert in part leaves graphs on the layers beside it: they replayed this part
     for module in model.modules():
         module.__dict__.pop(layer_graphs.ATTRIBUTE, None)
         state = module.__dict__.get("_fusepatch")

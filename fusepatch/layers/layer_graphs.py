@@ -119,7 +119,9 @@ class LayerGraphs:
 
     # copies (EMA models, TRL's reference model) and pickles start without graphs: those hold the GPU's memory
     def __deepcopy__(self, memo: dict) -> LayerGraphs:
-        return LayerGraphs(copy.deepcopy(self.layers, memo))
+        copied = memo[id(self)] = LayerGraphs.__new__(LayerGraphs)  # one holder for the copy's layers, as here
+        copied.__init__(copy.deepcopy(self.layers, memo))
+        return copied
 
     def __getstate__(self) -> dict:
         return {"layers": self.layers}
@@ -463,6 +465,15 @@ def status(model: torch.nn.Module) -> dict | None:
         "layers": sum(len(h.layers) for h in holders.values()),
         "disabled": any(h.disabled for h in holders.values()),
     }
+
+
+def drop(model: torch.nn.Module) -> None:
+    """The graphs of ``model`` dropped: its layers were patched anew or reverted in part since the capture (what a
+    replay would run is not what the layers run now); they are captured again once the steps are steady."""
+    for module in model.modules():
+        held = module.__dict__.get(ATTRIBUTE)
+        if held is not None:
+            held[0]._drop()
 
 
 def install(layers: list[torch.nn.Module]) -> LayerGraphs:

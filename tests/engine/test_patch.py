@@ -68,19 +68,22 @@ def test_apply_is_idempotent_and_says_so(caplog):
     assert fusepatch.revert(model) == 0
 
 
-def test_kernel_choices_given_to_a_patched_model_are_said_to_reach_only_new_modules(caplog):
-    """A second apply keeps the first one's patches: arguments that choose kernels (here ``exclude``, with the FP8
-    rows added) reach only the modules it patches, and it says so with the fix; a plain second apply says nothing."""
+def test_other_kernel_choices_given_to_a_patched_model_are_said_not_to_reach_it(caplog):
+    """A second apply keeps the first one's patches: other kernel choices (here ``exclude``, with the FP8 rows
+    added) do not reach the modules patched before, and that is said with the fix; the same choices again, or
+    none, say nothing."""
     model = tiny_model("qwen3_5_text")
-    fusepatch.apply(model, verbose=False)
+    first = fusepatch.apply(model, exclude="rotary", verbose=False)
     caplog.clear()
-    fusepatch.apply(model, verbose=False)
+    fusepatch.apply(model, exclude="rotary", verbose=False)
+    fusepatch.apply(model, exclude=("rotary",), precision="fp8", verbose=False)
     assert not [r for r in caplog.records if "patched before" in r.getMessage()]
-    report = fusepatch.apply(model, precision="fp8", exclude="swiglu", verbose=False)
+    fusepatch.revert(model)
+    fusepatch.apply(model, verbose=False)
+    fusepatch.apply(model, precision="fp8", exclude="swiglu", verbose=False)
     said = [r.getMessage() for r in caplog.records if "patched before" in r.getMessage()]
-    assert report.newly_patched > 0 and len(said) == 1, said
-    assert f"{report.already_patched} modules" in said[0] and "exclude apply to" in said[0]
-    assert "fusepatch.revert(model)" in said[0]
+    assert len(said) == 1 and f": {first.newly_patched} modules were patched before" in said[0], said
+    assert "this call's exclude did not reach them" in said[0] and "fusepatch.revert(model)" in said[0]
 
 
 def test_save_pretrained_is_unchanged_by_apply(tmp_path):

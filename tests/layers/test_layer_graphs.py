@@ -516,3 +516,28 @@ def test_training_off_the_gpu_says_graphs_need_one(caplog):
     _train(graphed.train(), 2, ids)
     said = [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage()]
     assert len(said) == 1 and "model.to('cuda')" in said[0], said
+
+
+def test_layers_patched_anew_after_the_capture_drop_the_graphs(capture):
+    """A second apply that patches more of the layers (the FP8 projections) changes what a step runs: the graphs
+    captured before are dropped and the layers captured again, never replaying the layers as they were."""
+    made, _ = capture
+    _, graphed = _pair()
+    ids = torch.randint(0, 512, (2, 24))
+    _train(graphed, 3, ids)
+    assert made == [4]
+    fusepatch.apply(graphed, precision="fp8", verbose=False)
+    _train(graphed, 3, ids)
+    assert made == [4, 4]
+
+
+def test_a_copy_of_a_graphed_model_has_one_holder_for_its_layers(capture):
+    """``copy.deepcopy`` of a model with graphs: its layers share one new holder, as the source's do, so the
+    copy captures its own graphs."""
+    made, _ = capture
+    _, graphed = _pair()
+    twin = copy.deepcopy(graphed)
+    holders = {id(layer.__dict__[layer_graphs.ATTRIBUTE][0]) for layer in twin.model.layers}
+    assert len(holders) == 1
+    _train(twin, 3, torch.randint(0, 512, (2, 24)))
+    assert made == [4]

@@ -344,7 +344,7 @@ def test_dropped_frozen_weights_train_the_same_and_revert_saying_so(monkeypatch,
     with caplog.at_level(logging.WARNING, logger="fusepatch"):
         fusepatch.revert(dropped)
     said = [r.getMessage() for r in caplog.records if "rounded to FP8" in r.getMessage()]
-    assert len(said) == 1 and f"{len(gone)} frozen weights" in said[0], said  # once, with the count
+    assert len(said) == 1 and f": {len(gone)} frozen weights" in said[0], said  # once, with the count
     for name, p in dropped.base_model.model.named_parameters():
         if name.endswith("base_layer.weight") and name.split(".")[-3] in PROJECTIONS:
             original = originals[name.replace(".base_layer", "")]
