@@ -122,6 +122,12 @@ class DroppedWeight(torch.nn.Parameter):
     def __reduce_ex__(self, protocol):
         return _dropped, (tuple(self.shape), self.dtype, self.device_of)
 
+    def __repr__(self, **kwargs) -> str:  # a meta tensor's repr would name the meta device, not the weight's
+        return (
+            f"DroppedWeight(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device_of}: kept in FP8 "
+            "only by drop_frozen_weights=True; fusepatch.revert(model) puts back a rounded copy)"
+        )
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
