@@ -107,9 +107,8 @@ def quantize_rows(x: torch.Tensor, factor: torch.Tensor | None = None) -> tuple[
 TILE_ROWS, TILE_COLUMNS = 64, 64
 
 
-SIGN = tl.constexpr(
-    0x7FFFFFFF
-)  # an fp32's bits without its sign: ordered as the absolute values are, NaN above infinity
+# an fp32's bits without its sign: as integers they order as the absolute values do, a NaN above infinity
+SIGN = tl.constexpr(0x7FFFFFFF)
 ONE = tl.constexpr(0x3F800000)  # the bits of 1.0
 
 
