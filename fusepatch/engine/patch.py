@@ -742,7 +742,8 @@ def report(model: torch.nn.Module, compute_dtype: torch.dtype | str | None = Non
         )
     total = sum(len(m) for m in groups.values())
     built = _report(plan, layers, message="" if total else "not patched", already=total)
-    return dataclasses.replace(built, transformers_calls=_transformers_calls(groups))
+    dropped = sum(bool(m._fusepatch.cache.get("dropped")) for modules in groups.values() for m in modules)
+    return dataclasses.replace(built, transformers_calls=_transformers_calls(groups), dropped_weights=dropped)
 
 
 def _transformers_calls(groups: dict[Row, list[torch.nn.Module]]) -> tuple[str, ...]:

@@ -52,6 +52,8 @@ class PatchReport:
     lora: dict = field(default_factory=dict)  # peft LoRA linears: count, fusable, the others by reason
     # calls a patched layer handed to transformers' own forward, and why: "Qwen3_5GatedDeltaNet: 2 calls: <reason>"
     transformers_calls: tuple[str, ...] = ()
+    # frozen FP8 projections whose weight apply(drop_frozen_weights=True) dropped (kept in FP8 only)
+    dropped_weights: int = 0
 
     @property
     def patched(self) -> int:
@@ -123,6 +125,7 @@ class PatchReport:
             "drift": list(self.drift),
             "lora": self.lora,
             "transformers_calls": list(self.transformers_calls),
+            "dropped_weights": self.dropped_weights,
             "environment": self.environment,
         }
 
@@ -170,6 +173,11 @@ class PatchReport:
             lines.append(f"  drift: {line}")
         for line in self.transformers_calls:
             lines.append(f"  transformers' forward: {line}")
+        if self.dropped_weights:
+            lines.append(
+                f"  {self.dropped_weights} frozen weights kept in FP8 only (drop_frozen_weights=True; "
+                "fusepatch.revert(model) puts back rounded copies)"
+            )
         compiled = sum(c.ready_s for _, c in self.fused_ops if c.compiled)
         if compiled:
             lines.append(

@@ -332,6 +332,8 @@ def test_dropped_frozen_weights_train_the_same_and_revert_saying_so(monkeypatch,
     assert gone and len(gone) == len(_fp8_modules(dropped))
     assert all(m.weight.device.type == "cpu" and m.weight.shape == (m.out_features, m.in_features) for m in gone)
     assert "device=cpu" in repr(gone[0].weight) and "revert" in str(gone[0].weight)  # not the meta tensor's
+    shown = fusepatch.report(dropped)
+    assert shown.dropped_weights == len(gone) and f"{len(gone)} frozen weights kept in FP8 only" in str(shown)
     saved = peft.get_peft_model_state_dict(dropped)
     want = peft.get_peft_model_state_dict(kept)
     assert saved.keys() == want.keys() and all(torch.equal(saved[k], want[k]) for k in saved)
