@@ -76,5 +76,10 @@ def test_graphed_layers_train_as_the_model_without_graphs(model_type, lora, prec
     ]
     assert holder.graphs and not holder.disabled, failed
     assert all(abs(g - w) <= STEP_TOL * abs(w) for g, w in zip(got, want)), (got, want)
-    for name, value in plain.state_dict().items():
-        assert relative_error(graphed.state_dict()[name].float(), value.float()) <= STEP_TOL, name
+    # dropped frozen bases are meta tensors in both models (their FP8 copies are what ran); the rest is compared
+    want_state, got_state = plain.state_dict(), graphed.state_dict()
+    assert [n for n, v in got_state.items() if v.is_meta] == [n for n, v in want_state.items() if v.is_meta]
+    compared = [name for name, value in want_state.items() if not value.is_meta]
+    assert any("lora_" in name for name in compared) if lora else len(compared) == len(want_state)
+    for name in compared:
+        assert relative_error(got_state[name].float(), want_state[name].float()) <= STEP_TOL, name
