@@ -18,7 +18,8 @@
 #   bash benchmarks/gpu_run.sh curves              # needs .whl-ex/: SFT loss curves, two seeds (loss_curves.py)
 #   bash benchmarks/gpu_run.sh textcurves          # bf16 vs fp8 on unrepeated text, two seeds (text_curves.py)
 #   bash benchmarks/gpu_run.sh norm                # the RMSNorm candidates alone (benchmarks/norm_bench.py)
-#   bash benchmarks/gpu_run.sh moe                 # the MoE experts op alone, per candidate (benchmarks/moe_bench.py)
+#   bash benchmarks/gpu_run.sh moe                 # the MoE experts op alone, per candidate (benchmarks/moe_bench.py;
+#                                                      #   FP8=1: its GEMMs bf16 against FP8)
 #   bash benchmarks/gpu_run.sh dqkwg               # fla's TileLang dqkwg kernel at other tilings (dqkwg_bench.py)
 #   bash benchmarks/gpu_run.sh gemm 27b            # the step's GEMMs alone, each layout (benchmarks/gemm_bench.py)
 #   bash benchmarks/gpu_run.sh sft                 # needs .whl/ and .whl-ex/: the SFT example, FSDP2 world size 1
@@ -240,7 +241,8 @@ EOF
       --json-out "$OUT/norm.json" 2>&1 | tee "$OUT/norm.md" ;;
   moe)
     # the MoE experts op alone, forward and backward, per candidate at Qwen3.5-MoE's sizes (benchmarks/moe_bench.py)
-    PYTHONPATH="$PWD" timeout ${MOE_TIMEOUT:-150} python3 benchmarks/moe_bench.py \
+    # (FP8=1: the expert GEMMs bf16 against FP8, and the quantization FP8 adds)
+    PYTHONPATH="$PWD" timeout ${MOE_TIMEOUT:-150} python3 benchmarks/moe_bench.py ${FP8:+--fp8} \
       --json-out "$OUT/moe-op${TAG:+-$TAG}.json" 2>&1 | tee "$OUT/moe-op${TAG:+-$TAG}.md" ;;
   dqkwg)
     # fla's TileLang q/k/w/g-gradient kernel at other tilings, alone at the 27B shape (benchmarks/dqkwg_bench.py)

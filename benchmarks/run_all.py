@@ -35,9 +35,11 @@ CONFIGS = {
 # label words that are train_step options: fusepatch+compile, hf-fast+compile+quick, fusepatch+graphs+quick,
 # fusepatch+cudagraphs+quick (the library's apply(cuda_graphs=True)), fusepatch+cache+quick (the config's use_cache=True),
 # fusepatch+fp8+quick (apply(precision="fp8")), fusepatch+fp8+drop+quick (and drop_frozen_weights=True: LoRA's frozen
-# bases kept in FP8 only), hf-fast+torchao+compile+quick (torchao's float8 rowwise, compiled as torchao advises)
+# bases kept in FP8 only), hf-fast+torchao+compile+quick (torchao's float8 rowwise, compiled as torchao advises),
+# hf-fast+torchao+compilelayers+quick (the same with each decoder layer compiled, as torchtitan does)
 FLAGS = {
     "compile": ["--compile"],
+    "compilelayers": ["--compile-layers"],
     "quick": ["--no-diagnostics"],
     "graphs": ["--graph-layers"],
     "cudagraphs": ["--cuda-graphs"],

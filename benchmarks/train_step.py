@@ -146,6 +146,11 @@ def main() -> int:
     parser.add_argument("--lora", type=int, default=0, help="peft LoRA of this rank on every linear (alpha 2r)")
     parser.add_argument("--compile", action="store_true", help="model.compile() after patching (and peft)")
     parser.add_argument(
+        "--compile-layers",
+        action="store_true",
+        help="compile each decoder layer after patching (regional compilation, one compiled code per layer type)",
+    )
+    parser.add_argument(
         "--graph-layers",
         action="store_true",
         help="replay every decoder layer from CUDA graphs after the warm-up (graph_layers: fixed shapes only)",
@@ -272,6 +277,10 @@ def build(args) -> tuple:
         info["lora"] = report.lora
     if args.compile:
         model.compile()
+    if args.compile_layers:  # as torchtitan compiles per transformer block: minutes less than the whole model
+        for module in model.modules():
+            if type(module).__name__.endswith("DecoderLayer"):
+                module.compile()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-5, fused=device.type == "cuda")
     return model, optimizer, info
@@ -539,7 +548,7 @@ def run(args, seq: int, batch: int) -> dict:
     first = time.perf_counter()
     builds = CompileCounter()  # what the first step compiles or loads (a warm cache: loads only)
     builds.install()
-    beat = Heartbeat() if args.compile else None
+    beat = Heartbeat() if args.compile or args.compile_layers else None
     try:
         for i in range(args.warmup):
             if i == 0 and beat:
@@ -594,7 +603,9 @@ def run(args, seq: int, batch: int) -> dict:
         info["sft"] = {"doc_tokens": args.doc_tokens, **sample_shape(conversations())}
     if args.lora:
         info["lora_rank"] = args.lora
-    if args.compile:  # what dynamo made of the model: graphs, and why it broke them (the first step's tracing)
+    if (
+        args.compile or args.compile_layers
+    ):  # what dynamo made of the model: graphs, and why it broke them (the first step's tracing)
         info["compiled"] = dynamo_made()
     if args.prompt:
         info["prompt"] = args.prompt
