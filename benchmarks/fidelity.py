@@ -8,6 +8,13 @@ their own process, from the same fp32 weights (built from one seed, cast to bf16
 parameter the relative error ``||g - g_ref|| / ||g_ref||`` is recorded; the table puts fusepatch's beside
 hf-fast's and names every parameter where fusepatch's error exceeds 1.25x hf-fast's.
 
+FP8 (allowed to be less precise than bf16; the question is by how much, per projection): ``fusepatch-fp8`` is
+``apply(model, precision="fp8")``; ``fp8-projections`` is the model as in hf-fast with only its decoder
+projections through fusepatch's FP8 function (``fusepatch.ops.fp8_linear.scaled_mm.fp8_linear``: Triton
+quantization on a GPU, its PyTorch twins with the same bits elsewhere, ``torch._scaled_mm`` on either), which
+also runs on a CPU (``--device cpu``; ``--vocab`` shrinks the LM head, which stays bf16, to fit memory). A second
+table gives each projection's median gradient error against the first bf16 configuration's.
+
 One JSON line per configuration goes to ``--out`` (date, GPU, versions, command), and the table to stdout.
 """
 
@@ -30,6 +37,7 @@ sys.path.insert(0, HERE)
 from shapes import SHAPES, build_config  # noqa: E402
 
 CONFIGS = ("hf-fast", "liger", "fusepatch")
+FP8_CONFIGS = ("fusepatch-fp8", "fp8-projections")
 RATIO = 1.25  # fusepatch's error may be at most this times hf-fast's, parameter by parameter
 
 
@@ -45,13 +53,17 @@ def versions() -> dict:
     return found
 
 
-def model_and_batch(shape: str, layers: int | None, seq: int | None, batch: int | None, device: torch.device):
+def model_and_batch(
+    shape: str, layers: int | None, seq: int | None, batch: int | None, device: torch.device, vocab: int | None = None
+):
     """The fp32 model (one seed) and the token batch (another), the same in every process."""
     from transformers import AutoModelForCausalLM
 
     spec = SHAPES[shape]
     seq, batch = seq or spec["seq"], batch or spec["batch"]
     config = build_config(shape, layers)
+    if vocab:
+        config.vocab_size = vocab
     torch.manual_seed(0)
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
@@ -70,7 +82,7 @@ def worker(args) -> int:
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference is fp32 GEMMs, not TF32
     torch.backends.cudnn.allow_tf32 = False
-    model, ids = model_and_batch(args.shape, args.layers, args.seq, args.batch, device)
+    model, ids = model_and_batch(args.shape, args.layers, args.seq, args.batch, device, args.vocab)
     info: dict = {"config": args.role, "versions": versions()}
     if args.role == "reference":
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -83,11 +95,13 @@ def worker(args) -> int:
             import liger_kernel.transformers as liger
 
             liger.apply_liger_kernel_to_qwen3_5(rope=False, model=model)  # Liger's rope raises for Qwen3.5
-        if args.role == "fusepatch":
+        if args.role in ("fusepatch", "fusepatch-fp8"):
             import fusepatch
 
-            report = fusepatch.apply(model)
+            report = fusepatch.apply(model, **({"precision": "fp8"} if args.role == "fusepatch-fp8" else {}))
             info["fallbacks"] = report.log_lines()
+        if args.role == "fp8-projections":
+            info["fp8_projections"] = fp8_projections(model)
         loss = step(model, ids)
         reference = torch.load(args.reference, mmap=True)
         info["loss"] = loss
@@ -100,6 +114,70 @@ def worker(args) -> int:
     with open(args.json_out, "w") as f:
         json.dump(info, f)
     return 0
+
+
+def fp8_projections(model: torch.nn.Module) -> int:
+    """The decoder projections ``apply(precision="fp8")`` would train in FP8, their forward through fusepatch's
+    FP8 function and nothing else changed; how many."""
+    from fusepatch.layers.fp8 import PROJECTIONS
+    from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear
+
+    count = 0
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear and name.rpartition(".")[2] in PROJECTIONS:
+            module.forward = lambda x, m=module: fp8_linear(x, m.weight, m.bias)
+            count += 1
+    return count
+
+
+def projection(name: str) -> str | None:
+    """The projection a parameter belongs to (``q_proj``, ``down_proj``...), None for any other parameter."""
+    from fusepatch.layers.fp8 import PROJECTIONS
+
+    parts = name.split(".")
+    return parts[-2] if len(parts) > 1 and parts[-2] in PROJECTIONS and parts[-1] == "weight" else None
+
+
+def projection_medians(errors: dict[str, float]) -> dict[str, float]:
+    """Each projection's median gradient error over the layers."""
+    grouped: dict[str, list[float]] = {}
+    for name, error in errors.items():
+        kind = projection(name)
+        if kind is not None:
+            grouped.setdefault(kind, []).append(error)
+    return {kind: sorted(values)[len(values) // 2] for kind, values in sorted(grouped.items())}
+
+
+def projection_ratios(results: dict[str, dict]) -> dict[str, dict]:
+    """For each FP8 configuration: its median error per projection over the first bf16 configuration's, and that
+    configuration's name."""
+    fp8 = [role for role in results if role in FP8_CONFIGS]
+    base = next((role for role in results if role not in FP8_CONFIGS), None)
+    if base is None:
+        return {}
+    medians = projection_medians(results[base]["errors"])
+    ratios = {}
+    for role in fp8:
+        ours = projection_medians(results[role]["errors"])
+        ratios[role] = {"base": base, **{kind: ours[kind] / value for kind, value in medians.items() if kind in ours}}
+    return ratios
+
+
+def projection_table(results: dict[str, dict]) -> str:
+    """The FP8 configurations' median error per projection beside the first bf16 configuration's."""
+    fp8 = [role for role in results if role in FP8_CONFIGS]
+    base = next((role for role in results if role not in FP8_CONFIGS), None)
+    if not fp8 or base is None:
+        return ""
+    medians = {role: projection_medians(results[role]["errors"]) for role in (base, *fp8)}
+    lines = ["", "", f"| projection | {base} (bf16) | " + " | ".join(f"{r} | {r} / {base}" for r in fp8) + " |"]
+    lines.append("|---" * (2 + 2 * len(fp8)) + "|")
+    for kind, value in medians[base].items():
+        cells = [
+            f"{medians[r].get(kind, float('nan')):.4f} | {medians[r].get(kind, float('nan')) / value:.1f}x" for r in fp8
+        ]
+        lines.append(f"| {kind} | {value:.4f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def short(name: str) -> str:
@@ -141,7 +219,7 @@ def driver(args) -> int:
     os.makedirs(workdir, exist_ok=True)
     reference = os.path.join(workdir, "reference.pt")
     common = ["--shape", args.shape, "--reference", reference, "--device", args.device]
-    for flag in ("layers", "seq", "batch"):
+    for flag in ("layers", "seq", "batch", "vocab"):
         if getattr(args, flag):
             common += [f"--{flag}", str(getattr(args, flag))]
     results, ref_info = {}, None
@@ -165,7 +243,7 @@ def driver(args) -> int:
     if ref_info is None:
         return 1
     text, beyond = table(results, ref_info)
-    print(text)
+    print(text + projection_table(results))
     record = {
         "benchmark": "fidelity",
         "date": datetime.date.today().isoformat(),
@@ -176,12 +254,21 @@ def driver(args) -> int:
         "layers": args.layers or SHAPES[args.shape]["layers"],
         "seq": args.seq or SHAPES[args.shape]["seq"],
         "batch": args.batch or SHAPES[args.shape]["batch"],
+        **({"vocab": args.vocab} if args.vocab else {}),
         "reference_loss": ref_info["loss"],
         "versions": {role: info["versions"] for role, info in results.items()},
         "results": {
-            role: {"loss": info["loss"], "loss_error": info["loss_error"], "errors": info["errors"]}
+            role: {
+                "loss": info["loss"],
+                "loss_error": info["loss_error"],
+                "errors": info["errors"],
+                "projection_median_error": projection_medians(info["errors"]),
+                **({"fallbacks": info["fallbacks"]} if info.get("fallbacks") else {}),
+                **({"fp8_projections": info["fp8_projections"]} if "fp8_projections" in info else {}),
+            }
             for role, info in results.items()
         },
+        "projection_error_ratio": projection_ratios(results),
         "beyond_ratio": beyond,
     }
     if args.out:
@@ -196,13 +283,14 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--vocab", type=int, default=None, help="a smaller vocabulary (the LM head's size)")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--site-fla", default="/tmp/site-fla")
     parser.add_argument("--site-tl", default="/tmp/site-tl")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=None, help="append the record (one JSON line) to this file")
-    parser.add_argument("--role", default=None, choices=["reference", *CONFIGS], help=argparse.SUPPRESS)
+    parser.add_argument("--role", default=None, choices=["reference", *CONFIGS, *FP8_CONFIGS], help=argparse.SUPPRESS)
     parser.add_argument("--reference", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -168,7 +168,9 @@ EOF
     need_tilelang
     pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl .whl/liger_kernel-*.whl 2>/dev/null
     shape=${2:-27b}
+    # (FIDELITY_CONFIGS=hf-fast,fusepatch,fusepatch-fp8: other configurations than the script's default three)
     timeout ${FIDELITY_TIMEOUT:-900} python3 benchmarks/fidelity.py --shape "$shape" ${LAYERS:+--layers $LAYERS} \
+      ${FIDELITY_CONFIGS:+--configs $FIDELITY_CONFIGS} \
       --site-fla /tmp/site-fla --site-tl /tmp/site-tl --workdir /tmp/fidelity-$shape --out "$OUT/fidelity.jsonl" 2>&1 | tee "$OUT/fidelity-$shape.md"
     rm -rf /tmp/fidelity-$shape/reference.pt ;;
   curves)

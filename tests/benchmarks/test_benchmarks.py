@@ -849,3 +849,59 @@ def test_library_graphs_reports_what_apply_captured(monkeypatch, chunked_on_cpu)
     for _ in range(3):
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     assert train_step.library_graphs(model) == {"captures": 1, "layers": 4, "disabled": False}
+
+
+def test_fidelity_fp8_projections_run_fusepatchs_fp8_function_on_the_decoder_projections():
+    """``fidelity.py``'s ``fp8-projections``: exactly the projections ``apply(precision="fp8")`` trains go through
+    the FP8 function (the gates, the LM head and the rest stay), the loss moves by FP8's rounding only, and each
+    projection's gradient error is grouped under its name."""
+    import fidelity
+    import torch
+
+    from fusepatch.tools.tiny import tiny_model
+
+    model = tiny_model("qwen3_5_text").to(torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    want = model(input_ids=ids, labels=ids).loss.item()
+    count = fidelity.fp8_projections(model)
+    patched = {n for n, m in model.named_modules() if "forward" in m.__dict__}
+    assert count == len(patched) > 0
+    assert {n.rpartition(".")[2] for n in patched} <= {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "in_proj_qkv",
+        "in_proj_z",
+        "out_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
+    assert not any(n.endswith(("in_proj_a", "in_proj_b", "lm_head")) for n in patched)
+    got = model(input_ids=ids, labels=ids).loss.item()
+    assert got != want and abs(got - want) <= 0.05 * abs(want)
+    errors = {
+        "model.layers.0.mlp.up_proj.weight": 0.2,
+        "model.layers.1.mlp.up_proj.weight": 0.4,
+        "model.layers.2.mlp.up_proj.weight": 0.3,
+        "model.norm.weight": 9.0,
+        "lm_head.weight": 9.0,
+    }
+    assert fidelity.projection_medians(errors) == {"up_proj": 0.3}
+
+
+def test_fidelity_projection_ratios_are_fp8_over_the_first_bf16_configuration():
+    import fidelity
+
+    results = {
+        "hf-fast": {
+            "errors": {"model.layers.0.mlp.up_proj.weight": 0.02, "model.layers.0.self_attn.q_proj.weight": 0.05}
+        },
+        "fp8-projections": {
+            "errors": {"model.layers.0.mlp.up_proj.weight": 0.2, "model.layers.0.self_attn.q_proj.weight": 0.4}
+        },
+    }
+    ratios = fidelity.projection_ratios(results)
+    assert ratios == {"fp8-projections": {"base": "hf-fast", "up_proj": 0.2 / 0.02, "q_proj": 0.4 / 0.05}}
+    assert "| up_proj | 0.0200 | 0.2000 | 10.0x |" in fidelity.projection_table(results)
