@@ -151,7 +151,8 @@ def free_port() -> int:
 
 
 def torchrun(script: str, *args: str, processes: int = 2, **env: str):
-    """Run ``script`` under torchrun on CPU (gloo) with ``processes`` ranks; returns the CompletedProcess."""
+    """Run ``script`` under torchrun with ``processes`` ranks, on the CPU unless ``env`` names a GPU
+    (``CUDA_VISIBLE_DEVICES``); returns the CompletedProcess."""
     import os
     import subprocess
     import sys
@@ -167,7 +168,7 @@ def torchrun(script: str, *args: str, processes: int = 2, **env: str):
         script,
         *args,
     ]
-    full_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", **env)
+    full_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **env}  # env may name a GPU
     # A hang (a collective waiting on a dead rank) fails in 4 minutes: each of these runs takes 10-20 s on two
     # loaded cores, and CI has 20 minutes in all. The ranks are torchrun's children: the whole process group is
     # killed, so none is left behind holding a core.

@@ -1,7 +1,8 @@
 """FP8 projections on the H200: the Triton quantization kernels (rows, rows with a factor per column, columns
 written transposed and padded) against their PyTorch twins (the same bits), the FP8 GEMMs' error against fp32 at
 the 27B layer widths for a trained and a frozen weight, a mini Qwen3.5 model trained with
-``apply(model, precision="fp8")`` against the same model patched in bf16, and the same with peft LoRA."""
+``apply(model, precision="fp8")`` against the same model patched in bf16, the same with peft LoRA, under FSDP2
+(NCCL, world size 1) and compiled against the same FP8 model plain."""
 
 from __future__ import annotations
 
@@ -150,3 +151,87 @@ def test_a_nan_stays_nan_in_the_kernels():
     assert torch.isnan(inverse[7]) and torch.isnan(q[7].float()).all() and torch.isfinite(inverse[8:]).all()
     q, inverse = quantize_columns(x, 16)
     assert torch.isnan(inverse[11]) and torch.isnan(q[11, :300].float()).all() and torch.isfinite(inverse[12:]).all()
+
+
+FSDP2_WORKER = """
+import copy, json, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+sys.path.insert(0, sys.argv[2])
+from helpers import MINI
+import fusepatch
+from fusepatch.tools.tiny import tiny_model
+
+dist.init_process_group("nccl")
+torch.cuda.set_device(0)
+mesh = init_device_mesh("cuda", (1,))
+base = tiny_model("qwen3_5_text", seed=0, **MINI).cuda().to(torch.bfloat16)
+reference = copy.deepcopy(base)
+fusepatch.apply(reference, precision="fp8", verbose=False)
+model = copy.deepcopy(base)
+for layer in model.model.layers:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+report = fusepatch.apply(model, precision="fp8", verbose=False)
+ids = torch.randint(0, base.config.vocab_size, (2, 256), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+loss.backward()
+ref_loss = reference(input_ids=ids, labels=ids, use_cache=False).loss
+ref_loss.backward()
+ref = dict(reference.named_parameters())
+errors = {}
+for name, p in model.named_parameters():
+    if "proj.weight" in name and p.grad is not None:
+        g, r = p.grad.full_tensor().float(), ref[name].grad.float()
+        errors[name] = float((g - r).norm() / r.norm())
+chosen = {c.op: c.chosen for layer in report.layers for c in layer.choices}
+json.dump({"loss": float(loss), "ref_loss": float(ref_loss), "errors": errors, "chosen": chosen.get("fp8_linear")},
+          open(sys.argv[1], "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_world_size_one_trains_fp8_as_the_unsharded_model(tmp_path):
+    """FSDP2 over NCCL, world size 1, with ``precision="fp8"``: the FP8 kernel is chosen for the sharded model, and
+    its loss and projection gradients match the unsharded FP8 model's (the gathered weights quantize to the same
+    bits; only the kernels' own run-to-run order differs)."""
+    import json
+    import os
+
+    from helpers import torchrun
+
+    script, out = tmp_path / "worker.py", tmp_path / "result.json"
+    script.write_text(FSDP2_WORKER)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = torchrun(str(script), str(out), tests, processes=1, CUDA_VISIBLE_DEVICES="0")
+    assert result.returncode == 0, result.stderr[-4000:]
+    data = json.loads(out.read_text())
+    record("fp8-fsdp2", {"loss": data["loss"], "ref_loss": data["ref_loss"], "worst": max(data["errors"].values())})
+    assert data["chosen"] == "scaled-mm" and data["errors"], data
+    assert abs(data["loss"] - data["ref_loss"]) <= 1e-3 * abs(data["ref_loss"]), data
+    assert max(data["errors"].values()) <= 2e-2, sorted(data["errors"].items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_compiled_fp8_model_trains_as_the_uncompiled_one():
+    """``model.compile()`` after ``apply(precision="fp8")``: the compiled step's loss and projection gradients
+    match the uncompiled FP8 model's."""
+    import fusepatch
+    from fusepatch.tools.tiny import tiny_model
+
+    base = tiny_model("qwen3_5_text", **MINI).cuda().to(torch.bfloat16)
+    plain, compiled = copy.deepcopy(base), copy.deepcopy(base)
+    for model in (plain, compiled):
+        fusepatch.apply(model, precision="fp8", verbose=False)
+    compiled.compile()
+    ids = torch.randint(0, base.config.vocab_size, (2, 256), device="cuda")
+    losses, grads = [], []
+    for model in (plain, compiled):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    errors = {n: relative_error(grads[1][n], g) for n, g in grads[0].items() if n.endswith("proj.weight")}
+    record("fp8-compiled", {"losses": losses, "worst": max(errors.values())})
+    assert abs(losses[1] - losses[0]) <= 1e-3 * abs(losses[0]), losses
+    assert errors and max(errors.values()) <= 2e-2, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
