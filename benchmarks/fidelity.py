@@ -24,6 +24,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -119,12 +120,12 @@ def worker(args) -> int:
 def fp8_projections(model: torch.nn.Module) -> int:
     """The decoder projections ``apply(precision="fp8")`` would train in FP8, their forward through fusepatch's
     FP8 function and nothing else changed; how many."""
-    from fusepatch.layers.fp8 import PROJECTIONS
+    from fusepatch.layers.fp8 import PROJECTIONS, aligned
     from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear
 
     count = 0
     for name, module in model.named_modules():
-        if type(module) is torch.nn.Linear and name.rpartition(".")[2] in PROJECTIONS:
+        if type(module) is torch.nn.Linear and name.rpartition(".")[2] in PROJECTIONS and aligned(module) is None:
             module.forward = lambda x, m=module: fp8_linear(x, m.weight, m.bias)
             count += 1
     return count
@@ -139,13 +140,13 @@ def projection(name: str) -> str | None:
 
 
 def projection_medians(errors: dict[str, float]) -> dict[str, float]:
-    """Each projection's median gradient error over the layers."""
+    """Each projection's median gradient error over the layers that hold it."""
     grouped: dict[str, list[float]] = {}
     for name, error in errors.items():
         kind = projection(name)
         if kind is not None:
             grouped.setdefault(kind, []).append(error)
-    return {kind: sorted(values)[len(values) // 2] for kind, values in sorted(grouped.items())}
+    return {kind: statistics.median(values) for kind, values in sorted(grouped.items())}
 
 
 def projection_ratios(results: dict[str, dict]) -> dict[str, dict]:

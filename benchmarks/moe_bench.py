@@ -139,17 +139,25 @@ def fp8_gemms(tokens: int, dims: dict[str, int], warmup: int, steps: int) -> dic
         mm(gr[0], gqt.transpose(-2, -1), gr[1].view(-1), gst, offs=offsets, out_dtype=bf)
         mm(orr[0], dqt.transpose(-2, -1), orr[1].view(-1), dst, offs=offsets, out_dtype=bf)
 
-    # the FP8 GEMMs against bf16 on these inputs: a wrong layout would time a wrong product
-    want = grouped(rows, gate_up.transpose(1, 2), offs=offsets).float()
-    got = torch._scaled_grouped_mm(
-        xr[0], gq.transpose(-2, -1), xr[1].view(-1), gs, offs=offsets, out_dtype=torch.bfloat16
-    ).float()
-    error = ((got - want).norm() / want.norm()).item()
+    # each FP8 GEMM against its bf16 one on these inputs: a wrong layout would time a wrong product
+    pairs = (
+        ((rows, gate_up.transpose(1, 2)), (xr, gq, gs)),
+        ((act, down.transpose(1, 2)), (ar, dq, ds)),
+        ((d_gate_up, gate_up), (gr, gqt, gst)),
+        ((d_out, down), (orr, dqt, dst)),
+    )
+    errors = []
+    for (a, b), (quantized, q, s) in pairs:
+        want = grouped(a, b, offs=offsets).float()
+        got = torch._scaled_grouped_mm(
+            quantized[0], q.transpose(-2, -1), quantized[1].view(-1), s, offs=offsets, out_dtype=torch.bfloat16
+        ).float()
+        errors.append(round(((got - want).norm() / want.norm()).item(), 4))
     return {
         "bf16_gemms_ms": _median_ms(bf16, warmup, steps),
         "fp8_gemms_ms": _median_ms(fp8, warmup, steps),
         "fp8_quantization_ms": _median_ms(quantize, warmup, steps),
-        "fp8_forward_relative_error": round(error, 4),
+        "fp8_relative_errors": errors,  # forward gate/up, forward down, input gradients of both
         "weight_values": gate_up.numel() + down.numel(),
         "slots": slots,
     }

@@ -72,6 +72,7 @@ def _versions() -> dict:
         "causal-conv1d",
         "tilelang",
         "liger-kernel",
+        "torchao",
         "fusepatch",
     ):
         try:
@@ -145,6 +146,11 @@ def main() -> int:
     parser.add_argument("--doc-tokens", type=int, default=1024, help="--sft: the documents' mean length")
     parser.add_argument("--lora", type=int, default=0, help="peft LoRA of this rank on every linear (alpha 2r)")
     parser.add_argument("--compile", action="store_true", help="model.compile() after patching (and peft)")
+    parser.add_argument(
+        "--compile-projections",
+        action="store_true",
+        help="compile each decoder projection module after patching (torchao's Float8Linear, with --torchao-float8)",
+    )
     parser.add_argument(
         "--compile-layers",
         action="store_true",
@@ -280,6 +286,12 @@ def build(args) -> tuple:
     if args.compile_layers:  # as torchtitan compiles per transformer block: minutes less than the whole model
         for module in model.modules():
             if type(module).__name__.endswith("DecoderLayer"):
+                module.compile()
+    if args.compile_projections:  # only the projections: the layers' own kernels (fla, causal-conv1d) stay
+        from fusepatch.layers.fp8 import PROJECTIONS
+
+        for name, module in model.named_modules():
+            if name.rpartition(".")[2] in PROJECTIONS:
                 module.compile()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-5, fused=device.type == "cuda")
@@ -548,7 +560,8 @@ def run(args, seq: int, batch: int) -> dict:
     first = time.perf_counter()
     builds = CompileCounter()  # what the first step compiles or loads (a warm cache: loads only)
     builds.install()
-    beat = Heartbeat() if args.compile or args.compile_layers else None
+    compiled = args.compile or args.compile_layers or args.compile_projections
+    beat = Heartbeat() if compiled else None
     try:
         for i in range(args.warmup):
             if i == 0 and beat:
@@ -603,9 +616,7 @@ def run(args, seq: int, batch: int) -> dict:
         info["sft"] = {"doc_tokens": args.doc_tokens, **sample_shape(conversations())}
     if args.lora:
         info["lora_rank"] = args.lora
-    if (
-        args.compile or args.compile_layers
-    ):  # what dynamo made of the model: graphs, and why it broke them (the first step's tracing)
+    if compiled:  # what dynamo made of the model: graphs, and why it broke them (the first step's tracing)
         info["compiled"] = dynamo_made()
     if args.prompt:
         info["prompt"] = args.prompt

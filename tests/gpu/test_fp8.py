@@ -161,7 +161,12 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, sys.argv[2])
 from helpers import MINI
 import fusepatch
+from fusepatch.ops.fp8_linear import scaled_mm
 from fusepatch.tools.tiny import tiny_model
+
+calls = []
+scaled = scaled_mm._scaled_mm
+scaled_mm._scaled_mm = lambda *args: calls.append(1) or scaled(*args)  # counts the FP8 GEMMs that run
 
 dist.init_process_group("nccl")
 torch.cuda.set_device(0)
@@ -174,9 +179,11 @@ for layer in model.model.layers:
     fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)
 report = fusepatch.apply(model, precision="fp8", verbose=False)
+calls.clear()
 ids = torch.randint(0, base.config.vocab_size, (2, 256), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
 loss = model(input_ids=ids, labels=ids, use_cache=False).loss
 loss.backward()
+sharded_calls = len(calls)
 ref_loss = reference(input_ids=ids, labels=ids, use_cache=False).loss
 ref_loss.backward()
 ref = dict(reference.named_parameters())
@@ -186,7 +193,8 @@ for name, p in model.named_parameters():
         g, r = p.grad.full_tensor().float(), ref[name].grad.float()
         errors[name] = float((g - r).norm() / r.norm())
 chosen = {c.op: c.chosen for layer in report.layers for c in layer.choices}
-json.dump({"loss": float(loss), "ref_loss": float(ref_loss), "errors": errors, "chosen": chosen.get("fp8_linear")},
+json.dump({"loss": float(loss), "ref_loss": float(ref_loss), "errors": errors, "chosen": chosen.get("fp8_linear"),
+           "calls": sharded_calls},
           open(sys.argv[1], "w"))
 dist.destroy_process_group()
 """
@@ -204,20 +212,28 @@ def test_fsdp2_world_size_one_trains_fp8_as_the_unsharded_model(tmp_path):
     script, out = tmp_path / "worker.py", tmp_path / "result.json"
     script.write_text(FSDP2_WORKER)
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = torchrun(str(script), str(out), tests, processes=1, CUDA_VISIBLE_DEVICES="0")
+    result = torchrun(
+        str(script), str(out), tests, processes=1, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0")
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     data = json.loads(out.read_text())
     record("fp8-fsdp2", {"loss": data["loss"], "ref_loss": data["ref_loss"], "worst": max(data["errors"].values())})
-    assert data["chosen"] == "scaled-mm" and data["errors"], data
+    assert data["chosen"] == "scaled-mm" and data["calls"] > 0 and data["errors"], data
     assert abs(data["loss"] - data["ref_loss"]) <= 1e-3 * abs(data["ref_loss"]), data
     assert max(data["errors"].values()) <= 2e-2, sorted(data["errors"].items(), key=lambda kv: -kv[1])[:5]
 
 
-def test_compiled_fp8_model_trains_as_the_uncompiled_one():
-    """``model.compile()`` after ``apply(precision="fp8")``: the compiled step's loss and projection gradients
-    match the uncompiled FP8 model's."""
+def test_compiled_fp8_model_trains_as_the_uncompiled_one(monkeypatch):
+    """``model.compile()`` after ``apply(precision="fp8")``: on a GPU the patched forwards, the FP8 projections
+    among them, run outside dynamo (a graph break each) and dynamo compiles what is left, so the compiled step
+    still runs its FP8 GEMMs, and its loss and projection gradients match the uncompiled FP8 model's."""
     import fusepatch
+    from fusepatch.ops.fp8_linear import scaled_mm
     from fusepatch.tools.tiny import tiny_model
+
+    calls = []
+    scaled = scaled_mm._scaled_mm
+    monkeypatch.setattr(scaled_mm, "_scaled_mm", lambda *args: calls.append(1) or scaled(*args))
 
     base = tiny_model("qwen3_5_text", **MINI).cuda().to(torch.bfloat16)
     plain, compiled = copy.deepcopy(base), copy.deepcopy(base)
@@ -227,10 +243,12 @@ def test_compiled_fp8_model_trains_as_the_uncompiled_one():
     ids = torch.randint(0, base.config.vocab_size, (2, 256), device="cuda")
     losses, grads = [], []
     for model in (plain, compiled):
+        calls.clear()
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         losses.append(loss.item())
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert calls, "the compiled model ran no FP8 GEMM"
     errors = {n: relative_error(grads[1][n], g) for n, g in grads[0].items() if n.endswith("proj.weight")}
     record("fp8-compiled", {"losses": losses, "worst": max(errors.values())})
     assert abs(losses[1] - losses[0]) <= 1e-3 * abs(losses[0]), losses
