@@ -13,7 +13,8 @@ FP8 (allowed to be less precise than bf16; the question is by how much, per proj
 projections through fusepatch's FP8 function (``fusepatch.ops.fp8_linear.scaled_mm.fp8_linear``: Triton
 quantization on a GPU, its PyTorch twins with the same bits elsewhere, ``torch._scaled_mm`` on either), which
 also runs on a CPU (``--device cpu``; ``--vocab`` shrinks the LM head, which stays bf16, to fit memory). A second
-table gives each projection's median gradient error against the first bf16 configuration's.
+table gives each projection's median gradient error against its bf16 twin's (``fusepatch`` for ``fusepatch-fp8``,
+``hf-fast`` for ``fp8-projections``).
 
 One JSON line per configuration goes to ``--out`` (date, GPU, versions, command), and the table to stdout.
 """
@@ -38,7 +39,7 @@ sys.path.insert(0, HERE)
 from shapes import SHAPES, build_config  # noqa: E402
 
 CONFIGS = ("hf-fast", "liger", "fusepatch")
-FP8_CONFIGS = ("fusepatch-fp8", "fp8-projections")
+FP8_CONFIGS = {"fusepatch-fp8": "fusepatch", "fp8-projections": "hf-fast"}  # each with its bf16 twin
 RATIO = 1.25  # fusepatch's error may be at most this times hf-fast's, parameter by parameter
 
 
@@ -149,35 +150,39 @@ def projection_medians(errors: dict[str, float]) -> dict[str, float]:
     return {kind: statistics.median(values) for kind, values in sorted(grouped.items())}
 
 
+def bf16_twin(role: str, results: dict[str, dict]) -> str | None:
+    """The bf16 configuration an FP8 one is compared with: the same code in bf16 where it ran (``fusepatch`` for
+    ``fusepatch-fp8``, ``hf-fast`` for ``fp8-projections``), else the first bf16 configuration."""
+    twin = FP8_CONFIGS[role]
+    if twin in results:
+        return twin
+    return next((other for other in results if other not in FP8_CONFIGS), None)
+
+
 def projection_ratios(results: dict[str, dict]) -> dict[str, dict]:
-    """For each FP8 configuration: its median error per projection over the first bf16 configuration's, and that
-    configuration's name."""
-    fp8 = [role for role in results if role in FP8_CONFIGS]
-    base = next((role for role in results if role not in FP8_CONFIGS), None)
-    if base is None:
-        return {}
-    medians = projection_medians(results[base]["errors"])
+    """For each FP8 configuration: its median error per projection over its bf16 twin's, and the twin's name."""
     ratios = {}
-    for role in fp8:
-        ours = projection_medians(results[role]["errors"])
-        ratios[role] = {"base": base, **{kind: ours[kind] / value for kind, value in medians.items() if kind in ours}}
+    for role in results:
+        base = bf16_twin(role, results) if role in FP8_CONFIGS else None
+        if base is None:
+            continue
+        ours, theirs = (projection_medians(results[r]["errors"]) for r in (role, base))
+        ratios[role] = {"base": base, **{kind: ours[kind] / value for kind, value in theirs.items() if kind in ours}}
     return ratios
 
 
 def projection_table(results: dict[str, dict]) -> str:
-    """The FP8 configurations' median error per projection beside the first bf16 configuration's."""
-    fp8 = [role for role in results if role in FP8_CONFIGS]
-    base = next((role for role in results if role not in FP8_CONFIGS), None)
-    if not fp8 or base is None:
-        return ""
-    medians = {role: projection_medians(results[role]["errors"]) for role in (base, *fp8)}
-    lines = ["", "", f"| projection | {base} (bf16) | " + " | ".join(f"{r} | {r} / {base}" for r in fp8) + " |"]
-    lines.append("|---" * (2 + 2 * len(fp8)) + "|")
-    for kind, value in medians[base].items():
-        cells = [
-            f"{medians[r].get(kind, float('nan')):.4f} | {medians[r].get(kind, float('nan')) / value:.1f}x" for r in fp8
+    """Each FP8 configuration's median error per projection beside its bf16 twin's."""
+    lines = []
+    for role, ratios in projection_ratios(results).items():
+        base = ratios["base"]
+        ours, theirs = (projection_medians(results[r]["errors"]) for r in (role, base))
+        lines += ["", "", f"| projection | {base} (bf16) | {role} | {role} / {base} |", "|---|---|---|---|"]
+        lines += [
+            f"| {kind} | {theirs[kind]:.4f} | {ours[kind]:.4f} | {ratios[kind]:.1f}x |"
+            for kind in ours
+            if kind in ratios
         ]
-        lines.append(f"| {kind} | {value:.4f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

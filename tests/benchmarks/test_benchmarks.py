@@ -891,7 +891,7 @@ def test_fidelity_fp8_projections_run_fusepatchs_fp8_function_on_the_decoder_pro
     assert fidelity.projection_medians(errors) == {"up_proj": 0.3}
 
 
-def test_fidelity_projection_ratios_are_fp8_over_the_first_bf16_configuration():
+def test_fidelity_projection_ratios_are_fp8_over_its_bf16_twin():
     import fidelity
 
     results = {
@@ -905,3 +905,7 @@ def test_fidelity_projection_ratios_are_fp8_over_the_first_bf16_configuration():
     ratios = fidelity.projection_ratios(results)
     assert ratios == {"fp8-projections": {"base": "hf-fast", "up_proj": 0.2 / 0.02, "q_proj": 0.4 / 0.05}}
     assert "| up_proj | 0.0200 | 0.2000 | 10.0x |" in fidelity.projection_table(results)
+    # apply's FP8 against apply in bf16, where both ran: the same kernels but the projections
+    results["fusepatch"] = {"errors": {"model.layers.0.mlp.up_proj.weight": 0.04}}
+    results["fusepatch-fp8"] = {"errors": {"model.layers.0.mlp.up_proj.weight": 0.2}}
+    assert fidelity.projection_ratios(results)["fusepatch-fp8"] == {"base": "fusepatch", "up_proj": 0.2 / 0.04}
