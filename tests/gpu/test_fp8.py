@@ -2,7 +2,7 @@
 written transposed and padded) against their PyTorch twins (the same bits), the FP8 GEMMs' error against fp32 at
 the 27B layer widths for a trained and a frozen weight, a mini Qwen3.5 model trained with
 ``apply(model, precision="fp8")`` against the same model patched in bf16, the same with peft LoRA, under FSDP2
-(NCCL, world size 1) and compiled against the same FP8 model plain."""
+(NCCL, world size 1) and compiled against the same FP8 model plain, and a model converted with torchao first."""
 
 from __future__ import annotations
 
@@ -253,3 +253,37 @@ def test_compiled_fp8_model_trains_as_the_uncompiled_one(monkeypatch):
     record("fp8-compiled", {"losses": losses, "worst": max(errors.values())})
     assert abs(losses[1] - losses[0]) <= 1e-3 * abs(losses[0]), losses
     assert errors and max(errors.values()) <= 2e-2, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_a_torchao_converted_model_keeps_its_float8_modules():
+    """A model the user converted with torchao's float8 training before ``apply(precision="fp8")``: its
+    ``Float8Linear`` projections keep their class and forward, fusepatch's fused layers call each once per
+    forward (never reading the weight past it), and the step trains as the converted model unpatched."""
+    float8 = pytest.importorskip("torchao.float8")
+    import fusepatch
+    from fusepatch.layers.fp8 import PROJECTIONS
+    from fusepatch.tools.tiny import tiny_model
+
+    base = tiny_model("qwen3_5_text", **MINI).cuda().to(torch.bfloat16)
+    config = float8.Float8LinearConfig.from_recipe_name("rowwise")
+    plain, patched = copy.deepcopy(base), copy.deepcopy(base)
+    for model in (plain, patched):
+        float8.convert_to_float8_training(
+            model, config=config, module_filter_fn=lambda module, fqn: fqn.rpartition(".")[2] in PROJECTIONS
+        )
+    fusepatch.apply(patched, precision="fp8", verbose=False)
+    converted = [m for m in patched.modules() if type(m).__name__ == "Float8Linear"]
+    assert converted and all("forward" not in m.__dict__ for m in converted)
+    calls = []
+    for module in converted:
+        module.register_forward_hook(lambda *args: calls.append(1))
+    ids = torch.randint(0, base.config.vocab_size, (2, 256), device="cuda")
+    losses = []
+    for model in (plain, patched):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert len(calls) == len(converted), (len(calls), len(converted))
+    assert all(m.weight.grad is not None for m in converted)
+    record("fp8-torchao-converted", {"losses": losses})
+    assert abs(losses[1] - losses[0]) <= 2e-2 * abs(losses[0]), losses
