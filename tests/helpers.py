@@ -150,9 +150,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script: str, *args: str, processes: int = 2, **env: str):
+def torchrun(script: str, *args: str, processes: int = 2, timeout: int = 240, **env: str):
     """Run ``script`` under torchrun with ``processes`` ranks, on the CPU unless ``env`` names a GPU
-    (``CUDA_VISIBLE_DEVICES``); returns the CompletedProcess."""
+    (``CUDA_VISIBLE_DEVICES``); returns the CompletedProcess. ``timeout``: seconds before the ranks are killed."""
     import os
     import subprocess
     import sys
@@ -178,11 +178,13 @@ def torchrun(script: str, *args: str, processes: int = 2, **env: str):
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True
     ) as process:
         try:
-            stdout, stderr = process.communicate(timeout=240)
+            stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             stdout, stderr = process.communicate()
-            raise AssertionError(f"torchrun {script} did not finish in 240 s; its stderr:\n{stderr[-3000:]}") from None
+            raise AssertionError(
+                f"torchrun {script} did not finish in {timeout} s; its stderr:\n{stderr[-3000:]}"
+            ) from None
     return subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
 
 

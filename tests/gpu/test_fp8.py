@@ -213,7 +213,12 @@ def test_fsdp2_world_size_one_trains_fp8_as_the_unsharded_model(tmp_path):
     script.write_text(FSDP2_WORKER)
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = torchrun(
-        str(script), str(out), tests, processes=1, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0")
+        str(script),
+        str(out),
+        tests,
+        processes=1,
+        timeout=600,
+        CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
     )
     assert result.returncode == 0, result.stderr[-4000:]
     data = json.loads(out.read_text())
