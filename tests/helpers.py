@@ -150,6 +150,64 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# One training step of a tiny Qwen3.5 with ``apply(precision="fp8")`` under FSDP2 (world size 1) against the same
+# model unsharded: argv[1] the JSON result, argv[2] the tests folder, argv[3] "cpu" (gloo; the FP8 function as the
+# op's kernel through ``cpu_candidates``, its PyTorch twins quantizing) or "cuda" (NCCL; the op's own kernel).
+FP8_FSDP2_WORKER = """
+import copy, json, sys, time
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+sys.path.insert(0, sys.argv[2])
+import pytest
+from helpers import MINI, cpu_candidates
+import fusepatch
+from fusepatch.ops.fp8_linear import scaled_mm
+from fusepatch.tools.tiny import tiny_model
+
+device = sys.argv[3]
+if device == "cpu":
+    cpu_candidates(pytest.MonkeyPatch(), {"fp8_linear": scaled_mm.fp8_linear})
+calls = []
+scaled = scaled_mm._scaled_mm
+scaled_mm._scaled_mm = lambda *args: calls.append(1) or scaled(*args)  # counts the FP8 GEMMs that run
+dist.init_process_group("gloo" if device == "cpu" else "nccl")
+if device == "cuda":
+    torch.cuda.set_device(0)
+mesh = init_device_mesh(device, (1,))
+sizes = dict(hidden_size=128, intermediate_size=256) if device == "cpu" else MINI
+base = tiny_model("qwen3_5_text", seed=0, **sizes).to(device, torch.bfloat16)
+reference = copy.deepcopy(base)
+fusepatch.apply(reference, precision="fp8", verbose=False)
+model = copy.deepcopy(base)
+for layer in model.model.layers:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+report = fusepatch.apply(model, precision="fp8", verbose=False)
+tokens = 32 if device == "cpu" else 256
+ids = torch.randint(0, base.config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+calls.clear()
+loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+loss.backward()
+sharded_calls = len(calls)
+ref_loss = reference(input_ids=ids, labels=ids, use_cache=False).loss
+ref_loss.backward()
+ref = dict(reference.named_parameters())
+errors = {}
+for name, p in model.named_parameters():
+    if "proj.weight" in name and p.grad is not None:
+        g, r = p.grad.full_tensor().float(), ref[name].grad.float()
+        errors[name] = float((g - r).norm() / r.norm())
+chosen = {c.op: c.chosen for layer in report.layers for c in layer.choices}
+result = {"loss": float(loss), "ref_loss": float(ref_loss), "errors": errors, "calls": sharded_calls,
+          "chosen": chosen.get("fp8_linear")}
+json.dump(result, open(sys.argv[1], "w"))
+dist.barrier()
+time.sleep(0.2)
+dist.destroy_process_group()
+"""
+
+
 def torchrun(script: str, *args: str, processes: int = 2, timeout: int = 240, **env: str):
     """Run ``script`` under torchrun with ``processes`` ranks, on the CPU unless ``env`` names a GPU
     (``CUDA_VISIBLE_DEVICES``); returns the CompletedProcess. ``timeout``: seconds before the ranks are killed."""

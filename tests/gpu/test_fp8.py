@@ -153,53 +153,6 @@ def test_a_nan_stays_nan_in_the_kernels():
     assert torch.isnan(inverse[11]) and torch.isnan(q[11, :300].float()).all() and torch.isfinite(inverse[12:]).all()
 
 
-FSDP2_WORKER = """
-import copy, json, sys
-import torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-sys.path.insert(0, sys.argv[2])
-from helpers import MINI
-import fusepatch
-from fusepatch.ops.fp8_linear import scaled_mm
-from fusepatch.tools.tiny import tiny_model
-
-calls = []
-scaled = scaled_mm._scaled_mm
-scaled_mm._scaled_mm = lambda *args: calls.append(1) or scaled(*args)  # counts the FP8 GEMMs that run
-
-dist.init_process_group("nccl")
-torch.cuda.set_device(0)
-mesh = init_device_mesh("cuda", (1,))
-base = tiny_model("qwen3_5_text", seed=0, **MINI).cuda().to(torch.bfloat16)
-reference = copy.deepcopy(base)
-fusepatch.apply(reference, precision="fp8", verbose=False)
-model = copy.deepcopy(base)
-for layer in model.model.layers:
-    fully_shard(layer, mesh=mesh)
-fully_shard(model, mesh=mesh)
-report = fusepatch.apply(model, precision="fp8", verbose=False)
-calls.clear()
-ids = torch.randint(0, base.config.vocab_size, (2, 256), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
-loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-loss.backward()
-sharded_calls = len(calls)
-ref_loss = reference(input_ids=ids, labels=ids, use_cache=False).loss
-ref_loss.backward()
-ref = dict(reference.named_parameters())
-errors = {}
-for name, p in model.named_parameters():
-    if "proj.weight" in name and p.grad is not None:
-        g, r = p.grad.full_tensor().float(), ref[name].grad.float()
-        errors[name] = float((g - r).norm() / r.norm())
-chosen = {c.op: c.chosen for layer in report.layers for c in layer.choices}
-json.dump({"loss": float(loss), "ref_loss": float(ref_loss), "errors": errors, "chosen": chosen.get("fp8_linear"),
-           "calls": sharded_calls},
-          open(sys.argv[1], "w"))
-dist.destroy_process_group()
-"""
-
-
 def test_fsdp2_world_size_one_trains_fp8_as_the_unsharded_model(tmp_path):
     """FSDP2 over NCCL, world size 1, with ``precision="fp8"``: the FP8 kernel is chosen for the sharded model, and
     its loss and projection gradients match the unsharded FP8 model's (the gathered weights quantize to the same
@@ -207,15 +160,16 @@ def test_fsdp2_world_size_one_trains_fp8_as_the_unsharded_model(tmp_path):
     import json
     import os
 
-    from helpers import torchrun
+    from helpers import FP8_FSDP2_WORKER, torchrun
 
     script, out = tmp_path / "worker.py", tmp_path / "result.json"
-    script.write_text(FSDP2_WORKER)
+    script.write_text(FP8_FSDP2_WORKER)
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = torchrun(
         str(script),
         str(out),
         tests,
+        "cuda",
         processes=1,
         timeout=600,
         CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
