@@ -56,14 +56,13 @@ def inputs(tokens: int, dims: dict[str, int], generator: torch.Generator) -> lis
     ]
 
 
-def time_candidate(fn, args, warmup: int, steps: int) -> list[float]:
-    leaves = [a for a in args if a.is_floating_point()]
-    cot = torch.randn_like(args[0])
+def timed(call, warmup: int, steps: int) -> list[float]:
+    """Milliseconds of ``call()`` by CUDA events, ``steps`` times after ``warmup`` untimed calls."""
     times = []
     for i in range(warmup + steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        torch.autograd.grad(fn(*args), leaves, cot)
+        call()
         end.record()
         torch.cuda.synchronize()
         if i >= warmup:
@@ -71,17 +70,14 @@ def time_candidate(fn, args, warmup: int, steps: int) -> list[float]:
     return times
 
 
-def _median_ms(fn, warmup: int, steps: int) -> float:
-    times = []
-    for i in range(warmup + steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return round(statistics.median(times), 3)
+def time_candidate(fn, args, warmup: int, steps: int) -> list[float]:
+    leaves = [a for a in args if a.is_floating_point()]
+    cot = torch.randn_like(args[0])
+    return timed(lambda: torch.autograd.grad(fn(*args), leaves, cot), warmup, steps)
+
+
+def _median_ms(call, warmup: int, steps: int) -> float:
+    return round(statistics.median(timed(call, warmup, steps)), 3)
 
 
 def fp8_gemms(tokens: int, dims: dict[str, int], warmup: int, steps: int) -> dict[str, float]:
