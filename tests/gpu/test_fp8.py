@@ -201,12 +201,15 @@ def test_compiled_fp8_model_trains_as_the_uncompiled_one(monkeypatch):
     compiled.compile()
     ids = torch.randint(0, base.config.vocab_size, (2, 256), device="cuda")
     losses, grads = [], []
-    for model in (plain, compiled):
-        calls.clear()
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    try:
+        for model in (plain, compiled):
+            calls.clear()
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            losses.append(loss.item())
+            grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    finally:  # dynamo's caches are the process's: the next test starts without them
+        torch._dynamo.reset()
     assert calls, "the compiled model ran no FP8 GEMM"
     errors = {n: relative_error(grads[1][n], g) for n, g in grads[0].items() if n.endswith("proj.weight")}
     record("fp8-compiled", {"losses": losses, "worst": max(errors.values())})
