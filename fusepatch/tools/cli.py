@@ -12,6 +12,7 @@ from fusepatch.base.env import MissingDependency, require_transformers
 from fusepatch.base.known_issues import KNOWN_ISSUES
 
 WIDTH = 100  # what the printed lines fit unless --wide
+FP8_NEEDS = "FP8 runs on NVIDIA GPUs of compute capability 8.9 or newer (Ada, Hopper, Blackwell), with CUDA torch"
 
 
 class CommandError(Exception):
@@ -112,12 +113,15 @@ def _demo(args: argparse.Namespace) -> int:
     )
     print(fit(str(result["report"]), args.wide))
     print()
-    precision = ""
+    precision, fell_back = "", False
     if args.precision:  # what the request came to: the FP8 GEMMs, or the fallback the report's row explains
         fp8 = [c for layer in result["report"].layers for c in layer.choices if c.op == "fp8_linear"]
-        ran = "FP8 GEMMs" if any(c.fused for c in fp8) else "fell back (the fp8_linear row above says why)"
+        fell_back = not any(c.fused for c in fp8)
+        ran = "fell back (the fp8_linear row above says why)" if fell_back else "FP8 GEMMs"
         precision = f", precision {args.precision}: {ran}"
     print(f"device {result['device']} / {result['dtype']}, {args.steps} training steps, seq {args.seq_len}{precision}")
+    if fell_back:  # the row's reason may be the machine's (a CPU-only torch), not what FP8 itself needs
+        print(FP8_NEEDS)
     print(
         "eager   losses: "
         + " ".join(f"{x:.4f}" for x in result["eager_losses"])
