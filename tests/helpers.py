@@ -160,17 +160,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, sys.argv[2])
 import pytest
-from helpers import MINI, cpu_candidates
+from helpers import MINI, counted_fp8_gemms, cpu_candidates
 import fusepatch
-from fusepatch.ops.fp8_linear import scaled_mm
+from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear
 from fusepatch.tools.tiny import tiny_model
 
 device = sys.argv[3]
 if device == "cpu":
-    cpu_candidates(pytest.MonkeyPatch(), {"fp8_linear": scaled_mm.fp8_linear})
-calls = []
-scaled = scaled_mm._scaled_mm
-scaled_mm._scaled_mm = lambda *args: calls.append(1) or scaled(*args)  # counts the FP8 GEMMs that run
+    cpu_candidates(pytest.MonkeyPatch(), {"fp8_linear": fp8_linear})
+calls = counted_fp8_gemms(pytest.MonkeyPatch())
 dist.init_process_group("gloo" if device == "cpu" else "nccl")
 if device == "cuda":
     torch.cuda.set_device(0)
@@ -206,6 +204,16 @@ dist.barrier()
 time.sleep(0.2)
 dist.destroy_process_group()
 """
+
+
+def counted_fp8_gemms(monkeypatch) -> list:
+    """A list that gets one entry per FP8 GEMM fusepatch's FP8 function runs from now on (``_scaled_mm``)."""
+    from fusepatch.ops.fp8_linear import scaled_mm
+
+    calls: list = []
+    scaled = scaled_mm._scaled_mm
+    monkeypatch.setattr(scaled_mm, "_scaled_mm", lambda *args: calls.append(1) or scaled(*args))
+    return calls
 
 
 def torchrun(script: str, *args: str, processes: int = 2, timeout: int = 240, **env: str):

@@ -186,13 +186,12 @@ def test_compiled_fp8_model_trains_as_the_uncompiled_one(monkeypatch):
     """``model.compile()`` after ``apply(precision="fp8")``: on a GPU the patched forwards, the FP8 projections
     among them, run outside dynamo (a graph break each) and dynamo compiles what is left, so the compiled step
     still runs its FP8 GEMMs, and its loss and projection gradients match the uncompiled FP8 model's."""
+    from helpers import counted_fp8_gemms
+
     import fusepatch
-    from fusepatch.ops.fp8_linear import scaled_mm
     from fusepatch.tools.tiny import tiny_model
 
-    calls = []
-    scaled = scaled_mm._scaled_mm
-    monkeypatch.setattr(scaled_mm, "_scaled_mm", lambda *args: calls.append(1) or scaled(*args))
+    calls = counted_fp8_gemms(monkeypatch)
 
     base = tiny_model("qwen3_5_text", **MINI).cuda().to(torch.bfloat16)
     plain, compiled = copy.deepcopy(base), copy.deepcopy(base)
