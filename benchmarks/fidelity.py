@@ -35,6 +35,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+sys.path.insert(1, ROOT)  # the driver reads fusepatch's projection names where it is not installed
 
 from shapes import SHAPES, build_config  # noqa: E402
 

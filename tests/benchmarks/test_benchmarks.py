@@ -909,3 +909,31 @@ def test_fidelity_projection_ratios_are_fp8_over_its_bf16_twin():
     results["fusepatch"] = {"errors": {"model.layers.0.mlp.up_proj.weight": 0.04}}
     results["fusepatch-fp8"] = {"errors": {"model.layers.0.mlp.up_proj.weight": 0.2}}
     assert fidelity.projection_ratios(results)["fusepatch-fp8"] == {"base": "fusepatch", "up_proj": 0.2 / 0.04}
+
+
+def test_fidelity_driver_reads_projection_names_where_fusepatch_is_not_installed(tmp_path):
+    """The GPU harness runs ``python benchmarks/fidelity.py`` from the working tree with fusepatch importable only
+    there: the driver's projection table must find it (its workers get the tree on their path; the driver too)."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in type(f).__module__.lower()\n"
+        "                    and 'editable' not in getattr(f, '__name__', '').lower()]\n"
+        f"sys.path[:] = [p for p in sys.path if p and not {str(REPO)!r}.startswith(p)]\n"
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('fidelity', {str(REPO / 'benchmarks' / 'fidelity.py')!r})\n"
+        "fidelity = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(fidelity)\n"
+        "print(fidelity.projection('model.layers.0.mlp.down_proj.weight'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["down_proj"]
