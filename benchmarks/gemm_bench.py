@@ -11,6 +11,12 @@ operands both have the tokens as their strided dimension, which makes both of cu
 of the small input makes one of them K-major), cuBLASLt instead of cuBLAS, the output split in row blocks, the
 tokens split in two accumulated halves. Each row: median of
 ``--repeat`` runs after ``--warmup``, TFLOP/s, and the per-step total (the site's count in the model).
+
+``--fp8``: the FP8 projections' GEMMs instead (``apply(model, precision="fp8")``: every site but the LM head and the
+Gated DeltaNet's gates), their operands quantized beforehand as fusepatch's op does, each role called as the op
+calls ``torch._scaled_mm``, with ``use_fast_accum=True`` (as torchao's float8 training runs its forward) and with
+the scales contiguous, beside the bf16 GEMM of the same matrix; each row also gives its relative error (Frobenius
+norm) against the fp32 product of the bf16 operands, which is what fast accumulation would trade.
 """
 
 from __future__ import annotations
@@ -115,6 +121,53 @@ def formulations(x, w, dy) -> dict[str, dict[str, callable]]:
     }
 
 
+# the sites whose projections FP8 trains (the LM head and the Gated DeltaNet's one-output-per-head gates stay bf16)
+FP8_SKIPS = ("lm_head", "gdn in_proj_b")
+
+
+def fp8_formulations(x, w, dy) -> dict[str, dict[str, callable]]:
+    """role -> formulation -> a call returning the role's matrix from FP8 operands quantized here, before the
+    timing, as ``fusepatch.ops.fp8_linear`` quantizes them (the first of each role is the op's own call)."""
+    from fusepatch.ops.fp8_linear.scaled_mm import MULTIPLE, _quantizers, _scaled_mm
+
+    quantize = _quantizers(x.device)
+    operands = {
+        "forward y = x @ W.t()": (quantize.rows(x), quantize.rows(w), lambda: torch.mm(x, w.t())),
+        "input grad dx = dy @ W": (quantize.rows(dy), quantize.columns(w), lambda: torch.mm(dy, w)),
+        "weight grad dW = dy.t() @ x": (
+            quantize.columns(dy, MULTIPLE),
+            quantize.columns(x, MULTIPLE),
+            lambda: torch.mm(dy.t(), x),
+        ),
+    }
+
+    def scaled(a, a_inverse, b, b_inverse, **options):
+        return lambda: torch._scaled_mm(
+            a, b.t(), scale_a=a_inverse, scale_b=b_inverse.t(), out_dtype=torch.bfloat16, **options
+        )
+
+    forms = {}
+    for role, ((a, a_inverse), (b, b_inverse), bf16) in operands.items():
+        forms[role] = {
+            "fp8 as fusepatch calls it": lambda a=a, ai=a_inverse, b=b, bi=b_inverse: _scaled_mm(a, ai, b, bi, x.dtype),
+            "fp8 use_fast_accum": scaled(a, a_inverse, b, b_inverse, use_fast_accum=True),
+            "fp8 scales contiguous": scaled(a, a_inverse.contiguous(), b, b_inverse.t().contiguous().t()),
+            "bf16 mm": bf16,
+        }
+    return forms
+
+
+def fp32_product(role: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """The role's matrix in fp32 from the bf16 operands: what every formulation's error is measured against."""
+    x, w, dy = x.float(), w.float(), dy.float()
+    return {"forward": lambda: x @ w.t(), "input": lambda: dy @ w, "weight": lambda: dy.t() @ x}[role.split()[0]]()
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """``|got - expected| / |expected|`` in Frobenius norm."""
+    return float((got.float() - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
 def time_ms(fn, warmup: int, repeat: int) -> float:
     for _ in range(warmup):
         fn()
@@ -135,6 +188,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--only", default="", help="comma-separated site names to time (default: all)")
+    parser.add_argument("--fp8", action="store_true", help="the FP8 projections' GEMMs (see above)")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -144,35 +198,35 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, {tokens} tokens")
-    print("| site | calls/step | role | formulation | median ms | TFLOP/s | ms/step | vs the step's |")
-    print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: |")
+    print("| site | calls/step | role | formulation | median ms | TFLOP/s | ms/step | vs the step's | error vs fp32 |")
+    print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name, k, n, calls in sites(shape):
         if args.only and name not in args.only.split(","):
+            continue
+        if args.fp8 and name.startswith(FP8_SKIPS):
             continue
         x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
         dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16, generator=gen)
         flop = 2 * tokens * k * n
-        for role, forms in formulations(x, w, dy).items():
-            expected, base = None, None
+        for role, forms in (fp8_formulations if args.fp8 else formulations)(x, w, dy).items():
+            expected, base = fp32_product(role, x, w, dy), None
             for form, fn in forms.items():
                 with blas("cublaslt" if form == "cublaslt" else "cublas"):
                     got = fn()
-                    if expected is None:
-                        expected = got.float()
-                    else:  # every formulation computes the same matrix (bf16 rounding apart)
-                        err = (got.float() - expected).abs().max() / expected.abs().max().clamp_min(1e-6)
-                        if err > 2e-2:
-                            raise AssertionError(f"{name} {role} {form}: relative error {err:.2e}")
+                    error = relative_error(got, expected)
+                    # every formulation computes the same matrix (bf16's rounding, or FP8's, apart)
+                    if error > (0.1 if args.fp8 else 2e-2):
+                        raise AssertionError(f"{name} {role} {form}: relative error {error:.2e}")
                     del got
                     ms = time_ms(fn, args.warmup, args.repeat)
                 base = base or ms
-                row = dict(site=name, calls=calls, role=role, form=form, ms=ms, tflops=flop / ms / 1e9)
+                row = dict(site=name, calls=calls, role=role, form=form, ms=ms, tflops=flop / ms / 1e9, error=error)
                 row["step_runs_it"] = calls > 0 and form == next(iter(forms))
                 rows.append(row)
                 print(
                     f"| {name} | {calls} | {role} | {form} | {ms:.3f} | {row['tflops']:.0f} | {ms * calls:.2f} "
-                    f"| {base / ms:.2f}x |",
+                    f"| {base / ms:.2f}x | {error:.4f} |",
                     flush=True,
                 )
             del expected
@@ -180,12 +234,14 @@ def main() -> None:
         torch.cuda.empty_cache()
     step = sum(r["ms"] * r["calls"] for r in rows if r["step_runs_it"])
     best = 0.0
-    for key in {(r["site"], r["role"]) for r in rows if r["calls"]}:
-        best += min(r["ms"] * r["calls"] for r in rows if (r["site"], r["role"]) == key)
+    for key in {(r["site"], r["role"]) for r in rows if r["calls"]}:  # bf16 is no formulation of an FP8 step
+        best += min(r["ms"] * r["calls"] for r in rows if (r["site"], r["role"]) == key and r["form"] != "bf16 mm")
     print(f"\nGEMMs per step as the step runs them: {step:.2f} ms; with each one's fastest formulation: {best:.2f} ms")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump(dict(shape=args.shape, tokens=tokens, rows=rows, step_ms=step, best_ms=best), f, indent=1)
+            json.dump(
+                dict(shape=args.shape, tokens=tokens, fp8=args.fp8, rows=rows, step_ms=step, best_ms=best), f, indent=1
+            )
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@
 #   bash benchmarks/gpu_run.sh moe                 # the MoE experts op alone, per candidate (benchmarks/moe_bench.py;
 #                                                      #   FP8=1: its GEMMs bf16 against FP8)
 #   bash benchmarks/gpu_run.sh dqkwg               # fla's TileLang dqkwg kernel at other tilings (dqkwg_bench.py)
-#   bash benchmarks/gpu_run.sh gemm 27b            # the step's GEMMs alone, each layout (benchmarks/gemm_bench.py)
+#   bash benchmarks/gpu_run.sh gemm 27b            # the step's GEMMs alone, each layout (benchmarks/gemm_bench.py;
+#                                                      #   FP8=1: the FP8 projections' GEMMs)
 #   bash benchmarks/gpu_run.sh sft                 # needs .whl/ and .whl-ex/: the SFT example, FSDP2 world size 1
 #                                                      #   (NPROC=all STEPS=30 LAYERS=N: every GPU)
 #   bash benchmarks/gpu_run.sh start [STEPS...]    # needs .whl-tl2/, .whl/, .whl-ex/: run STEPS (default: bench-27b
@@ -254,8 +255,10 @@ EOF
       --json-out "$OUT/dqkwg.json" 2>&1 | tee "$OUT/dqkwg.md" ;;
   gemm)
     # every GEMM of the step alone, in each formulation (benchmarks/gemm_bench.py): which layouts cuBLAS runs slowly
+    # FP8=1: the FP8 projections' GEMMs (the op's call, fast accumulation, contiguous scales, bf16 beside them)
+    name=gemm${FP8:+-fp8}-${2:-27b}
     PYTHONPATH="$PWD" timeout ${GEMM_TIMEOUT:-200} python3 benchmarks/gemm_bench.py --shape "${2:-27b}" \
-      --json-out "$OUT/gemm-${2:-27b}.json" 2>&1 | tee "$OUT/gemm-${2:-27b}.md" ;;
+      ${FP8:+--fp8} --json-out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.md" ;;
   sft)
     # The SFT example at the 27B layer shapes (LAYERS deep), packed ultrachat-format data, FSDP2 world size 1
     # (fully_shard + its activation checkpointing) under torchrun; hf-fast (no fusepatch) then fusepatch.

@@ -937,3 +937,28 @@ def test_fidelity_driver_reads_projection_names_where_fusepatch_is_not_installed
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["down_proj"]
+
+
+def test_gemm_bench_fp8_formulations_compute_each_roles_matrix_from_fp8_operands():
+    """``gemm_bench.py --fp8``: every formulation of a role lands within FP8's error of the fp32 product (the op's
+    own call first), and the bf16 GEMM beside them within bf16's; the LM head and the gates are not FP8 sites."""
+    import torch
+    from gemm_bench import FP8_SKIPS, fp32_product, fp8_formulations, relative_error, sites
+    from shapes import SHAPES
+
+    skipped = [name for name, *_ in sites(SHAPES["27b"]) if name.startswith(FP8_SKIPS)]
+    assert skipped == [
+        "gdn in_proj_b / a separate (hf; per GEMM, 2 a layer)",
+        "gdn in_proj_b + a joined (fusepatch)",
+        "lm_head",
+    ]
+    gen = torch.Generator().manual_seed(0)
+    x, w, dy = (torch.randn(*s, generator=gen).to(torch.bfloat16) for s in ((64, 32), (48, 32), (64, 48)))
+    forms = fp8_formulations(x, w, dy)
+    assert list(forms) == ["forward y = x @ W.t()", "input grad dx = dy @ W", "weight grad dW = dy.t() @ x"]
+    for role, calls in forms.items():
+        expected = fp32_product(role, x, w, dy)
+        assert list(calls)[0] == "fp8 as fusepatch calls it"
+        errors = {form: relative_error(fn(), expected) for form, fn in calls.items()}
+        assert errors["bf16 mm"] < 1e-2, errors
+        assert all(0.005 < e < 0.1 for form, e in errors.items() if form != "bf16 mm"), errors
