@@ -16,7 +16,8 @@
 #   bash benchmarks/gpu_run.sh fidelity 27b        # gradients against fp32 eager (benchmarks/fidelity.py)
 #   bash benchmarks/gpu_run.sh warmstart 27b       # `fusepatch warmup` on fresh caches, then a new process's first step
 #   bash benchmarks/gpu_run.sh curves              # needs .whl-ex/: SFT loss curves, two seeds (loss_curves.py)
-#   bash benchmarks/gpu_run.sh textcurves          # bf16 vs fp8 on unrepeated text, two seeds (text_curves.py)
+#   bash benchmarks/gpu_run.sh textcurves          # bf16 vs fp8 on unrepeated text, two seeds (text_curves.py;
+#                                                      #   FAST_ACCUM=1: and fp8 with fast accumulation)
 #   bash benchmarks/gpu_run.sh norm                # the RMSNorm candidates alone (benchmarks/norm_bench.py)
 #   bash benchmarks/gpu_run.sh moe                 # the MoE experts op alone, per candidate (benchmarks/moe_bench.py;
 #                                                      #   FP8=1: its GEMMs bf16 against FP8)
@@ -131,13 +132,13 @@ EOF
     python3 -m fusepatch doctor --model-type qwen3_5 > "$OUT/doctor-built.txt" 2>&1; grep -B1 -A4 "causal_conv1d:" "$OUT/doctor-built.txt" | head -20 ;;
   bench)
     need_tilelang
-    shape=${2:-27b}; layers=${3:-}
+    shape=${2:-27b}; layers=${3:-${LAYERS:-}}  # a step gives the depth as its LAYERS (bench-27b@LAYERS=16)
     pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl .whl/liger_kernel-*.whl 2>/dev/null
     # VARY=F: every timed step its own length in [seq*(1-F), seq] (train_step.py --vary-seq), its own files;
     # DOCS=K: K documents packed in every row (--packed-docs: transformers' block mask, fusepatch's varlen route)
     # PROMPT=F: the first F of every row's labels -100 (--prompt: chat SFT's masked prompt)
     # SFT=1: packed chat-SFT rows (--sft, DOC_TOKENS mean document length); LORA=R: peft LoRA of rank R (--lora)
-    name=bench-$shape${VARY:+-vary$VARY}${DOCS:+-docs$DOCS}${PROMPT:+-prompt$PROMPT}${SFT:+-sft}${LORA:+-lora$LORA}${TAG:+-$TAG}  # TAG: a second table of one shape in a sequence
+    name=bench-$shape${layers:+-layers$layers}${VARY:+-vary$VARY}${DOCS:+-docs$DOCS}${PROMPT:+-prompt$PROMPT}${SFT:+-sft}${LORA:+-lora$LORA}${TAG:+-$TAG}  # TAG: a second table of one shape in a sequence
     # what else runs on the host as the benchmark starts (each row also records its own host_load)
     { echo "host at start: $(cut -d' ' -f1-3 /proc/loadavg) (load 1/5/15 min, $(nproc) cores)"; ps -eo pcpu,etimes,args --sort=-pcpu | head -6 | cut -c1-150; } > "$OUT/$name-host.txt" 2>&1
     timeout ${RUN_TIMEOUT:-3000} python3 benchmarks/run_all.py --shape "$shape" ${layers:+--layers $layers} --site-fla /tmp/site-fla --site-tl /tmp/site-tl \
@@ -199,17 +200,21 @@ EOF
     need_tilelang
     pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
     export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl"
+    # FAST_ACCUM=1: a third configuration, fp8 with fast accumulation (text_curves.py --fast-accum), against bf16 too
     steps=${STEPS:-300}; runs=()
     for seed in 0 1; do
-      for precision in bf16 fp8; do
+      for precision in bf16 fp8 ${FAST_ACCUM:+fp8-fastaccum}; do
         log="$OUT/text-curve-$precision-$seed.log"
-        timeout ${CURVE_TIMEOUT:-240} python3 benchmarks/text_curves.py --precision "$precision" --seed "$seed" --steps "$steps" \
+        timeout ${CURVE_TIMEOUT:-240} python3 benchmarks/text_curves.py --precision "${precision%-fastaccum}" \
+          $([ "$precision" = fp8-fastaccum ] && echo --fast-accum) --seed "$seed" --steps "$steps" \
           ${BATCH:+--batch $BATCH} ${LR:+--lr $LR} --json-out "$OUT/text-curve-$precision-$seed.json" > "$log" 2>&1
         echo "== $precision seed $seed: exit $?"; grep -E "^(data|tokens/s|eval):" "$log" | cut -c1-300; runs+=("$precision:$seed=$log")
       done
     done
-    python3 benchmarks/loss_curves.py "${runs[@]}" --baseline bf16 --candidate fp8 --out "$OUT/text_curves.jsonl" \
-      --command "STEPS=$steps bash benchmarks/gpu_run.sh textcurves" | tee "$OUT/text-curves.md" ;;
+    for candidate in fp8 ${FAST_ACCUM:+fp8-fastaccum}; do
+      python3 benchmarks/loss_curves.py "${runs[@]}" --baseline bf16 --candidate "$candidate" --out "$OUT/text_curves-$candidate.jsonl" \
+        --command "STEPS=$steps ${FAST_ACCUM:+FAST_ACCUM=1 }bash benchmarks/gpu_run.sh textcurves" | tee "$OUT/text-curves-$candidate.md"
+    done ;;
   probe)
     # where the GPU waits for the host in a synced step's forward (benchmarks/step_start.py), per CONFIGS
     need_tilelang
@@ -312,7 +317,7 @@ EOF
     rm -rf /tmp/seq && mkdir -p /tmp/seq/out && cp -r . /tmp/seq/tree  # a copy: the working tree may change while the sequence runs
     : > /tmp/seq/progress  # before the runner starts: `poll` tells a started sequence from none by this file
     steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
-    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT)=" > /tmp/seq/env || true
+    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT|FAST_ACCUM)=" > /tmp/seq/env || true
     # Lanes: "A B / C D + E" runs A then B on GPU 0 beside C then D on GPU 1 (CUDA_VISIBLE_DEVICES), then E on
     # every GPU once both lanes are done ("+ F / G": a next stage with lanes again). A step is
     # PHASE[-ARG][@K=V:K=V]: its own environment (sft@NPROC=all:LAYERS=24).

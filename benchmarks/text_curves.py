@@ -13,7 +13,8 @@ tokenizer is a byte-level BPE trained on the first ``--tokenizer-mb`` MB of the 
 
 The model is ``examples/configs/qwen3_5_small_text.json`` with random weights (``--seed``) and the tokenizer's
 vocabulary, bf16, no activation checkpointing; ``--precision fp8`` is ``fusepatch.apply(model,
-precision="fp8")``, bf16 ``fusepatch.apply(model)``, ``--no-fusepatch`` the model as transformers builds it.
+precision="fp8")``, bf16 ``fusepatch.apply(model)``, ``--no-fusepatch`` the model as transformers builds it;
+``--fast-accum`` runs the FP8 GEMMs with fast accumulation (``benchmarks/fast_accum.py``).
 AdamW (weight decay 0.1, clip 1.0), linear warmup then cosine. Prints ``losses:`` (per step; the line
 ``benchmarks/loss_curves.py`` reads), ``eval:`` (step=loss) and tokens/s. The standard library holds about 3M
 tokens at vocabulary 4096 (10.8 MB in Python 3.12): the defaults (300 steps of 4 x 2048) take 2.5M of them; a
@@ -175,6 +176,10 @@ def patch(model, args) -> str:
         return "none"
     import fusepatch
 
+    if args.fast_accum:  # before apply: the FP8 op's self-test runs the GEMMs the steps will
+        from fast_accum import use_fast_accumulation
+
+        use_fast_accumulation()
     # fp8 where FP8 cannot run (the CPU): fusepatch says so at WARNING and keeps the projections in bf16
     report = fusepatch.apply(model, precision="fp8") if args.precision == "fp8" else fusepatch.apply(model)
     return str(report).splitlines()[0] if str(report) else ""
@@ -231,6 +236,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--no-fusepatch", action="store_true", help="the model unpatched (transformers' own)")
+    parser.add_argument(
+        "--fast-accum", action="store_true", help="FP8 GEMMs with use_fast_accum=True (benchmarks/fast_accum.py)"
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--seed", type=int, default=0, help="the weights' initialisation (the data order is fixed)")
     parser.add_argument("--steps", type=int, default=300)
@@ -257,7 +265,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     data = build_data(args)
     model = build_model(args, data["vocab"], data["eos"])
-    label = "unpatched" if args.no_fusepatch else args.precision
+    label = "unpatched" if args.no_fusepatch else args.precision + ("+fastaccum" if args.fast_accum else "")
     print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, {label}, {args.device}")
     summary = patch(model, args)
     if summary:

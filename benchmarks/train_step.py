@@ -172,6 +172,11 @@ def main() -> int:
         help='fusepatch.apply(model, precision="fp8"): the decoder\'s projections with FP8 GEMMs',
     )
     parser.add_argument(
+        "--fast-accum",
+        action="store_true",
+        help="with --precision fp8: the FP8 GEMMs with use_fast_accum=True (benchmarks/fast_accum.py)",
+    )
+    parser.add_argument(
         "--drop-frozen-weights",
         action="store_true",
         help="with --precision fp8: apply(drop_frozen_weights=True), LoRA's frozen bases kept in FP8 only",
@@ -268,6 +273,11 @@ def build(args) -> tuple:
         patch(rope=not config.model_type.startswith("qwen3_5"), model=model)
     if args.config == "fusepatch":  # A/B rows: FUSEPATCH_SKIP=op/candidate in the environment (docs/env-vars.md)
         import fusepatch
+
+        if args.fast_accum:  # before apply: the FP8 op's self-test runs the GEMMs the steps will
+            from fast_accum import use_fast_accumulation
+
+            use_fast_accumulation()
 
         start = time.perf_counter()
         report = fusepatch.apply(

@@ -943,7 +943,7 @@ def test_gemm_bench_fp8_formulations_compute_each_roles_matrix_from_fp8_operands
     """``gemm_bench.py --fp8``: every formulation of a role lands within FP8's error of the fp32 product (the op's
     own call first), and the bf16 GEMM beside them within bf16's; the LM head and the gates are not FP8 sites."""
     import torch
-    from gemm_bench import FP8_SKIPS, fp32_product, fp8_formulations, relative_error, sites
+    from gemm_bench import FP8_SKIPS, fp8_formulations, fp32_product, relative_error, sites
     from shapes import SHAPES
 
     skipped = [name for name, *_ in sites(SHAPES["27b"]) if name.startswith(FP8_SKIPS)]
@@ -962,3 +962,20 @@ def test_gemm_bench_fp8_formulations_compute_each_roles_matrix_from_fp8_operands
         errors = {form: relative_error(fn(), expected) for form, fn in calls.items()}
         assert errors["bf16 mm"] < 1e-2, errors
         assert all(0.005 < e < 0.1 for form, e in errors.items() if form != "bf16 mm"), errors
+
+
+def test_fast_accum_variant_makes_fast_accumulation_the_default_of_scaled_mm(monkeypatch):
+    """``fast_accum.use_fast_accumulation`` (``train_step.py --fast-accum``, ``text_curves.py --fast-accum``): every
+    ``torch._scaled_mm`` call gets ``use_fast_accum=True`` unless it passes its own; a second call wraps nothing."""
+    import torch
+    from fast_accum import use_fast_accumulation
+    from run_all import parse_label
+
+    seen = []
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: seen.append(kwargs.get("use_fast_accum")))
+    use_fast_accumulation()
+    use_fast_accumulation()
+    torch._scaled_mm(1, 2, scale_a=3)
+    torch._scaled_mm(1, 2, use_fast_accum=False)
+    assert seen == [True, False]
+    assert parse_label("fusepatch+fp8+fastaccum+quick")[2] == ["--precision", "fp8", "--fast-accum", "--no-diagnostics"]
