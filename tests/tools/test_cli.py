@@ -1,7 +1,11 @@
-"""The command line as a user runs it: subprocesses, exit codes, the JSON schema."""
+"""The command line as a user runs it: exit codes, the JSON schema, what each stream shows. Most commands run in
+this process through ``cli.main`` (what ``python -m fusepatch`` calls); the demo, ``--version`` and a doctor run
+as real processes, which is also how ``python -m fusepatch`` itself is checked."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -15,15 +19,28 @@ from fusepatch.ops import OPS
 pytestmark = pytest.mark.slow
 
 
-def _run(*args: str, check_rc: int | None = 0):
-    result = subprocess.run([sys.executable, "-m", "fusepatch", *args], capture_output=True, text=True, timeout=600)
+def _run(*args: str, check_rc: int | None = 0, process: bool = False):
+    """``python -m fusepatch ARGS``: in a new process where ``process``, else through ``cli.main`` in this one
+    (argparse's own exits included), with the same exit code and streams."""
+    if process:
+        result = subprocess.run([sys.executable, "-m", "fusepatch", *args], capture_output=True, text=True, timeout=600)
+    else:
+        from fusepatch.tools import cli
+
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as exit:  # argparse: --help, --version, a bad argument
+                code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+        result = subprocess.CompletedProcess(["fusepatch", *args], code, out.getvalue(), err.getvalue())
     if check_rc is not None:
         assert result.returncode == check_rc, result.stderr[-3000:]
     return result
 
 
 def test_doctor_json_lists_every_op_of_every_family_with_a_verdict():
-    data = json.loads(_run("doctor", "--json").stdout)
+    data = json.loads(_run("doctor", "--json", process=True).stdout)
     assert {
         "fusepatch",
         "environment",
@@ -74,7 +91,7 @@ def test_list_shows_the_registry():
 
 
 def test_demo_trains_eager_and_patched_on_cpu():
-    out = _run("demo", "--steps", "3", "--seq-len", "64").stdout
+    out = _run("demo", "--steps", "3", "--seq-len", "64", process=True).stdout
     assert "Qwen3_5GatedDeltaNet x3" in out and "gated_delta_rule" in out
     eager = [float(x) for x in out.split("eager   losses:")[1].split("steps/s")[0].split()[:3]]
     patched = [float(x) for x in out.split("patched losses:")[1].split("steps/s")[0].split()[:3]]
@@ -261,7 +278,7 @@ def test_demo_on_a_missing_gpu_says_so_in_one_line():
 def test_version_verbose_everywhere_and_lines_fit_100_columns():
     import fusepatch
 
-    assert _run("--version").stdout.strip() == f"fusepatch {fusepatch.__version__}"
+    assert _run("--version", process=True).stdout.strip() == f"fusepatch {fusepatch.__version__}"
     doctor = _run("doctor", "-v", "--static").stdout
     listing = _run("list").stdout
     for text in (doctor, listing):

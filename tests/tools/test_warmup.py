@@ -39,6 +39,15 @@ def _warmup_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess
     )
 
 
+def _warmup_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The command in this process (``cli.main``): what one process shows, without a new interpreter each."""
+    from fusepatch.tools import cli
+
+    code = cli.main(["warmup", *args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["warmup", *args], code, out, err)
+
+
 def _one_line(result: subprocess.CompletedProcess) -> str:
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stdout == "" and "Traceback" not in result.stderr
@@ -55,14 +64,14 @@ def _needs_no_gpu() -> None:
         pytest.skip("a GPU is visible")
 
 
-def test_warmup_cli_without_gpu_says_where_to_run():
+def test_warmup_cli_without_gpu_says_where_to_run(capsys):
     _needs_no_gpu()
-    line = _one_line(_warmup_cli("qwen3_5_text"))
+    line = _one_line(_warmup_main(capsys, "qwen3_5_text"))
     assert "no CUDA device" in line and "TRITON_CACHE_DIR=" in line and "fix: run it where the GPU is" in line
     assert {row[1] for row in cache_locations()} == {"TRITON_CACHE_DIR", "TILELANG_CACHE_DIR"}
 
 
-def test_warmup_cli_refuses_what_it_cannot_do_in_one_line(tmp_path):
+def test_warmup_cli_refuses_what_it_cannot_do_in_one_line(tmp_path, capsys):
     """A CPU has nothing to warm (every op runs eager there; a full-size model on CPU ran 10 minutes at 11 GB
     without finishing a step), ``--device cuda`` needs a GPU, and a model type without rows has no kernels: each is
     one line with the fix, at once, instead of a traceback or a model built for nothing."""
@@ -73,10 +82,10 @@ def test_warmup_cli_refuses_what_it_cannot_do_in_one_line(tmp_path):
     line = _one_line(_warmup_cli("qwen3_5_text", "--device", "cpu", timeout=60))
     assert "--device cpu" in line and "nothing to warm" in line and "fix: " in line
     supported = f"supported: {', '.join(known_model_types())}"
-    assert supported in _one_line(_warmup_cli("llama", "--device", "cuda"))
+    assert supported in _one_line(_warmup_main(capsys, "llama", "--device", "cuda"))
     AutoConfig.for_model("llama").save_pretrained(tmp_path)
-    line = _one_line(_warmup_cli(str(tmp_path), "--device", "cuda"))
+    line = _one_line(_warmup_main(capsys, str(tmp_path), "--device", "cuda"))
     assert "'llama'" in line and supported in line
     _needs_no_gpu()
-    line = _one_line(_warmup_cli("qwen3_5_text", "--device", "cuda"))
+    line = _one_line(_warmup_main(capsys, "qwen3_5_text", "--device", "cuda"))
     assert "--device cuda: torch " in line and "fix: " in line
