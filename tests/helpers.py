@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import sys
 
 import torch
 
@@ -214,6 +215,37 @@ def counted_fp8_gemms(monkeypatch) -> list:
     scaled = scaled_mm._scaled_mm
     monkeypatch.setattr(scaled_mm, "_scaled_mm", lambda *args: calls.append(1) or scaled(*args))
     return calls
+
+
+def in_process(argv: list[str]) -> tuple[int, str, str]:
+    """``python -m fusepatch ARGV`` run through ``cli.main`` in this process: its exit code, stdout and stderr as a
+    new process would give them. The root logger's handlers (pytest's) are set aside for the call, so that the
+    command's own ``logging.basicConfig`` writes its log to the captured stderr, as it does in a process; a
+    ``SystemExit`` (argparse's) gives its code, a message exit code 1 with the message on stderr."""
+    import contextlib
+    import io
+    import logging
+
+    from fusepatch.tools import cli
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers.clear()
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(list(argv))
+            except SystemExit as exit:  # argparse: --help, --version, a bad argument
+                code = exit.code
+                if not isinstance(code, int):
+                    if code is not None:
+                        print(code, file=sys.stderr)
+                    code = 0 if code is None else 1
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return code, out.getvalue(), err.getvalue()
 
 
 def torchrun(script: str, *args: str, processes: int = 2, timeout: int = 240, **env: str):

@@ -4,13 +4,12 @@ as real processes, which is also how ``python -m fusepatch`` itself is checked."
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import subprocess
 import sys
 
 import pytest
+from helpers import in_process
 
 from fusepatch.base.env import TRANSFORMERS_REQUIREMENT
 from fusepatch.engine.registry import all_rows
@@ -25,15 +24,8 @@ def _run(*args: str, check_rc: int | None = 0, process: bool = False):
     if process:
         result = subprocess.run([sys.executable, "-m", "fusepatch", *args], capture_output=True, text=True, timeout=600)
     else:
-        from fusepatch.tools import cli
-
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = cli.main(list(args))
-            except SystemExit as exit:  # argparse: --help, --version, a bad argument
-                code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
-        result = subprocess.CompletedProcess(["fusepatch", *args], code, out.getvalue(), err.getvalue())
+        code, out, err = in_process(list(args))
+        result = subprocess.CompletedProcess(["fusepatch", *args], code, out, err)
     if check_rc is not None:
         assert result.returncode == check_rc, result.stderr[-3000:]
     return result

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from helpers import in_process
+
 from fusepatch.tools.tiny import tiny_config
 from fusepatch.tools.warmup import OpTiming, cache_locations, warmup, warmup_config
 
@@ -39,12 +41,9 @@ def _warmup_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess
     )
 
 
-def _warmup_main(capsys, *args: str) -> subprocess.CompletedProcess:
+def _warmup_main(*args: str) -> subprocess.CompletedProcess:
     """The command in this process (``cli.main``): what one process shows, without a new interpreter each."""
-    from fusepatch.tools import cli
-
-    code = cli.main(["warmup", *args])
-    out, err = capsys.readouterr()
+    code, out, err = in_process(["warmup", *args])
     return subprocess.CompletedProcess(["warmup", *args], code, out, err)
 
 
@@ -64,14 +63,14 @@ def _needs_no_gpu() -> None:
         pytest.skip("a GPU is visible")
 
 
-def test_warmup_cli_without_gpu_says_where_to_run(capsys):
+def test_warmup_cli_without_gpu_says_where_to_run():
     _needs_no_gpu()
-    line = _one_line(_warmup_main(capsys, "qwen3_5_text"))
+    line = _one_line(_warmup_main("qwen3_5_text"))
     assert "no CUDA device" in line and "TRITON_CACHE_DIR=" in line and "fix: run it where the GPU is" in line
     assert {row[1] for row in cache_locations()} == {"TRITON_CACHE_DIR", "TILELANG_CACHE_DIR"}
 
 
-def test_warmup_cli_refuses_what_it_cannot_do_in_one_line(tmp_path, capsys):
+def test_warmup_cli_refuses_what_it_cannot_do_in_one_line(tmp_path):
     """A CPU has nothing to warm (every op runs eager there; a full-size model on CPU ran 10 minutes at 11 GB
     without finishing a step), ``--device cuda`` needs a GPU, and a model type without rows has no kernels: each is
     one line with the fix, at once, instead of a traceback or a model built for nothing."""
@@ -82,10 +81,10 @@ def test_warmup_cli_refuses_what_it_cannot_do_in_one_line(tmp_path, capsys):
     line = _one_line(_warmup_cli("qwen3_5_text", "--device", "cpu", timeout=60))
     assert "--device cpu" in line and "nothing to warm" in line and "fix: " in line
     supported = f"supported: {', '.join(known_model_types())}"
-    assert supported in _one_line(_warmup_main(capsys, "llama", "--device", "cuda"))
+    assert supported in _one_line(_warmup_main("llama", "--device", "cuda"))
     AutoConfig.for_model("llama").save_pretrained(tmp_path)
-    line = _one_line(_warmup_main(capsys, str(tmp_path), "--device", "cuda"))
+    line = _one_line(_warmup_main(str(tmp_path), "--device", "cuda"))
     assert "'llama'" in line and supported in line
     _needs_no_gpu()
-    line = _one_line(_warmup_main(capsys, "qwen3_5_text", "--device", "cuda"))
+    line = _one_line(_warmup_main("qwen3_5_text", "--device", "cuda"))
     assert "--device cuda: torch " in line and "fix: " in line
