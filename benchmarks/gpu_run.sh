@@ -132,7 +132,7 @@ EOF
     python3 -m fusepatch doctor --model-type qwen3_5 > "$OUT/doctor-built.txt" 2>&1; grep -B1 -A4 "causal_conv1d:" "$OUT/doctor-built.txt" | head -20 ;;
   bench)
     need_tilelang
-    shape=${2:-27b}; layers=${3:-${LAYERS:-}}  # a step gives the depth as its LAYERS (bench-27b@LAYERS=16)
+    shape=${2:-27b}; layers=${3:-${BENCH_LAYERS:-}}  # a step gives the depth as BENCH_LAYERS (bench-27b@BENCH_LAYERS=16)
     pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl .whl/liger_kernel-*.whl 2>/dev/null
     # VARY=F: every timed step its own length in [seq*(1-F), seq] (train_step.py --vary-seq), its own files;
     # DOCS=K: K documents packed in every row (--packed-docs: transformers' block mask, fusepatch's varlen route)
@@ -211,8 +211,10 @@ EOF
         echo "== $precision seed $seed: exit $?"; grep -E "^(data|tokens/s|eval):" "$log" | cut -c1-300; runs+=("$precision:$seed=$log")
       done
     done
+    # each candidate against bf16 with only its own runs beside bf16's: one short run cuts no other comparison
     for candidate in fp8 ${FAST_ACCUM:+fp8-fastaccum}; do
-      python3 benchmarks/loss_curves.py "${runs[@]}" --baseline bf16 --candidate "$candidate" --out "$OUT/text_curves-$candidate.jsonl" \
+      pair=(); for run in "${runs[@]}"; do case "$run" in bf16:*|"$candidate":*) pair+=("$run");; esac; done
+      python3 benchmarks/loss_curves.py "${pair[@]}" --baseline bf16 --candidate "$candidate" --out "$OUT/text_curves-$candidate.jsonl" \
         --command "STEPS=$steps ${FAST_ACCUM:+FAST_ACCUM=1 }bash benchmarks/gpu_run.sh textcurves" | tee "$OUT/text-curves-$candidate.md"
     done ;;
   probe)
@@ -260,7 +262,7 @@ EOF
       --json-out "$OUT/dqkwg.json" 2>&1 | tee "$OUT/dqkwg.md" ;;
   gemm)
     # every GEMM of the step alone, in each formulation (benchmarks/gemm_bench.py): which layouts cuBLAS runs slowly
-    # FP8=1: the FP8 projections' GEMMs (the op's call, fast accumulation, contiguous scales, bf16 beside them)
+    # FP8=1: the FP8 projections' GEMMs (the op's call and fast accumulation, bf16 beside them)
     name=gemm${FP8:+-fp8}-${2:-27b}
     PYTHONPATH="$PWD" timeout ${GEMM_TIMEOUT:-200} python3 benchmarks/gemm_bench.py --shape "${2:-27b}" \
       ${FP8:+--fp8} --json-out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.md" ;;
@@ -317,7 +319,7 @@ EOF
     rm -rf /tmp/seq && mkdir -p /tmp/seq/out && cp -r . /tmp/seq/tree  # a copy: the working tree may change while the sequence runs
     : > /tmp/seq/progress  # before the runner starts: `poll` tells a started sequence from none by this file
     steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
-    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT|FAST_ACCUM)=" > /tmp/seq/env || true
+    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT|FAST_ACCUM|BENCH_LAYERS)=" > /tmp/seq/env || true
     # Lanes: "A B / C D + E" runs A then B on GPU 0 beside C then D on GPU 1 (CUDA_VISIBLE_DEVICES), then E on
     # every GPU once both lanes are done ("+ F / G": a next stage with lanes again). A step is
     # PHASE[-ARG][@K=V:K=V]: its own environment (sft@NPROC=all:LAYERS=24).

@@ -258,7 +258,10 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
     parser.add_argument("--hidden", type=int, default=None, help="a smaller hidden size (smoke tests)")
     parser.add_argument("--json-out", default=None)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.fast_accum and (args.precision != "fp8" or args.no_fusepatch):
+        parser.error("--fast-accum: only with --precision fp8 (fusepatch's FP8 GEMMs)")
+    return args
 
 
 def main(argv=None) -> int:

@@ -198,6 +198,8 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
+    if args.fast_accum and (args.config != "fusepatch" or args.precision != "fp8"):
+        parser.error("--fast-accum: only with --config fusepatch --precision fp8 (fusepatch's FP8 GEMMs)")
 
     spec = SHAPES[args.shape]
     seq, batch = args.seq or spec["seq"], args.batch or spec["batch"]

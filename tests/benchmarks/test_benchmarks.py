@@ -939,7 +939,7 @@ def test_fidelity_driver_reads_projection_names_where_fusepatch_is_not_installed
     assert done.stdout.split() == ["down_proj"]
 
 
-def test_gemm_bench_fp8_formulations_compute_each_roles_matrix_from_fp8_operands():
+def test_gemm_bench_fp8_formulations_compute_each_roles_matrix_from_fp8_operands(monkeypatch):
     """``gemm_bench.py --fp8``: every formulation of a role lands within FP8's error of the fp32 product (the op's
     own call first), and the bf16 GEMM beside them within bf16's; the LM head and the gates are not FP8 sites."""
     import torch
@@ -956,10 +956,21 @@ def test_gemm_bench_fp8_formulations_compute_each_roles_matrix_from_fp8_operands
     x, w, dy = (torch.randn(*s, generator=gen).to(torch.bfloat16) for s in ((64, 32), (48, 32), (64, 48)))
     forms = fp8_formulations(x, w, dy)
     assert list(forms) == ["forward y = x @ W.t()", "input grad dx = dy @ W", "weight grad dW = dy.t() @ x"]
+    scaled_mm, accumulation = torch._scaled_mm, []
+
+    def seen(*args, **kwargs):
+        accumulation.append(kwargs.get("use_fast_accum", False))
+        return scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", seen)
     for role, calls in forms.items():
         expected = fp32_product(role, x, w, dy)
-        assert list(calls)[0] == "fp8 as fusepatch calls it"
-        errors = {form: relative_error(fn(), expected) for form, fn in calls.items()}
+        assert list(calls) == ["fp8 as fusepatch calls it", "fp8 use_fast_accum", "bf16 mm"]
+        errors = {}
+        for form, fn in calls.items():
+            accumulation.clear()
+            errors[form] = relative_error(fn(), expected)
+            assert accumulation == {"fp8 as fusepatch calls it": [False], "fp8 use_fast_accum": [True]}.get(form, [])
         assert errors["bf16 mm"] < 1e-2, errors
         assert all(0.005 < e < 0.1 for form, e in errors.items() if form != "bf16 mm"), errors
 
@@ -974,8 +985,15 @@ def test_fast_accum_variant_makes_fast_accumulation_the_default_of_scaled_mm(mon
     seen = []
     monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: seen.append(kwargs.get("use_fast_accum")))
     use_fast_accumulation()
+    wrapped = torch._scaled_mm
     use_fast_accumulation()
+    assert torch._scaled_mm is wrapped  # once: a second call wraps nothing
     torch._scaled_mm(1, 2, scale_a=3)
     torch._scaled_mm(1, 2, use_fast_accum=False)
     assert seen == [True, False]
     assert parse_label("fusepatch+fp8+fastaccum+quick")[2] == ["--precision", "fp8", "--fast-accum", "--no-diagnostics"]
+    import text_curves
+
+    assert text_curves.parse_args(["--precision", "fp8", "--fast-accum"]).fast_accum
+    with pytest.raises(SystemExit):  # fast accumulation has no FP8 GEMM to act on in a bf16 run
+        text_curves.parse_args(["--fast-accum"])
