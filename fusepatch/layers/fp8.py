@@ -107,7 +107,7 @@ class DroppedWeight(torch.nn.Parameter):
     """What a frozen FP8 projection holds as ``weight`` after ``drop_frozen_weights``: shape, dtype, device and
     ``requires_grad`` as before, and no values (a meta tensor). Reading it for values (a GEMM, a copy, a move to
     another device) raises with the fix instead of computing with nothing; ``detach`` (``state_dict``) gives a
-    meta tensor, which peft's adapter saving leaves out."""
+    :class:`DroppedValues`, which peft's adapter saving leaves out and a whole checkpoint refuses."""
 
     device_of: torch.device
 
@@ -140,9 +140,36 @@ class DroppedWeight(torch.nn.Parameter):
         cast = _CASTS.get(func)
         if cast is not None and cast == args[0].dtype:  # model.bfloat16() on a bf16 model: nothing to do
             return args[0]
-        if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__", "detach"):
+        if getattr(func, "__name__", "") == "detach":  # ``state_dict``'s entry
+            return DroppedValues.of(args[0])
+        if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__"):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        raise RuntimeError(DROPPED)
+
+
+class DroppedValues(torch.Tensor):
+    """A dropped weight's ``state_dict`` entry: a meta tensor of the weight's shape and dtype. A checkpoint of it
+    would hold nothing, so saving it (``torch.save``, ``save_pretrained``), copying it or computing with it raises
+    with the fix, where a plain meta tensor would be written without values or fail in torch's words."""
+
+    @staticmethod
+    def of(weight: torch.Tensor) -> DroppedValues:
+        with torch._C.DisableTorchFunctionSubclass():
+            meta = torch.empty(tuple(weight.shape), dtype=weight.dtype, device="meta")
+        return torch.Tensor._make_subclass(DroppedValues, meta)
+
+    def __reduce_ex__(self, protocol):
+        raise RuntimeError(DROPPED)
+
+    def __repr__(self, **kwargs) -> str:
+        return f"DroppedValues(shape={tuple(self.shape)}, dtype={self.dtype}: {DROPPED})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__", "detach"):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
         raise RuntimeError(DROPPED)
 
 

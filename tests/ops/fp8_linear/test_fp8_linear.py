@@ -298,7 +298,24 @@ def test_lora_over_an_fp8_base_quantizes_it_once_per_version(monkeypatch, order)
     assert len(quantized) == len(fp8) + 1
 
 
-def test_dropped_frozen_weights_train_the_same_and_revert_saying_so(monkeypatch, caplog):
+def _saving_a_dropped_model_raises_with_the_fix(model, weight, folder) -> None:
+    """A whole model's checkpoint would hold no values for its dropped weights: ``torch.save`` of its state dict and
+    ``save_pretrained`` raise with the fix (``revert`` first) instead of writing meta tensors or failing in torch's
+    words; the state dict's entry keeps the weight's shape and dtype, and a copy of the entry raises the same."""
+    state = model.state_dict()
+    entry = next(v for v in state.values() if v.shape == weight.shape and v.is_meta)
+    assert entry.dtype == weight.dtype and "revert" in repr(entry)
+    for save in (
+        lambda: torch.save(state, folder / "state.pt"),
+        lambda: model.save_pretrained(folder / "whole"),
+        lambda: entry.clone(),
+        lambda: entry.to("cpu"),
+    ):
+        with pytest.raises(RuntimeError, match="drop_frozen_weights.*revert"):
+            save()
+
+
+def test_dropped_frozen_weights_train_the_same_and_revert_saying_so(monkeypatch, caplog, tmp_path):
     """``drop_frozen_weights=True``: after the first step every frozen FP8 base holds no values (half the
     memory of its bf16 weight stays, in FP8), the next steps compute exactly what the kept-weight model computes,
     peft's adapter state dict is unchanged, reading a dropped weight for values raises with the fix, and
@@ -340,6 +357,7 @@ def test_dropped_frozen_weights_train_the_same_and_revert_saying_so(monkeypatch,
     assert saved.keys() == want.keys() and all(torch.equal(saved[k], want[k]) for k in saved)
     with pytest.raises(RuntimeError, match="drop_frozen_weights"):
         gone[0].weight.sum()
+    _saving_a_dropped_model_raises_with_the_fix(dropped.base_model.model, gone[0].weight, tmp_path)
     gone[0].weight.requires_grad_(True)
     with pytest.raises(RuntimeError, match="drop_frozen_weights"):
         dropped(**batch)
