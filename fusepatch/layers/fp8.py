@@ -167,7 +167,9 @@ class DroppedValues(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__", "detach"):
+        # no ``detach``: it would hand out a plain meta tensor (a value-less checkpoint, a value-less parameter
+        # through ``load_state_dict(assign=True)``)
+        if func in _METADATA or func is torch.Tensor.__len__ or getattr(func, "__name__", "") in ("__get__", "__set__"):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         raise RuntimeError(DROPPED)

@@ -301,15 +301,19 @@ def test_lora_over_an_fp8_base_quantizes_it_once_per_version(monkeypatch, order)
 def _saving_a_dropped_model_raises_with_the_fix(model, weight, folder) -> None:
     """A whole model's checkpoint would hold no values for its dropped weights: ``torch.save`` of its state dict and
     ``save_pretrained`` raise with the fix (``revert`` first) instead of writing meta tensors or failing in torch's
-    words; the state dict's entry keeps the weight's shape and dtype, and a copy of the entry raises the same."""
+    words; the state dict's entry keeps the weight's shape and dtype, and a copy of the entry, a detached one or
+    loading it in the weight's place (``assign=True``) raises the same."""
     state = model.state_dict()
     entry = next(v for v in state.values() if v.shape == weight.shape and v.is_meta)
     assert entry.dtype == weight.dtype and "revert" in repr(entry)
+    assert len(entry) == weight.shape[0]
     for save in (
         lambda: torch.save(state, folder / "state.pt"),
         lambda: model.save_pretrained(folder / "whole"),
         lambda: entry.clone(),
         lambda: entry.to("cpu"),
+        lambda: torch.save({name: value.detach() for name, value in state.items()}, folder / "detached.pt"),
+        lambda: model.load_state_dict(state, assign=True),  # a value-less parameter in the weight's place
     ):
         with pytest.raises(RuntimeError, match="drop_frozen_weights.*revert"):
             save()
