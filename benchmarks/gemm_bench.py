@@ -15,8 +15,8 @@ tokens split in two accumulated halves. Each row: median of
 ``--fp8``: the FP8 projections' GEMMs instead (``apply(model, precision="fp8")``: every site but the LM head and the
 Gated DeltaNet's gates), their operands quantized beforehand as fusepatch's op does, each role called as the op
 calls ``torch._scaled_mm`` and with ``use_fast_accum=True`` (as torchao's float8 training runs its forward), beside
-the bf16 GEMM of the same matrix; each row also gives its relative error (Frobenius
-norm) against the fp32 product of the bf16 operands, which is what fast accumulation would trade.
+the bf16 GEMM of the same matrix; each row also gives its relative error (Frobenius norm) against the fp32 product
+of the bf16 operands, which is what fast accumulation would trade.
 """
 
 from __future__ import annotations
