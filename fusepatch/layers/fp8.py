@@ -142,10 +142,7 @@ class DroppedWeight(torch.nn.Parameter):
             return args[0]
         if getattr(func, "__name__", "") == "detach":  # ``state_dict``'s entry
             return DroppedValues.of(args[0])
-        if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__"):
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        raise RuntimeError(DROPPED)
+        return _metadata_only(func, args, kwargs)
 
 
 class DroppedValues(torch.Tensor):
@@ -169,10 +166,16 @@ class DroppedValues(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # no ``detach``: it would hand out a plain meta tensor (a value-less checkpoint, a value-less parameter
         # through ``load_state_dict(assign=True)``)
-        if func in _METADATA or func is torch.Tensor.__len__ or getattr(func, "__name__", "") in ("__get__", "__set__"):
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        raise RuntimeError(DROPPED)
+        return _metadata_only(func, args, kwargs or {})
+
+
+def _metadata_only(func, args: tuple, kwargs: dict):
+    """What a dropped weight and its ``state_dict`` entry answer: their metadata (shape, dtype, attributes), and
+    for anything that would read values the drop's message with its fix."""
+    if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__"):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    raise RuntimeError(DROPPED)
 
 
 def _dropped(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> DroppedWeight:
@@ -184,6 +187,7 @@ def _dropped(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
 
 _METADATA = {
     torch.Tensor.size,
+    torch.Tensor.__len__,
     torch.Tensor.dim,
     torch.Tensor.numel,
     torch.Tensor.element_size,
