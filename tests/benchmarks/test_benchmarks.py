@@ -997,3 +997,24 @@ def test_fast_accum_variant_makes_fast_accumulation_the_default_of_scaled_mm(mon
     assert text_curves.parse_args(["--precision", "fp8", "--fast-accum"]).fast_accum
     with pytest.raises(SystemExit):  # fast accumulation has no FP8 GEMM to act on in a bf16 run
         text_curves.parse_args(["--fast-accum"])
+
+
+def test_static_memory_counts_each_part_as_the_precision_keeps_it():
+    """``static_memory.py`` on the tiny shape under peft LoRA, against sizes worked out by hand from its config:
+    each of the 4 layers has 163,840 projection values in 1,152 rows (Gated DeltaNet: qkv 128x256, z 128x128, out
+    128x128; attention: q with its gate 128x256, k and v 128x64, o 128x128; MLP: 3 x 128x256)."""
+    from static_memory import build, static_memory
+
+    model = build("tiny", None, lora=4)
+    values, rows = 4 * 163_840, 4 * 1_152
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    bf16, fp8, dropped = (static_memory(model, precision)["bytes"] for precision in ("bf16", "fp8", "fp8+drop"))
+    assert bf16["projections"] == 2 * values and bf16["projections_fp8"] == 0
+    assert bf16["embedding_and_head"] == 2 * 2 * 1024 * 128  # untied: both in bf16
+    assert bf16["embedding_and_head"] + bf16["projections"] + bf16["other"] == total
+    assert (bf16["gradients"], bf16["optimizer_states"]) == (trainable, 2 * trainable)
+    assert fp8["projections_fp8"] == values + 4 * rows and fp8["projections"] == 2 * values
+    assert dropped["projections_fp8"] == values + 4 * rows and dropped["projections"] == 0
+    full = static_memory(build("tiny", None, lora=0), "fp8+drop")["bytes"]  # trained weights keep no FP8 copy
+    assert full["projections"] == 2 * values and full["projections_fp8"] == 0
