@@ -17,6 +17,7 @@ from fusepatch.base.log import logger
 from fusepatch.base.state import current as process_state
 from fusepatch.layers.support.hooks import autocast_dtype
 from fusepatch.layers.support.kept import keep
+from fusepatch.layers.support.lora import follow_merges
 from fusepatch.ops.fp8_linear.reference import fp8_linear_reference
 from fusepatch.ops.fp8_linear.scaled_mm import MULTIPLE, QuantizedWeight, quantize_weight
 
@@ -71,8 +72,8 @@ def frozen_weight(module: torch.nn.Module, state) -> QuantizedWeight | None:
     quantization) or under ``torch.inference_mode`` (its tensors cannot serve a later training step). Kept for
     this very tensor (a weak reference) at its storage and version: an in-place update, a load, a new tensor or
     new storage (``weight.data = ...``) quantizes again. A write into ``.data`` leaves both as they were: peft's
-    merges and unmerges are seen by the fused LoRA path (``layers/support/lora.py`` drops the copy); other such
-    writes to a frozen projection need ``revert`` and ``apply``.
+    merges and unmerges let go of the copy themselves (``lora.follow_merges``; a copy made before peft was
+    imported is made again once it is); other such writes to a frozen projection need ``revert`` and ``apply``.
     With ``apply(drop_frozen_weights=True)`` the weight itself is dropped once quantized."""
     weight = module.weight
     cache = state.cache
@@ -82,7 +83,7 @@ def frozen_weight(module: torch.nn.Module, state) -> QuantizedWeight | None:
         return cache["fp8"][1]
     if weight.requires_grad or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         return None
-    key = (weight.device, weight.data_ptr(), weight._version, weight.shape, weight.dtype)
+    key = (weight.device, weight.data_ptr(), weight._version, weight.shape, weight.dtype, follow_merges())
     held = cache.get("fp8")
     if held is None or held[0] != key or held[2]() is not weight:
         held = keep(cache, "fp8", (key, quantize_weight(weight), weakref.ref(weight)))

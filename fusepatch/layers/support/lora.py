@@ -33,6 +33,7 @@ module: its output, from its own FP8 GEMM, is what the adapters' products are ad
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ from fusepatch.layers.support.hooks import autocast_dtype, hooked, in_dtype
 from fusepatch.layers.support.kept import forget
 
 PEFT_LAYER = "peft.tuners.lora.layer"  # the module defining peft's LoRA ``Linear``
+TUNER_LAYERS = "peft.tuners.tuners_utils"  # the module defining ``BaseTunerLayer``, every peft layer's base
 
 ADAPTERS_CAST = (
     "peft LoRA adapters in {adapters} over {inputs} inputs: fusepatch runs their GEMMs in {inputs}, as autocast "
@@ -166,18 +168,42 @@ def part(module: torch.nn.Module, x: torch.Tensor, cast: bool) -> Part | Unfused
     return Part(base.weight, base.bias, tuple(adapters))
 
 
-def _follow_merges(module: torch.nn.Module) -> None:
-    """peft's ``merge``/``unmerge`` write the base weight through ``.data``, which neither its storage nor its
-    version shows: an FP8 base (``layers/fp8.py``) drops its kept FP8 copy when the adapters merged into it may
-    change (which are merged, or adapters disabled: peft's forward then unmerges), unless that copy is all that
-    is left of the weight (``drop_frozen_weights``: peft's writes to it raise instead)."""
-    state = module.base_layer.__dict__.get("_fusepatch")
-    if state is None:
-        return
-    merged = () if module.disable_adapters else tuple(getattr(module, "merged_adapters", ()))
-    if state.cache.get("merged", merged) != merged and not state.cache.get("dropped"):
-        forget(state.cache, "fp8")
-    state.cache["merged"] = merged
+def follow_merges() -> bool:
+    """Whether peft is imported; once it is, its layers' ``merge`` and ``unmerge`` let go of the FP8 copy their
+    base keeps (``layers/fp8.py``) after writing the base weight. They write it through ``.data``, which neither
+    the weight's storage nor its version shows, from wherever the base is called: a fused layer, transformers' own
+    attention, or no wrapper at all after ``merge_and_unload``. A copy that is all that is left of its weight
+    (``drop_frozen_weights``) stays: peft's writes to such a weight raise. Layer classes peft defines after this
+    (a module of peft imported later) are not followed."""
+    tuners = sys.modules.get(TUNER_LAYERS)
+    if tuners is None:
+        return False
+    state = process_state()
+    if not state.peft_merges_followed:
+        pending = [tuners.BaseTunerLayer]
+        while pending:
+            layer_type = pending.pop()
+            pending.extend(layer_type.__subclasses__())
+            for name in ("merge", "unmerge"):
+                method = layer_type.__dict__.get(name)
+                if callable(method) and not getattr(method, "lets_go_of_fp8_copies", False):
+                    setattr(layer_type, name, _letting_go(method))
+        state.peft_merges_followed = True
+    return True
+
+
+def _letting_go(method):
+    @functools.wraps(method)
+    def merge_or_unmerge(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        finally:  # also after a partial merge that raised: some adapters may be in the weight already
+            state = self.get_base_layer().__dict__.get("_fusepatch")
+            if state is not None and not state.cache.get("dropped"):
+                forget(state.cache, "fp8")
+
+    merge_or_unmerge.lets_go_of_fp8_copies = True
+    return merge_or_unmerge
 
 
 def _castable(weight: torch.Tensor, x: torch.Tensor) -> bool:
@@ -364,9 +390,6 @@ def project(
     through ``_LoraLinears`` when at least one is a LoRA linear and every one can be fused; ``None`` otherwise
     (the caller calls the modules), having said why for a LoRA linear that cannot be fused."""
     cast_to = autocast_dtype(x)
-    for linear in linears:  # each one, before any of them sends the call to peft's forward
-        if is_lora(linear):
-            _follow_merges(linear)
     parts = []
     for linear in linears:
         found = part(linear, x, cast_to is not None)

@@ -476,6 +476,46 @@ def test_a_merge_through_data_requantizes_the_frozen_base(monkeypatch):
     assert not torch.equal(merged, base)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "qwen3_5_text"])
+@pytest.mark.parametrize("order", ["peft-first", "fusepatch-first"])
+def test_merges_outside_the_fused_layers_requantize_the_frozen_base(monkeypatch, model_type, order):
+    """A merge is followed wherever the base is called from: Qwen3's and Qwen2's attention run transformers' own
+    forward (peft's forward calls the FP8 base), and ``merge_and_unload`` leaves the bare base. Each merged model
+    computes what a model patched afresh over the merged weights computes; a stale FP8 copy would compute the
+    base without its adapters (as far off as the adapters move the logits)."""
+    peft = pytest.importorskip("peft")
+    cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    monkeypatch.setattr(projections, "DEVICES", (*projections.DEVICES, "cpu"))
+    torch.manual_seed(0)
+    model = tiny_model(model_type, hidden_size=128, intermediate_size=256).to(torch.bfloat16)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    if order == "fusepatch-first":
+        fusepatch.apply(model, precision="fp8", verbose=False)
+    model = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    if order == "peft-first":
+        fusepatch.apply(model, precision="fp8", verbose=False)
+    batch = lm_batch(model, length=32)
+    logits, afresh = _logits_and_afresh(model, batch)
+    with torch.no_grad():
+        with model.disable_adapter():
+            base = logits()
+        unmerged = logits()
+        model.merge_adapter()
+        assert torch.equal(logits(), afresh())
+        model.unmerge_adapter()
+        assert torch.equal(logits(), afresh())
+        merged = model.merge_and_unload()
+        got = merged(**batch).logits.float()
+        fusepatch.revert(merged)
+        fusepatch.apply(merged, precision="fp8", verbose=False)
+        assert torch.equal(got, merged(**batch).logits.float())
+    assert relative_error(base, unmerged) > 0.2  # the adapters matter: a stale base would be far off
+
+
 def test_an_inference_mode_evaluation_does_not_break_training(monkeypatch):
     """A frozen base first quantized under ``torch.inference_mode`` (an evaluation loop) is not kept: the next
     training step quantizes it again and saves it for its backward."""
