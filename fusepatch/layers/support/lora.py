@@ -95,10 +95,16 @@ def lora_linear_type() -> type | None:
 
 
 def held_as(path: str) -> str:
-    """The name a module at ``path`` stands for in its layer: its own, or for peft's ``base_layer`` of a wrapped
-    linear the wrapper's (``self_attn.q_proj.base_layer`` is the layer's ``q_proj``)."""
+    """The name a module at ``path`` stands for in its layer: its own, or for a module peft holds in a wrapper the
+    wrapper's: a LoRA linear's ``base_layer``, and ``modules_to_save``'s frozen ``original_module`` and trained
+    copies (``self_attn.q_proj.base_layer`` and ``self_attn.o_proj.modules_to_save.default`` are the layer's
+    ``q_proj`` and ``o_proj``)."""
     parts = path.split(".")
-    return parts[-2] if len(parts) > 1 and parts[-1] == "base_layer" else parts[-1]
+    if len(parts) > 1 and parts[-1] in ("base_layer", "original_module"):
+        return parts[-2]
+    if len(parts) > 2 and parts[-2] == "modules_to_save":
+        return parts[-3]
+    return parts[-1]
 
 
 def is_lora(module: torch.nn.Module) -> bool:

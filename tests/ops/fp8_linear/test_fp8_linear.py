@@ -516,6 +516,31 @@ def test_merges_outside_the_fused_layers_requantize_the_frozen_base(monkeypatch,
     assert relative_error(base, unmerged) > 0.2  # the adapters matter: a stale base would be far off
 
 
+@pytest.mark.parametrize("order", ["peft-first", "fusepatch-first"])
+def test_modules_to_save_train_their_copies_in_fp8(monkeypatch, order):
+    """peft's ``modules_to_save`` trains a copy of a projection (``o_proj.modules_to_save.default``) beside the
+    frozen original (``o_proj.original_module``): in either order both are the layer's ``o_proj`` and run FP8,
+    and the trained copy gets its weight gradient."""
+    peft = pytest.importorskip("peft")
+    cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    torch.manual_seed(0)
+    model = tiny_model("qwen3", hidden_size=128, intermediate_size=256).to(torch.bfloat16)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["o_proj", "down_proj"])
+    if order == "fusepatch-first":
+        fusepatch.apply(model, precision="fp8", verbose=False)
+    model = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
+    if order == "peft-first":
+        fusepatch.apply(model, precision="fp8", verbose=False)
+    fp8 = _fp8_modules(model)
+    layers = model.config.num_hidden_layers
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        for held in ("modules_to_save.default", "original_module"):
+            assert sum(path.endswith(f"{name}.{held}") for path in fp8) == layers, (name, held)
+    model(**lm_batch(model, length=32)).loss.backward()
+    copies = [m for path, m in fp8.items() if path.endswith("modules_to_save.default")]
+    assert all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for m in copies)
+
+
 def test_an_inference_mode_evaluation_does_not_break_training(monkeypatch):
     """A frozen base first quantized under ``torch.inference_mode`` (an evaluation loop) is not kept: the next
     training step quantizes it again and saves it for its backward."""
