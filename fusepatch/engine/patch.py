@@ -30,7 +30,7 @@ from fusepatch.engine.resolve import PREFERABLE, Choice, Dispatch, candidate_nam
 from fusepatch.layers import layer_graphs, rotary_embedding
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward, trainer_head
 from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
-from fusepatch.layers.fp8 import restore_dropped, say_restored
+from fusepatch.layers.fp8 import keep_what_variants_read, restore_dropped, say_restored
 from fusepatch.layers.simple import swiglu_mlp_forward
 from fusepatch.layers.support import bindings, lora
 from fusepatch.ops import OPS
@@ -596,6 +596,8 @@ def apply(
             "fusepatch.apply(strict=True): nothing patched; fallbacks:\n" + "\n".join(pending.log_lines())
         )
     newly, already = _bind(plan, resolved, request)
+    if request.drop_frozen_weights:
+        keep_what_variants_read(plan.model)
     if already and (differ := _other_choices(plan, request)):
         count, names = differ
         logger.warning(

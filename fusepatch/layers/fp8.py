@@ -17,7 +17,7 @@ from fusepatch.base.log import logger
 from fusepatch.base.state import current as process_state
 from fusepatch.layers.support.hooks import autocast_dtype
 from fusepatch.layers.support.kept import keep
-from fusepatch.layers.support.lora import follow_merges
+from fusepatch.layers.support.lora import follow_merges, variant_bases
 from fusepatch.ops.fp8_linear.reference import fp8_linear_reference
 from fusepatch.ops.fp8_linear.scaled_mm import MULTIPLE, QuantizedWeight, quantize_weight
 
@@ -96,12 +96,33 @@ def frozen_weight(module: torch.nn.Module, state) -> QuantizedWeight | None:
 DROPPED = (
     'fusepatch: this projection\'s weight was dropped: apply(model, precision="fp8", drop_frozen_weights=True) '
     "keeps frozen projections in FP8 only; fix: fusepatch.revert(model) puts back a copy in the weight's dtype "
-    "(rounded to FP8), or reload the checkpoint and apply without drop_frozen_weights for the exact weight"
+    "(rounded to FP8), or reload the checkpoint and apply without drop_frozen_weights for the exact weight "
+    "(peft's DoRA adapters read their base weight at every step: apply after get_peft_model keeps theirs)"
 )
 NOTHING_DROPPED = (
     "drop_frozen_weights=True: nothing is dropped where the FP8 projections fall back (their weights are what "
     "they compute with); the fallback's reason and fix are in the report"
 )
+
+
+KEPT_FOR_VARIANTS = (
+    "drop_frozen_weights=True: %d frozen FP8 projections keep their weight: their peft LoRA adapters are DoRA (or "
+    "another variant), which reads the base weight at every step"
+)
+
+
+def keep_what_variants_read(model: torch.nn.Module) -> None:
+    """``apply(..., drop_frozen_weights=True)``: the FP8 projections under peft's DoRA (a LoRA variant) keep their
+    weight, which the variant reads at every step (and when it is created: adding DoRA over a dropped base raises
+    there), said with their count."""
+    kept = 0
+    for base in variant_bases(model):
+        state = base.__dict__.get("_fusepatch")
+        if state is not None and state.drop_frozen:
+            state.drop_frozen = False
+            kept += 1
+    if kept:
+        logger.warning("fusepatch: " + KEPT_FOR_VARIANTS, kept)
 
 
 class DroppedWeight(torch.nn.Parameter):

@@ -112,6 +112,16 @@ def is_lora(module: torch.nn.Module) -> bool:
     return hasattr(module, "lora_A") and hasattr(module, "base_layer")
 
 
+def variant_bases(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The base layers of ``model``'s peft LoRA layers with a variant adapter (DoRA): the variant reads the base
+    weight at every forward (DoRA: its column norms)."""
+    return [
+        module.get_base_layer()
+        for module in model.modules()
+        if is_lora(module) and (getattr(module, "lora_variant", None) or any(getattr(module, "use_dora", {}).values()))
+    ]
+
+
 def _dropout(module: torch.nn.Module) -> torch.nn.Module | None | Unfused:
     if type(module) is torch.nn.Identity:
         return None

@@ -541,6 +541,42 @@ def test_modules_to_save_train_their_copies_in_fp8(monkeypatch, order):
     assert all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for m in copies)
 
 
+@pytest.mark.parametrize("order", ["peft-first", "fusepatch-first"])
+def test_dora_bases_keep_their_weights_when_dropping(monkeypatch, caplog, order):
+    """DoRA reads its base weight at every step (its column norms): with ``drop_frozen_weights=True`` the bases
+    under DoRA adapters keep their weights, said with their count, and the rest are dropped; the step matches the
+    same model patched without dropping. Applied before ``get_peft_model``, applying again after it keeps them."""
+    from fusepatch.layers.fp8 import DroppedWeight
+
+    peft = pytest.importorskip("peft")
+    cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    config = peft.LoraConfig(r=4, use_dora=True, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+
+    def build(**apply_kwargs):
+        torch.manual_seed(0)
+        model = tiny_model("qwen3", hidden_size=128, intermediate_size=256).to(torch.bfloat16)
+        if order == "fusepatch-first":
+            fusepatch.apply(model, precision="fp8", verbose=False, **apply_kwargs)
+        model = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
+        fusepatch.apply(model, precision="fp8", verbose=False, **apply_kwargs)
+        return model
+
+    kept = build()
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        dropped = build(drop_frozen_weights=True)
+    batch = lm_batch(dropped, length=32)
+    expected, got = _step(kept, batch), _step(dropped, batch)
+    assert torch.equal(expected[0], got[0])
+    assert all(torch.equal(expected[1][n], got[1][n]) for n in expected[1])
+    layers = dropped.config.num_hidden_layers
+    weights = {n: p for n, p in dropped.named_parameters() if n.endswith(".weight")}
+    under_dora = [p for n, p in weights.items() if "base_layer" in n]
+    assert len(under_dora) == 2 * layers and not any(isinstance(p, DroppedWeight) for p in under_dora)
+    assert sum(isinstance(p, DroppedWeight) for p in dropped.parameters()) == 5 * layers  # k, v, o, gate, up
+    said = [r.getMessage() for r in caplog.records if "DoRA" in r.getMessage()]
+    assert said and f"{2 * layers} frozen FP8 projections keep their weight" in said[-1]
+
+
 def test_an_inference_mode_evaluation_does_not_break_training(monkeypatch):
     """A frozen base first quantized under ``torch.inference_mode`` (an evaluation loop) is not kept: the next
     training step quantizes it again and saves it for its backward."""
