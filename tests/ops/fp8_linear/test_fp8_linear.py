@@ -608,9 +608,13 @@ def test_dropping_waits_for_the_fp8_kernel(monkeypatch):
     torch.save(dropped, saved)  # (plain pickle cannot hold torch's float8 tensors)
     saved.seek(0)
     copies = [copy.deepcopy(dropped), torch.load(saved, weights_only=False)]
+    with torch.no_grad():
+        expected = dropped(**batch).logits
     for other in copies:
         weights = [p for p in other.parameters() if isinstance(p, DroppedWeight)]
         assert weights and all(w.device.type == "cpu" for w in weights)
+        with torch.no_grad():  # the FP8 copies came along: the copy computes what the model does
+            assert torch.equal(other(**batch).logits, expected)
 
 
 def test_an_fp8_projection_without_adapters_beside_a_lora_one_is_its_own_output(monkeypatch):
