@@ -20,6 +20,10 @@ from collections.abc import Callable
 
 import torch
 
+from fusepatch.base.log import logger
+from fusepatch.base.state import current as process_state
+from fusepatch.layers.support import lora, projections
+from fusepatch.layers.support.hooks import autocast_dtype
 from fusepatch.layers.support.projections import gemm_ready
 
 
@@ -68,11 +72,32 @@ def recomputed_down(
     enabled: bool,
 ) -> torch.Tensor | None:
     """``[residual +] down(swiglu(gate, up))`` with the product recomputed in the backward, when it is switched on
-    (``enabled``: ``FUSEPATCH_MLP_RECOMPUTE=1`` when the model was patched), a gradient is being recorded, and ``down`` is a bias-free plain ``nn.Linear`` in the inputs'
-    dtype (no autocast; the residual, if any, of the output's shape and dtype); None otherwise (the caller runs
-    the usual path)."""
+    (``enabled``: ``FUSEPATCH_MLP_RECOMPUTE=1`` when the model was patched), a gradient is being recorded, and
+    ``down`` is a bias-free plain ``nn.Linear`` in the inputs' dtype (no autocast; the residual, if any, of the
+    output's shape and dtype); None otherwise (the caller runs the usual path). Switched on but stepping aside
+    while training is said once, with the reason: the switch promised less memory."""
     if not (enabled and torch.is_grad_enabled() and up.shape == gate.shape and up.dtype == gate.dtype):
         return None
     if not gemm_ready(down, gate, residual):  # the conditions of linear_plus's one-GEMM path
+        why = _kept_because(down, gate)
+        if process_state().said.first(f"{KEPT}: {why}"):
+            logger.warning("fusepatch: %s: %s; fix: %s", KEPT, why, KEPT_FIX)
         return None
     return _RecomputedDown.apply(gate, up, down.weight, residual, swiglu)
+
+
+KEPT = "FUSEPATCH_MLP_RECOMPUTE=1: an MLP's down projection keeps its input instead of recomputing it"
+KEPT_FIX = "activation checkpointing (model.gradient_checkpointing_enable()) recomputes whole layers instead"
+
+
+def _kept_because(down: torch.nn.Module, x: torch.Tensor) -> str:
+    """Why ``down`` is no projection the recompute can compute (``gemm_ready`` said no), in a user's words."""
+    if "forward" in down.__dict__ and "_fusepatch" in down.__dict__:
+        return 'it trains in FP8 (apply(precision="fp8")), whose GEMMs keep their input in its own dtype'
+    if lora.is_lora(down):
+        return "it is a peft LoRA linear"
+    if autocast_dtype(x) is not None:
+        return "it runs under autocast"
+    if x.device.type not in projections.DEVICES:
+        return f"the recompute runs on {', '.join(projections.DEVICES)}, not {x.device.type}"
+    return "it is not a bias-free plain nn.Linear in its input's dtype (a bias, a hook, another class or dtype)"

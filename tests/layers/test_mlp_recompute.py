@@ -132,3 +132,28 @@ def test_models_train_the_same_with_the_product_recomputed(on, calls, caplog, mo
     dense = sum(1 for m in model.modules() if type(m).__name__.endswith("MLP"))  # MoE shared experts too
     assert dense and len(on) == (2 if checkpointing else 1) * dense, (len(on), dense)
     assert_same_training(expected, got, exact=False)
+
+
+def test_a_down_projection_that_keeps_its_input_is_said_once(monkeypatch, on, caplog):
+    """Switched on over FP8 projections (their own GEMMs keep their input): the step runs the usual path, and
+    the first training step says why the input is kept, once, with the fix; an evaluation says nothing."""
+    import logging
+
+    from helpers import cpu_candidates
+
+    from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear
+    from fusepatch.tools.tiny import tiny_model
+
+    cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    model = tiny_model("qwen3", hidden_size=128, intermediate_size=256).to(torch.bfloat16)
+    fusepatch.apply(model, precision="fp8", verbose=False)
+    batch = lm_batch(model, length=16)
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        with torch.no_grad():
+            model(**batch)
+        assert not [r for r in caplog.records if "keeps its input" in r.getMessage()]
+        for _ in range(2):
+            model(**batch).loss.backward()
+    said = [r.getMessage() for r in caplog.records if "keeps its input" in r.getMessage()]
+    assert len(said) == 1 and "FP8" in said[0] and "gradient_checkpointing_enable" in said[0], said
+    assert on == []
