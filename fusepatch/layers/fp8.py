@@ -30,7 +30,10 @@ PROJECTIONS = (
     *("in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj"),
     *("gate_proj", "up_proj", "down_proj"),
 )
-UNALIGNED = f"a weight dimension that is not a multiple of {MULTIPLE} (FP8 GEMMs need it)"
+UNALIGNED = (
+    f"a weight dimension that is not a multiple of {MULTIPLE} (FP8 GEMMs need it): they compute in the "
+    "model's dtype; nothing to fix, it is the model's shape"
+)
 
 
 def aligned(module: torch.nn.Module) -> str | None:

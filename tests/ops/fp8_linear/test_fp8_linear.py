@@ -755,3 +755,4 @@ def test_unaligned_projections_are_named_at_apply_and_left(caplog):
     assert patched and not mlp & set(patched)
     said = [r.getMessage() for r in caplog.records if "not a multiple of 16" in r.getMessage()]
     assert len(said) == 1 and f"{len(mlp)} modules run as before" in said[0] and "mlp.gate_proj" in said[0], said
+    assert "compute in the model's dtype; nothing to fix" in said[0]
