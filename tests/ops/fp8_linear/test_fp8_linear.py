@@ -11,7 +11,7 @@ import logging
 
 import pytest
 import torch
-from helpers import HYBRID, ONE_OF_EACH, cpu_candidates, lm_batch
+from helpers import HYBRID, MOE, NOT_HYBRID, ONE_OF_EACH, cpu_candidates, lm_batch
 
 import fusepatch
 from fusepatch.layers.fp8 import PROJECTIONS
@@ -476,10 +476,10 @@ def test_a_merge_through_data_requantizes_the_frozen_base(monkeypatch):
     assert not torch.equal(merged, base)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "qwen3_5_text"])
+@pytest.mark.parametrize("model_type", [*(f for f in NOT_HYBRID if f not in MOE), HYBRID[0]])
 @pytest.mark.parametrize("order", ["peft-first", "fusepatch-first"])
 def test_merges_outside_the_fused_layers_requantize_the_frozen_base(monkeypatch, model_type, order):
-    """A merge is followed wherever the base is called from: Qwen3's and Qwen2's attention run transformers' own
+    """A merge is followed wherever the base is called from: the dense families' attention runs transformers' own
     forward (peft's forward calls the FP8 base), and ``merge_and_unload`` leaves the bare base. Each merged model
     computes what a model patched afresh over the merged weights computes; a stale FP8 copy would compute the
     base without its adapters (as far off as the adapters move the logits)."""
