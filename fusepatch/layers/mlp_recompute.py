@@ -24,7 +24,6 @@ from fusepatch.base.log import logger
 from fusepatch.base.state import current as process_state
 from fusepatch.layers.support import lora, projections
 from fusepatch.layers.support.hooks import autocast_dtype
-from fusepatch.layers.support.projections import gemm_ready
 
 
 class _RecomputedDown(torch.autograd.Function):
@@ -78,26 +77,34 @@ def recomputed_down(
     while training is said once, with the reason: the switch promised less memory."""
     if not (enabled and torch.is_grad_enabled() and up.shape == gate.shape and up.dtype == gate.dtype):
         return None
-    if not gemm_ready(down, gate, residual):  # the conditions of linear_plus's one-GEMM path
-        why = _kept_because(down, gate)
+    if not projections.gemm_ready(down, gate, residual):  # the conditions of linear_plus's one-GEMM path
+        why, fix = _kept_because(down, gate)
         if process_state().said.first(f"{KEPT}: {why}"):
-            logger.warning("fusepatch: %s: %s; fix: %s", KEPT, why, KEPT_FIX)
+            logger.warning("fusepatch: %s: %s; fix: %s", KEPT, why, fix)
         return None
     return _RecomputedDown.apply(gate, up, down.weight, residual, swiglu)
 
 
 KEPT = "FUSEPATCH_MLP_RECOMPUTE=1: an MLP's down projection keeps its input instead of recomputing it"
-KEPT_FIX = "activation checkpointing (model.gradient_checkpointing_enable()) recomputes whole layers instead"
+CHECKPOINTING = "activation checkpointing (model.gradient_checkpointing_enable()) recomputes whole layers instead"
 
 
-def _kept_because(down: torch.nn.Module, x: torch.Tensor) -> str:
-    """Why ``down`` is no projection the recompute can compute (``gemm_ready`` said no), in a user's words."""
+def _kept_because(down: torch.nn.Module, x: torch.Tensor) -> tuple[str, str]:
+    """Why ``down`` is no projection the recompute can compute (``gemm_ready`` said no), and the fix, in a user's
+    words."""
+    if torch.compiler.is_compiling():
+        return "torch.compile traces the layer (the recompute runs outside it)", CHECKPOINTING
     if "forward" in down.__dict__ and "_fusepatch" in down.__dict__:
-        return 'it trains in FP8 (apply(precision="fp8")), whose GEMMs keep their input in its own dtype'
+        return 'it is an FP8 projection (apply(precision="fp8")), which keeps its input for its own backward', (
+            CHECKPOINTING
+        )
     if lora.is_lora(down):
-        return "it is a peft LoRA linear"
+        return "it is a peft LoRA linear, which keeps its input for the adapters' gradients", CHECKPOINTING
     if autocast_dtype(x) is not None:
-        return "it runs under autocast"
+        return "it runs under autocast", f"train with the weights in the compute dtype, or {CHECKPOINTING}"
     if x.device.type not in projections.DEVICES:
-        return f"the recompute runs on {', '.join(projections.DEVICES)}, not {x.device.type}"
-    return "it is not a bias-free plain nn.Linear in its input's dtype (a bias, a hook, another class or dtype)"
+        return f"the recompute runs on {', '.join(projections.DEVICES)}, not {x.device.type}", CHECKPOINTING
+    return (
+        "it is not a bias-free plain nn.Linear in its input's dtype (a bias, a hook, another class or dtype)",
+        CHECKPOINTING,
+    )

@@ -157,3 +157,16 @@ def test_a_down_projection_that_keeps_its_input_is_said_once(monkeypatch, on, ca
     said = [r.getMessage() for r in caplog.records if "keeps its input" in r.getMessage()]
     assert len(said) == 1 and "FP8" in said[0] and "gradient_checkpointing_enable" in said[0], said
     assert on == []
+
+
+def test_a_compiled_layer_says_the_compile_keeps_the_input(monkeypatch, on, caplog):
+    """While torch.compile traces the layer the recompute steps aside (it runs outside a trace); the reason said
+    is the compile's, not a guess about the projection."""
+    import logging
+
+    down, gate, up, res = _inputs(True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res, enabled=True) is None
+    said = [r.getMessage() for r in caplog.records if "keeps its input" in r.getMessage()]
+    assert len(said) == 1 and "torch.compile traces the layer" in said[0], said
