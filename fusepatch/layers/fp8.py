@@ -1,7 +1,8 @@
 """The forward of a projection that ``apply(model, precision="fp8")`` trains with FP8 GEMMs (op ``fp8_linear``).
 
 Only the instance's forward changes: the module stays a ``torch.nn.Linear`` with its bf16 (or fp32) weight, so
-state dicts, optimizers, FSDP and peft see what they saw. The fused layers that compute several projections
+state dicts, optimizers, FSDP and peft see what they saw (peft's merge methods, which write frozen weights behind
+a kept FP8 copy's back, also let go of it: ``lora.follow_merges``). The fused layers that compute several projections
 themselves (``layers/support/projections.py``) call a projection patched here through its module, so its FP8
 GEMMs run there too.
 """
@@ -17,7 +18,7 @@ from fusepatch.base.log import logger
 from fusepatch.base.state import current as process_state
 from fusepatch.layers.support.hooks import autocast_dtype
 from fusepatch.layers.support.kept import keep
-from fusepatch.layers.support.lora import follow_merges, variant_bases
+from fusepatch.layers.support.lora import follow_merges, peft_imported, variant_bases
 from fusepatch.ops.fp8_linear.reference import fp8_linear_reference
 from fusepatch.ops.fp8_linear.scaled_mm import MULTIPLE, QuantizedWeight, quantize_weight
 
@@ -36,6 +37,9 @@ UNALIGNED = (
 )
 
 
+RESIZED = f"resized since apply to a weight dimension that is not a multiple of {MULTIPLE} (FP8 GEMMs need it)"
+
+
 def aligned(module: torch.nn.Module) -> str | None:
     """``Row.fits`` of the FP8 rows: None for a projection FP8 GEMMs can compute, else why not."""
     rows, columns = module.weight.shape
@@ -47,7 +51,7 @@ def fp8_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     projection as before otherwise (the fallback, said by ``apply`` with its reason)."""
     state = self._fusepatch
     if aligned(self) is not None:  # resized since apply, which patches aligned projections only
-        state.transformers_calls[UNALIGNED] = state.transformers_calls.get(UNALIGNED, 0) + 1
+        state.transformers_calls[RESIZED] = state.transformers_calls.get(RESIZED, 0) + 1
         return state.original(x)
     cast = autocast_dtype(x)
     dtype = cast or x.dtype
@@ -86,7 +90,10 @@ def frozen_weight(module: torch.nn.Module, state) -> QuantizedWeight | None:
         return cache["fp8"][1]
     if weight.requires_grad or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         return None
-    key = (weight.device, weight.data_ptr(), weight._version, weight.shape, weight.dtype, follow_merges())
+    peft = peft_imported()
+    if peft and not follow_merges():  # a merge could not be seen: no copy is kept (said once)
+        return None
+    key = (weight.device, weight.data_ptr(), weight._version, weight.shape, weight.dtype, peft)
     held = cache.get("fp8")
     if held is None or held[0] != key or held[2]() is not weight:
         held = keep(cache, "fp8", (key, quantize_weight(weight), weakref.ref(weight)))
@@ -110,22 +117,33 @@ NOTHING_DROPPED = (
 
 KEPT_FOR_VARIANTS = (
     "drop_frozen_weights=True: %d frozen FP8 projections keep their weight: their peft LoRA adapters are DoRA (or "
-    "another variant), which reads the base weight at every step"
+    "another variant), which may read the base weight at every step"
+)
+LOST_UNDER_VARIANTS = (
+    "drop_frozen_weights=True: %d frozen projections under DoRA (or another LoRA variant) were dropped by a step "
+    "before their adapters came, and those adapters cannot run; fix: reload the model, call get_peft_model, then "
+    "apply (fusepatch.revert(model) gives them back rounded to FP8)"
 )
 
 
 def keep_what_variants_read(model: torch.nn.Module) -> None:
     """``apply(..., drop_frozen_weights=True)``: the FP8 projections under peft's DoRA (a LoRA variant) keep their
-    weight, which the variant reads at every step (and when it is created: adding DoRA over a dropped base raises
-    there), said with their count."""
-    kept = 0
+    weight, which the variant reads at every step; said with their count, and those a step already dropped (the
+    adapters came after ``apply``) with the fix."""
+    kept = lost = 0
     for base in variant_bases(model):
         state = base.__dict__.get("_fusepatch")
-        if state is not None and state.drop_frozen:
-            state.drop_frozen = False
+        if state is None or not state.drop_frozen:
+            continue
+        state.drop_frozen = False
+        if isinstance(base.__dict__.get("_parameters", {}).get("weight"), DroppedWeight):
+            lost += 1
+        else:
             kept += 1
     if kept:
         logger.warning("fusepatch: " + KEPT_FOR_VARIANTS, kept)
+    if lost:
+        logger.warning("fusepatch: " + LOST_UNDER_VARIANTS, lost)
 
 
 class DroppedWeight(torch.nn.Parameter):

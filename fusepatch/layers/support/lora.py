@@ -10,8 +10,8 @@ forward; in the backward one ``dx += [s_1 g_1 B_1, ...] [A_1; A_2; ...]`` and on
 ``A`` gradients. The input gradient is accumulated in one buffer through the GEMMs (``addmm_``), as
 ``projections.project`` does for plain linears.
 
-fusepatch reads the adapters' parameters and replaces nothing: peft's modules, adapter switching, merging and
-saving work as before. Dropout (``lora_dropout > 0`` while training) is peft's own module, called in peft's
+fusepatch reads the adapters' parameters and replaces no module: peft's modules, adapter switching, merging and
+saving work as before (peft's merge methods also let go of an FP8 base's kept copy: ``follow_merges``). Dropout (``lora_dropout > 0`` while training) is peft's own module, called in peft's
 order, so one generator state gives peft's masks; each dropped input gets its own ``A`` GEMM.
 
 It runs for peft's ``lora.Linear`` over a plain ``nn.Linear`` with vanilla adapters (no DoRA or other variant,
@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from fusepatch.base.log import logger
 from fusepatch.base.state import current as process_state
+from fusepatch.base.versions import support
 from fusepatch.layers.support.hooks import autocast_dtype, hooked, in_dtype
 from fusepatch.layers.support.kept import forget
 
@@ -184,38 +185,61 @@ def part(module: torch.nn.Module, x: torch.Tensor, cast: bool) -> Part | Unfused
     return Part(base.weight, base.bias, tuple(adapters))
 
 
+def peft_imported() -> bool:
+    """Whether peft's layers exist in this process (a model can hold one only then)."""
+    return TUNER_LAYERS in sys.modules
+
+
+PEFT_MOVED = (
+    f"peft's BaseTunerLayer is not in {TUNER_LAYERS}, where fusepatch follows peft's merges: frozen FP8 "
+    "projections are quantized at every call instead of kept, so that a merge cannot leave a stale copy (slower); "
+    "fix: pip install peft=={checked}, the version fusepatch was checked with"
+)
+
+
 def follow_merges() -> bool:
-    """Whether peft is imported; once it is, its layers' ``merge`` and ``unmerge`` let go of the FP8 copy their
-    base keeps (``layers/fp8.py``) after writing the base weight. They write it through ``.data``, which neither
-    the weight's storage nor its version shows, from wherever the base is called: a fused layer, transformers' own
-    attention, or no wrapper at all after ``merge_and_unload``. A copy that is all that is left of its weight
-    (``drop_frozen_weights``) stays: peft's writes to such a weight raise. Layer classes peft defines after this
-    (a module of peft imported later) are not followed."""
-    tuners = sys.modules.get(TUNER_LAYERS)
-    if tuners is None:
-        return False
+    """Have peft's layers' ``merge`` and ``unmerge`` let go of the FP8 copy their base keeps (``layers/fp8.py``),
+    once a process; False where peft's layer classes are not where fusepatch knows them (said once), and then no
+    copy may be kept.
+
+    Why: they write the base weight through ``.data``, which neither its storage nor its version shows, from
+    wherever the base is called (a fused layer, transformers' own attention, or no wrapper after
+    ``merge_and_unload``), and a base does not know the wrapper calling it. Process-wide, and kept after
+    ``revert``: a wrapped method does what peft's does, and then lets go of fusepatch's copy if it merged or
+    unmerged anything. A layer class defined later with merge methods of its own is not followed."""
     state = process_state()
-    if not state.peft_merges_followed:
-        pending = [tuners.BaseTunerLayer]
-        while pending:
-            layer_type = pending.pop()
-            pending.extend(layer_type.__subclasses__())
-            for name in ("merge", "unmerge"):
-                method = layer_type.__dict__.get(name)
-                if callable(method) and not getattr(method, "lets_go_of_fp8_copies", False):
-                    setattr(layer_type, name, _letting_go(method))
-        state.peft_merges_followed = True
+    if state.peft_merges_followed:
+        return True
+    base = getattr(sys.modules.get(TUNER_LAYERS), "BaseTunerLayer", None)
+    if not isinstance(base, type):
+        if state.said.first(PEFT_MOVED):
+            logger.warning("fusepatch: %s", PEFT_MOVED.format(checked=support("peft").tested[-1]))
+        return False
+    pending = [base]
+    while pending:
+        layer_type = pending.pop()
+        pending.extend(layer_type.__subclasses__())
+        for name in ("merge", "unmerge"):
+            method = layer_type.__dict__.get(name)
+            if callable(method) and not getattr(method, "lets_go_of_fp8_copies", False):
+                setattr(layer_type, name, _letting_go(method))
+    state.peft_merges_followed = True
     return True
 
 
 def _letting_go(method):
     @functools.wraps(method)
     def merge_or_unmerge(self, *args, **kwargs):
+        before = getattr(self, "merged_adapters", None)
+        before = None if before is None else tuple(before)
+        wrote = True  # unless it ran through and merged or unmerged nothing ("already merged": peft skips)
         try:
-            return method(self, *args, **kwargs)
-        finally:  # also after a partial merge that raised: some adapters may be in the weight already
+            result = method(self, *args, **kwargs)
+            wrote = before is None or tuple(self.merged_adapters) != before
+            return result
+        finally:
             state = self.get_base_layer().__dict__.get("_fusepatch")
-            if state is not None and not state.cache.get("dropped"):
+            if wrote and state is not None and not state.cache.get("dropped"):
                 forget(state.cache, "fp8")
 
     merge_or_unmerge.lets_go_of_fp8_copies = True

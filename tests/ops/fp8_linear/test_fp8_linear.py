@@ -577,6 +577,76 @@ def test_dora_bases_keep_their_weights_when_dropping(monkeypatch, caplog, order)
     assert said and f"{2 * layers} frozen FP8 projections keep their weight" in said[-1]
 
 
+def test_dora_added_after_a_step_dropped_its_base_is_said_with_the_fix(monkeypatch, caplog):
+    """Applied with ``drop_frozen_weights=True`` before DoRA adapters, the first step drops the base it calls
+    before DoRA reads it and raises the drop's message, which names DoRA; applying again keeps the bases not yet
+    dropped and names the dropped one with the fix (reload, adapters, then apply), rather than claiming it kept."""
+    peft = pytest.importorskip("peft")
+    cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    torch.manual_seed(0)
+    model = tiny_model("qwen3", hidden_size=128, intermediate_size=256).to(torch.bfloat16)
+    fusepatch.apply(model, precision="fp8", drop_frozen_weights=True, verbose=False)
+    config = peft.LoraConfig(r=4, use_dora=True, target_modules=["q_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
+    with pytest.raises(RuntimeError, match="DoRA"):
+        model(**lm_batch(model, length=16))
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        fusepatch.apply(model, precision="fp8", drop_frozen_weights=True, verbose=False)
+    said = " | ".join(r.getMessage() for r in caplog.records if "DoRA" in r.getMessage())
+    layers = model.config.num_hidden_layers  # the first layer's base was dropped; the step raised there
+    assert f"{layers - 1} frozen FP8 projections keep their weight" in said, said
+    assert "1 frozen projections under DoRA" in said and "reload the model" in said, said
+
+
+def test_a_merge_that_changes_nothing_keeps_the_copies(monkeypatch):
+    """peft skips an unmerge with nothing merged and a merge of what is merged already: the kept FP8 copies stay
+    (no quantization and, with CUDA graphs, no recapture for nothing); a real merge lets them go."""
+    model = _lora_fp8(monkeypatch)
+    batch = lm_batch(model, length=16)
+
+    def kept() -> int:
+        return sum("fp8" in m._fusepatch.cache for m in _fp8_modules(model).values())
+
+    with torch.no_grad():
+        model(**batch)
+        copies = kept()
+        assert copies > 0
+        model.unmerge_adapter()  # nothing merged
+        assert kept() == copies
+        model.merge_adapter()
+        assert kept() < copies
+        model(**batch)
+        model.merge_adapter()  # merged already
+        assert kept() == copies
+
+
+def test_where_peft_moved_its_layers_no_copy_is_kept(monkeypatch, caplog):
+    """A peft whose BaseTunerLayer is not where fusepatch follows merges: said once with the fix, and frozen FP8
+    projections quantize at every call, so a merge still computes what a model patched afresh computes."""
+    import sys
+    import types
+
+    from fusepatch.base.state import fresh
+    from fusepatch.base.versions import support
+    from fusepatch.layers.support import lora
+
+    model = _lora_fp8(monkeypatch)
+    batch = lm_batch(model, length=16)
+    moved = types.ModuleType("moved_tuners")  # imported, without BaseTunerLayer
+    monkeypatch.setitem(sys.modules, moved.__name__, moved)
+    monkeypatch.setattr(lora, "TUNER_LAYERS", moved.__name__)
+    logits, afresh = _logits_and_afresh(model, batch)
+    with fresh(), caplog.at_level(logging.WARNING, logger="fusepatch"), torch.no_grad():
+        for module in _fp8_modules(model).values():
+            module._fusepatch.cache.pop("fp8", None)
+        logits()
+        assert not any("fp8" in m._fusepatch.cache for m in _fp8_modules(model).values())
+        model.merge_adapter()
+        assert torch.equal(logits(), afresh())
+    said = [r.getMessage() for r in caplog.records if "BaseTunerLayer" in r.getMessage()]
+    assert len(said) == 1 and f"fix: pip install peft=={support('peft').tested[-1]}" in said[0], said
+
+
 def test_an_inference_mode_evaluation_does_not_break_training(monkeypatch):
     """A frozen base first quantized under ``torch.inference_mode`` (an evaluation loop) is not kept: the next
     training step quantizes it again and saves it for its backward."""
