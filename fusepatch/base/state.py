@@ -23,7 +23,6 @@ class ProcessState:
     user_rows: list[Any] = field(default_factory=list)  # fusepatch.register(...), checked before the built-in rows
     user_candidates: dict[str, tuple[tuple, tuple]] = field(default_factory=dict)  # op -> (first, last) added
     environment: Any = None  # the captured Environment, once taken
-    peft_merges_followed: bool = False  # peft's merge/unmerge let go of FP8 copies (layers/support/lora.py)
 
 
 _current = ProcessState()

@@ -79,8 +79,9 @@ def frozen_weight(module: torch.nn.Module, state) -> QuantizedWeight | None:
     quantization) or under ``torch.inference_mode`` (its tensors cannot serve a later training step). Kept for
     this very tensor (a weak reference) at its storage and version: an in-place update, a load, a new tensor or
     new storage (``weight.data = ...``) quantizes again. A write into ``.data`` leaves both as they were: peft's
-    merges and unmerges let go of the copy themselves (``lora.follow_merges``; a copy made before peft was
-    imported is made again once it is); other such writes to a frozen projection need ``revert`` and ``apply``.
+    merges and unmerges let go of the copy themselves while FP8 projections are patched (``lora.follow_merges``;
+    a copy made before peft was imported is made again once it is); other such writes to a frozen projection need
+    ``revert`` and ``apply``.
     With ``apply(drop_frozen_weights=True)`` the weight itself is dropped once quantized."""
     weight = module.weight
     cache = state.cache
@@ -91,7 +92,7 @@ def frozen_weight(module: torch.nn.Module, state) -> QuantizedWeight | None:
     if weight.requires_grad or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         return None
     peft = peft_imported()
-    if peft and not follow_merges():  # a merge could not be seen: no copy is kept (said once)
+    if peft and not follow_merges(module):  # a merge could not be seen: no copy is kept (said once)
         return None
     key = (weight.device, weight.data_ptr(), weight._version, weight.shape, weight.dtype, peft)
     held = cache.get("fp8")

@@ -1,4 +1,5 @@
-"""Names in transformers' modules that patched layers replace while they are patched, and put back after.
+"""Names in transformers' modules that patched layers replace while they are patched, and put back after (and,
+through ``hold_patch``, other packages' changes kept the same way: peft's merge methods, ``lora.follow_merges``).
 
 Some of transformers' behaviour is reached through a module-level name rather than a layer (a modeling module's
 ``apply_rotary_pos_emb`` and ``ALL_ATTENTION_FUNCTIONS``, ``masking_utils.find_packed_sequence_indices``). A
@@ -72,8 +73,12 @@ def sweep() -> None:
 
 
 def _restore(key: tuple[str, str]) -> None:
-    """Transformers' object back under ``key`` (with the lock taken), unless someone replaced our wrapper since."""
+    """Transformers' object back under ``key`` (with the lock taken), unless someone replaced our wrapper since;
+    for a patch (``hold_patch``), its undo."""
     original, wrapper = _installed.pop(key)
+    if key[1] == _PATCH:
+        original()
+        return
     module = sys.modules.get(key[0])  # imported when bound; gone only while the interpreter shuts down
     if module is not None and getattr(module, key[1], None) is wrapper:
         setattr(module, key[1], original)
@@ -95,11 +100,33 @@ def hold(owner: object, module_name: str, name: str, wrap: Callable[[object], ob
             wrapper = _wrapped(current, wrap)
             setattr(module, name, wrapper)
             _installed[key] = (current, wrapper)
-        _holders.setdefault(key, weakref.WeakSet()).add(owner)
-        if owner not in _watched:  # collected without release: the bindings only it held go back
-            weakref.finalize(owner, _collected).atexit = False
-            _watched.add(owner)
+        _watch(owner, key)
     return True
+
+
+def _watch(owner: object, key: tuple[str, str]) -> None:
+    """``owner`` holds ``key`` (with the lock taken); collected without release, what only it held goes back."""
+    _holders.setdefault(key, weakref.WeakSet()).add(owner)
+    if owner not in _watched:
+        weakref.finalize(owner, _collected).atexit = False
+        _watched.add(owner)
+
+
+_PATCH = ""  # the name of a patch's key: it replaces no single module-level name
+
+
+def hold_patch(owner: object, name: str, install: Callable[[], Callable[[], None]]) -> None:
+    """Keep a change to another package that no single module-level name carries (``install()`` makes it and
+    returns its undo) while ``owner`` holds it, as ``hold`` keeps a name: made by the first holder, undone when
+    the last is released or collected. Cheap once held."""
+    key = (name, _PATCH)
+    holders = _holders.get(key)
+    if holders is not None and owner in holders and key in _installed:
+        return
+    with _locked():
+        if key not in _installed:
+            _installed[key] = (install(), None)
+        _watch(owner, key)
 
 
 def _wrapped(current: object, wrap: Callable[[object], object]) -> object:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 from fusepatch.base.log import logger
 from fusepatch.base.state import current as process_state
 from fusepatch.base.versions import support
+from fusepatch.layers.support import bindings
 from fusepatch.layers.support.hooks import autocast_dtype, hooked, in_dtype
 from fusepatch.layers.support.kept import forget
 
@@ -197,24 +199,29 @@ PEFT_MOVED = (
 )
 
 
-def follow_merges() -> bool:
-    """Have peft's layers' ``merge`` and ``unmerge`` let go of the FP8 copy their base keeps (``layers/fp8.py``),
-    once a process; False where peft's layer classes are not where fusepatch knows them (said once), and then no
-    copy may be kept.
+def follow_merges(owner: torch.nn.Module) -> bool:
+    """Have peft's layers' ``merge`` and ``unmerge`` let go of the FP8 copy their base keeps (``layers/fp8.py``)
+    while ``owner`` (an FP8 projection) is patched; False where peft's layer classes are not where fusepatch knows
+    them (said once), and then no copy may be kept.
 
     Why: they write the base weight through ``.data``, which neither its storage nor its version shows, from
     wherever the base is called (a fused layer, transformers' own attention, or no wrapper after
-    ``merge_and_unload``), and a base does not know the wrapper calling it. Process-wide, and kept after
-    ``revert``: a wrapped method does what peft's does, and then lets go of fusepatch's copy if it merged or
-    unmerged anything. A layer class defined later with merge methods of its own is not followed."""
-    state = process_state()
-    if state.peft_merges_followed:
-        return True
+    ``merge_and_unload``), and a base does not know the wrapper calling it; so peft's classes are wrapped, held
+    like a binding (``bindings.hold_patch``) and put back when the last FP8 projection is reverted or collected.
+    A wrapped method does what peft's does, and then lets go of the copy if it merged or unmerged anything. A
+    layer class defined while they are wrapped, with merge methods of its own, is not followed."""
     base = getattr(sys.modules.get(TUNER_LAYERS), "BaseTunerLayer", None)
     if not isinstance(base, type):
-        if state.said.first(PEFT_MOVED):
+        if process_state().said.first(PEFT_MOVED):
             logger.warning("fusepatch: %s", PEFT_MOVED.format(checked=support("peft").tested[-1]))
         return False
+    bindings.hold_patch(owner, f"{TUNER_LAYERS}.BaseTunerLayer merges", lambda: _wrap_merges(base))
+    return True
+
+
+def _wrap_merges(base: type) -> Callable[[], None]:
+    """Wrap the ``merge`` and ``unmerge`` of ``base`` and every subclass that defines its own; returns the undo."""
+    wrapped: list[tuple[type, str, object]] = []
     pending = [base]
     while pending:
         layer_type = pending.pop()
@@ -223,8 +230,14 @@ def follow_merges() -> bool:
             method = layer_type.__dict__.get(name)
             if callable(method) and not getattr(method, "lets_go_of_fp8_copies", False):
                 setattr(layer_type, name, _letting_go(method))
-    state.peft_merges_followed = True
-    return True
+                wrapped.append((layer_type, name, method))
+
+    def undo() -> None:
+        for layer_type, name, method in wrapped:
+            if getattr(layer_type.__dict__.get(name), "__wrapped__", None) is method:
+                setattr(layer_type, name, method)
+
+    return undo
 
 
 def _letting_go(method):

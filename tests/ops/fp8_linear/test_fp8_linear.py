@@ -647,6 +647,25 @@ def test_where_peft_moved_its_layers_no_copy_is_kept(monkeypatch, caplog):
     assert len(said) == 1 and f"fix: pip install peft=={support('peft').tested[-1]}" in said[0], said
 
 
+def test_revert_puts_peft_merge_methods_back(monkeypatch):
+    """peft's ``merge``/``unmerge`` are wrapped while FP8 projections hold them (the first frozen FP8 call), and
+    put back when the last is reverted: a reverted process is the one ``apply`` found."""
+    peft = pytest.importorskip("peft")
+    from fusepatch.layers.support import bindings, lora
+
+    key = (f"{lora.TUNER_LAYERS}.BaseTunerLayer merges", "")
+    for owner in list(bindings._holders.get(key, ())):  # other tests' models: this test's model holds alone
+        bindings.release(owner)
+    original = peft.tuners.lora.layer.Linear.__dict__["merge"]
+    assert not getattr(original, "lets_go_of_fp8_copies", False)
+    model = _lora_fp8(monkeypatch)
+    with torch.no_grad():
+        model(**lm_batch(model, length=16))
+    assert peft.tuners.lora.layer.Linear.__dict__["merge"].__wrapped__ is original
+    fusepatch.revert(model)
+    assert peft.tuners.lora.layer.Linear.__dict__["merge"] is original
+
+
 def test_an_inference_mode_evaluation_does_not_break_training(monkeypatch):
     """A frozen base first quantized under ``torch.inference_mode`` (an evaluation loop) is not kept: the next
     training step quantizes it again and saves it for its backward."""
