@@ -30,12 +30,11 @@ PRECISIONS = ("bf16", "fp8", "fp8+drop")
 
 
 def _projection(name: str, module: torch.nn.Module) -> bool:
-    """A projection ``precision="fp8"`` trains in FP8 (peft's ``base_layer`` stands for its wrapper)."""
+    """A projection ``precision="fp8"`` trains in FP8 (by the name its layer holds it as: peft's wrappers)."""
     from fusepatch.layers.fp8 import PROJECTIONS, aligned
+    from fusepatch.layers.support.lora import held_as
 
-    parts = name.split(".")
-    leaf = parts[-2] if parts[-1] == "base_layer" else parts[-1]
-    return isinstance(module, torch.nn.Linear) and leaf in PROJECTIONS and aligned(module) is None
+    return isinstance(module, torch.nn.Linear) and held_as(name) in PROJECTIONS and aligned(module) is None
 
 
 def static_memory(model: torch.nn.Module, precision: str) -> dict:

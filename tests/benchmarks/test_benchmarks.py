@@ -1018,3 +1018,27 @@ def test_static_memory_counts_each_part_as_the_precision_keeps_it():
     assert dropped["projections_fp8"] == values + 4 * rows and dropped["projections"] == 0
     full = static_memory(build("tiny", None, lora=0), "fp8+drop")["bytes"]  # trained weights keep no FP8 copy
     assert full["projections"] == 2 * values and full["projections_fp8"] == 0
+
+
+def test_static_memory_counts_the_fp8_copies_a_patched_model_keeps(monkeypatch):
+    """The FP8 copies of the frozen bases, as ``static_memory`` counts them, are the bytes a patched LoRA model
+    keeps after a step (FP8 values and fp32 scales in each projection's cache)."""
+    import torch
+    from helpers import cpu_candidates, lm_batch
+    from static_memory import build, static_memory
+
+    import fusepatch
+    from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear
+
+    cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    with torch.device("cpu"):
+        model = build("tiny", None, lora=4).to_empty(device="cpu")
+    counted = static_memory(model, "fp8")["bytes"]["projections_fp8"]
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.02)
+    fusepatch.apply(model, precision="fp8", verbose=False)
+    with torch.no_grad():
+        model(**lm_batch(model, length=16))
+    states = [m.__dict__["_fusepatch"] for m in model.modules() if "_fusepatch" in m.__dict__]
+    kept = [state.cache["fp8"][1] for state in states if "fp8" in state.cache]
+    assert kept and sum(q.nbytes + inverse.nbytes for q, inverse in kept) == counted

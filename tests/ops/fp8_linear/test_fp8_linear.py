@@ -522,7 +522,7 @@ def test_modules_to_save_train_their_copies_in_fp8(monkeypatch, order):
     frozen original (``o_proj.original_module``): in either order both are the layer's ``o_proj`` and run FP8,
     and the trained copy gets its weight gradient."""
     peft = pytest.importorskip("peft")
-    cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    calls = cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
     torch.manual_seed(0)
     model = tiny_model("qwen3", hidden_size=128, intermediate_size=256).to(torch.bfloat16)
     config = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["o_proj", "down_proj"])
@@ -536,7 +536,10 @@ def test_modules_to_save_train_their_copies_in_fp8(monkeypatch, order):
     for name in ("self_attn.o_proj", "mlp.down_proj"):
         for held in ("modules_to_save.default", "original_module"):
             assert sum(path.endswith(f"{name}.{held}") for path in fp8) == layers, (name, held)
+    calls.clear()
     model(**lm_batch(model, length=32)).loss.backward()
+    # every projection of every layer ran an FP8 GEMM: q, k, v and gate, up, and the copies of o and down
+    assert sum(call[0] == "fp8_linear" for call in calls) == 7 * layers, calls
     copies = [m for path, m in fp8.items() if path.endswith("modules_to_save.default")]
     assert all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for m in copies)
 
