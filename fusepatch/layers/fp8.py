@@ -2,9 +2,9 @@
 
 Only the instance's forward changes: the module stays a ``torch.nn.Linear`` with its bf16 (or fp32) weight, so
 state dicts, optimizers, FSDP and peft see what they saw (peft's merge methods, which write frozen weights behind
-a kept FP8 copy's back, also let go of it: ``lora.follow_merges``). The fused layers that compute several projections
-themselves (``layers/support/projections.py``) call a projection patched here through its module, so its FP8
-GEMMs run there too.
+a kept FP8 copy's back, also let go of it: ``lora.follow_merges``). The fused layers that compute several
+projections themselves (``layers/support/projections.py``) call a projection patched here through its module, so
+its FP8 GEMMs run there too.
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ UNALIGNED = (
     f"a weight dimension that is not a multiple of {MULTIPLE} (FP8 GEMMs need it): they compute in the "
     "model's dtype; nothing to fix, it is the model's shape"
 )
-
-
 RESIZED = f"resized since apply to a weight dimension that is not a multiple of {MULTIPLE} (FP8 GEMMs need it)"
 
 
