@@ -498,8 +498,7 @@ def _finish(plan: Plan, resolved: Resolved, report: PatchReport, request: Reques
         logger.info(
             "fusepatch: FUSEPATCH_MLP_RECOMPUTE=1: the SwiGLU MLPs' down projections recompute their input in the "
             "backward instead of keeping it (less activation memory, one more SwiGLU kernel per MLP a step); one "
-            "that cannot (in FP8, a peft LoRA linear, under autocast or torch.compile) is said at its first "
-            "training step"
+            "that cannot (in FP8 and trained, under autocast or torch.compile) is said at its first training step"
         )
 
 

@@ -12,6 +12,10 @@ The recomputed product is the forward's bit for bit (the same op on the same inp
 gradient is the same GEMM on the same values; the SwiGLU op's own backward (whichever candidate the registry
 chose) gives the gate and up gradients. The residual, when given, is added by the forward's GEMM as
 ``linear_plus`` adds it, and its gradient is the output's.
+
+A peft LoRA down projection keeps the product for its adapters' ``A`` gradients (its frozen base, bf16 or FP8,
+needs none): the fused LoRA path (``lora.project`` with ``recompute``) keeps ``gate`` and ``up`` instead and
+computes the product again in its backward.
 """
 
 from __future__ import annotations
@@ -73,18 +77,33 @@ def recomputed_down(
     """``[residual +] down(swiglu(gate, up))`` with the product recomputed in the backward, when it is switched on
     (``enabled``: ``FUSEPATCH_MLP_RECOMPUTE=1`` when the model was patched), a gradient is being recorded, and
     ``down`` is a bias-free plain ``nn.Linear`` in the inputs' dtype (no autocast; the residual, if any, of the
-    output's shape and dtype); None otherwise (the caller runs the usual path). Switched on but stepping aside
-    while training is said once, with the reason: the switch promised less memory."""
+    output's shape and dtype) or a peft LoRA linear the fused LoRA path takes (which keeps the product for the
+    adapters' gradients, over an FP8 base too); None otherwise (the caller runs the usual path). Switched on but
+    stepping aside while training is said once, with the reason: the switch promised less memory."""
     if not (enabled and torch.is_grad_enabled() and up.shape == gate.shape and up.dtype == gate.dtype):
         return None
+    if lora.is_lora(down) and projections.adapted(gate, (down,)):
+        act = swiglu(gate, up)
+        fused = lora.project(act, (down,), residual=residual, recompute=(swiglu, gate, up))
+        if fused is not None:
+            return fused[0]
+        _say_kept(LORA_UNFUSED, CHECKPOINTING)  # the usual path, on the product computed already
+        return projections.apply_linear(down, act) if residual is None else projections.linear_plus(down, act, residual)
     if not projections.gemm_ready(down, gate, residual):  # the conditions of linear_plus's one-GEMM path
-        why, fix = _kept_because(down, gate)
-        if process_state().said.first(f"{KEPT}: {why}"):
-            logger.warning("fusepatch: %s: %s; fix: %s", KEPT, why, fix)
+        _say_kept(*_kept_because(down, gate))
         return None
     return _RecomputedDown.apply(gate, up, down.weight, residual, swiglu)
 
 
+def _say_kept(why: str, fix: str) -> None:
+    if process_state().said.first(f"{KEPT}: {why}"):
+        logger.warning("fusepatch: %s: %s; fix: %s", KEPT, why, fix)
+
+
+LORA_UNFUSED = (
+    "it is a peft LoRA linear run through peft's own forward (merged or disabled adapters, a hook, or the reason "
+    "said for it)"
+)
 KEPT = "FUSEPATCH_MLP_RECOMPUTE=1: an MLP's down projection keeps its input instead of recomputing it"
 CHECKPOINTING = "activation checkpointing (model.gradient_checkpointing_enable()) recomputes whole layers instead"
 
@@ -94,16 +113,14 @@ def _kept_because(down: torch.nn.Module, x: torch.Tensor) -> tuple[str, str]:
     words."""
     if torch.compiler.is_compiling():
         return "torch.compile traces the layer (the recompute runs outside it)", CHECKPOINTING
+    if x.device.type not in projections.DEVICES:
+        return f"the recompute runs on {', '.join(projections.DEVICES)}, not {x.device.type}", CHECKPOINTING
     if "forward" in down.__dict__ and "_fusepatch" in down.__dict__:
         return 'it is an FP8 projection (apply(precision="fp8")), which keeps its input for its own backward', (
             CHECKPOINTING
         )
-    if lora.is_lora(down):
-        return "it is a peft LoRA linear, which keeps its input for the adapters' gradients", CHECKPOINTING
     if autocast_dtype(x) is not None:
         return "it runs under autocast", f"train with the weights in the compute dtype, or {CHECKPOINTING}"
-    if x.device.type not in projections.DEVICES:
-        return f"the recompute runs on {', '.join(projections.DEVICES)}, not {x.device.type}", CHECKPOINTING
     return (
         "it is not a bias-free plain nn.Linear in its input's dtype (a bias, a hook, another class or dtype)",
         CHECKPOINTING,

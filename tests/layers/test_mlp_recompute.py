@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same_training, lm_batch, loss_and_grads, training_model
+from helpers import HYBRID, NOT_HYBRID, assert_same_training, lm_batch, loss_and_grads, training_model
 
 import fusepatch
 from fusepatch.layers import mlp_recompute
@@ -170,3 +170,93 @@ def test_a_compiled_layer_says_the_compile_keeps_the_input(monkeypatch, on, capl
         assert mlp_recompute.recomputed_down(swiglu_reference, gate, up, down, res, enabled=True) is None
     said = [r.getMessage() for r in caplog.records if "keeps its input" in r.getMessage()]
     assert len(said) == 1 and "torch.compile traces the layer" in said[0], said
+
+
+@pytest.mark.parametrize("base", ["bf16", "fp8"])
+@pytest.mark.parametrize("model_type", [HYBRID[0], NOT_HYBRID[0]])
+def test_lora_down_projections_recompute_the_product(monkeypatch, calls, model_type, base):
+    """peft LoRA on every linear, over a bf16 or an FP8 base: with the switch on, the fused LoRA path keeps the
+    MLP's gate and up (which the SwiGLU op keeps anyway) instead of the down projection's input, and computes the
+    product again in the backward. The step's loss, logits and every gradient equal the step with the switch off
+    bit for bit, and the forward keeps one product (tokens x intermediate, bf16) less a layer."""
+    import copy
+
+    from helpers import cpu_candidates
+    from peft import LoraConfig, get_peft_model
+
+    from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear
+    from fusepatch.tools.tiny import tiny_model
+
+    monkeypatch.setattr(projections, "DEVICES", ("cpu", "cuda"))
+    if base == "fp8":
+        cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    model = tiny_model(model_type, hidden_size=128, intermediate_size=256).to(torch.bfloat16).train()
+    model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    twin = copy.deepcopy(model)
+    precision = "fp8" if base == "fp8" else None
+    monkeypatch.delenv("FUSEPATCH_MLP_RECOMPUTE", raising=False)
+    fusepatch.apply(model, precision=precision, verbose=False)
+    monkeypatch.setenv("FUSEPATCH_MLP_RECOMPUTE", "1")
+    fusepatch.apply(twin, precision=precision, verbose=False)
+    batch = lm_batch(model, length=32)
+
+    def kept_and_step(m) -> tuple[int, tuple]:
+        # the distinct storages the forward saves for a backward, held here so that none is freed and its memory
+        # reused by another during the forward (a layer's inner autograd graph saves and frees some)
+        storages: dict[int, torch.UntypedStorage] = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage
+            return t
+
+        m.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = m(**batch)
+        kept = sum(storage.nbytes() for storage in storages.values())
+        out.loss.backward()
+        grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+        return kept, (out.loss.detach(), out.logits.detach(), grads)
+
+    usual_bytes, usual = kept_and_step(model)
+    recomputed_bytes, recomputed = kept_and_step(twin)
+    assert_same_training(usual, recomputed, exact=True)
+    tokens = batch["input_ids"].numel()
+    assert usual_bytes - recomputed_bytes == model.config.num_hidden_layers * tokens * 256 * 2
+
+
+def test_lora_down_recompute_under_activation_checkpointing(monkeypatch, calls):
+    """Under transformers' non-reentrant activation checkpointing the fused LoRA path's recompute runs again in
+    the backward's recompute of the layer: the same loss, logits and gradients as without the switch, bit for
+    bit."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from fusepatch.tools.tiny import tiny_model
+
+    monkeypatch.setattr(projections, "DEVICES", ("cpu", "cuda"))
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    model = tiny_model(NOT_HYBRID[0], hidden_size=128, intermediate_size=256).to(torch.bfloat16).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    twin = copy.deepcopy(model)
+    monkeypatch.delenv("FUSEPATCH_MLP_RECOMPUTE", raising=False)
+    fusepatch.apply(model, verbose=False)
+    monkeypatch.setenv("FUSEPATCH_MLP_RECOMPUTE", "1")
+    fusepatch.apply(twin, verbose=False)
+    batch = lm_batch(model, length=32)
+    from fusepatch.layers.support import lora
+
+    recomputing = []
+    real = lora.project
+    monkeypatch.setattr(lora, "project", lambda *a, **k: recomputing.append(k.get("recompute")) or real(*a, **k))
+    expected = loss_and_grads(model, **batch)
+    recomputing.clear()
+    got = loss_and_grads(twin, **batch)
+    assert_same_training(expected, got, exact=True)
+    # each layer's down projection, in the forward and again in the backward's recompute of the layer
+    assert sum(r is not None for r in recomputing) == 2 * model.config.num_hidden_layers, recomputing

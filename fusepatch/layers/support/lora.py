@@ -278,15 +278,20 @@ def describe(name: str, why: Unfused) -> str:
     return f"peft LoRA {name} runs through peft's own forward, not fused with its base GEMM: {why.reason}{fix}"
 
 
+_WEIGHTS = 4  # ``needs_input_grad``'s index of the first weight: after x, residual, layout and recompute
+
+
 class _LoraLinears(torch.autograd.Function):
     """``base_i(x) + sum_a B_a (A_a dropout_a(x)) s_a`` for every projection i of one input ``x``; with
     ``residual`` (one projection) ``residual + ...``. ``layout``: per projection, its bias flag, per adapter
-    ``(scaling, dropped)``, and whether its base output is given; ``tensors``: the weights (a given base's
+    ``(scaling, dropped)``, and whether its base output is given; ``recompute``: None, or ``(swiglu, gate, up)``
+    when ``x`` is ``swiglu(gate, up)`` (an MLP's down projection, ``FUSEPATCH_MLP_RECOMPUTE``): ``gate`` and
+    ``up`` are kept instead of ``x``, which the backward computes again; ``tensors``: the weights (a given base's
     output in its place: the adapters' products are added to it), the biases, then ``A, B, dropped input`` per
     adapter."""
 
     @staticmethod
-    def forward(ctx, x, residual, layout, *tensors):
+    def forward(ctx, x, residual, layout, recompute, *tensors):
         n = len(layout)
         weights, biases, rest = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
         given = [entry[2] for entry in layout]
@@ -320,11 +325,13 @@ class _LoraLinears(torch.autograd.Function):
                 _accumulate(outs, owned, i, hd, b.t())
                 own.append(hd)
         ctx.layout, ctx.has_residual = layout, residual is not None
+        ctx.recompute, ctx.x_dtype = (None, None) if recompute is None else (recompute[0], x.dtype)
+        inputs = (x,) if recompute is None else (None, *recompute[1:])  # what the backward needs of x
         ctx.given_shapes = [w.shape if g else None for w, g in zip(weights, given)]
         ctx.set_materialize_grads(False)
         droppeds = [ad[4] for ad in adapters if ad[4] is not None]
         bases = [None if g else w for w, g in zip(weights, given)]
-        ctx.save_for_backward(x, joined, h, *bases, *[t for ad in adapters for t in ad[2:4]], *own, *droppeds)
+        ctx.save_for_backward(*inputs, joined, h, *bases, *[t for ad in adapters for t in ad[2:4]], *own, *droppeds)
         return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outs)
 
     @staticmethod
@@ -332,11 +339,16 @@ class _LoraLinears(torch.autograd.Function):
         layout = ctx.layout
         n, plan = len(layout), _adapter_plan(layout)
         count, dropped_count = len(plan), sum(dropped for _, _, dropped in plan)
-        x, joined, h, *saved = ctx.saved_tensors
+        if ctx.recompute is None:
+            x, joined, h, *saved = ctx.saved_tensors
+        else:  # the product again, bit for bit the forward's (the same op on the same inputs)
+            _, gate, up, joined, h, *saved = ctx.saved_tensors
+            with torch.no_grad():
+                x = ctx.recompute(gate, up).to(ctx.x_dtype)
         weights, pairs, kept = saved[:n], saved[n : n + 2 * count], saved[n + 2 * count :]
         own = iter(zip(kept[:dropped_count], kept[dropped_count:]))  # (scaled x_d A^T, x_d) per dropped adapter
         needs = ctx.needs_input_grad
-        first = 3 + 2 * n  # needs_input_grad's index of the first adapter's A (then its B, its dropped input)
+        first = _WEIGHTS + 2 * n  # needs_input_grad's index of the first adapter's A (then its B, its dropped input)
         flat = x.reshape(-1, x.shape[-1])
         grads = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grads]
         dx = None
@@ -350,9 +362,9 @@ class _LoraLinears(torch.autograd.Function):
                 continue
             if needs[0]:
                 dx = g.mm(weights[i]) if dx is None else dx.addmm_(g, weights[i])
-            if needs[3 + i]:
+            if needs[_WEIGHTS + i]:
                 dweights[i] = g.t().mm(flat)
-            if layout[i][0] and needs[3 + n + i]:
+            if layout[i][0] and needs[_WEIGHTS + n + i]:
                 dbiases[i] = g.sum(0)
         da: list = [None] * count
         db: list = [None] * count
@@ -405,7 +417,7 @@ class _LoraLinears(torch.autograd.Function):
             grads[0].view(x.shape[:-1] + grads[0].shape[-1:]) if ctx.has_residual and grads[0] is not None else None
         )
         dtensors = [t for k in range(count) for t in (da[k], db[k], dd[k])]  # as ``tensors`` held them
-        return dx, dresidual, None, *dweights, *dbiases, *dtensors
+        return dx, dresidual, None, None, *dweights, *dbiases, *dtensors
 
 
 def _accumulate(outs: list, owned: list, i: int, m1: torch.Tensor, m2: torch.Tensor) -> None:
@@ -438,11 +450,15 @@ def _scale_columns(t: torch.Tensor, blocks: list[tuple[float, int]]) -> None:
 
 
 def project(
-    x: torch.Tensor, linears: tuple[torch.nn.Module, ...], residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    linears: tuple[torch.nn.Module, ...],
+    residual: torch.Tensor | None = None,
+    recompute: tuple | None = None,
 ) -> tuple[torch.Tensor, ...] | None:
     """``tuple(linear(x) for linear in linears)`` (``residual + linear(x)`` for one linear with ``residual``)
     through ``_LoraLinears`` when at least one is a LoRA linear and every one can be fused; ``None`` otherwise
-    (the caller calls the modules), having said why for a LoRA linear that cannot be fused."""
+    (the caller calls the modules), having said why for a LoRA linear that cannot be fused. ``recompute``:
+    ``(swiglu, gate, up)`` for ``x = swiglu(gate, up)``, which is then not kept for the backward."""
     cast_to = autocast_dtype(x)
     parts = []
     for linear in linears:
@@ -456,7 +472,7 @@ def project(
     if not any(p.adapters for p in parts):
         return None
     if residual is not None and parts[0].called is not None:  # the base's own GEMM cannot take the residual
-        fused = project(x, linears)
+        fused = project(x, linears, recompute=recompute)
         return None if fused is None else (residual + fused[0],)
     if residual is not None and (
         parts[0].bias is not None
@@ -495,7 +511,7 @@ def project(
             for ad, dropped in zip(p.adapters, drops):
                 tensors += [ad.a, ad.b, dropped]
         cast = [t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors]
-        outs = _LoraLinears.apply(x, residual, layout, *cast)
+        outs = _LoraLinears.apply(x, residual, layout, recompute, *cast)
         for i, out in zip(fused, outs):
             given[i] = out
         return tuple(given)

@@ -128,7 +128,7 @@ def project(x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tensor, .
     otherwise, or when no gradient is being recorded. Under autocast (the Trainer's bf16 over fp32 weights) the
     input, weights and biases are cast to autocast's dtype first, as autocast casts them for ``F.linear``; the
     casts' backward returns the weight gradients in fp32."""
-    if _adapted(x, linears):
+    if adapted(x, linears):
         fused = lora.project(x, linears)
         if fused is not None:
             return fused
@@ -162,7 +162,7 @@ def gemm_ready(linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor 
     )
 
 
-def _adapted(x: torch.Tensor, linears: tuple[torch.nn.Module, ...]) -> bool:
+def adapted(x: torch.Tensor, linears: tuple[torch.nn.Module, ...]) -> bool:
     """Whether ``linears`` hold a peft LoRA linear that ``lora.project`` may compute (device, no compiling)."""
     return (
         any(type(linear) is not torch.nn.Linear and lora.is_lora(linear) for linear in linears)
@@ -173,7 +173,7 @@ def _adapted(x: torch.Tensor, linears: tuple[torch.nn.Module, ...]) -> bool:
 
 def apply_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)``; a peft LoRA linear with its adapters fused into its base GEMM (``lora.project``)."""
-    if _adapted(x, (module,)):
+    if adapted(x, (module,)):
         fused = lora.project(x, (module,))
         if fused is not None:
             return fused[0]
@@ -183,7 +183,7 @@ def apply_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def linear_plus(linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """``residual + linear(x)`` as one ``addmm`` where it can (``gemm_ready``; for a peft LoRA linear
     ``lora.project``); as that sum otherwise."""
-    if _adapted(x, (linear,)):
+    if adapted(x, (linear,)):
         fused = lora.project(x, (linear,), residual=residual)
         if fused is not None:
             return fused[0]
