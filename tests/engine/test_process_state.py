@@ -180,6 +180,35 @@ def test_a_holder_collected_while_torch_compile_works_is_swept_after(monkeypatch
     assert fake.target is original and (fake.__name__, "target") not in bindings._installed
 
 
+def test_hold_under_torch_compile_reads_no_weak_set_of_holders(monkeypatch):
+    """Traced by torch.compile (a patched attention layer's forward calls ``hold``), an installed binding is
+    taken as held without reading its holders: dynamo guarded that weak set's members by position, and a member
+    collected while it built the guards failed the compile (``IndexError`` in guard building)."""
+    import types
+
+    from fusepatch.layers.support import bindings
+
+    fake = types.ModuleType("fusepatch_test_fake_traced_module")
+    fake.target = object()
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+
+    class Owner:
+        pass
+
+    first, second = Owner(), Owner()
+    assert bindings.hold(first, fake.__name__, "target", lambda found: ("wrapped", found))
+
+    class Unreadable(dict):
+        def get(self, *args):
+            raise AssertionError("the holders were read while compiling")
+
+    monkeypatch.setattr(bindings, "_holders", Unreadable(bindings._holders))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert bindings.hold(second, fake.__name__, "target", lambda found: ("wrapped", found))
+    monkeypatch.undo()
+    bindings.release(first)
+
+
 def _train_step(model, ids):
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=ids, use_cache=False)
