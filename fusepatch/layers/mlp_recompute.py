@@ -84,7 +84,9 @@ def recomputed_down(
         return None
     if lora.is_lora(down) and projections.adapted(gate, (down,)):
         act = swiglu(gate, up)
-        fused = lora.project(act, (down,), residual=residual, recompute=(swiglu, gate, up))
+        # gate and up are kept anyway only where they take a gradient (not before the first layer that does)
+        keeps = gate.requires_grad and up.requires_grad
+        fused = lora.project(act, (down,), residual=residual, recompute=(swiglu, gate, up) if keeps else None)
         if fused is not None:
             return fused[0]
         _say_kept(LORA_UNFUSED, CHECKPOINTING)  # the usual path, on the product computed already

@@ -172,13 +172,21 @@ def test_a_compiled_layer_says_the_compile_keeps_the_input(monkeypatch, on, capl
     assert len(said) == 1 and "torch.compile traces the layer" in said[0], said
 
 
-@pytest.mark.parametrize("base", ["bf16", "fp8"])
-@pytest.mark.parametrize("model_type", [HYBRID[0], NOT_HYBRID[0]])
-def test_lora_down_projections_recompute_the_product(monkeypatch, calls, model_type, base):
-    """peft LoRA on every linear, over a bf16 or an FP8 base: with the switch on, the fused LoRA path keeps the
-    MLP's gate and up (which the SwiGLU op keeps anyway) instead of the down projection's input, and computes the
-    product again in the backward. The step's loss, logits and every gradient equal the step with the switch off
-    bit for bit, and the forward keeps one product (tokens x intermediate, bf16) less a layer."""
+@pytest.mark.parametrize(
+    ("model_type", "base", "targets", "autocast"),
+    [
+        *((family, base, "all-linear", False) for family in (HYBRID[0], NOT_HYBRID[0]) for base in ("bf16", "fp8")),
+        (NOT_HYBRID[0], "bf16", ["down_proj"], False),  # the first layer's gate and up take no gradient
+        (NOT_HYBRID[0], "bf16", "all-linear", True),  # fp32 weights, an fp32 residual stream, bf16 autocast
+    ],
+)
+def test_lora_down_projections_recompute_the_product(monkeypatch, calls, model_type, base, targets, autocast):
+    """peft LoRA over a bf16 or an FP8 base: with the switch on, the fused LoRA path keeps the MLP's gate and up
+    (which the SwiGLU op keeps anyway) instead of the down projection's input, and computes the product again in
+    the backward. The step's loss, logits and every gradient equal the step with the switch off bit for bit, and
+    the forward keeps one product (tokens x intermediate, bf16) less a layer: under autocast too (the residual,
+    fp32 there, added after the fused GEMMs), and only in the layers whose gate and up take a gradient (with LoRA
+    on the down projections alone, not the first: there they would be kept only for the recompute)."""
     import copy
 
     from helpers import cpu_candidates
@@ -191,9 +199,9 @@ def test_lora_down_projections_recompute_the_product(monkeypatch, calls, model_t
     if base == "fp8":
         cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
     torch.manual_seed(0)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-    model = tiny_model(model_type, hidden_size=128, intermediate_size=256).to(torch.bfloat16).train()
-    model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    model = tiny_model(model_type, hidden_size=128, intermediate_size=256).train()
+    model = get_peft_model(model if autocast else model.to(torch.bfloat16), config, autocast_adapter_dtype=False)
     twin = copy.deepcopy(model)
     precision = "fp8" if base == "fp8" else None
     monkeypatch.delenv("FUSEPATCH_MLP_RECOMPUTE", raising=False)
@@ -213,7 +221,8 @@ def test_lora_down_projections_recompute_the_product(monkeypatch, calls, model_t
             return t
 
         m.zero_grad(set_to_none=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
             out = m(**batch)
         kept = sum(storage.nbytes() for storage in storages.values())
         out.loss.backward()
@@ -223,8 +232,9 @@ def test_lora_down_projections_recompute_the_product(monkeypatch, calls, model_t
     usual_bytes, usual = kept_and_step(model)
     recomputed_bytes, recomputed = kept_and_step(twin)
     assert_same_training(usual, recomputed, exact=True)
-    tokens = batch["input_ids"].numel()
-    assert usual_bytes - recomputed_bytes == model.config.num_hidden_layers * tokens * 256 * 2
+    tokens, layers = batch["input_ids"].numel(), model.config.num_hidden_layers
+    recomputing = layers if targets == "all-linear" else layers - 1
+    assert usual_bytes - recomputed_bytes == recomputing * tokens * 256 * 2
 
 
 def test_lora_down_recompute_under_activation_checkpointing(monkeypatch, calls):

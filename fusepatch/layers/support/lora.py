@@ -471,15 +471,14 @@ def project(
         parts.append(found)
     if not any(p.adapters for p in parts):
         return None
-    if residual is not None and parts[0].called is not None:  # the base's own GEMM cannot take the residual
-        fused = project(x, linears, recompute=recompute)
-        return None if fused is None else (residual + fused[0],)
-    if residual is not None and (
-        parts[0].bias is not None
-        or residual.dtype != (cast_to or x.dtype)
-        or residual.shape != (*x.shape[:-1], parts[0].weight.shape[0])
-    ):
-        return None
+    if residual is not None:
+        if residual.shape != (*x.shape[:-1], parts[0].weight.shape[0]):
+            return None
+        # the GEMM cannot take the residual (a base with its own GEMM, a bias, an fp32 residual stream under
+        # autocast): the sum is added after, as the module's caller would
+        if parts[0].called is not None or parts[0].bias is not None or residual.dtype != (cast_to or x.dtype):
+            fused = project(x, linears, recompute=recompute)
+            return None if fused is None else (residual + fused[0],)
     dtype = cast_to or x.dtype
     if cast_to is None:
         _say_cast(parts, x.dtype)
