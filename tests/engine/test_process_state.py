@@ -181,9 +181,10 @@ def test_a_holder_collected_while_torch_compile_works_is_swept_after(monkeypatch
 
 
 def test_hold_under_torch_compile_reads_no_weak_set_of_holders(monkeypatch):
-    """Traced by torch.compile (a patched attention layer's forward calls ``hold``), an installed binding is
-    taken as held without reading its holders: dynamo guarded that weak set's members by position, and a member
-    collected while it built the guards failed the compile (``IndexError`` in guard building)."""
+    """Traced by torch.compile (a patched attention layer's forward calls ``hold``), a binding whose wrapper is in
+    place is taken as held without reading its holders: dynamo guarded that weak set's members by position, and a
+    member collected while it built the guards failed the compile (``IndexError`` in guard building). A name
+    replaced since by someone else takes the usual path, which binds it again."""
     import types
 
     from fusepatch.layers.support import bindings
@@ -205,6 +206,10 @@ def test_hold_under_torch_compile_reads_no_weak_set_of_holders(monkeypatch):
     monkeypatch.setattr(bindings, "_holders", Unreadable(bindings._holders))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert bindings.hold(second, fake.__name__, "target", lambda found: ("wrapped", found))
+    wrapper, fake.target = fake.target, object()  # replaced since by someone else: not taken as held
+    with pytest.raises(AssertionError, match="holders were read"):
+        bindings.hold(second, fake.__name__, "target", lambda found: ("wrapped", found))
+    fake.target = wrapper
     monkeypatch.undo()
     bindings.release(first)
 

@@ -87,11 +87,13 @@ def _restore(key: tuple[str, str]) -> None:
 def hold(owner: object, module_name: str, name: str, wrap: Callable[[object], object]) -> bool:
     """Make ``module_name.name`` the wrapper ``wrap(transformers' object)`` while ``owner`` holds it; False if the
     module has no such name. Cheap once held: a set lookup, no write to the module. While torch.compile traces
-    the call, an installed binding is taken as held: dynamo would guard on the holders' weak set, whose members
-    the collector may take while it builds the guards (a model of an earlier step collected then)."""
+    the call, a binding whose wrapper is in place is taken as held: dynamo would guard on the holders' weak set,
+    whose members the collector may take while it builds the guards (a model of an earlier step collected then)."""
     key = (module_name, name)
-    if key in _installed and torch.compiler.is_compiling():
-        return True
+    if torch.compiler.is_compiling():
+        installed = _installed.get(key)
+        if installed is not None and getattr(sys.modules.get(module_name), name, None) is installed[1]:
+            return True
     holders = _holders.get(key)
     if holders is not None and owner in holders and key in _installed:
         return True
