@@ -2,7 +2,7 @@
 
 Only the instance's forward changes: the module stays a ``torch.nn.Linear`` with its bf16 (or fp32) weight, so
 state dicts, optimizers, FSDP and peft see what they saw (peft's merge methods, which write frozen weights behind
-a kept FP8 copy's back, also let go of it: ``lora.follow_merges``). The fused layers that compute several
+a kept FP8 copy's back, also let go of it: ``peft_merges``). The fused layers that compute several
 projections themselves (``layers/support/projections.py``) call a projection patched here through its module, so
 its FP8 GEMMs run there too.
 """
@@ -18,7 +18,8 @@ from fusepatch.base.log import logger
 from fusepatch.base.state import current as process_state
 from fusepatch.layers.support.hooks import autocast_dtype
 from fusepatch.layers.support.kept import keep
-from fusepatch.layers.support.lora import follow_merges, peft_imported, variant_bases
+from fusepatch.layers.support.lora import variant_bases
+from fusepatch.layers.support.peft_merges import follow_merges, peft_imported
 from fusepatch.ops.fp8_linear.reference import fp8_linear_reference
 from fusepatch.ops.fp8_linear.scaled_mm import MULTIPLE, QuantizedWeight, quantize_weight
 
@@ -77,7 +78,7 @@ def frozen_weight(module: torch.nn.Module, state) -> QuantizedWeight | None:
     quantization) or under ``torch.inference_mode`` (its tensors cannot serve a later training step). Kept for
     this very tensor (a weak reference) at its storage and version: an in-place update, a load, a new tensor or
     new storage (``weight.data = ...``) quantizes again. A write into ``.data`` leaves both as they were: peft's
-    merges and unmerges let go of the copy themselves while FP8 projections are patched (``lora.follow_merges``;
+    merges and unmerges let go of the copy themselves while FP8 projections are patched (``peft_merges``;
     a copy made before peft was imported is made again once it is); other such writes to a frozen projection need
     ``revert`` and ``apply``.
     With ``apply(drop_frozen_weights=True)`` the weight itself is dropped once quantized."""

@@ -1,5 +1,5 @@
 """Names in transformers' modules that patched layers replace while they are patched, and put back after (and,
-through ``hold_patch``, other packages' changes kept the same way: peft's merge methods, ``lora.follow_merges``).
+through ``hold_patch``, other packages' changes kept the same way: peft's merge methods, ``peft_merges``).
 
 Some of transformers' behaviour is reached through a module-level name rather than a layer (a modeling module's
 ``apply_rotary_pos_emb`` and ``ALL_ATTENTION_FUNCTIONS``, ``masking_utils.find_packed_sequence_indices``). A

@@ -631,13 +631,13 @@ def test_where_peft_moved_its_layers_no_copy_is_kept(monkeypatch, caplog):
 
     from fusepatch.base.state import fresh
     from fusepatch.base.versions import support
-    from fusepatch.layers.support import lora
+    from fusepatch.layers.support import peft_merges
 
     model = _lora_fp8(monkeypatch)
     batch = lm_batch(model, length=16)
     moved = types.ModuleType("moved_tuners")  # imported, without BaseTunerLayer
     monkeypatch.setitem(sys.modules, moved.__name__, moved)
-    monkeypatch.setattr(lora, "TUNER_LAYERS", moved.__name__)
+    monkeypatch.setattr(peft_merges, "TUNER_LAYERS", moved.__name__)
     logits, afresh = _logits_and_afresh(model, batch)
     with fresh(), caplog.at_level(logging.WARNING, logger="fusepatch"), torch.no_grad():
         for module in _fp8_modules(model).values():
@@ -654,9 +654,9 @@ def test_revert_puts_peft_merge_methods_back(monkeypatch):
     """peft's ``merge``/``unmerge`` are wrapped while FP8 projections hold them (the first frozen FP8 call), and
     put back when the last is reverted: a reverted process is the one ``apply`` found."""
     peft = pytest.importorskip("peft")
-    from fusepatch.layers.support import bindings, lora
+    from fusepatch.layers.support import bindings, peft_merges
 
-    key = (f"{lora.TUNER_LAYERS}.BaseTunerLayer merges", "")
+    key = (f"{peft_merges.TUNER_LAYERS}.BaseTunerLayer merges", "")
     for owner in list(bindings._holders.get(key, ())):  # other tests' models: this test's model holds alone
         bindings.release(owner)
     original = peft.tuners.lora.layer.Linear.__dict__["merge"]
