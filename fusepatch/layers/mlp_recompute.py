@@ -117,7 +117,7 @@ def _kept_because(down: torch.nn.Module, x: torch.Tensor) -> tuple[str, str]:
         return "torch.compile traces the layer (the recompute runs outside it)", CHECKPOINTING
     if x.device.type not in projections.DEVICES:
         return f"the recompute runs on {', '.join(projections.DEVICES)}, not {x.device.type}", CHECKPOINTING
-    if "forward" in down.__dict__ and "_fusepatch" in down.__dict__:
+    if lora.own_forward(down):
         return 'it is an FP8 projection (apply(precision="fp8")), which keeps its input for its own backward', (
             CHECKPOINTING
         )

@@ -81,7 +81,7 @@ class Part:
     called: torch.nn.Module | None = None
 
 
-def _own_forward(linear: torch.nn.Module) -> bool:
+def own_forward(linear: torch.nn.Module) -> bool:
     """Whether a plain ``nn.Linear`` computes through a forward ``apply`` gave it (an FP8 projection)."""
     return "forward" in linear.__dict__ and "_fusepatch" in linear.__dict__
 
@@ -133,9 +133,9 @@ def part(module: torch.nn.Module, x: torch.Tensor, cast: bool) -> Part | Unfused
     disabled adapters, not a linear of fusepatch's kind); ``Unfused`` where it is a LoRA layer that cannot be
     fused. ``cast``: under autocast (every tensor is cast to its dtype, as autocast would)."""
     if type(module) is torch.nn.Linear:
-        if hooked(module) or ("forward" in module.__dict__ and not _own_forward(module)):
+        if hooked(module) or ("forward" in module.__dict__ and not own_forward(module)):
             return None
-        if _own_forward(module):
+        if own_forward(module):
             return Part(module.weight, module.bias, called=module)
         if not cast and not in_dtype(module, x.dtype):
             return None
@@ -153,7 +153,7 @@ def part(module: torch.nn.Module, x: torch.Tensor, cast: bool) -> Part | Unfused
     base = module.base_layer
     if type(base) is not torch.nn.Linear:
         return Unfused(f"its base layer is a {type(base).__name__}, not nn.Linear")
-    if hooked(base) or ("forward" in base.__dict__ and not _own_forward(base)):
+    if hooked(base) or ("forward" in base.__dict__ and not own_forward(base)):
         return None
     adapters = []
     for name in module.active_adapters:
@@ -175,7 +175,7 @@ def part(module: torch.nn.Module, x: torch.Tensor, cast: bool) -> Part | Unfused
                 f"{str(x.dtype).removeprefix('torch.')} inputs without autocast"
             )
         adapters.append(Adapter(a.weight, b.weight, float(module.scaling[name]), dropout))
-    if _own_forward(base):
+    if own_forward(base):
         return Part(base.weight, base.bias, tuple(adapters), called=base)
     if not cast and not in_dtype(base, x.dtype):
         return None
