@@ -23,6 +23,7 @@ from fusepatch.layers.support import bindings
 from fusepatch.layers.support.kept import forget
 
 TUNER_LAYERS = "peft.tuners.tuners_utils"  # the module defining ``BaseTunerLayer``, every peft layer's base
+WRAPPED = f"{TUNER_LAYERS}.BaseTunerLayer merges"  # the change's name among the bindings
 
 
 def peft_imported() -> bool:
@@ -49,7 +50,7 @@ def follow_merges(owner: torch.nn.Module) -> bool:
         if process_state().said.first(PEFT_MOVED):
             logger.warning("fusepatch: %s", PEFT_MOVED.format(checked=support("peft").tested[-1]))
         return False
-    bindings.hold_patch(owner, f"{TUNER_LAYERS}.BaseTunerLayer merges", lambda: _wrap_merges(base))
+    bindings.hold_patch(owner, WRAPPED, functools.partial(_wrap_merges, base))
     return True
 
 

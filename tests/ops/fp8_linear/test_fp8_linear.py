@@ -656,7 +656,7 @@ def test_revert_puts_peft_merge_methods_back(monkeypatch):
     peft = pytest.importorskip("peft")
     from fusepatch.layers.support import bindings, peft_merges
 
-    key = (f"{peft_merges.TUNER_LAYERS}.BaseTunerLayer merges", "")
+    key = (peft_merges.WRAPPED, "")
     for owner in list(bindings._holders.get(key, ())):  # other tests' models: this test's model holds alone
         bindings.release(owner)
     original = peft.tuners.lora.layer.Linear.__dict__["merge"]
