@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,10 +35,32 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class Case:
+    """One call of a self-test. A composite kernel runs several stages (fla's delta rule: eleven, forward and
+    backward), and on one call the other stages' terms can dilute one stage's error below the bound; cases that
+    switch terms off (no start state, a zero output gradient, a single chunk) leave each stage dominant somewhere.
+
+    ``options`` go to ``make_inputs`` as keywords; ``cotangents`` weigh each compared output's random gradient
+    (0 switches that output's backward path off, so the rest is seen alone); ``name`` prefixes its quantities."""
+
+    name: str = ""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    cotangents: tuple[float, ...] | None = None
+
+
+# How each quantity is compared, besides its relative error (norm of the difference over the reference's norm):
+# "tile", the largest error of one block of 64 rows x 64 columns over what a block of the reference holds on
+# average, sees a wrong or zeroed tile of a kernel's output that the whole tensor's norm dilutes; "scale", the
+# difference's component along the reference (<a - r, r> / <r, r>), sees a stage off by a factor (x1.02) under
+# rounding noise several times larger, which has no such component. Each multiplies the quantity's floor.
+STATISTICS: dict[str, float] = {"tile": 2.0, "scale": 0.25}
+
+
+@dataclass(frozen=True)
 class SelfTest:
     """How to check a candidate against the reference on tiny fresh random inputs.
 
-    ``make_inputs(device, dtype, generator, packed, dims)`` returns ``(args, kwargs)``; float tensors that
+    ``make_inputs(device, dtype, generator, packed, dims, **case.options)`` returns ``(args, kwargs)``; float tensors that
     require grad get gradients compared too. ``packed`` asks for a packed (varlen) call and ``dims`` for the
     layer's own feature sizes (from ``dims_from(module)``): the self-test then compiles and autotunes the very
     kernel variants training will use, instead of a second set.
@@ -60,6 +82,10 @@ class SelfTest:
     # How many leading outputs to compare (and backpropagate through) when the op returns a tuple: rotary
     # returns (q, k) and both count; other ops' extra outputs (states, caches) do not.
     outputs: int = 1
+    # The calls made (``Case``): one plain call unless the op's stages need more to be seen.
+    cases: tuple[Case, ...] = (Case(),)
+    # The floor multiplier of each statistic (``STATISTICS``), where an op measured its own.
+    statistics: Mapping[str, float] = field(default_factory=lambda: dict(STATISTICS))
 
 
 @dataclass(frozen=True)

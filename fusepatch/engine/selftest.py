@@ -55,6 +55,7 @@ def _forward_backward(
     cotangents: list[torch.Tensor] | None,
     outputs: int = 1,
     generator: torch.Generator | None = None,
+    weights: tuple[float, ...] | None = None,
 ):
     """The first ``outputs`` outputs (each compared on its own, so a per-document check stays per document) and the
     inputs' gradients for one random cotangent per output."""
@@ -66,6 +67,8 @@ def _forward_backward(
         # drawing from it changed every random draw after `apply` (seeded data, dropout, LoRA init) from what
         # the same program gives without fusepatch
         cotangents = [torch.randn(o.shape, generator=generator, dtype=torch.float32).to(o.device) for o in outs]
+        if weights is not None:  # a case that switches an output's backward path off (``Case.cotangents``)
+            cotangents = [c * weight for c, weight in zip(cotangents, weights)]
     grads = ()
     if leaves:
         grads = torch.autograd.grad(outs, leaves, [c.to(o.dtype) for c, o in zip(cotangents, outs)], allow_unused=True)
@@ -92,25 +95,103 @@ def error(actual: torch.Tensor, expected: torch.Tensor, documents: list[tuple[in
     return worst
 
 
-def _errors(outs, grads, ref_outs, ref_grads, documents) -> dict[str, float]:
-    errors = {}
+TILE = 64  # rows and columns of the blocks the "tile" statistic compares (the kernels' common tile)
+
+
+def tile_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest error of one ``TILE x TILE`` block (the tensor as rows of its last dimension) over the norm a
+    block of ``expected`` holds on average: a wrong or zeroed tile shows as ~1, whatever the tensor's size."""
+    a, e = actual.detach().double(), expected.detach().double()
+    if e.ndim == 0 or e.numel() == 0:
+        return 0.0
+    a, e = (t.reshape(-1, t.shape[-1]) for t in (a, e))
+    rows, columns = e.shape
+    pad_rows, pad_columns = -rows % TILE, -columns % TILE
+    diff = torch.nn.functional.pad((a - e).square(), (0, pad_columns, 0, pad_rows))
+    per_block = diff.reshape((rows + pad_rows) // TILE, TILE, (columns + pad_columns) // TILE, TILE).sum((1, 3))
+    typical = e.square().sum() * min(TILE * TILE, e.numel()) / e.numel()
+    worst = per_block.max()
+    return float((worst / typical).sqrt()) if typical > 0 else float(worst.sqrt())
+
+
+def scale_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """The difference's component along ``expected``, ``|<a - e, e>| / <e, e>``: a factor's error (x1.02 is 0.02),
+    where rounding noise, which has no direction, averages out."""
+    a, e = actual.detach().double().flatten(), expected.detach().double().flatten()
+    norm = e.dot(e)
+    return float((a - e).dot(e).abs() / norm) if norm > 0 else 0.0
+
+
+def _quantity(out: torch.Tensor, ref: torch.Tensor, documents, name: str, errors: dict[str, float]) -> None:
+    errors[name] = error(out, ref, documents)
+    if errors[name] == float("inf"):
+        return
+    errors[f"{name}:tile"] = tile_error(out, ref)
+    errors[f"{name}:scale"] = scale_error(out, ref)
+
+
+def _errors(outs, grads, ref_outs, ref_grads, documents, case: str = "") -> dict[str, float]:
+    errors: dict[str, float] = {}
+    prefix = f"{case}/" if case else ""
     for index, (out, ref_out) in enumerate(zip(outs, ref_outs)):
-        errors["output" if index == 0 else f"output[{index}]"] = error(out, ref_out, documents)
+        _quantity(out, ref_out, documents, prefix + ("output" if index == 0 else f"output[{index}]"), errors)
     for index, (g, rg) in enumerate(zip(grads, ref_grads)):
         if rg is None:
             continue
-        errors[f"grad[{index}]"] = float("inf") if g is None else error(g, rg, documents)
+        if g is None:
+            errors[f"{prefix}grad[{index}]"] = float("inf")
+            continue
+        _quantity(g, rg, documents, f"{prefix}grad[{index}]", errors)
     return errors
 
 
 def bounds(op: Op, dtype: str, reference_errors: dict[str, float]) -> dict[str, float]:
     """Each quantity's bound: ``ratio`` times the error the reference itself makes in ``dtype`` on the same inputs,
-    plus the op's floor for that quantity (``SelfTest``)."""
+    plus the op's floor for that quantity (``SelfTest``), times the statistic's multiplier for a tile or scale
+    error (``op.STATISTICS``; at least 1 for a quantity with a ``looser`` floor). A case's quantity
+    (``case/grad[0]``) has its plain name's floor."""
     spec = op.selftest
     floor = spec.tolerance.get(dtype, 1e-2)
-    return {
-        name: spec.ratio * ref + spec.looser.get(dtype, {}).get(name, floor) for name, ref in reference_errors.items()
-    }
+    looser = spec.looser.get(dtype, {})
+    limits = {}
+    for name, ref in reference_errors.items():
+        quantity, _, statistic = name.rpartition("/")[2].partition(":")
+        factor = spec.statistics.get(statistic, 1.0) if statistic else 1.0
+        if quantity in looser:  # a quantity measured noisier: no statistic of it is held tighter than its floor
+            factor = max(factor, 1.0)
+        limits[name] = spec.ratio * ref + looser.get(quantity, floor) * factor
+    return limits
+
+
+def measure(
+    op: Op,
+    fn: Callable,
+    device: str,
+    dtype: str,
+    *,
+    packed: bool = True,
+    dims: dict[str, int] | None = None,
+    seed: int | None = None,
+) -> tuple[dict[str, float], dict[str, float]] | Verdict:
+    """The errors of ``fn`` against ``op.reference`` run on fp32 (fp64 on the CPU for fp32) copies of the same
+    fresh inputs, over every ``Case`` of the op, each quantity by its relative, tile and scale error, with their
+    :func:`bounds`; or a rejection where an output has the wrong shape."""
+    assert op.selftest is not None
+    generator = torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    errors: dict[str, float] = {}
+    limits: dict[str, float] = {}
+    for case in op.selftest.cases:
+        found = _compare_case(op, fn, device, dtype, case, generator, packed, dims)
+        if isinstance(found, Verdict):
+            return found
+        errors.update(found[0])
+        limits.update(found[1])
+    return errors, limits
+
+
+def worst(errors: dict[str, float], limits: dict[str, float]) -> str:
+    """The quantity nearest to (or furthest past) its bound."""
+    return max(errors, key=lambda name: errors[name] / limits[name] if limits.get(name) else float("inf"))
 
 
 def compare(
@@ -123,17 +204,43 @@ def compare(
     dims: dict[str, int] | None = None,
     seed: int | None = None,
 ) -> tuple[Verdict, dict[str, float]]:
-    """Errors of ``fn`` against ``op.reference`` run on fp32 (fp64 on the CPU for fp32) copies of the same fresh
-    inputs, held to :func:`bounds`: a multiple of the reference's own error in ``dtype`` plus a small floor."""
-    assert op.selftest is not None
-    generator = torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
-    args, kwargs = op.selftest.make_inputs(device, _dtype(dtype), generator, packed, dims)
+    """``fn`` held to :func:`bounds` on :func:`measure`'s errors: a multiple of the reference's own error in ``dtype``
+    plus a small floor, for every quantity."""
+    found = measure(op, fn, device, dtype, packed=packed, dims=dims, seed=seed)
+    if isinstance(found, Verdict):
+        return found, {}
+    return judge(op, *found, device, dtype), found[0]
+
+
+def judge(op: Op, errors: dict[str, float], limits: dict[str, float], device: str, dtype: str) -> Verdict:
+    """OK where every quantity is within its bound; else a rejection naming the worst one."""
+    name = worst(errors, limits)
+    if errors[name] == float("inf"):
+        return reject(
+            f"self-test on {device}/{dtype}: {name} has NaN/Inf or is missing",
+            "report it upstream; fusepatch uses the next candidate",
+        )
+    if errors[name] > limits.get(name, 0.0):
+        return reject(
+            f"self-test on {device}/{dtype}: {name} differs from the reference by {errors[name]:.2e} "
+            f"(bound {limits.get(name, 0.0):.1e}: {op.selftest.ratio:g}x the reference's own {dtype} error + a floor)",
+            "report it upstream with `python -m fusepatch doctor --json`; fusepatch uses the next candidate",
+        )
+    return OK
+
+
+def _compare_case(op, fn, device, dtype, case, generator, packed, dims):
+    """One case's (errors, bounds), or a rejection where the candidate's outputs have the wrong shapes."""
+    spec = op.selftest
+    args, kwargs = spec.make_inputs(device, _dtype(dtype), generator, packed, dims, **case.options)
     documents = _documents(kwargs)
     ref_dtype = torch.float64 if dtype == "float32" and device == "cpu" else torch.float32
     ref_args = tuple(_upcast(a, ref_dtype) for a in args)
     ref_kwargs = {k: _upcast(v, ref_dtype) for k, v in kwargs.items()}
-    count = op.selftest.outputs
-    ref_out, ref_grads, cotangent = _forward_backward(op.reference, ref_args, ref_kwargs, None, count, generator)
+    count = spec.outputs
+    ref_out, ref_grads, cotangent = _forward_backward(
+        op.reference, ref_args, ref_kwargs, None, count, generator, case.cotangents
+    )
     low_args = tuple(_detached(a) for a in args)
     low_kwargs = {k: _detached(v) for k, v in kwargs.items()}
     low_out, low_grads, _ = _forward_backward(op.reference, low_args, low_kwargs, cotangent, count)
@@ -142,22 +249,10 @@ def compare(
     out, grads, _ = _forward_backward(fn, args, kwargs, cotangent, count)
     shapes, ref_shapes = [tuple(o.shape) for o in out], [tuple(o.shape) for o in ref_out]
     if shapes != ref_shapes:
-        return reject(f"self-test: output shapes {shapes} != reference {ref_shapes}"), {}
-    errors = _errors(out, grads, ref_out, ref_grads, documents)
-    limits = bounds(op, dtype, _errors(low_out, low_grads, ref_out, ref_grads, documents))
-    worst = max(errors, key=lambda name: errors[name] / limits[name])
-    if errors[worst] == float("inf"):
-        return reject(
-            f"self-test on {device}/{dtype}: {worst} has NaN/Inf or is missing",
-            "report it upstream; fusepatch uses the next candidate",
-        ), errors
-    if errors[worst] > limits[worst]:
-        return reject(
-            f"self-test on {device}/{dtype}: {worst} differs from the reference by {errors[worst]:.2e} "
-            f"(bound {limits[worst]:.1e}: {op.selftest.ratio:g}x the reference's own {dtype} error + a floor)",
-            "report it upstream with `python -m fusepatch doctor --json`; fusepatch uses the next candidate",
-        ), errors
-    return OK, errors
+        where = f" ({case.name})" if case.name else ""
+        return reject(f"self-test{where}: output shapes {shapes} != reference {ref_shapes}")
+    errors = _errors(out, grads, ref_out, ref_grads, documents, case.name)
+    return errors, bounds(op, dtype, _errors(low_out, low_grads, ref_out, ref_grads, documents, case.name))
 
 
 def run(

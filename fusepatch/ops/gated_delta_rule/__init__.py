@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from fusepatch.base.op import Candidate, Op, SelfTest
+from fusepatch.base.op import Candidate, Case, Op, SelfTest
 from fusepatch.base.requirements import InputRule
 from fusepatch.ops.common import fla_backward_requirements, rand
 from fusepatch.ops.gated_delta_rule.fla import load_fla
@@ -32,11 +32,11 @@ def _load_fla_saved_states(grouped: bool = False):
     return fla_saved_states.load(grouped)
 
 
-def _selftest_inputs(device, dtype, generator, packed=True, dims=None):
+def _selftest_inputs(device, dtype, generator, packed=True, dims=None, length=150, state=True, final=True):
     # Odd length, grouped value heads; packed: a row of four documents, one of a single token (an error at a
-    # document's first token is that whole document's error). Head sizes: the layer's when known.
+    # document's first token is that whole document's error). Head sizes: the layer's when known. ``length``,
+    # ``state`` and ``final``: the cases below.
     dims = dims or {}
-    length = 150
     hk, hv, dk, dv = (dims.get(k, d) for k, d in (("hk", 2), ("hv", 4), ("dk", 64), ("dv", 64)))
     q = rand((1, length, hk, dk), device, dtype, generator)
     k = rand((1, length, hk, dk), device, dtype, generator)
@@ -46,14 +46,34 @@ def _selftest_inputs(device, dtype, generator, packed=True, dims=None):
     # A_log and dt_bias are parameters: in the model's dtype, as a bf16 model holds them.
     A_log = (torch.rand(hv, generator=generator) * 2 - 1).to(device=device, dtype=dtype).requires_grad_(True)
     dt_bias = rand((hv,), device, dtype, generator, scale=0.5)
-    cu = torch.tensor([0, 64, 65, 101, length], dtype=torch.int32, device=device) if packed else None
-    # A cache's states, as training with use_cache=True and a continuation from that cache call it: each row
-    # (document) starts from a state of its own and returns its last one; both are compared (outputs=2), and
-    # the start state's gradient too. fp32, as caches keep them.
-    rows = 4 if packed else 1
-    start = torch.randn((rows, hv, dk, dv), generator=generator, dtype=torch.float32).mul_(0.5)
-    start = start.to(device).requires_grad_(True)
-    return (q, k, v, a, b, A_log, dt_bias), {"cu_seqlens": cu, "initial_state": start, "output_final_state": True}
+    # documents of 64 (one whole chunk), 1, and the rest split in two (a chunk boundary inside a document)
+    rest = length - 65
+    cuts = [0, 64, 65, 65 + rest // 3, length] if length > 67 else [0, length // 3, length // 3 + 1, length]
+    cu = torch.tensor(cuts, dtype=torch.int32, device=device) if packed else None
+    kwargs = {"cu_seqlens": cu}
+    if state:
+        # A cache's states, as training with use_cache=True and a continuation from that cache call it: each row
+        # (document) starts from a state of its own; its gradient is compared too. fp32, as caches keep them.
+        rows = len(cuts) - 1 if packed else 1
+        start = torch.randn((rows, hv, dk, dv), generator=generator, dtype=torch.float32).mul_(0.5)
+        kwargs["initial_state"] = start.to(device).requires_grad_(True)
+    if final:  # each row's last state, compared too (outputs=2)
+        kwargs["output_final_state"] = True
+    return (q, k, v, a, b, A_log, dt_bias), kwargs
+
+
+# The self-test's calls. Its kernels run eleven stages (fla's and fusepatch's, forward and backward); on the first
+# call alone the start state's and final state's terms diluted a 3% error of one backward stage below the bound.
+# "no-state": training's own call (no start state, no final state), so every gradient is the output's alone;
+# "state-only": the output's gradient zero, the final state's alone, the backward's path through the chunk
+# states (bwd_dhu) seen without the local terms; "one-chunk": a single chunk (40 tokens), the intra-chunk
+# stages (fwd_intra, wy_repr_bwd, dv_local) without the scan across chunks.
+CASES = (
+    Case(),
+    Case("no-state", {"state": False, "final": False}),
+    Case("state-only", {}, cotangents=(0.0, 1.0)),
+    Case("one-chunk", {"length": 40}),
+)
 
 
 def _dims(module) -> dict[str, int]:
@@ -135,5 +155,6 @@ GATED_DELTA_RULE = Op(
         _dims,
         looser={half: {"grad[5]": 0.25, "grad[6]": 0.25} for half in ("bfloat16", "float16")},
         outputs=2,
+        cases=CASES,
     ),
 )

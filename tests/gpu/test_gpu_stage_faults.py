@@ -1,0 +1,264 @@
+"""A fault inside one stage of a composite kernel is refused by the self-test.
+
+The fault tests of test_gpu_selftest_faults.py wrap a whole kernel. A composite candidate (the delta rule's eleven
+fla and fusepatch stages, causal-conv1d's forward and backward, the cross-entropy's chunk kernels, FP8's quantize
+and GEMM steps) can be wrong in one stage only, its error diluted by the other stages' terms. Here each stage the
+candidate calls is replaced, under its own name, by a wrapper that calls it and then spoils one of its outputs:
+x1.02, x0.98, one NaN, a zeroed 64 x 64 tile. The self-test (``selftest.compare``, every case of the op) must
+refuse each. A sweep of smaller and larger factors records, per stage, the smallest factor refused, with the
+errors and bounds (``FUSEPATCH_STAGE_RECORD``: a JSON-lines file per worker), for docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import json
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+FAULTS = ("x1.02", "x0.98", "nan", "zero_tile")
+SWEEP = ("x1.005", "x1.01", "x1.05")  # recorded, not asserted: the smallest factor each stage's fault is refused at
+GDN = "fla.ops.gated_delta_rule.chunk"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A function a candidate calls, found by its module and name at call time.
+
+    ``writes``: the argument positions a compiled extension writes its results into (else the return value is
+    the result); ``loader``: ``name`` returns the stage function (``dqkwg.load``), which is then wrapped."""
+
+    module: str
+    name: str
+    writes: tuple[int, ...] = ()
+    loader: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.module.rsplit('.', 1)[-1]}.{self.name}"
+
+
+FLA_DELTA_RULE = tuple(
+    Stage(GDN, name)
+    for name in (
+        *("gdn_gate_chunk_cumsum", "chunk_local_cumsum", "fused_beta_sigmoid", "l2norm_fwd"),
+        *("chunk_gated_delta_rule_fwd_intra", "recompute_w_u_fwd", "chunk_gated_delta_rule_fwd_h", "chunk_fwd_o"),
+        *("chunk_bwd_dv_local", "chunk_gated_delta_rule_bwd_dhu", "chunk_bwd_dqkwg", "prepare_wy_repr_bwd"),
+        *("gdn_gate_bwd", "fused_beta_sigmoid_bwd", "l2norm_bwd"),
+    )
+)
+# fusepatch's delta rule calls fla's stages one by one, its TileLang dqkwg through ops/gated_delta_rule/dqkwg.py,
+# and its own input kernels
+SAVED_STATES = (
+    *(stage for stage in FLA_DELTA_RULE if stage.name != "chunk_bwd_dqkwg"),
+    Stage("fusepatch.ops.gated_delta_rule.dqkwg", "load", loader=True),
+    Stage("fusepatch.kernels.delta_rule_inputs", "delta_rule_inputs"),
+    Stage("fusepatch.kernels.delta_rule_inputs", "delta_rule_inputs_bwd"),
+    Stage("fusepatch.kernels.l2norm", "l2norm_bwd_grouped"),
+    Stage("fusepatch.kernels.heads", "repeat_heads"),
+)
+FP8 = (
+    Stage("fusepatch.kernels.fp8", "quantize_rows"),
+    Stage("fusepatch.kernels.fp8", "quantize_columns"),
+    Stage("fusepatch.kernels.fp8", "transpose"),
+    Stage("torch", "_scaled_mm"),
+)
+# (op, candidate) -> the stages it may call; a stage a call does not reach is recorded as such
+COMPOSITES: dict[tuple[str, str], tuple[Stage, ...]] = {
+    ("gated_delta_rule", "fla-saved-states-grouped"): SAVED_STATES,
+    ("gated_delta_rule", "fla-saved-states"): SAVED_STATES,
+    ("gated_delta_rule", "fla"): FLA_DELTA_RULE,
+    ("gated_delta_rule", "fla-gate-outside"): FLA_DELTA_RULE,
+    ("causal_conv1d", "causal-conv1d"): (
+        Stage("causal_conv1d_cuda", "causal_conv1d_fwd", writes=(5,)),
+        Stage("causal_conv1d_cuda", "causal_conv1d_bwd", writes=(7, 8, 9)),
+    ),
+    ("causal_conv1d", "fla-conv"): (
+        Stage("fla.modules.causal_conv1d.ops", "causal_conv1d_fwd"),
+        Stage("fla.modules.causal_conv1d.ops", "causal_conv1d_bwd"),
+    ),
+    ("linear_cross_entropy", "fla"): (
+        Stage("fla.modules.fused_cross_entropy.ops", "cross_entropy_fwd"),
+        Stage("fla.modules.fused_cross_entropy.ops", "cross_entropy_bwd"),
+    ),
+    ("linear_cross_entropy", "triton"): (Stage("fusepatch.kernels.cross_entropy", "cross_entropy_"),),
+    ("fp8_linear", "scaled-mm"): FP8,
+}
+PACKED = ("gated_delta_rule", "causal_conv1d")
+# the Qwen3.5-27B layer's head sizes: the self-test runs at the layer's own (``SelfTest.dims_from``)
+DIMS_27B = {"gated_delta_rule": {"hk": 16, "hv": 48, "dk": 128, "dv": 128}}
+
+
+def _spoil(tensor: torch.Tensor, fault: str, in_place: bool) -> torch.Tensor:
+    """``tensor`` with ``fault``: a factor, one NaN, or a zeroed tile of 64 rows x 64 columns (rows: the tensor
+    flattened over its last dimension) in its middle."""
+    if fault.startswith("x"):
+        changed = tensor.float() * float(fault[1:])
+    else:
+        changed = tensor.float().clone()
+        flat = changed.reshape(-1, changed.shape[-1]) if changed.ndim else changed.reshape(1, 1)
+        middle = flat.shape[0] // 2 // 64 * 64
+        if fault == "nan":
+            flat[flat.shape[0] // 2, flat.shape[1] // 2] = float("nan")
+        else:
+            flat[middle : middle + 64, :64] = 0
+    changed = changed.to(tensor.dtype)
+    if in_place:
+        tensor.copy_(changed)
+        return tensor
+    return changed
+
+
+def _spoilable(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0
+
+
+class Wrapper:
+    """Calls the stage, then spoils its output ``index`` (or the argument it writes) with ``fault``; counts calls
+    and the outputs it saw, so a stage that a call never reaches is told from one whose fault passed."""
+
+    def __init__(self, stage: Stage, fault: str | None, index: int):
+        self.stage, self.fault, self.index = stage, fault, index
+        self.calls = 0
+        self.outputs = 0
+
+    def wrap(self, fn):
+        @functools.wraps(fn)
+        def stage(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            self.calls += 1
+            if self.stage.writes:
+                self.outputs = len(self.stage.writes)
+                position = self.stage.writes[self.index] if self.index < len(self.stage.writes) else None
+                if self.fault and position is not None and _spoilable(args[position]):
+                    _spoil(args[position], self.fault, in_place=True)
+                return out
+            outs = out if isinstance(out, tuple) else (out,)
+            self.outputs = len(outs)
+            if self.fault and self.index < len(outs) and _spoilable(outs[self.index]):
+                outs = (*outs[: self.index], _spoil(outs[self.index], self.fault, False), *outs[self.index + 1 :])
+            return outs if isinstance(out, tuple) else outs[0]
+
+        return stage
+
+
+@contextlib.contextmanager
+def injected(stage: Stage, fault: str | None, index: int = 0):
+    module = importlib.import_module(stage.module)
+    original = getattr(module, stage.name)
+    wrapper = Wrapper(stage, fault, index)
+    if stage.loader:
+        replacement = functools.wraps(original)(lambda *a, **k: wrapper.wrap(original(*a, **k)))
+    else:
+        replacement = wrapper.wrap(original)
+    setattr(module, stage.name, replacement)
+    try:
+        yield wrapper
+    finally:
+        setattr(module, stage.name, original)
+
+
+def _candidate(op_name: str, name: str):
+    from fusepatch.base.env import capture
+    from fusepatch.base.requirements import Inputs
+    from fusepatch.engine.resolve import static_verdict
+    from fusepatch.ops import OPS
+
+    candidate = next(c for c in OPS[op_name].candidates if c.name == name)
+    verdict, _ = static_verdict(candidate, capture())
+    if not (verdict.ok and candidate.inputs.check(Inputs("cuda", "bfloat16")).ok):
+        if os.environ.get("FUSEPATCH_GPU_REQUIRE") == "1" and (op_name, name) != ("linear_cross_entropy", "triton"):
+            pytest.fail(f"{op_name}/{name}: {verdict.reason}")
+        pytest.skip(f"{op_name}/{name}: {verdict.reason}")
+    return candidate
+
+
+def _record(row: dict) -> None:
+    folder = os.environ.get("FUSEPATCH_GPU_REPORT_DIR")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(os.path.join(folder, f"stage-faults-{worker}.jsonl"), "a") as file:
+            file.write(json.dumps(row) + "\n")
+
+
+def _measured(op_name, candidate, stage, fault, index, packed, dims, seed):
+    """(verdict, errors, bounds, wrapper) of the self-test of ``candidate`` with ``stage`` spoiled by ``fault``."""
+    from fusepatch.engine import selftest
+    from fusepatch.ops import OPS
+
+    op = OPS[op_name]
+    with injected(stage, fault, index) as wrapper:
+        fn = candidate.load()  # loaded with the wrapper in place: a stage bound at load time is wrapped too
+        found = selftest.measure(op, fn, "cuda", "bfloat16", packed=packed, dims=dims, seed=seed)
+    if not isinstance(found, tuple):  # wrong shapes
+        return found, {}, {}, wrapper
+    errors, limits = found
+    return selftest.judge(op, errors, limits, "cuda", "bfloat16"), errors, limits, wrapper
+
+
+@pytest.mark.parametrize(
+    "op_name,name,stage",
+    [(op, name, stage) for (op, name), stages in COMPOSITES.items() for stage in stages],
+    ids=lambda value: value.label if isinstance(value, Stage) else str(value),
+)
+def test_a_fault_inside_one_stage_is_refused(op_name, name, stage):
+    from fusepatch.engine.selftest import worst
+
+    candidate = _candidate(op_name, name)
+    clean, errors, limits, probe = _measured(op_name, candidate, stage, None, 0, False, None, seed=7)
+    assert clean.ok, f"{op_name}/{name} fails its self-test with no fault: {clean.reason}"
+    if probe.calls == 0:
+        _record({"op": op_name, "candidate": name, "stage": stage.label, "reached": False})
+        pytest.skip(f"{stage.label} is not called by {op_name}/{name} on this machine")
+    clean_worst = worst(errors, limits)
+    _record(
+        {
+            "op": op_name,
+            "candidate": name,
+            "stage": stage.label,
+            "fault": None,
+            "worst": clean_worst,
+            "error": errors[clean_worst],
+            "bound": limits[clean_worst],
+            "errors": errors,
+            "bounds": limits,
+        }
+    )
+    configurations = [(False, None)]
+    if op_name in PACKED:
+        configurations.append((True, None))
+    if op_name in DIMS_27B and name == "fla-saved-states-grouped":
+        configurations.append((False, DIMS_27B[op_name]))
+    passed = []
+    for index in range(probe.outputs):
+        for packed, dims in configurations:
+            for fault in FAULTS + (SWEEP if not packed and dims is None else ()):
+                verdict, errors, limits, wrapper = _measured(op_name, candidate, stage, fault, index, packed, dims, 11)
+                if wrapper.calls == 0 or not errors and verdict.ok:
+                    continue
+                name_ = worst(errors, limits) if errors else "shape"
+                row = {
+                    "op": op_name,
+                    "candidate": name,
+                    "stage": stage.label,
+                    "output": index,
+                    "fault": fault,
+                    "packed": packed,
+                    "dims": dims,
+                    "refused": not verdict.ok,
+                    "worst": name_,
+                    "error": errors.get(name_),
+                    "bound": limits.get(name_),
+                }
+                _record(row)
+                if verdict.ok and fault in FAULTS:
+                    passed.append(f"output {index} {fault} packed={packed} dims={dims}: {name_} {errors[name_]:.2e}")
+    assert not passed, f"{op_name}/{name}: faults in {stage.label} passed the self-test: {passed}"
