@@ -31,7 +31,12 @@ OPS_CHECKED = (
     "varlen_attention",
     "linear_cross_entropy",
     "moe_experts",
+    "fp8_linear",
 )
+# the layers' own head sizes the self-test runs at in training (SelfTest.dims_from): Qwen3.5-27B's and -2B's
+LAYER_DIMS = {
+    "gated_delta_rule": ({"hk": 16, "hv": 48, "dk": 128, "dv": 128}, {"hk": 16, "hv": 16, "dk": 128, "dv": 128})
+}
 
 
 def _loaded(op_name: str):
@@ -64,12 +69,16 @@ def test_real_kernels_pass_their_bounds(op_name):
     failures = []
     for name, fn in kernels:
         for packed in (False, True) if op_name in (*PACKED_OPS, "varlen_attention") else (False,):
-            for seed in range(3):
-                verdict, errors = selftest.compare(op, fn, "cuda", "bfloat16", packed=packed, seed=1000 + seed)
-                print(f"{op_name}/{name} packed={packed} seed={seed}: {verdict.ok} {errors}")
-                record(f"{op_name}/{name}/packed={packed}/seed={seed}", {"ok": verdict.ok, "errors": errors})
-                if not verdict.ok:
-                    failures.append(f"{name} packed={packed}: {verdict.reason}")
+            for dims in (None, *LAYER_DIMS.get(op_name, ())):
+                for seed in range(3):
+                    verdict, errors = selftest.compare(
+                        op, fn, "cuda", "bfloat16", packed=packed, dims=dims, seed=1000 + seed
+                    )
+                    label = f"{op_name}/{name}/packed={packed}/dims={dims}/seed={seed}"
+                    print(f"{label}: {verdict.ok} {errors}")
+                    record(label, {"ok": verdict.ok, "errors": errors})
+                    if not verdict.ok:
+                        failures.append(f"{name} packed={packed} dims={dims}: {verdict.reason}")
     assert not failures, failures
 
 

@@ -24,7 +24,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 FAULTS = ("x1.02", "x0.98", "nan", "zero_tile")
-SWEEP = ("x1.005", "x1.01", "x1.05")  # recorded, not asserted: the smallest factor each stage's fault is refused at
+SWEEP = ("x1.01",)  # recorded, not asserted: whether a stage's fault is refused at half the factor
 GDN = "fla.ops.gated_delta_rule.chunk"
 
 
@@ -32,12 +32,14 @@ GDN = "fla.ops.gated_delta_rule.chunk"
 class Stage:
     """A function a candidate calls, found by its module and name at call time.
 
-    ``writes``: the argument positions a compiled extension writes its results into (else the return value is
-    the result); ``loader``: ``name`` returns the stage function (``dqkwg.load``), which is then wrapped."""
+    ``writes``: the arguments (positions or keyword names) it writes its results into, in place; its return value
+    counts too where ``returns``; ``loader``: ``name`` returns the stage function (``dqkwg.load``), which is then
+    wrapped."""
 
     module: str
     name: str
-    writes: tuple[int, ...] = ()
+    writes: tuple[int | str, ...] = ()
+    returns: bool = False
     loader: bool = False
 
     @property
@@ -86,9 +88,11 @@ COMPOSITES: dict[tuple[str, str], tuple[Stage, ...]] = {
     ),
     ("linear_cross_entropy", "fla"): (
         Stage("fla.modules.fused_cross_entropy.ops", "cross_entropy_fwd"),
-        Stage("fla.modules.fused_cross_entropy.ops", "cross_entropy_bwd"),
+        # the gradient is written into the logits (inplace_backward=True)
+        Stage("fla.modules.fused_cross_entropy.ops", "cross_entropy_bwd", writes=("logits",)),
     ),
-    ("linear_cross_entropy", "triton"): (Stage("fusepatch.kernels.cross_entropy", "cross_entropy_"),),
+    # the loss returned, the gradient written into the logits
+    ("linear_cross_entropy", "triton"): (Stage("fusepatch.kernels.cross_entropy", "cross_entropy_", (0,), True),),
     ("fp8_linear", "scaled-mm"): FP8,
 }
 PACKED = ("gated_delta_rule", "causal_conv1d")
@@ -116,33 +120,43 @@ def _spoil(tensor: torch.Tensor, fault: str, in_place: bool) -> torch.Tensor:
     return changed
 
 
-def _spoilable(value) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0
+def _spoilable(value, fault: str) -> bool:
+    """A float tensor with elements; an FP8 tensor takes no factor (x1.02 rounds back to the same FP8 value)."""
+    if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0):
+        return False
+    return not (fault.startswith("x") and value.element_size() == 1)
 
 
 class Wrapper:
-    """Calls the stage, then spoils its output ``index`` (or the argument it writes) with ``fault``; counts calls
-    and the outputs it saw, so a stage that a call never reaches is told from one whose fault passed."""
+    """Calls the stage, then spoils its output ``index`` with ``fault``: the outputs are the tensors it returns,
+    then the arguments it writes (``Stage.writes``: positions or keyword names). Counts calls, so a stage that a
+    call never reaches is told from one whose fault passed."""
 
     def __init__(self, stage: Stage, fault: str | None, index: int):
         self.stage, self.fault, self.index = stage, fault, index
         self.calls = 0
         self.outputs = 0
 
+    def _written(self, args, kwargs) -> list:
+        return [kwargs.get(w) if isinstance(w, str) else args[w] if w < len(args) else None for w in self.stage.writes]
+
     def wrap(self, fn):
         @functools.wraps(fn)
         def stage(*args, **kwargs):
             out = fn(*args, **kwargs)
             self.calls += 1
-            if self.stage.writes:
-                self.outputs = len(self.stage.writes)
-                position = self.stage.writes[self.index] if self.index < len(self.stage.writes) else None
-                if self.fault and position is not None and _spoilable(args[position]):
-                    _spoil(args[position], self.fault, in_place=True)
-                return out
             outs = out if isinstance(out, tuple) else (out,)
-            self.outputs = len(outs)
-            if self.fault and self.index < len(outs) and _spoilable(outs[self.index]):
+            written = self._written(args, kwargs)
+            returned = () if self.stage.writes and not self.stage.returns else outs
+            self.outputs = len(returned) + len(written)
+            if self.fault is None or self.index >= self.outputs:
+                return out
+            if self.index >= len(returned):
+                target = written[self.index - len(returned)]
+                if _spoilable(target, self.fault):
+                    _spoil(target, self.fault, in_place=True)
+                return out
+            if _spoilable(outs[self.index], self.fault):
                 outs = (*outs[: self.index], _spoil(outs[self.index], self.fault, False), *outs[self.index + 1 :])
             return outs if isinstance(out, tuple) else outs[0]
 
@@ -189,6 +203,10 @@ def _record(row: dict) -> None:
             file.write(json.dumps(row) + "\n")
 
 
+def _same(errors: dict[str, float], clean: dict[str, float]) -> bool:
+    return errors.keys() == clean.keys() and all(abs(errors[q] - clean[q]) <= 0.05 * clean[q] + 1e-6 for q in clean)
+
+
 def _measured(op_name, candidate, stage, fault, index, packed, dims, seed):
     """(verdict, errors, bounds, wrapper) of the self-test of ``candidate`` with ``stage`` spoiled by ``fault``."""
     from fusepatch.engine import selftest
@@ -210,55 +228,44 @@ def _measured(op_name, candidate, stage, fault, index, packed, dims, seed):
     ids=lambda value: value.label if isinstance(value, Stage) else str(value),
 )
 def test_a_fault_inside_one_stage_is_refused(op_name, name, stage):
+    """Each fault of ``FAULTS`` in each output the stage gives is refused, packed and not (and, for the default
+    delta rule, at the 27B layer's head sizes). An output nothing reads (an unused final state, a bias gradient
+    without a bias) changes no error by a NaN: recorded as unread, not a pass."""
     from fusepatch.engine.selftest import worst
 
     candidate = _candidate(op_name, name)
-    clean, errors, limits, probe = _measured(op_name, candidate, stage, None, 0, False, None, seed=7)
-    assert clean.ok, f"{op_name}/{name} fails its self-test with no fault: {clean.reason}"
-    if probe.calls == 0:
-        _record({"op": op_name, "candidate": name, "stage": stage.label, "reached": False})
-        pytest.skip(f"{stage.label} is not called by {op_name}/{name} on this machine")
-    clean_worst = worst(errors, limits)
-    _record(
-        {
-            "op": op_name,
-            "candidate": name,
-            "stage": stage.label,
-            "fault": None,
-            "worst": clean_worst,
-            "error": errors[clean_worst],
-            "bound": limits[clean_worst],
-            "errors": errors,
-            "bounds": limits,
-        }
-    )
     configurations = [(False, None)]
     if op_name in PACKED:
         configurations.append((True, None))
     if op_name in DIMS_27B and name == "fla-saved-states-grouped":
         configurations.append((False, DIMS_27B[op_name]))
+    base = {"op": op_name, "candidate": name, "stage": stage.label}
+    clean = {}
+    for packed, dims in configurations:
+        verdict, errors, limits, probe = _measured(op_name, candidate, stage, None, 0, packed, dims, seed=11)
+        _record({**base, "fault": None, "packed": packed, "dims": dims, "refused": not verdict.ok,
+                 "calls": probe.calls, "outputs": probe.outputs, "errors": errors, "bounds": limits})  # fmt: skip
+        assert verdict.ok, f"{op_name}/{name} fails its self-test with no fault: {verdict.reason}"
+        clean[packed, json.dumps(dims)] = (errors, probe)
+    if clean[False, "null"][1].calls == 0:
+        pytest.skip(f"{stage.label} is not called by {op_name}/{name} on this machine")
     passed = []
-    for index in range(probe.outputs):
-        for packed, dims in configurations:
-            for fault in FAULTS + (SWEEP if not packed and dims is None else ()):
+    for packed, dims in configurations:
+        clean_errors, probe = clean[packed, json.dumps(dims)]
+        faults = (
+            ("nan", "x1.02", "zero_tile") if dims else ("nan", *FAULTS[:2], "zero_tile", *(() if packed else SWEEP))
+        )
+        for index in range(probe.outputs):
+            for fault in faults:
                 verdict, errors, limits, wrapper = _measured(op_name, candidate, stage, fault, index, packed, dims, 11)
-                if wrapper.calls == 0 or not errors and verdict.ok:
-                    continue
-                name_ = worst(errors, limits) if errors else "shape"
-                row = {
-                    "op": op_name,
-                    "candidate": name,
-                    "stage": stage.label,
-                    "output": index,
-                    "fault": fault,
-                    "packed": packed,
-                    "dims": dims,
-                    "refused": not verdict.ok,
-                    "worst": name_,
-                    "error": errors.get(name_),
-                    "bound": limits.get(name_),
-                }
-                _record(row)
+                # a NaN that no error sees (beyond the run-to-run noise of atomic sums): nothing reads this output
+                unread = fault == "nan" and verdict.ok and _same(errors, clean_errors)
+                found = worst(errors, limits) if errors else "shape"
+                _record({**base, "output": index, "fault": fault, "packed": packed, "dims": dims,
+                         "refused": not verdict.ok, "unread": unread, "worst": found, "error": errors.get(found),
+                         "bound": limits.get(found), "errors": errors, "bounds": limits})  # fmt: skip
+                if unread:  # nothing reads this output: no other fault of it can show either
+                    break
                 if verdict.ok and fault in FAULTS:
-                    passed.append(f"output {index} {fault} packed={packed} dims={dims}: {name_} {errors[name_]:.2e}")
+                    passed.append(f"output {index} {fault} packed={packed} dims={dims}: {found} {errors[found]:.2e}")
     assert not passed, f"{op_name}/{name}: faults in {stage.label} passed the self-test: {passed}"

@@ -146,14 +146,17 @@ GATED_DELTA_RULE = Op(
             distribution="fla-core",
         ),
     ),
-    # grad[5], grad[6]: A_log and dt_bias, whose gradients sum the decay gradient over every token with heavy
-    # cancellation; in bf16 kernels that amplifies rounding (measured on the H200 in a mini model: 5-16% where
-    # the fp32-recurrence eager path has 0.2-2%), so at half precision they get the GPU tests' bound.
+    # Floors from the real kernels' errors on these inputs (H200, fla 0.6.0 with TileLang, every case: the
+    # stage-fault record in benchmarks/records/): at most 0.61% relative and 0.24% along the reference
+    # (the beta gradient of a single chunk), A_log's and dt_bias's gradients (grad[5], grad[6], which sum the decay
+    # gradient over every token) at most 1.02%. The floors keep about 1.5x of room over those and stay below
+    # the 1-2% that a stage off by 2% gives (tests/gpu/test_gpu_stage_faults.py).
     selftest=SelfTest(
         _selftest_inputs,
-        {"bfloat16": 8e-3, "float16": 2e-3, "float32": 5e-3},
+        {"bfloat16": 4e-3, "float16": 2e-3, "float32": 5e-3},
         _dims,
-        looser={half: {"grad[5]": 0.25, "grad[6]": 0.25} for half in ("bfloat16", "float16")},
+        looser={half: {"grad[5]": 0.012, "grad[6]": 0.012} for half in ("bfloat16", "float16")},
+        statistics={"tile": 2.0, "scale": 0.75},
         outputs=2,
         cases=CASES,
     ),
