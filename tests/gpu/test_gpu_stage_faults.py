@@ -222,11 +222,20 @@ def _measured(op_name, candidate, stage, fault, index, packed, dims, seed):
     return selftest.judge(op, errors, limits, "cuda", "bfloat16"), errors, limits, wrapper
 
 
-@pytest.mark.parametrize(
-    "op_name,name,stage",
-    [(op, name, stage) for (op, name), stages in COMPOSITES.items() for stage in stages],
-    ids=lambda value: value.label if isinstance(value, Stage) else str(value),
-)
+def _params() -> list:
+    """Every (op, candidate, stage), grouped for ``--dist loadgroup``: a worker that keeps one candidate's stages
+    compiles and autotunes its kernels once (the delta rule's in two halves, the longest)."""
+    params = []
+    for (op, name), stages in COMPOSITES.items():
+        for number, stage in enumerate(stages):
+            group = f"{op}/{name}" + (f"/{number % 2}" if op == "gated_delta_rule" else "")
+            params.append(
+                pytest.param(op, name, stage, marks=pytest.mark.xdist_group(group), id=f"{name}-{stage.label}")
+            )
+    return params
+
+
+@pytest.mark.parametrize("op_name,name,stage", _params())
 def test_a_fault_inside_one_stage_is_refused(op_name, name, stage):
     """Each fault of ``FAULTS`` in each output the stage gives is refused, packed and not (and, for the default
     delta rule, at the 27B layer's head sizes). An output nothing reads (an unused final state, a bias gradient
