@@ -226,9 +226,12 @@ def trainer_head(module: torch.nn.Module) -> str | None:
     for function in _forwards_within(module):
         code = function.__code__
         parameters = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        # the package of the module that defined it (its globals: ``functools.wraps`` copies the wrapped forward's
+        # ``__module__``), not its file's folders: a checkout may sit in a folder named ``trl`` or ``liger_kernel``
+        package = str(getattr(function, "__globals__", {}).get("__name__", "")).split(".")[0]
         if "fused_lm_head" in parameters:
-            return "TRL's fused LM head" if "trl" in code.co_filename.split("/") else "a fused LM head (fused_lm_head)"
-        if "liger_kernel" in code.co_filename.split("/"):
+            return "TRL's fused LM head" if package == "trl" else "a fused LM head (fused_lm_head)"
+        if package == "liger_kernel":
             return "Liger's fused linear cross-entropy"
     return None
 
