@@ -465,6 +465,25 @@ def _other_choices(plan: Plan, request: Request) -> tuple[int, list[str]] | None
     return (count, sorted(names)) if count else None
 
 
+def _nothing_selected(plan: Plan, request: Request) -> str:
+    """Why ``ops``/``exclude`` leave none of the model's ops to fuse (``ops=[]``: an empty list selects none, where
+    ``None`` selects every op), with the fix; empty when some op is selected."""
+    offered = list(dict.fromkeys(op for row in plan.found if row not in plan.owners for op in row.ops))
+    chosen = [op for op in offered if (request.ops is None or op in request.ops) and op not in request.exclude]
+    if not offered or chosen:
+        return ""
+    if request.ops == ():
+        why = "apply(ops=[]) selects no op (an empty list; ops=None, the default, selects every op)"
+    else:
+        given = {"ops": None if request.ops is None else list(request.ops), "exclude": list(request.exclude)}
+        arguments = ", ".join(f"{name}={value!r}" for name, value in given.items() if value)
+        why = f"apply({arguments}) leaves none of this model's ops"
+    return (
+        f"nothing will be fused: {why}, so every patched layer runs transformers' arithmetic; fix: leave ops out "
+        f"to fuse every op, or name the ops to fuse among this model's: {', '.join(offered)}"
+    )
+
+
 def _outcome(plan: Plan, newly: int, already: int) -> str:
     if plan.on_meta:
         return (
@@ -608,7 +627,11 @@ def apply(
             count,
             ", ".join(names),
         )
-    report = _report(plan, resolved.layers, message=_outcome(plan, newly, already), newly=newly, already=already)
+    unselected = _nothing_selected(plan, request) if newly else ""
+    if unselected:
+        logger.warning("fusepatch: %s", unselected)
+    outcome = "; ".join(filter(None, (_outcome(plan, newly, already), unselected)))
+    report = _report(plan, resolved.layers, message=outcome, newly=newly, already=already)
     _finish(plan, resolved, report, request, newly)
     return report
 

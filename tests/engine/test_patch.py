@@ -86,6 +86,28 @@ def test_other_kernel_choices_given_to_a_patched_model_are_said_not_to_reach_it(
     assert "this call's exclude did not reach them" in said[0] and "fusepatch.revert(model)" in said[0]
 
 
+def test_ops_that_select_nothing_say_nothing_will_be_fused(caplog):
+    """``apply(ops=[])`` (an empty list, where None is every op), or ops/exclude that leave none of the model's ops,
+    patch the layers with every op eager: said at WARNING and in the report, with the fix; a selection that keeps
+    an op says nothing of it."""
+    for kwargs, why in (
+        ({"ops": []}, "apply(ops=[]) selects no op"),
+        ({"ops": "gated_delta_rule"}, "apply(ops=['gated_delta_rule']) leaves none of this model's ops"),
+        ({"ops": ["swiglu"], "exclude": "swiglu"}, "apply(ops=['swiglu'], exclude=['swiglu']) leaves none"),
+    ):
+        caplog.clear()
+        report = fusepatch.apply(tiny_model("qwen3", num_hidden_layers=1), verbose=False, **kwargs)
+        said = [r for r in caplog.records if "nothing will be fused" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == logging.WARNING, kwargs
+        assert why in said[0].getMessage() and "fix: leave ops out" in said[0].getMessage()
+        assert "rms_norm" in said[0].getMessage().split("fix:")[1]  # the model's ops, to choose from
+        assert said[0].getMessage().removeprefix("fusepatch: ") in report.message and report.message in str(report)
+    caplog.clear()
+    report = fusepatch.apply(tiny_model("qwen3", num_hidden_layers=1), ops=["swiglu"], verbose=False)
+    assert "nothing will be fused" not in report.message
+    assert not [r for r in caplog.records if "nothing will be fused" in r.getMessage()]
+
+
 def test_save_pretrained_is_unchanged_by_apply(tmp_path):
     model = tiny_model("qwen3_5_text")
     model.save_pretrained(tmp_path / "before")
