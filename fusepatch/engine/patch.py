@@ -308,6 +308,8 @@ def _request(
 ) -> tuple[torch.nn.Module, Request]:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fusepatch.apply expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    # every FUSEPATCH_* variable, read or not on this call, all bad ones in one error (before the request reads one)
+    options.check_environment(candidate_names(), PREFERABLE)
     request = Request(
         ops=None if ops is None else tuple(options.names(ops, "ops")),
         exclude=tuple(options.names(exclude, "exclude")),
@@ -324,7 +326,6 @@ def _request(
         raise ValueError(
             'drop_frozen_weights=True keeps frozen projections in FP8 only; fix: pass precision="fp8" with it'
         )
-    options.check_environment(candidate_names(), PREFERABLE)  # every FUSEPATCH_* variable, read or not on this call
     for name in [*(request.ops or ()), *request.exclude]:
         if name not in OPS:
             raise ValueError(f"unknown op {name!r}; known ops: {', '.join(sorted(OPS))}")
