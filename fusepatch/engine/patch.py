@@ -303,11 +303,17 @@ class Resolved:
     layers: list[LayerReport]
 
 
-def _request(
-    model, ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose, precision=None, drop_frozen_weights=False
-) -> tuple[torch.nn.Module, Request]:
+def _request(model, *arguments) -> tuple[torch.nn.Module, Request]:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fusepatch.apply expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    return unwrapped(model), _checked(*arguments)
+
+
+def _checked(
+    ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose, precision=None, drop_frozen_weights=False
+) -> Request:
+    """``apply``'s arguments and the ``FUSEPATCH_*`` variables checked: the request, or the error naming the values
+    an argument or variable takes."""
     # every FUSEPATCH_* variable, read or not on this call, all bad ones in one error (before the request reads one)
     options.check_environment(candidate_names(), PREFERABLE)
     request = Request(
@@ -329,7 +335,24 @@ def _request(
     for name in [*(request.ops or ()), *request.exclude]:
         if name not in OPS:
             raise ValueError(f"unknown op {name!r}; known ops: {', '.join(sorted(OPS))}")
-    return unwrapped(model), dataclasses.replace(request, prefer=preferred_sources(prefer))
+    return dataclasses.replace(request, prefer=preferred_sources(prefer))
+
+
+def check_apply_kwargs(kwargs: dict[str, Any]) -> None:
+    """Raise now what ``apply(model, **kwargs)`` would raise for them, without a model: an unknown name (the
+    ``TypeError`` Python gives, with the names ``apply`` takes), or a value outside what its argument or a
+    ``FUSEPATCH_*`` variable takes (``apply``'s own error). For the callers that hold ``apply_kwargs`` until a
+    model exists (``FusePatchCallback``: the first training step; ``from_pretrained``: after the download)."""
+    signature = inspect.signature(apply)
+    names = [name for name in signature.parameters if name != "model"]
+    if "model" in kwargs:
+        raise TypeError("apply_kwargs: 'model' is the model itself, not one of apply's keyword arguments")
+    try:
+        bound = signature.bind(None, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"fusepatch.apply() {exc}; it takes {', '.join(names)}") from None
+    bound.apply_defaults()
+    _checked(**{name: bound.arguments[name] for name in names})  # apply's keyword arguments are _checked's
 
 
 _REPORT_REQUEST = Request(None, (), (), False, None, False, None)  # report(model): a plan that raises nothing
