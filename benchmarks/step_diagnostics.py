@@ -12,6 +12,7 @@ them times the step that ``train_step.py`` reports.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -270,16 +271,33 @@ def count_in_preamble():
         causal_lm._count_after_first_layer = hook
 
 
+@functools.cache
+def _roots() -> dict[str, str]:
+    """The folders of the packages named by where they are, not by a folder's name: a checkout's own folder may be
+    called ``fusepatch`` (``git clone <repo> fusepatch``) and hold tests and benchmarks that are neither."""
+    import transformers
+
+    import fusepatch
+
+    roots = {"fusepatch": fusepatch.__file__, "transformers": transformers.__file__, "torch": torch.__file__}
+    roots = {name: os.path.dirname(os.path.abspath(path)) for name, path in roots.items()}
+    return {**roots, "benchmarks": os.path.dirname(os.path.abspath(__file__))}
+
+
 def _package(filename: str) -> str:
     """The package a profiled function's code belongs to (``fla``, ``triton``, ``torch``, ...), for totals."""
     if filename.startswith("~") or filename.startswith("<"):
         return "builtins"  # C functions (cProfile names them "~") and generated code
-    parts = filename.replace(os.sep, "/").split("/")
-    for anchor in ("site-packages", "dist-packages", "site-fla", "site-tl", "site-local"):
-        if anchor in parts[:-1]:
-            return parts[parts.index(anchor) + 1].split(".")[0]
-    here = next((p for p in ("fusepatch", "benchmarks", "transformers", "torch") if p in parts[:-1]), None)
-    return here or "other"
+    path = os.path.abspath(filename)
+    for name, root in _roots().items():
+        if path.startswith(root + os.sep):
+            return name
+    parts = path.replace(os.sep, "/").split("/")[:-1]
+    anchors = [i for i, part in enumerate(parts[:-1]) if part in SITE_FOLDERS]
+    return parts[anchors[-1] + 1].split(".")[0] if anchors else "other"
+
+
+SITE_FOLDERS = ("site-packages", "dist-packages", "site-fla", "site-tl", "site-local")  # installed packages' parents
 
 
 def host_profile(step, length: int, sync, body, sleep_ms: float = 3000.0, gpu=None, top: int = 45) -> dict:

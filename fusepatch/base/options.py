@@ -255,23 +255,40 @@ def kernels_lock() -> str | None:
     return path
 
 
+def given() -> dict[str, str]:
+    """The ``FUSEPATCH_*`` variables set in this process, read or retired, with their values."""
+    return {name: os.environ[name] for name in (*VARIABLES, "FUSEPATCH_CACHE", *RETIRED) if name in os.environ}
+
+
+def environment_problems(
+    candidates: Mapping[str, Iterable[str]], source_names: Iterable[str] = ("pip", "hub")
+) -> dict[str, str]:
+    """Each ``FUSEPATCH_*`` variable whose value is outside its values -> the message naming what it takes.
+    ``candidates``: op -> its candidates' names (``FUSEPATCH_SKIP``)."""
+    checks = {variable: (lambda v=variable: switch(v)) for variable in SWITCHES}
+    checks["FUSEPATCH_VERBOSITY"] = verbosity
+    checks["FUSEPATCH_TRUST_KERNELS"] = trusted_kernels
+    checks["FUSEPATCH_KERNELS_LOCK"] = kernels_lock
+    checks["FUSEPATCH_SKIP"] = lambda: skip_pairs(_raw("FUSEPATCH_SKIP"), candidates)
+    checks["FUSEPATCH_CE_LOGITS_MIB"] = lambda: positive_whole("FUSEPATCH_CE_LOGITS_MIB", DEFAULT_LOGITS_MIB, "MiB")
+    checks["FUSEPATCH_PREFER"] = lambda: sources(_raw("FUSEPATCH_PREFER"), "FUSEPATCH_PREFER", source_names)
+    problems = {}
+    for variable, check in checks.items():
+        try:
+            check()
+        except ValueError as exc:
+            problems[variable] = str(exc)
+    return problems
+
+
 def check_environment(candidates: Mapping[str, Iterable[str]], source_names: Iterable[str] = ("pip", "hub")) -> None:
     """Read every ``FUSEPATCH_*`` variable now (``apply`` calls this first), so a value it does not take fails here,
     all of them in one error, and not later or never: a variable read only on the GPU or when a loss runs is checked
     on every machine. ``candidates``: op -> its candidates' names (``FUSEPATCH_SKIP``)."""
-    problems = []
-    checks = [*(lambda v=v: switch(v) for v in SWITCHES), verbosity, trusted_kernels, kernels_lock]
-    checks.append(lambda: skip_pairs(_raw("FUSEPATCH_SKIP"), candidates))
-    checks.append(lambda: positive_whole("FUSEPATCH_CE_LOGITS_MIB", DEFAULT_LOGITS_MIB, "MiB"))
-    checks.append(lambda: sources(_raw("FUSEPATCH_PREFER"), "FUSEPATCH_PREFER", source_names))
     for variable, instead in RETIRED.items():
         if _raw(variable):
             logging.getLogger("fusepatch").warning("%s is no longer read: %s; fix: unset it", variable, instead)
-    for check in checks:
-        try:
-            check()
-        except ValueError as exc:
-            problems.append(str(exc))
+    problems = list(environment_problems(candidates, source_names).values())
     if len(problems) == 1:
         raise ValueError(f"fusepatch: {problems[0]}")
     if problems:

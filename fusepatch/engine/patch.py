@@ -303,11 +303,19 @@ class Resolved:
     layers: list[LayerReport]
 
 
-def _request(
-    model, ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose, precision=None, drop_frozen_weights=False
-) -> tuple[torch.nn.Module, Request]:
+def _request(model, *arguments) -> tuple[torch.nn.Module, Request]:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fusepatch.apply expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    return unwrapped(model), _checked(*arguments)
+
+
+def _checked(
+    ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose, precision=None, drop_frozen_weights=False
+) -> Request:
+    """``apply``'s arguments and the ``FUSEPATCH_*`` variables checked: the request, or the error naming the values
+    an argument or variable takes."""
+    # every FUSEPATCH_* variable, read or not on this call, all bad ones in one error (before the request reads one)
+    options.check_environment(candidate_names(), PREFERABLE)
     request = Request(
         ops=None if ops is None else tuple(options.names(ops, "ops")),
         exclude=tuple(options.names(exclude, "exclude")),
@@ -324,11 +332,27 @@ def _request(
         raise ValueError(
             'drop_frozen_weights=True keeps frozen projections in FP8 only; fix: pass precision="fp8" with it'
         )
-    options.check_environment(candidate_names(), PREFERABLE)  # every FUSEPATCH_* variable, read or not on this call
     for name in [*(request.ops or ()), *request.exclude]:
         if name not in OPS:
             raise ValueError(f"unknown op {name!r}; known ops: {', '.join(sorted(OPS))}")
-    return unwrapped(model), dataclasses.replace(request, prefer=preferred_sources(prefer))
+    return dataclasses.replace(request, prefer=preferred_sources(prefer))
+
+
+def check_apply_kwargs(kwargs: dict[str, Any]) -> None:
+    """Raise now what ``apply(model, **kwargs)`` would raise for them, without a model: an unknown name (the
+    ``TypeError`` Python gives, with the names ``apply`` takes), or a value outside what its argument or a
+    ``FUSEPATCH_*`` variable takes (``apply``'s own error). For the callers that hold ``apply_kwargs`` until a
+    model exists (``FusePatchCallback``: the first training step; ``from_pretrained``: after the download)."""
+    signature = inspect.signature(apply)
+    names = [name for name in signature.parameters if name != "model"]
+    if "model" in kwargs:
+        raise TypeError("apply_kwargs: 'model' is the model itself, not one of apply's keyword arguments")
+    try:
+        bound = signature.bind(None, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"fusepatch.apply() {exc}; it takes {', '.join(names)}") from None
+    bound.apply_defaults()
+    _checked(**{name: bound.arguments[name] for name in names})  # apply's keyword arguments are _checked's
 
 
 _REPORT_REQUEST = Request(None, (), (), False, None, False, None)  # report(model): a plan that raises nothing
@@ -452,26 +476,95 @@ def _choices_of(request: Request) -> tuple:
     return (request.ops, request.exclude, request.prefer)
 
 
-def _other_choices(plan: Plan, request: Request) -> tuple[int, list[str]] | None:
-    """Modules patched before with other kernel choices than ``request``'s: how many, and which arguments differ."""
-    wanted, count, names = _choices_of(request), 0, set()
-    for modules in plan.found.values():
-        for module in modules:
-            state = module.__dict__.get("_fusepatch")
-            if state is None or not state.choosing or state.choosing == wanted:
-                continue
-            count += 1
+def _kept(plan: Plan, request: Request) -> list[str]:
+    """What modules patched before keep of the apply that patched them where ``request`` asks otherwise: a second
+    apply patches only modules not patched yet, so their kernel choices, their FP8 rows and what those keep
+    (``drop_frozen_weights``), the MLP recompute and the layers' CUDA graphs stay as they were."""
+    wanted, choosing, names = _choices_of(request), 0, set()
+    fp8, dropping, recompute, graphed = 0, 0, [], False
+    for module in plan.model.modules():
+        state = module.__dict__.get("_fusepatch")
+        graphed = graphed or layer_graphs.ATTRIBUTE in module.__dict__
+        if state is None:
+            continue
+        if state.choosing and state.choosing != wanted:
+            choosing += 1
             names.update(n for n, a, b in zip(("ops", "exclude", "prefer"), state.choosing, wanted) if a != b)
-    return (count, sorted(names)) if count else None
+        if state.row.precision is not None and state.row.precision != request.precision:
+            fp8 += 1
+        elif state.row.precision is not None and state.drop_frozen != request.drop_frozen_weights:
+            dropping += 1
+        if state.row.forward is swiglu_mlp_forward and state.mlp_recompute != request.mlp_recompute:
+            recompute.append(state.mlp_recompute)
+    kept = []
+    if choosing:
+        kept.append(
+            f"{choosing} modules were patched before with other kernel choices and keep them (this call's "
+            f"{', '.join(sorted(names))} did not reach them)"
+        )
+    if fp8:
+        kept.append(f"{fp8} FP8 projections keep their FP8 GEMMs (this call's precision={request.precision!r})")
+    if dropping:
+        kept.append(f"{dropping} FP8 projections keep drop_frozen_weights={not request.drop_frozen_weights}")
+    if recompute:
+        kept.append(f"{len(recompute)} MLPs keep FUSEPATCH_MLP_RECOMPUTE {'on' if recompute[0] else 'off'}")
+    if graphed and not request.cuda_graphs:
+        kept.append("the decoder layers keep their CUDA graphs (this call's cuda_graphs=False)")
+    return kept
 
 
-def _outcome(plan: Plan, newly: int, already: int) -> str:
+def _nothing_selected(plan: Plan, request: Request) -> str:
+    """Why ``ops``/``exclude`` leave none of the model's ops to fuse (``ops=[]``: an empty list selects none, where
+    ``None`` selects every op), with the fix; empty when some op is selected."""
+    offered = list(dict.fromkeys(op for row in plan.found if row not in plan.owners for op in row.ops))
+    chosen = [op for op in offered if (request.ops is None or op in request.ops) and op not in request.exclude]
+    if not offered or chosen:
+        return ""
+    if request.ops == ():
+        why = "apply(ops=[]) selects no op (an empty list; ops=None, the default, selects every op)"
+    else:
+        given = {"ops": None if request.ops is None else list(request.ops), "exclude": list(request.exclude)}
+        arguments = ", ".join(f"{name}={value!r}" for name, value in given.items() if value)
+        why = f"apply({arguments}) leaves none of this model's ops"
+    return (
+        f"nothing will be fused: {why}, so every patched layer runs transformers' arithmetic; fix: leave ops out "
+        f"to fuse every op, or name the ops to fuse among this model's: {', '.join(offered)}"
+    )
+
+
+def _outcome(plan: Plan, newly: int, already: int, kept: list[str], graphs: bool) -> str:
+    """The report's message: the meta device's deferred choices; or, for a model patched before, what this call
+    added and what it did not change."""
     if plan.on_meta:
         return (
             "the model is on the meta device: its layers are patched, and each op's kernel is chosen and "
             "self-tested at its first call on a real device (fusepatch.report(model) shows the choices then)"
         )
-    return f"already patched ({already} modules); nothing changed" if newly == 0 and already else ""
+    if not already:
+        return ""
+    if not (newly or graphs or kept):
+        return f"already patched ({already} modules); nothing changed"
+    said = [] if newly else [f"already patched ({already} modules)"]
+    said += ["cuda_graphs=True: the decoder layers are graphed from now on"] if graphs else []
+    said += [f"kept from before: {'; '.join(kept)}"] if kept else []
+    return "; ".join(said)
+
+
+def _graphed(model: torch.nn.Module) -> bool:
+    return any(layer_graphs.ATTRIBUTE in module.__dict__ for module in model.modules())
+
+
+def _strict_refusal(plan: Plan, pending: PatchReport) -> str:
+    """``strict=True``'s error: every fallback; for a model patched before, that its patches stay (a second apply
+    patches only what is new, so strict cannot take them back) and how to apply strictly."""
+    before = sum("_fusepatch" in module.__dict__ for modules in plan.found.values() for module in modules)
+    if not before:
+        return "fusepatch.apply(strict=True): nothing patched; fallbacks:\n" + "\n".join(pending.log_lines())
+    return (
+        f"fusepatch.apply(strict=True): nothing patched by this call, and the {before} modules patched before keep "
+        "their patches and their fallbacks (strict refuses what a call would patch); fix: fusepatch.revert(model), "
+        "then fusepatch.apply(model, strict=True); fallbacks:\n" + "\n".join(pending.log_lines())
+    )
 
 
 def _finish(plan: Plan, resolved: Resolved, report: PatchReport, request: Request, newly: int) -> None:
@@ -541,6 +634,11 @@ def apply(
     self-test for the model's current device and dtype; the choice is re-made per call if the model moves.
     Anything that falls back to eager is logged at WARNING with the reason and the fix.
 
+    On a model patched before, only what is not patched yet is patched (``precision="fp8"``'s rows), and
+    ``cuda_graphs=True`` graphs the layers; what the earlier apply set on its modules (kernel choices, FP8 rows,
+    ``drop_frozen_weights``, ``FUSEPATCH_MLP_RECOMPUTE``, CUDA graphs) stays, said at WARNING with the fix
+    (``revert``, then ``apply``).
+
     Args:
         model: a Hugging Face model (``Qwen3_5ForCausalLM``, ``Qwen3ForCausalLM``, ...), or one wrapped by DDP,
             ``nn.DataParallel`` or ``torch.compile``: the model inside is patched.
@@ -593,22 +691,24 @@ def apply(
         logger.warning("fusepatch: %d modules run as before: %s: %s", len(paths), why, shown)
     resolved = _resolve(plan, request)
     if request.strict and (pending := _report(plan, resolved.layers)).fallbacks():
-        raise FusePatchError(
-            "fusepatch.apply(strict=True): nothing patched; fallbacks:\n" + "\n".join(pending.log_lines())
-        )
+        raise FusePatchError(_strict_refusal(plan, pending))
+    graphs = request.cuda_graphs and not _graphed(plan.model) and bool(decoder_stacks(plan.model)[0])
     newly, already = _bind(plan, resolved, request)
     if request.drop_frozen_weights:
         keep_what_variants_read(plan.model)
-    if already and (differ := _other_choices(plan, request)):
-        count, names = differ
+    kept = _kept(plan, request) if already else []
+    if kept:
         logger.warning(
-            "fusepatch: %d modules were patched before with other kernel choices and keep them: this call's %s "
-            "did not reach them; fix: fusepatch.revert(model), then apply with them (weights kept in FP8 only come "
-            "back rounded)",
-            count,
-            ", ".join(names),
+            "fusepatch: %s was patched before, and this apply did not change what that one set: %s; fix: "
+            "fusepatch.revert(model), then apply with the options wanted (weights kept in FP8 only come back rounded)",
+            type(plan.model).__name__,
+            "; ".join(kept),
         )
-    report = _report(plan, resolved.layers, message=_outcome(plan, newly, already), newly=newly, already=already)
+    unselected = _nothing_selected(plan, request) if newly else ""
+    if unselected:
+        logger.warning("fusepatch: %s", unselected)
+    outcome = "; ".join(filter(None, (_outcome(plan, newly, already, kept, graphs), unselected)))
+    report = _report(plan, resolved.layers, message=outcome, newly=newly, already=already)
     _finish(plan, resolved, report, request, newly)
     return report
 

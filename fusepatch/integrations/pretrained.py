@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fusepatch.base.env import require_transformers
-from fusepatch.engine.patch import apply
+from fusepatch.engine.patch import apply, check_apply_kwargs
 
 
 def from_pretrained(
@@ -18,7 +18,7 @@ def from_pretrained(
         auto_class: the transformers auto class to load with (default ``AutoModelForCausalLM``; e.g.
             ``AutoModelForImageTextToText`` for Qwen3.5 image-text checkpoints).
         apply_kwargs: keyword arguments for :func:`fusepatch.apply` (``ops``, ``exclude``, ``prefer``, ``strict``,
-            ``verbose``, ``precision``, ``drop_frozen_weights``).
+            ``verbose``, ``precision``, ``drop_frozen_weights``), checked before the model loads.
         **kwargs: for ``from_pretrained`` (``dtype``, ``device_map``, ``attn_implementation``, ...).
 
     Returns:
@@ -28,6 +28,7 @@ def from_pretrained(
 
         >>> model = fusepatch.from_pretrained("Qwen/Qwen3.5-27B", dtype="bfloat16", device_map="cuda")  # doctest: +SKIP
     """
+    check_apply_kwargs(apply_kwargs or {})  # before a download and load of many GB, not after
     transformers = require_transformers()
     loader = auto_class or transformers.AutoModelForCausalLM
     model = loader.from_pretrained(name_or_path, *args, **kwargs)

@@ -22,7 +22,7 @@ from transformers import TrainerCallback
 from fusepatch.base import options
 from fusepatch.diagnostics import profile as profiling
 from fusepatch.diagnostics.compiles import CompileCounter, describe
-from fusepatch.engine.patch import apply, decoder_stacks, report
+from fusepatch.engine.patch import apply, check_apply_kwargs, decoder_stacks, report
 from fusepatch.layers import layer_graphs
 
 logger = logging.getLogger("fusepatch")
@@ -135,8 +135,10 @@ class FusePatchCallback(TrainerCallback):
         apply_patches: call ``fusepatch.apply`` on the model if it is not patched yet (or was patched without the
             ``precision`` that ``apply_kwargs`` asks for).
         apply_kwargs: keyword arguments for ``fusepatch.apply`` (``ops``, ``exclude``, ``prefer``, ``strict``,
-            ``cuda_graphs``, ``precision``, ``drop_frozen_weights``). A model patched before the callback keeps
-            its patches; only a ``precision`` it lacks is added, and the other arguments are said to be unused.
+            ``cuda_graphs``, ``precision``, ``drop_frozen_weights``), checked here as ``apply`` checks them (an
+            unknown name or a value it does not take raises what ``apply`` raises). A model patched before the
+            callback keeps its patches; only a ``precision`` it lacks is added, and the other arguments are said
+            to be unused.
         profile: profile one optimizer step with ``torch.profiler`` (default: only when ``profile_step`` is
             given). What it costs: that step syncs the device at both ends and runs slower, since the profiler
             records every op (a tiny model on CPU: 2.1x the median step); its tokens/s and MFU are measured over
@@ -169,6 +171,8 @@ class FusePatchCallback(TrainerCallback):
             raise ValueError(f"profile_step counts optimizer steps from 1, got {profile_step}")
         self.apply_patches = apply_patches
         self.apply_kwargs = dict(apply_kwargs or {})
+        if apply_patches:  # what apply would raise at the first step, raised here (a name or value it does not take)
+            check_apply_kwargs(self.apply_kwargs)
         self.profile = profile_step is not None if profile is None else profile
         self.profile_step = 5 if profile_step is None else profile_step
         self.trace_dir = trace_dir

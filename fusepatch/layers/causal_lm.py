@@ -12,7 +12,7 @@ import torch
 
 from fusepatch.base.dtypes import autocast_dtype, dtype_name, fsdp_compute_dtype
 from fusepatch.layers.support.bindings import hold
-from fusepatch.layers.support.labelled_rows import LabelledRows
+from fusepatch.layers.support.labelled_rows import LabelledRows, check_fit
 from fusepatch.layers.support.packing import note_padding, traced_plain_call
 from fusepatch.layers.support.positions import FIND_PACKED, MASKING, plain_positions, skip_plain, wants_plain_positions
 
@@ -70,6 +70,10 @@ def _causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
     reference, cache = _reference_and_cache(args, kwargs)
+    shift_labels = kwargs.pop("shift_labels", None)
+    if reference is not None:  # none: transformers' forward raises for the missing input
+        given = "labels" if shift_labels is None else "shift_labels"
+        check_fit(labels if shift_labels is None else shift_labels, reference, name=given)
     if (
         not torch.compiler.is_compiling()
         and len(args) <= 1
@@ -78,7 +82,7 @@ def _causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
         # the positions transformers would build, known to hold one document a row: no read of the GPU to find out
         kwargs["position_ids"] = plain_positions(reference.shape[0], reference.shape[1], reference.device)
         hold(self, MASKING, FIND_PACKED, skip_plain)  # transformers' packed-rows check reads them neither
-    rows = _labelled_rows(labels, kwargs.pop("shift_labels", None), start=False)
+    rows = _labelled_rows(labels, shift_labels, start=False)
     # counted once the text stack's first layer is queued (an image-text wrapper runs its vision tower before it)
     counting = _count_after_first_layer(getattr(self.model, "language_model", self.model), rows)
     captured = []
@@ -226,9 +230,12 @@ def trainer_head(module: torch.nn.Module) -> str | None:
     for function in _forwards_within(module):
         code = function.__code__
         parameters = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        # the package of the module that defined it (its globals: ``functools.wraps`` copies the wrapped forward's
+        # ``__module__``), not its file's folders: a checkout may sit in a folder named ``trl`` or ``liger_kernel``
+        package = str(getattr(function, "__globals__", {}).get("__name__", "")).split(".")[0]
         if "fused_lm_head" in parameters:
-            return "TRL's fused LM head" if "trl" in code.co_filename.split("/") else "a fused LM head (fused_lm_head)"
-        if "liger_kernel" in code.co_filename.split("/"):
+            return "TRL's fused LM head" if package == "trl" else "a fused LM head (fused_lm_head)"
+        if package == "liger_kernel":
             return "Liger's fused linear cross-entropy"
     return None
 

@@ -44,7 +44,8 @@ def _doctor(args: argparse.Namespace) -> int:
         print(f"fusepatch doctor: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else fit(render(report), args.wide))
-    return 1 if args.strict and report["fallbacks"] else 0
+    found = report["variables"]
+    return 1 if args.strict and (report["fallbacks"] or found["problems"] or found["disabled"]) else 0
 
 
 def _unknown_model_types(given: list[str] | None) -> str:
@@ -255,7 +256,11 @@ def main(argv: list[str] | None = None) -> int:
 
     doctor = sub.add_parser("doctor", parents=[common], help="what this machine can run, what falls back, the fix")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
-    doctor.add_argument("--strict", action="store_true", help="exit 1 when any op would fall back to eager")
+    doctor.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 when any op would fall back to eager, a FUSEPATCH_* value is bad, or FUSEPATCH_DISABLE is on",
+    )
     doctor.add_argument("--model-type", action="append", help="only the rows of this model_type (repeatable)")
     doctor.add_argument("--prefer", help="kernel source priority, e.g. pip,hub")
     doctor.add_argument(

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import os
 import time
 
 from fusepatch import backends
+from fusepatch.base import options
 from fusepatch.base.env import Environment, capture
 from fusepatch.base.known_issues import KNOWN_ISSUES
 from fusepatch.base.op import Op
 from fusepatch.base.release import __version__
 from fusepatch.base.versions import SUPPORT, version_in
 from fusepatch.engine.registry import all_ops, all_rows
-from fusepatch.engine.resolve import evaluate, first_verdict, ordered, preferred_sources
+from fusepatch.engine.resolve import PREFERABLE, candidate_names, evaluate, first_verdict, ordered, preferred_sources
 from fusepatch.engine.selftest import COMPILED_S
 
 logger = logging.getLogger("fusepatch")
@@ -113,6 +116,29 @@ def examine_op(
     return {"summary": op.summary, "chosen": chosen or "eager", "candidates": candidates}
 
 
+def variables() -> dict:
+    """The ``FUSEPATCH_*`` variables as ``apply`` reads them: those set, each bad value with the values it takes
+    (``apply`` raises for it and patches nothing), the retired ones, and whether ``FUSEPATCH_DISABLE`` is on."""
+    problems = options.environment_problems(candidate_names(), PREFERABLE)
+    return {
+        "set": options.given(),
+        "problems": problems,
+        "retired": {name: instead for name, instead in options.RETIRED.items() if os.environ.get(name)},
+        "disabled": "FUSEPATCH_DISABLE" not in problems and options.switch("FUSEPATCH_DISABLE"),
+    }
+
+
+@contextlib.contextmanager
+def _unset(names):
+    """The variables ``names`` unset for the diagnosis, then back: a bad value makes ``apply`` raise, and the ops
+    are checked as they would run once it is fixed (the report says so)."""
+    kept = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(kept)
+
+
 def diagnose(
     *,
     model_types: list[str] | None = None,
@@ -121,6 +147,13 @@ def diagnose(
     every: bool = False,
 ) -> dict:
     """The doctor report as a JSON-serialisable dict."""
+    found = variables()
+    with _unset(found["problems"]):
+        report = _diagnose(model_types, prefer, static_only, every)
+    return {**report, "variables": found}
+
+
+def _diagnose(model_types: list[str] | None, prefer: tuple[str, ...] | None, static_only: bool, every: bool) -> dict:
     env = capture()
     prefer = preferred_sources(prefer)
     device, dtype = _target(env)
@@ -172,6 +205,35 @@ def diagnose(
 
 SHARED = 5  # a reason at least this many candidates give is listed once, above the ops
 
+DISABLED = (
+    "FUSEPATCH_DISABLE is on: fusepatch.apply patches nothing, and every model runs as transformers ships it "
+    "(the ops below are what apply would choose without it); fix: unset FUSEPATCH_DISABLE"
+)
+
+
+def variable_lines(found: dict | None) -> list[str]:
+    """The report's ``FUSEPATCH_*`` section: each variable set, ok or the values it takes; a blank line after."""
+    if found is None:
+        return []
+    lines = ["FUSEPATCH_* variables"]
+    if found["disabled"]:
+        lines.append(f"  {DISABLED}")
+    if found["problems"]:
+        lines.append(
+            f"  fusepatch.apply raises ValueError for {len(found['problems'])} of them and patches nothing; the ops "
+            "below are checked as if they were unset"
+        )
+    for name, value in found["set"].items():
+        if name in found["problems"]:
+            lines.append(f"  BAD {found['problems'][name]}")
+        elif name in found["retired"]:
+            lines.append(f"  {name}={value!r}: no longer read: {found['retired'][name]}; fix: unset it")
+        else:
+            lines.append(f"  ok  {name}={value!r}")
+    if not found["set"]:
+        lines.append("  none set")
+    return [*lines, ""]
+
 
 def render(report: dict) -> str:
     env = report["environment"]
@@ -187,6 +249,7 @@ def render(report: dict) -> str:
         f"  checked for: {report['target']['device']}/{report['target']['dtype']}"
         + ("" if report.get("self_tests", True) else " (--static: checks only; no kernel loaded or self-tested)"),
         "",
+        *variable_lines(report.get("variables")),
         "Known-bad stacks",
     ]
     for issue in report["known_issues"]:
@@ -267,6 +330,8 @@ def render(report: dict) -> str:
                 reasons += [label] if label not in reasons else []
                 fixes += [f for f in part[1].split(" && ") if f and f not in fixes]
         lines.append(f"  {name}: " + "; ".join(reasons))
+    if report.get("variables", {}).get("disabled"):
+        lines.append("  every op: FUSEPATCH_DISABLE is on, so apply patches nothing")
     if len(lines) and lines[-1] == "Would fall back":
         lines.append("  nothing")
     if fixes:

@@ -1042,3 +1042,20 @@ def test_static_memory_counts_the_fp8_copies_a_patched_model_keeps(monkeypatch):
     states = [m.__dict__["_fusepatch"] for m in model.modules() if "_fusepatch" in m.__dict__]
     kept = [state.cache["fp8"][1] for state in states if "fp8" in state.cache]
     assert kept and sum(q.nbytes + inverse.nbytes for q, inverse in kept) == counted
+
+
+def test_host_profile_names_packages_by_where_they_are_not_by_folder_names():
+    """A function's package is the installed or imported package its file is in; the folders above a checkout say
+    nothing (a clone named ``fusepatch`` or ``torch`` holds tests and examples that are neither)."""
+    import step_diagnostics
+
+    import fusepatch
+
+    package = step_diagnostics._package
+    assert package(os.path.join(os.path.dirname(fusepatch.__file__), "layers", "causal_lm.py")) == "fusepatch"
+    assert package(os.path.join(str(REPO), "benchmarks", "train_step.py")) == "benchmarks"
+    assert package("/home/me/fusepatch/tests/benchmarks/test_benchmarks.py") == "other"
+    assert package("/srv/torch/fusepatch/examples/sft_ultrachat.py") == "other"
+    assert package("/home/me/fusepatch/.venv/lib/python3.12/site-packages/fla/ops/utils.py") == "fla"
+    assert package("/opt/site-packages/env/lib/python3.12/site-packages/triton/runtime/jit.py") == "triton"
+    assert package("~") == "builtins"

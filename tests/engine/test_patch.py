@@ -86,6 +86,85 @@ def test_other_kernel_choices_given_to_a_patched_model_are_said_not_to_reach_it(
     assert "this call's exclude did not reach them" in said[0] and "fusepatch.revert(model)" in said[0]
 
 
+SECOND_APPLY = {  # what the first apply set -> (the second's arguments and FUSEPATCH_MLP_RECOMPUTE, what is said)
+    "cuda_graphs": ({"cuda_graphs": True}, {}, "", "keep their CUDA graphs (this call's cuda_graphs=False)"),
+    "precision": ({"precision": "fp8"}, {}, "", "FP8 projections keep their FP8 GEMMs (this call's precision=None)"),
+    "drop_frozen_weights": (
+        {"precision": "fp8"},
+        {"precision": "fp8", "drop_frozen_weights": True},
+        "",
+        "FP8 projections keep drop_frozen_weights=False",
+    ),
+    "mlp_recompute": ({}, {}, "1", "MLPs keep FUSEPATCH_MLP_RECOMPUTE off"),
+}
+
+
+@pytest.mark.parametrize("option", sorted(SECOND_APPLY))
+def test_a_second_apply_says_what_it_did_not_change(option, caplog, monkeypatch):
+    """What the first apply set on the modules it patched (CUDA graphs, FP8 projections, dropped frozen weights,
+    the MLP recompute) stays through a second apply with other options: said at WARNING and in the report, with the
+    fix; the same options again say nothing."""
+    first, second, recompute, said = SECOND_APPLY[option]
+    model = tiny_model("qwen3", num_hidden_layers=1)
+    fusepatch.apply(model, verbose=False, **first)
+    caplog.clear()
+    fusepatch.apply(model, verbose=False, **first)
+    assert not [r for r in caplog.records if "did not change" in r.getMessage()]
+    monkeypatch.setenv("FUSEPATCH_MLP_RECOMPUTE", recompute)
+    report = fusepatch.apply(model, verbose=False, **second)
+    lines = [r for r in caplog.records if "did not change" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert said in lines[0].getMessage() and "fix: fusepatch.revert(model), then apply" in lines[0].getMessage()
+    assert said in report.message and "nothing changed" not in report.message
+
+
+def test_a_second_apply_strict_or_with_graphs_or_another_dtype_says_what_it_did(caplog):
+    """``strict=True`` on a model patched before with fallbacks raises without saying that nothing is patched (the
+    first apply's patches stay; the fix is revert, then a strict apply); ``cuda_graphs=True`` on a second apply
+    graphs the layers and says so; another ``compute_dtype`` chooses and reports that dtype's kernels (chosen per
+    call anyway: nothing is kept from the first)."""
+    model = tiny_model("qwen3", num_hidden_layers=1)
+    first = fusepatch.apply(model, verbose=False)
+    forwards = _forwards(model)
+    with pytest.raises(fusepatch.FusePatchError) as raised:
+        fusepatch.apply(model, strict=True, verbose=False)
+    message = str(raised.value)
+    assert "nothing patched;" not in message and _forwards(model) == forwards
+    assert f"the {first.newly_patched} modules patched before keep their patches" in message
+    assert "fix: fusepatch.revert(model), then fusepatch.apply(model, strict=True)" in message
+    graphed = fusepatch.apply(model, cuda_graphs=True, verbose=False)
+    assert "the decoder layers are graphed from now on" in graphed.message and "nothing changed" not in graphed.message
+    caplog.clear()
+    other = fusepatch.apply(model, compute_dtype="bf16", cuda_graphs=True, verbose=False)
+    assert (
+        other.dtype == "bfloat16"
+        and other.message == f"already patched ({first.newly_patched} modules); nothing changed"
+    )
+    assert not [r for r in caplog.records if "did not change" in r.getMessage()]
+
+
+def test_ops_that_select_nothing_say_nothing_will_be_fused(caplog):
+    """``apply(ops=[])`` (an empty list, where None is every op), or ops/exclude that leave none of the model's ops,
+    patch the layers with every op eager: said at WARNING and in the report, with the fix; a selection that keeps
+    an op says nothing of it."""
+    for kwargs, why in (
+        ({"ops": []}, "apply(ops=[]) selects no op"),
+        ({"ops": "gated_delta_rule"}, "apply(ops=['gated_delta_rule']) leaves none of this model's ops"),
+        ({"ops": ["swiglu"], "exclude": "swiglu"}, "apply(ops=['swiglu'], exclude=['swiglu']) leaves none"),
+    ):
+        caplog.clear()
+        report = fusepatch.apply(tiny_model("qwen3", num_hidden_layers=1), verbose=False, **kwargs)
+        said = [r for r in caplog.records if "nothing will be fused" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == logging.WARNING, kwargs
+        assert why in said[0].getMessage() and "fix: leave ops out" in said[0].getMessage()
+        assert "rms_norm" in said[0].getMessage().split("fix:")[1]  # the model's ops, to choose from
+        assert said[0].getMessage().removeprefix("fusepatch: ") in report.message and report.message in str(report)
+    caplog.clear()
+    report = fusepatch.apply(tiny_model("qwen3", num_hidden_layers=1), ops=["swiglu"], verbose=False)
+    assert "nothing will be fused" not in report.message
+    assert not [r for r in caplog.records if "nothing will be fused" in r.getMessage()]
+
+
 def test_save_pretrained_is_unchanged_by_apply(tmp_path):
     model = tiny_model("qwen3_5_text")
     model.save_pretrained(tmp_path / "before")

@@ -542,3 +542,42 @@ def test_the_callback_adds_a_precision_the_patched_model_lacks(tmp_path, caplog)
         other.on_train_begin(args, None, None, model=model)
     assert any("exclude" in r.getMessage() and "fix:" in r.getMessage() for r in caplog.records)
     other.on_train_end(args, None, None, model=model)
+
+
+BAD_APPLY_KWARGS = (
+    {"strict": "no"},
+    {"cuda_graphs": 1},
+    {"compute_dtype": "int8"},
+    {"precision": "fp4"},
+    {"exclude": ["no_such_op"]},
+    {"prefer": "conda"},
+    {"drop_frozen_weights": True},
+    {"op": ["swiglu"]},
+    {"model": None},
+)
+
+
+@pytest.mark.parametrize("kwargs", BAD_APPLY_KWARGS, ids=lambda kwargs: next(iter(kwargs)))
+def test_apply_kwargs_are_checked_when_the_callback_is_made(kwargs, tmp_path):
+    """A name or value ``apply`` refuses raises when the callback is made (and in ``from_pretrained`` before it
+    loads anything), with apply's own error, not at the first training step."""
+    model = tiny_model("qwen3", num_hidden_layers=1)
+    with pytest.raises((TypeError, ValueError)) as from_apply:
+        fusepatch.apply(model, **kwargs)
+    with pytest.raises(from_apply.type) as from_callback:
+        FusePatchCallback(apply_kwargs=kwargs)
+    with pytest.raises(from_apply.type) as from_loader:
+        fusepatch.from_pretrained(str(tmp_path / "nothing here"), apply_kwargs=kwargs)  # no such checkpoint
+    if "model" not in kwargs:  # apply(model, model=None) is Python's "multiple values": the callback says why
+        assert str(from_apply.value) in str(from_callback.value)
+    assert str(from_callback.value) == str(from_loader.value)
+    assert not model.__dict__.get("_fusepatch")
+
+
+def test_the_callback_checks_the_variables_apply_reads(monkeypatch):
+    """A FUSEPATCH_* value apply refuses raises when the callback is made; a callback that applies nothing
+    (``apply_patches=False``) checks nothing for apply."""
+    monkeypatch.setenv("FUSEPATCH_DISABLE", "maybe")
+    with pytest.raises(ValueError, match="FUSEPATCH_DISABLE='maybe' is not a switch value"):
+        FusePatchCallback()
+    FusePatchCallback(apply_patches=False, apply_kwargs={"compute_dtype": "bf16"})

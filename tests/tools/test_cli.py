@@ -187,6 +187,43 @@ def test_doctor_static_says_so():
     assert "--static: checks only" in text
 
 
+def test_doctor_checks_every_fusepatch_variable_as_apply_does(monkeypatch, stand_ins):
+    """Each FUSEPATCH_* value apply refuses is reported with the values it takes and the rest of the report still
+    comes (checked as if it were unset); FUSEPATCH_DISABLE on is said plainly; --strict fails for either. The CPU
+    stand-ins leave no fallback, so the exit code is the variables' alone."""
+    import torch
+
+    import fusepatch
+    from fusepatch.tools.doctor import variables
+
+    args = ("doctor", "--static", "--model-type", "qwen3")
+    assert _run(*args, "--strict").returncode == 0
+    bad = {"FUSEPATCH_CE_LOGITS_MIB": "-3", "FUSEPATCH_SKIP": "swiglu/nope", "FUSEPATCH_MLP_RECOMPUTE": "maybe"}
+    for name, value in bad.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("FUSEPATCH_PREFER", "pip")
+    problems = variables()["problems"]
+    for name in bad:
+        with pytest.raises(ValueError) as raised:
+            fusepatch.apply(torch.nn.Linear(1, 1))  # apply's own check: the same message, as one of several
+        assert problems[name] in str(raised.value)
+    text = _run(*args).stdout
+    assert "apply raises ValueError for 3 of them and patches nothing" in text
+    assert "BAD FUSEPATCH_SKIP='swiglu/nope': swiglu has no candidate 'nope'; its candidates: cpu-standin" in text
+    assert "BAD FUSEPATCH_MLP_RECOMPUTE='maybe' is not a switch value; fix: set it to one of 1, true" in text
+    assert "ok  FUSEPATCH_PREFER='pip'" in text and "swiglu: cpu-standin" in text  # the ops, checked as if unset
+    assert _run(*args, "--strict", check_rc=1).returncode == 1
+    assert set(json.loads(_run(*args, "--json").stdout)["variables"]["problems"]) == set(bad)
+    for name in bad:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("FUSEPATCH_DISABLE", "1")
+    text = _run(*args).stdout
+    assert "FUSEPATCH_DISABLE is on: fusepatch.apply patches nothing" in text and "fix: unset FUSEPATCH_DISABLE" in text
+    assert "every op: FUSEPATCH_DISABLE is on" in text.split("Would fall back")[1]
+    assert _run(*args, "--strict", check_rc=1).returncode == 1
+    assert json.loads(_run(*args, "--json").stdout)["variables"]["disabled"] is True
+
+
 HIDE_TRANSFORMERS = """
 import sys
 class _Hidden:

@@ -24,6 +24,28 @@ IGNORE_INDEX = -100
 MIN_DROPPED = 1 / 32  # fraction of ignored rows from which the loss runs on the labelled rows only
 
 
+def check_fit(labels: torch.Tensor, inputs: torch.Tensor, *, name: str = "labels") -> None:
+    """Raise transformers' ValueError where ``labels`` are not one per position of ``inputs`` (the call's
+    ``input_ids``, or its ``inputs_embeds``: floating, their hidden size last). transformers' loss flattens both and
+    ``cross_entropy`` refuses another count; the labelled-rows loss selects rows by the labels' positions, so
+    without this check fewer labels trained on the wrong rows and more indexed past the hidden state. Shapes only:
+    no read of the GPU."""
+    embeds = inputs.is_floating_point()
+    count = inputs.shape[:-1].numel() if embeds else inputs.numel()
+    if labels.numel() != count:
+        what = f"{'inputs_embeds' if embeds else 'input_ids'} of shape {tuple(inputs.shape)}"
+        raise ValueError(mismatch(name, labels, count, what))
+
+
+def mismatch(name: str, labels: torch.Tensor, count: int, what: str) -> str:
+    """The message of labels that are not one per position: both shapes, transformers' words, the fix."""
+    return (
+        f"{name} of shape {tuple(labels.shape)} do not fit {what}: the causal-LM loss takes one label per position, "
+        f"{count} positions and {labels.numel()} labels (transformers: Expected input batch_size ({count}) to match "
+        f"target batch_size ({labels.numel()})); fix: {name} of the batch's shape, -100 where no token is predicted"
+    )
+
+
 _pinned: list[torch.Tensor] = []  # host scalars for the count, reused once read (allocating pinned memory queries
 # the caching host allocator's events, host time at the step's start, where the GPU waits for the host)
 
@@ -101,6 +123,9 @@ class LabelledRows:
     def select(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden [rows, H], labels [rows])`` of the labelled rows, in their order; ``hidden`` is the flattened
         last hidden state. No wait for the GPU: the row indices come from a stable sort of the labelled flags."""
+        if self.total != hidden.shape[0]:
+            name = "labels" if self._shift else "shift_labels"
+            raise ValueError(mismatch(name, self._given, hidden.shape[0], f"{hidden.shape[0]} hidden states"))
         count = self.kept()
         labels = self.labels.to(hidden.device)
         if count is None:

@@ -19,7 +19,12 @@ from fusepatch.base.op import Candidate, Op, SelfTest
 from fusepatch.base.options import DEFAULT_LOGITS_MIB, positive_whole
 from fusepatch.base.requirements import InputRule, TorchVersion
 from fusepatch.ops.common import fla_requirements, on_device, own_triton_candidate, rand
-from fusepatch.ops.linear_cross_entropy.reference import _denominator, _upcast, linear_cross_entropy_reference
+from fusepatch.ops.linear_cross_entropy.reference import (
+    _denominator,
+    _upcast,
+    check_rows,
+    linear_cross_entropy_reference,
+)
 
 CHUNK_ELEMENTS = 2**27  # logits per chunk: 128 M fp32 values (512 MiB) whatever the vocabulary
 
@@ -75,6 +80,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy_chunked(hidden, weight, labels, ignore_index: int = -100, num_items_in_batch=None):
+    check_rows(hidden, labels)
     chunk = max(1, min(hidden.shape[0], CHUNK_ELEMENTS // weight.shape[0]))
     denominator = _denominator(labels, ignore_index, num_items_in_batch)
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, denominator, chunk)
@@ -184,6 +190,7 @@ def _loop(ce):
     def linear_cross_entropy_loop(hidden, weight, labels, ignore_index: int = -100, num_items_in_batch=None):
         # the GEMMs run in the weight's dtype (tensor cores for bf16, fp32 accumulation inside each GEMM; fla's
         # own default accumulates the weight gradient in fp32 SIMT GEMMs: 222 ms of a 430 ms 27B step)
+        check_rows(hidden, labels)
         chunk = fla_chunk_tokens(weight.shape[0], hidden.element_size(), budget)
         denominator = _denominator(labels, ignore_index, num_items_in_batch)
         grad_wanted = torch.is_grad_enabled()

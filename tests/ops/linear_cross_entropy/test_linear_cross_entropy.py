@@ -237,6 +237,23 @@ def test_fla_loop_edge_cases(monkeypatch):
         torch.autograd.grad(out * 2, (hb, wb))
 
 
+def test_labels_not_one_per_row_raise_as_the_reference_does(monkeypatch):
+    """Labels that are not one per row of the hidden states raise the ValueError the reference's ``cross_entropy``
+    raises, in every candidate, naming both shapes: the loops read labels by the rows' index (past their end, or
+    leaving rows unread)."""
+    fla_loop, _ = _fla_loop(monkeypatch)
+    h, w, y = _data(tokens=40, dtype=torch.float32)
+    for labels in (y[:-3], torch.cat([y, y[:2]]), y[:, None]):
+        if labels.numel() != len(y):  # what transformers' flattening cross_entropy says: the type to raise
+            with pytest.raises(ValueError):
+                torch.nn.functional.cross_entropy(h @ w.t(), labels.reshape(-1))
+        for fn in (lce.linear_cross_entropy_reference, lce.linear_cross_entropy_chunked, fla_loop):
+            for num_items in (None, 11):
+                with pytest.raises(ValueError, match="labels of shape") as raised:
+                    fn(h, w, labels, num_items_in_batch=num_items)
+                assert str(tuple(labels.shape)) in str(raised.value) and str(tuple(h.shape)) in str(raised.value)
+
+
 def test_fla_chunk_budget_sets_the_chunk_length(monkeypatch):
     """FUSEPATCH_CE_LOGITS_MIB bounds one chunk's logits: at the 27B shape (4096 tokens, vocab 248320, bf16),
     1024 MiB (the default: the loss holds the peak) gives two 2048-token chunks, 2048 MiB one, where fla's own
