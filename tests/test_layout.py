@@ -109,6 +109,19 @@ def test_the_release_version_is_pyprojects():
     assert project.get("version", fusepatch.__version__) == fusepatch.__version__
 
 
+def test_the_license_file_is_pyprojects():
+    """pyproject's SPDX license is the text the wheel ships (``license-files``): Apache 2.0 in full, with its
+    copyright line filled in."""
+    import tomllib
+
+    project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    text = (ROOT.parent / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License\n                           Version 2.0, January 2004")
+    assert "END OF TERMS AND CONDITIONS" in text and text.count("\n") == 202
+    assert "Copyright 2026 the fusepatch authors" in text and "[yyyy]" not in text
+
+
 def test_every_module_imports_alone():
     """Each module imported first, into an interpreter that holds no fusepatch module yet (torch and transformers
     stay loaded between modules: they are not what an import order could break)."""
