@@ -160,6 +160,28 @@ def test_import_is_light_and_public_names_resolve():
     assert callable(fusepatch.report) and fusepatch.report.__module__ == "fusepatch.engine.patch"
 
 
+def test_readme_states_applys_whole_signature():
+    """The README's ``apply(model, ...)`` is the real signature, every keyword explained in the list after it."""
+    import inspect
+
+    text = (ROOT.parent / "README.md").read_text()
+    match = re.search(r"`(apply\(model[^`]*\))`", text)
+    parts = []
+    for p in inspect.signature(fusepatch.apply).parameters.values():
+        if p.kind is p.KEYWORD_ONLY and "*" not in parts:
+            parts.append("*")
+        parts.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
+    assert " ".join(match.group(1).split()) == f"apply({', '.join(parts)})"
+    explained = text[match.end() :].split("\n\n")[1]  # the list after it
+    for name in inspect.signature(fusepatch.apply).parameters:
+        assert name == "model" or f"`{name}" in explained, name
+
+
+def test_readme_fits_its_budget():
+    """The README is the first hour's read: under 15,000 characters; the detail lives in docs/."""
+    assert len((ROOT.parent / "README.md").read_text()) < 15_000
+
+
 def test_apply_is_a_short_pipeline():
     """``apply`` reads as its steps (check, plan, resolve and self-test, bind, report, finish): its body, the
     docstring left out, within 40 lines."""
