@@ -4,6 +4,7 @@ tables all agree with it, and every lower bound is a version a test ran on."""
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import re
 import subprocess
 import tomllib
@@ -213,9 +214,48 @@ def test_readme_support_table_is_the_table():
 def test_ci_installs_only_tested_versions():
     text = (ROOT / ".ci" / "run").read_text()
     pins = re.findall(r'"([A-Za-z0-9_.-]+)==([0-9][0-9A-Za-z.+]*)"', text)
-    assert ("transformers", "5.17.0") in pins and ("torch", "2.13.0") in pins
+    assert ("transformers", "5.17.0") in pins and ("torch", "2.14.1") in pins
     for name, version in pins:
         assert version in support(name).tested, (name, version)
+
+
+def _install_script():
+    """tools/install.py, the quick start's installer (a script beside the package, not in it)."""
+    spec = importlib.util.spec_from_file_location("install", ROOT / "tools" / "install.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _quick_start() -> list[str]:
+    """The README's quick-start commands, in order."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Quick start") :]
+    return re.findall(r"```bash\n(.+?)\n```", section[: section.index("\n## ")], re.DOTALL)
+
+
+def test_quick_start_keeps_a_supported_torch_and_ci_runs_its_test_command():
+    """A torch pin in the quick start would replace the user's CUDA torch (a large download, built for their
+    driver) whenever theirs is another supported version; CI runs the test command as the README writes it."""
+    demo, tests = _quick_start()
+    for command in (demo, tests):
+        assert "torch==" not in command and " python tools/install.py" in command, command
+    assert demo.endswith("&& python -m fusepatch demo") and tests.endswith("&& python -m pytest")
+    assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_install_script_keeps_a_supported_torch_else_installs_cis():
+    install = _install_script()
+    spec = install.torch_range(PYPROJECT["project"])
+    assert SpecifierSet(spec) == SpecifierSet(SUPPORT["torch"].spec)
+    assert install.DEFAULT_TORCH in SUPPORT["torch"].tested and version_in(install.DEFAULT_TORCH, spec)
+    for version in ("2.10.2", "2.11", "2.11.0+cu130", "2.14.0a0", "2.14.1", "2.15.0", "2.15.0.dev20261201", "3.0"):
+        assert install.in_range(version, spec) == version_in(version, spec), version
+    for kept in ("2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.14.1"):  # pip is held to it by a constraint
+        assert install.pip_arguments(["test"], kept, spec)[:2] == (["-e", ".[test]"], f"torch=={kept}")
+    for replaced in (None, "2.10.2", "2.15.0"):
+        arguments, held, said = install.pip_arguments([], replaced, spec)
+        assert arguments == ["torch==2.13.0", "-e", "."] and not held and said.endswith("installing torch==2.13.0")
 
 
 # pip's index option is spelled in two pieces so that this file does not match itself
