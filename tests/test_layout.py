@@ -109,6 +109,19 @@ def test_the_release_version_is_pyprojects():
     assert project.get("version", fusepatch.__version__) == fusepatch.__version__
 
 
+def test_the_license_file_is_pyprojects():
+    """pyproject's SPDX license is the text the wheel ships (``license-files``): Apache 2.0 in full, with its
+    copyright line filled in."""
+    import tomllib
+
+    project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    text = (ROOT.parent / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License\n                           Version 2.0, January 2004")
+    assert "END OF TERMS AND CONDITIONS" in text and text.count("\n") == 202
+    assert "Copyright 2026 the fusepatch authors" in text and "[yyyy]" not in text
+
+
 def test_every_module_imports_alone():
     """Each module imported first, into an interpreter that holds no fusepatch module yet (torch and transformers
     stay loaded between modules: they are not what an import order could break)."""
@@ -145,6 +158,28 @@ def test_import_is_light_and_public_names_resolve():
         assert getattr(fusepatch, name) is not None
     __import__("fusepatch.engine.reporting")  # a submodule import must not shadow a public function
     assert callable(fusepatch.report) and fusepatch.report.__module__ == "fusepatch.engine.patch"
+
+
+def test_readme_states_applys_whole_signature():
+    """The README's ``apply(model, ...)`` is the real signature, every keyword explained in the list after it."""
+    import inspect
+
+    text = (ROOT.parent / "README.md").read_text()
+    match = re.search(r"`(apply\(model[^`]*\))`", text)
+    parts = []
+    for p in inspect.signature(fusepatch.apply).parameters.values():
+        if p.kind is p.KEYWORD_ONLY and "*" not in parts:
+            parts.append("*")
+        parts.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
+    assert " ".join(match.group(1).split()) == f"apply({', '.join(parts)})"
+    explained = text[match.end() :].split("\n\n")[1]  # the list after it
+    for name in inspect.signature(fusepatch.apply).parameters:
+        assert name == "model" or f"`{name}" in explained, name
+
+
+def test_readme_fits_its_budget():
+    """The README is the first hour's read: under 15,000 characters; the detail lives in docs/."""
+    assert len((ROOT.parent / "README.md").read_text()) < 15_000
 
 
 def test_apply_is_a_short_pipeline():

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from packaging.requirements import Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 
@@ -34,6 +36,10 @@ class Support:
     extras: tuple[str, ...] = ()  # the pyproject extras that carry it (() = a core dependency, or none)
     pin: str = ""  # what doctor recommends: the GPU tests' version
     also: tuple[str, ...] = ()  # distributions released with it at the same version (fla-core: fla's kernels)
+    # (which of its versions, a requirement they declare on another package of this table) from their metadata,
+    # where it leaves out that package's lower bound: TRL 1.16 needs accelerate >= 1.10.1, so the extra that
+    # carries both starts accelerate there (spec_in), and transformers 5.25 needs kernels >= 0.19.1
+    requires: tuple[tuple[str, str], ...] = ()
 
     @property
     def lowest(self) -> str:
@@ -65,6 +71,7 @@ SUPPORT: dict[str, Support] = {
             ">=5.17,<5.26",
             ("5.17.0", "5.25.0"),
             "5.25: CI, every test; 5.17: CI, the tests its modeling code reaches, and the GPU suite",
+            requires=((">=5.25", "kernels>=0.19.1,<0.20"),),  # a core dependency from 5.25 on; none before
         ),
         Support("packaging", ">=23", ("23.0", "26.4"), "23.0: the version tests; 26.4: CI"),
         Support("numpy", ">=1.26", ("1.26.4", "2.4.6"), "1.26: the packing tests; 2.4: CI"),
@@ -88,13 +95,20 @@ SUPPORT: dict[str, Support] = {
             extras=("hub", "test"),
             pin="0.17.2",
         ),
-        Support("datasets", ">=3", ("3.0.0", "5.2.0"), "3.0: the example's tests; 5.2: CI", extras=("data", "test")),
+        Support(
+            "datasets",
+            ">=3",
+            ("3.0.0", "4.7.0", "5.2.0"),
+            "3.0: the example's tests; 4.7.0, the test extra's lower bound (TRL 1.16's): the TRL and example tests, "
+            "on transformers 5.17 (datasets before 5.1 need huggingface-hub < 2, transformers 5.25 needs 2); 5.2: CI",
+            extras=("data", "test"),
+        ),
         Support(
             "accelerate",
             ">=1.3",
-            ("1.3.0", "1.16.0"),
+            ("1.3.0", "1.10.1", "1.16.0"),
             "1.3.0: the Trainer tests (transformers 5.25's Trainer passes unwrap_model a keyword 1.2.1 lacks); "
-            "1.16: CI",
+            "1.10.1, the test extra's lower bound (TRL 1.16's): the Trainer and TRL tests; 1.16: CI",
             extras=("train", "test"),
         ),
         Support("pytest", ">=8", ("8.0.0", "9.2.0"), "8.0: the CPU suite; 9.2: CI", extras=("test",)),
@@ -112,11 +126,37 @@ SUPPORT: dict[str, Support] = {
             "ruff check and ruff format --check: 0.13.0 is the first that passes (0.12 has UP038); 0.17.6: CI",
             extras=("test",),
         ),
-        Support("trl", ">=1.16", ("1.16.0",), "CI and the GPU suite", extras=("test",)),
+        Support(
+            "trl",
+            ">=1.16",
+            ("1.16.0",),
+            "CI and the GPU suite",
+            extras=("test",),
+            requires=(("==1.16.0", "accelerate>=1.10.1"), ("==1.16.0", "datasets>=4.7.0")),
+        ),
         Support("peft", ">=0.21", ("0.21.2",), "CI", extras=("test",)),
         Support("triton", ">=3.6", ("3.6.0", "3.9.0"), "3.6: the GPU suite; 3.9: CI", extras=("test",)),
     )
 }
+
+
+def spec_in(name: str, extra: str = "") -> str:
+    """The range pyproject writes for ``name`` in ``extra`` ("" = the core dependencies): its SUPPORT range, the lower
+    bound raised to what the lowest version of a package beside it there requires (``requires``), so that the extra
+    installs with every package at its lower bound."""
+    entry = SUPPORT[name]
+    floor = Version(entry.lowest)
+    for other in SUPPORT.values():
+        if not other.spec or other.name == "python" or (other.extras and extra not in other.extras):
+            continue
+        for versions, line in other.requires:
+            requirement = Requirement(line)
+            if canonicalize_name(requirement.name) != name or not version_in(other.lowest, versions):
+                continue
+            floor = max([floor, *(Version(s.version) for s in requirement.specifier if s.operator == ">=")])
+    if floor == Version(entry.lowest):
+        return entry.spec
+    return ",".join([f">={floor}", *(str(s) for s in SpecifierSet(entry.spec) if s.operator not in (">=", "=="))])
 
 
 def support(distribution: str) -> Support:

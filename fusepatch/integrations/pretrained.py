@@ -18,7 +18,8 @@ def from_pretrained(
         auto_class: the transformers auto class to load with (default ``AutoModelForCausalLM``; e.g.
             ``AutoModelForImageTextToText`` for Qwen3.5 image-text checkpoints).
         apply_kwargs: keyword arguments for :func:`fusepatch.apply` (``ops``, ``exclude``, ``prefer``, ``strict``,
-            ``verbose``, ``precision``, ``drop_frozen_weights``), checked before the model loads.
+            ``compute_dtype``, ``cuda_graphs``, ``verbose``, ``precision``, ``drop_frozen_weights``), checked before
+            the model loads.
         **kwargs: for ``from_pretrained`` (``dtype``, ``device_map``, ``attn_implementation``, ...).
 
     Returns:

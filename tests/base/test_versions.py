@@ -3,6 +3,8 @@ tables all agree with it, and every lower bound is a version a test ran on."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import re
 import subprocess
 import tomllib
@@ -11,6 +13,7 @@ import pytest
 from helpers import REPO
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from fusepatch import backends
@@ -18,7 +21,7 @@ from fusepatch.backends import causal_conv1d as conv_backend
 from fusepatch.backends import fla as fla_backend
 from fusepatch.backends import kernels_hub
 from fusepatch.base.env import TRANSFORMERS_REQUIREMENT
-from fusepatch.base.versions import SUPPORT, support, version_in
+from fusepatch.base.versions import SUPPORT, spec_in, support, version_in
 from fusepatch.tools import build, doctor
 
 ROOT = REPO
@@ -31,6 +34,10 @@ def _release(version: str) -> tuple[int, ...]:
     while len(release) > 1 and release[-1] == 0:
         release.pop()
     return tuple(release)
+
+
+def _lowest(spec: str) -> str:
+    return next(s.version for s in SpecifierSet(spec) if s.operator in (">=", "=="))
 
 
 def _requirements() -> dict[str, list[tuple[str, Requirement]]]:
@@ -55,7 +62,8 @@ def test_pyproject_bounds_are_the_table():
             continue
         entry = support(name)
         for where, requirement in entries:
-            assert requirement.specifier == SpecifierSet(entry.spec), (name, where, str(requirement.specifier))
+            expected = SpecifierSet(spec_in(entry.name, where))
+            assert requirement.specifier == expected, (name, where, str(requirement.specifier), str(expected))
     for entry in SUPPORT.values():
         if not entry.spec or entry.name == "python":
             continue
@@ -74,6 +82,67 @@ def test_every_lower_bound_was_tested_and_every_tested_version_is_in_range():
             assert any(_release(v)[: len(_release(entry.lowest))] == _release(entry.lowest) for v in entry.tested)
         if entry.pin:
             assert entry.pin in entry.tested, entry.name
+        for extra in entry.extras:  # an extra's raised lower bound (spec_in) was tested too
+            lowest = _release(_lowest(spec_in(entry.name, extra)))
+            assert any(_release(v)[: len(lowest)] == lowest for v in entry.tested), (entry.name, extra)
+
+
+def test_each_extra_installs_at_its_lower_bounds():
+    """Every package of the core and of each extra at pyproject's lower bound, together: what each one's lowest
+    version requires of the others (SUPPORT's ``requires``, from their metadata) takes in their lower bounds."""
+    found = _requirements()
+    core = {name: requirement for name, entries in found.items() for where, requirement in entries if not where}
+    for extra in ("", *PYPROJECT["project"]["optional-dependencies"]):
+        beside = core | {name: r for name, entries in found.items() for where, r in entries if where == extra}
+        for name, requirement in beside.items():
+            if name == "fusepatch":
+                continue
+            lowest = _lowest(str(requirement.specifier))
+            for versions, line in support(name).requires:
+                needed = Requirement(line)
+                if version_in(lowest, versions) and needed.name in beside:
+                    floor = _lowest(str(beside[needed.name].specifier))
+                    assert needed.specifier.contains(floor), f"[{extra}]: {name} {lowest} needs {line}, not {floor}"
+
+
+def _declared(distribution: str) -> dict[str, SpecifierSet]:
+    """What the installed ``distribution`` requires of the other packages of SUPPORT (its extras left out)."""
+    names = {canonicalize_name(n) for e in SUPPORT.values() if e.spec for n in (e.name, *e.also)}
+    declared = {}
+    for line in importlib.metadata.requires(distribution) or []:
+        requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        if canonicalize_name(requirement.name) in names - {canonicalize_name(distribution)}:
+            declared[canonicalize_name(requirement.name)] = requirement.specifier
+    return declared
+
+
+def test_recorded_requirements_are_the_installed_metadata():
+    """SUPPORT's ``requires`` are what the installed packages declare; and where an installed package is at its
+    lower bound (TRL 1.16.0 in CI), or is transformers (each release of its range has its own requirements),
+    every requirement it declares that leaves out another package's lower bound is recorded."""
+    checked = 0
+    for entry in SUPPORT.values():
+        try:
+            installed = importlib.metadata.version(entry.name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        declared = _declared(entry.name)
+        recorded = {
+            canonicalize_name(Requirement(line).name): Requirement(line).specifier
+            for versions, line in entry.requires
+            if version_in(installed, versions)
+        }
+        for name, specifier in recorded.items():
+            assert declared.get(name) == specifier, (entry.name, installed, name, str(declared.get(name)))
+        if entry.name != "transformers" and _release(installed) != _release(entry.lowest):
+            continue
+        checked += 1
+        for name, specifier in declared.items():
+            if not specifier.contains(support(name).lowest, prereleases=True):
+                assert name in recorded, f"{entry.name} {installed} requires {name}{specifier}: record it"
+    assert checked, "no package installed at its lower bound, nor transformers"
 
 
 def test_doctor_and_build_pin_the_table():
@@ -145,9 +214,48 @@ def test_readme_support_table_is_the_table():
 def test_ci_installs_only_tested_versions():
     text = (ROOT / ".ci" / "run").read_text()
     pins = re.findall(r'"([A-Za-z0-9_.-]+)==([0-9][0-9A-Za-z.+]*)"', text)
-    assert ("transformers", "5.17.0") in pins and ("torch", "2.13.0") in pins
+    assert ("transformers", "5.17.0") in pins and ("torch", "2.14.1") in pins
     for name, version in pins:
         assert version in support(name).tested, (name, version)
+
+
+def _install_script():
+    """tools/install.py, the quick start's installer (a script beside the package, not in it)."""
+    spec = importlib.util.spec_from_file_location("install", ROOT / "tools" / "install.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _quick_start() -> list[str]:
+    """The README's quick-start commands, in order."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Quick start") :]
+    return re.findall(r"```bash\n(.+?)\n```", section[: section.index("\n## ")], re.DOTALL)
+
+
+def test_quick_start_keeps_a_supported_torch_and_ci_runs_its_test_command():
+    """A torch pin in the quick start would replace the user's CUDA torch (a large download, built for their
+    driver) whenever theirs is another supported version; CI runs the test command as the README writes it."""
+    demo, tests = _quick_start()
+    for command in (demo, tests):
+        assert "torch==" not in command and " python tools/install.py" in command, command
+    assert demo.endswith("&& python -m fusepatch demo") and tests.endswith("&& python -m pytest")
+    assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_install_script_keeps_a_supported_torch_else_installs_cis():
+    install = _install_script()
+    spec = install.torch_range(PYPROJECT["project"])
+    assert SpecifierSet(spec) == SpecifierSet(SUPPORT["torch"].spec)
+    assert install.DEFAULT_TORCH in SUPPORT["torch"].tested and version_in(install.DEFAULT_TORCH, spec)
+    for version in ("2.10.2", "2.11", "2.11.0+cu130", "2.14.0a0", "2.14.1", "2.15.0", "2.15.0.dev20261201", "3.0"):
+        assert install.in_range(version, spec) == version_in(version, spec), version
+    for kept in ("2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.14.1"):  # pip is held to it by a constraint
+        assert install.pip_arguments(["test"], kept, spec)[:2] == (["-e", ".[test]"], f"torch=={kept}")
+    for replaced in (None, "2.10.2", "2.15.0"):
+        arguments, held, said = install.pip_arguments([], replaced, spec)
+        assert arguments == ["torch==2.13.0", "-e", "."] and not held and said.endswith("installing torch==2.13.0")
 
 
 # pip's index option is spelled in two pieces so that this file does not match itself
