@@ -16,10 +16,10 @@ IGNORED = {
     "linear_cross_entropy": "num_items_in_batch",
 }
 PACKED_OPS = ("gated_delta_rule", "causal_conv1d")
-# the input whose gradient the gradient faults hit: the first, but for the delta rule v's (2). In bf16 its q/k
-# gradients' bounds are ~2.8%: the bf16 reference itself is 1-1.4% off there (beta rounded to bf16, as
-# transformers computes it), and a bound is a multiple of that.
-GRAD_FAULT_INPUT = {"gated_delta_rule": 2}
+# the input whose gradient the gradient faults hit: the first (the delta rule's q, whose bf16 bound is ~2.8% by
+# relative error alone: the bf16 reference itself is 1-1.4% off there, beta rounded to bf16 as transformers
+# computes it; the scale statistic sees a factor through that noise)
+GRAD_FAULT_INPUT = {"gated_delta_rule": 0}
 FAULTS = ("output_x1.02", "grad_x1.02", "grad_sign_1pct", "document_first_token", "grad_nan", "ignores_argument")
 
 
