@@ -166,23 +166,25 @@ def keep_what_variants_read(model: torch.nn.Module) -> None:
 
 
 class DroppedWeight(torch.nn.Parameter):
-    """What a frozen FP8 projection holds as ``weight`` after ``drop_frozen_weights``: shape, dtype, device and
-    ``requires_grad`` as before, and no values (a meta tensor). Reading it for values (a GEMM, a copy, a move to
-    another device) raises with the fix instead of computing with nothing; ``detach`` (``state_dict``) gives a
-    :class:`DroppedValues`, which peft's adapter saving leaves out and a whole checkpoint refuses."""
+    """What a frozen FP8 projection holds as ``weight`` after ``drop_frozen_weights``: shape, strides, dtype, device
+    and ``requires_grad`` as before, and no values (a meta tensor). Reading it for values (a GEMM, a copy, a move to
+    another device) raises with the fix instead of computing with nothing, and so does every write (``copy_``,
+    through ``.data``, setting ``.data``, ``load_state_dict``), which would otherwise be lost; ``detach``
+    (``state_dict``) gives a :class:`DroppedValues`, which peft's adapter saving leaves out and a whole checkpoint
+    refuses."""
 
     device_of: torch.device
 
     @staticmethod
     def of(weight: torch.Tensor) -> DroppedWeight:
-        return _dropped(tuple(weight.shape), weight.dtype, weight.device)
+        return _dropped(tuple(weight.shape), weight.dtype, weight.device, weight.stride())
 
     def __deepcopy__(self, memo: dict) -> DroppedWeight:
-        memo[id(self)] = copied = _dropped(tuple(self.shape), self.dtype, self.device_of)
+        memo[id(self)] = copied = _dropped(tuple(self.shape), self.dtype, self.device_of, self.stride())
         return copied
 
     def __reduce_ex__(self, protocol):
-        return _dropped, (tuple(self.shape), self.dtype, self.device_of)
+        return _dropped, (tuple(self.shape), self.dtype, self.device_of, self.stride())
 
     def __repr__(self, **kwargs) -> str:  # a meta tensor's repr would name the meta device, not the weight's
         return (
@@ -195,7 +197,13 @@ class DroppedWeight(torch.nn.Parameter):
         kwargs = kwargs or {}
         if getattr(func, "__self__", None) is torch.Tensor.device:  # the ``device`` property's getter
             return args[0].device_of
-        if getattr(func, "__self__", None) is torch.Tensor.data and func.__name__ == "__get__":
+        if getattr(func, "__self__", None) is torch.Tensor.is_meta:  # as the weight answered: it stands for one
+            return False
+        if getattr(func, "__self__", None) is torch.Tensor.data:
+            if func.__name__ == "__set__":  # ``weight.data = values`` (``vector_to_parameters``): nowhere to go
+                if args[1] is args[0]:  # ``model.to`` where it is: itself, nothing changes
+                    return None
+                raise RuntimeError(DROPPED)
             return args[0]  # ``weight.data += delta`` (a merge) reaches the raising path, not a meta tensor
         if func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu) and _same_place(args, kwargs):
             return args[0]
@@ -240,18 +248,28 @@ def _metadata_only(func, args: tuple, kwargs: dict):
     raise RuntimeError(DROPPED)
 
 
-def _dropped(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> DroppedWeight:
-    """A ``DroppedWeight`` of this shape and dtype standing for a weight on ``device`` (also how it unpickles)."""
-    dropped = DroppedWeight(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+def _dropped(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, stride: tuple[int, ...] | None = None
+) -> DroppedWeight:
+    """A ``DroppedWeight`` of this shape, strides (contiguous: None) and dtype standing for a weight on ``device``
+    (also how it unpickles)."""
+    if stride is None:
+        stride = torch.empty(shape, device="meta").stride()
+    dropped = DroppedWeight(torch.empty_strided(shape, stride, dtype=dtype, device="meta"), requires_grad=False)
     dropped.device_of = device
     return dropped
 
 
 _METADATA = {
     torch.Tensor.size,
+    torch.Tensor.stride,
+    torch.Tensor.is_contiguous,
     torch.Tensor.__len__,
     torch.Tensor.dim,
+    torch.Tensor.ndimension,
     torch.Tensor.numel,
+    torch.Tensor.nelement,
+    torch.numel,
     torch.Tensor.element_size,
     torch.Tensor.is_floating_point,
     torch.Tensor.requires_grad_,

@@ -15,6 +15,7 @@ import torch
 from helpers import cpu_candidates, lm_batch
 
 import fusepatch
+from fusepatch.layers.fp8 import DroppedWeight
 from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear
 from fusepatch.tools.tiny import tiny_model
 
@@ -151,3 +152,89 @@ def test_a_load_or_a_move_is_seen(monkeypatch, move):
     assert torch.equal(after, _afresh(model, batch))
     assert not torch.equal(after, before)
 
+
+def _dropped_fp8(monkeypatch) -> tuple[torch.nn.Module, dict]:
+    """``_frozen_fp8`` with ``drop_frozen_weights=True``, after the call that drops the weights; and a batch."""
+    model = _frozen_fp8(monkeypatch, drop_frozen_weights=True)
+    batch = lm_batch(model, length=16)
+    _logits(model, batch)
+    assert all(isinstance(weight, DroppedWeight) for weight in _weights(model))
+    return model, batch
+
+
+def _values(weight) -> torch.Tensor:
+    return torch.randn(tuple(weight.shape)).to(weight.dtype)
+
+
+DROPPED_WRITES = {
+    "data-copy": lambda model, w: w.data.copy_(_values(w)),
+    "data-mul": lambda model, w: w.data.mul_(2),
+    "data-set": lambda model, w: setattr(w, "data", _values(w)),
+    "copy": lambda model, w: w.copy_(_values(w)),
+    "init": lambda model, w: torch.nn.init.normal_(w),
+    "untyped-storage": lambda model, w: w.untyped_storage().fill_(0),
+    "vector-to-parameters": lambda model, w: torch.nn.utils.vector_to_parameters(_values(w).reshape(-1), [w]),
+    "load-state-dict": lambda model, w: model.load_state_dict(
+        {n: _values(v) if v.is_meta else v.clone() for n, v in model.state_dict().items()}
+    ),
+}
+
+
+@pytest.mark.parametrize("write", list(DROPPED_WRITES))
+def test_every_write_to_a_dropped_weight_refuses_with_the_fix(monkeypatch, write):
+    """A dropped weight has no values, so a write could only be lost: each writer raises the drop's message with its
+    fix, and the model still computes what it did."""
+    model, batch = _dropped_fp8(monkeypatch)
+    before = _logits(model, batch)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="drop_frozen_weights.*revert"):
+        DROPPED_WRITES[write](model, _weights(model)[0])
+    assert torch.equal(_logits(model, batch), before)
+
+
+def test_a_dropped_weight_loaded_by_assignment_is_quantized_from_the_loaded_values(monkeypatch):
+    """``load_state_dict(assign=True)`` puts new parameters in the dropped weights' place: the next call quantizes
+    them (and drops them again), computing what the loaded model computes afresh."""
+    model, batch = _dropped_fp8(monkeypatch)
+    loaded = tiny_model("qwen3", hidden_size=128, intermediate_size=256, seed=1).to(torch.bfloat16)
+    model.load_state_dict({n: v.clone() for n, v in loaded.state_dict().items()}, assign=True)
+    model.requires_grad_(False)
+    assert not any(isinstance(weight, DroppedWeight) for weight in _weights(model))
+    want = _afresh(model, batch)
+    assert torch.equal(_logits(model, batch), want)
+    assert all(isinstance(weight, DroppedWeight) for weight in _weights(model))
+
+
+METADATA = {
+    "torch.numel": torch.numel,
+    "numel": lambda w: w.numel(),
+    "stride": lambda w: w.stride(),
+    "is_contiguous": lambda w: w.is_contiguous(),
+    "shape": lambda w: w.shape,
+    "dtype": lambda w: w.dtype,
+    "device": lambda w: w.device,
+    "size": lambda w: w.size(),
+    "size(1)": lambda w: w.size(1),
+    "dim": lambda w: w.dim(),
+    "requires_grad": lambda w: w.requires_grad,
+}
+
+
+def test_a_dropped_weight_answers_its_metadata_as_the_weight_did(monkeypatch):
+    """Only reading values refuses: shape, size, stride, contiguity, element count, dtype and device answer as
+    the weight's own did, including a weight that was not contiguous."""
+    cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    model = tiny_model("qwen3", hidden_size=128, intermediate_size=256).to(torch.bfloat16)
+    model.requires_grad_(False)
+    transposed = model.model.layers[0].mlp.up_proj
+    transposed.weight = torch.nn.Parameter(transposed.weight.detach().t().contiguous().t(), requires_grad=False)
+    fusepatch.apply(model, precision="fp8", verbose=False, drop_frozen_weights=True)
+    weights = _weights(model)
+    want = [{name: ask(weight) for name, ask in METADATA.items()} for weight in weights]
+    assert not want[next(i for i, w in enumerate(weights) if w is transposed.weight)]["is_contiguous"]
+    _logits(model, lm_batch(model, length=16))
+    dropped = _weights(model)
+    for weight, answers in zip(dropped, want):
+        assert isinstance(weight, DroppedWeight)
+        assert {name: ask(weight) for name, ask in METADATA.items()} == answers
+    with pytest.raises(RuntimeError, match="drop_frozen_weights.*revert"):
+        dropped[0].sum()
