@@ -1042,3 +1042,20 @@ def test_static_memory_counts_the_fp8_copies_a_patched_model_keeps(monkeypatch):
     states = [m.__dict__["_fusepatch"] for m in model.modules() if "_fusepatch" in m.__dict__]
     kept = [state.cache["fp8"][1] for state in states if "fp8" in state.cache]
     assert kept and sum(q.nbytes + inverse.nbytes for q, inverse in kept) == counted
+
+
+def test_fp8_kept_check_bench_times_each_frozen_projection_of_a_lora_step():
+    """``fp8_kernels_bench.py --cases kept`` times the kept copies' check at the weight shapes of an 8-layer 27B
+    LoRA step's frozen projections: per decoder layer gate, up, down; per Gated DeltaNet layer (6 of 8) in_proj_qkv,
+    in_proj_z, out_proj; per attention layer (2) q (gated: twice the heads), k, v, o."""
+    from fp8_kernels_bench import kept_sites
+
+    assert kept_sites("27b", 8) == {
+        (17408, 5120): 16,
+        (5120, 17408): 8,
+        (10240, 5120): 6,
+        (6144, 5120): 6,
+        (5120, 6144): 8,
+        (12288, 5120): 2,
+        (1024, 5120): 4,
+    }
