@@ -26,6 +26,7 @@ HELD, SUMS, DONE, STALE, STATE_WORDS = 0, 2, 4, 5, 6
 
 
 def words(x: torch.Tensor) -> torch.Tensor:
-    """``x``'s values as 32-bit words in row-major order, what its fingerprint reads: every bit of every value,
-    whatever the dtype (a copy only where ``x`` is not contiguous; its bytes must be a multiple of 4)."""
-    return x.detach().contiguous().reshape(-1).view(torch.int32)
+    """``x``'s values as 32-bit words in row-major order (its last dimension's words; read flat), what its
+    fingerprint reads: every bit of every value, whatever the dtype (a copy only where ``x`` is not contiguous;
+    its rows' bytes must be a multiple of 4: an FP8 weight's dimensions are multiples of 16)."""
+    return (x if x.is_contiguous() else x.contiguous()).view(torch.int32)

@@ -119,7 +119,7 @@ def _mixed(x: torch.Tensor, mix: tuple[int, ...]) -> torch.Tensor:
 def fingerprint_reference(x: torch.Tensor) -> torch.Tensor:
     """``kernels/fp8.fingerprint``'s fingerprint of ``x`` in PyTorch: int64 ``[2]``, its two lanes (each in
     [0, 2**32); ``fp8_range`` says how they are made)."""
-    values = words(x)
+    values = words(x).reshape(-1)
     total = torch.zeros(2, dtype=torch.int64, device=x.device)
     for start in range(0, values.numel(), _CHUNK):
         word = values[start : start + _CHUNK].to(torch.int64) & _LOW
