@@ -205,7 +205,8 @@ def _fingerprint(words, count, state, BLOCK: tl.constexpr, STEPS: tl.constexpr):
 def fingerprint(x: torch.Tensor, state: torch.Tensor) -> None:
     """Check ``x``'s contents against the fingerprint ``state`` holds (int32 ``[fp8_range.STATE_WORDS]``, zeros
     before the first check): on the device, the stale flag set where they differ and the new fingerprint held.
-    ``x``'s bytes must be a multiple of 4 (an FP8 weight's are: its dimensions are multiples of 16)."""
+    ``x``'s rows must hold a multiple of 4 bytes (``fp8_range.words``; an FP8 weight's dimensions are multiples
+    of 16)."""
     values = words(x)
     count = values.numel()
     if count:
