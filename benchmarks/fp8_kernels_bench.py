@@ -1,15 +1,37 @@
-"""The FP8 layout kernels alone (``fusepatch/kernels/fp8.py``) at the 27B projection widths, median of 20 CUDA-event
-timings each: the tiled FP8 transpose (a frozen weight's input gradient) against the strided copy it replaces,
-and the column quantization (transposed, padded) against a transposed copy followed by the row quantization.
+"""The FP8 kernels alone (``fusepatch/kernels/fp8.py``) at the 27B projection widths, median of 20 CUDA-event
+timings each.
 
-    python benchmarks/fp8_kernels_bench.py          # prints one JSON object: milliseconds per case
+``layout``: the tiled FP8 transpose (a frozen weight's input gradient) against the strided copy it replaces, and
+the column quantization (transposed, padded) against a transposed copy followed by the row quantization.
+
+``kept``: a frozen weight's kept FP8 copy, checked at every call (``scaled_mm.refresh_weight``: the fingerprint of
+the weight's contents compared on the device, the copy quantized again in its own buffers only when it changed)
+against the quantization that keeping the copy saves (``quantize_weight``), per projection shape of an 8-layer
+27B LoRA step (every projection's base frozen) and summed over the step's projections: ``check_ms`` the weight as
+it was, ``check_changed_ms`` a changed weight (check and quantization), ``quantize_ms``; ``host_us`` what a call
+costs the host to queue (its two launches against the quantization's one). The sums are one forward's; the
+kept copy serves the input gradient with no check.
+
+    python benchmarks/fp8_kernels_bench.py                     # prints one JSON object: milliseconds per case
+    python benchmarks/fp8_kernels_bench.py --cases kept --json-out benchmarks/records/DATE-fp8-kept-check-h200.jsonl
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
+import itertools
 import json
+import os
+import subprocess
+import sys
+import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+CASES = ("layout", "kept")
 
 
 def median_ms(fn, repeats: int = 20) -> float:
@@ -27,7 +49,19 @@ def median_ms(fn, repeats: int = 20) -> float:
     return round(times[len(times) // 2], 4)
 
 
-def main() -> int:
+def host_us(fn, calls: int = 200) -> float:
+    """Microseconds of host time a call of ``fn`` takes to queue its work (no sync between the calls)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    spent = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return round(spent / calls * 1e6, 2)
+
+
+def layout() -> dict:
     from fusepatch.kernels.fp8 import quantize_columns, quantize_rows, transpose
 
     out = {}
@@ -44,7 +78,98 @@ def main() -> int:
             "copy_then_rows_ms": median_ms(lambda x=x: quantize_rows(x.t().contiguous())),
             "rows_ms": median_ms(lambda x=x: quantize_rows(x)),
         }
-    print(json.dumps(out))
+    return out
+
+
+def kept_sites(shape: str = "27b", layers: int = 8) -> dict[tuple[int, int], int]:
+    """The weight shapes of the projections ``precision="fp8"`` computes in a LoRA step of ``shape`` (all frozen
+    bases: each keeps an FP8 copy), with how many projections have each: built on the meta device."""
+    from static_memory import _projection, build
+
+    model = build(shape, layers, lora=16)
+    sites: collections.Counter = collections.Counter()
+    for name, module in model.named_modules():
+        if _projection(name, module) and not module.weight.requires_grad:
+            sites[tuple(module.weight.shape)] += 1
+    return dict(sites)
+
+
+def _site(size: tuple[int, int], device: str) -> dict:
+    """One weight shape's timings: the check of a weight as it was, of a changed one, and the quantization."""
+    from fusepatch.ops.fp8_linear.scaled_mm import fingerprint_weight, quantize_weight, refresh_weight
+
+    weights = [torch.randn(size, device=device, dtype=torch.bfloat16) for _ in range(2)]
+    quantized, check = quantize_weight(weights[0]), fingerprint_weight(weights[0])
+    changing = itertools.cycle(weights)  # each call a weight other than the one checked before
+    return {
+        "check_ms": median_ms(lambda: refresh_weight(weights[0], quantized, check)),
+        "check_changed_ms": median_ms(lambda: refresh_weight(next(changing), quantized, check)),
+        "quantize_ms": median_ms(lambda: quantize_weight(weights[0])),
+        "check_host_us": host_us(lambda: refresh_weight(weights[0], quantized, check)),
+        "quantize_host_us": host_us(lambda: quantize_weight(weights[0])),
+    }
+
+
+def kept(shape: str = "27b", layers: int = 8, device: str = "cuda") -> dict:
+    from fusepatch.ops.fp8_linear.scaled_mm import fingerprint_weight, quantize_weight, refresh_weight
+
+    sites = kept_sites(shape, layers)
+    out: dict = {"sites": {}, "step": {}}
+    for size, count in sorted(sites.items()):
+        out["sites"][str(size)] = {"projections": count, **_site(size, device)}
+    for field in ("check_ms", "check_changed_ms", "quantize_ms"):
+        total = sum(site[field] * site["projections"] for site in out["sites"].values())
+        out["step"][field] = round(total, 4)
+    out["step"]["projections"] = sum(site["projections"] for site in out["sites"].values())
+    out["step"]["check_over_quantize"] = round(out["step"]["check_ms"] / out["step"]["quantize_ms"], 3)
+    # the step's checks queued back to back, as a forward queues them (the host's launches included)
+    projections = [
+        (weight, quantize_weight(weight), fingerprint_weight(weight))
+        for size, count in sites.items()
+        for weight in [torch.randn(size, device=device, dtype=torch.bfloat16) for _ in range(count)]
+    ]
+    out["step"]["checks_back_to_back_ms"] = median_ms(lambda: [refresh_weight(*p) for p in projections])
+    return out
+
+
+def _code() -> str | None:
+    try:
+        found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return found.stdout.strip()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--json-out", default=None, help="append the record row (date, GPU, versions) to this file")
+    args = parser.parse_args()
+    cases = args.cases.split(",")
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        parser.error(f"--cases: unknown {', '.join(unknown)}; expected some of {', '.join(CASES)}")
+    import triton
+
+    results = {}
+    if "layout" in cases:
+        results.update(layout())
+    if "kept" in cases:
+        results["kept 27b, 8 layers, LoRA"] = kept()
+    print(json.dumps(results))
+    if args.json_out:
+        row = {
+            "benchmark": "fp8_kernels",
+            "date": time.strftime("%Y-%m-%d"),
+            "gpu": torch.cuda.get_device_name(0),
+            "versions": {"torch": torch.__version__, "triton": triton.__version__},
+            "command": " ".join(["python benchmarks/fp8_kernels_bench.py", *sys.argv[1:]]),
+            "code": _code(),
+            "results": results,
+            "record_note": "median of 20 CUDA-event timings per case, bf16 weights; host_us: mean of 200 calls",
+        }
+        with open(args.json_out, "a") as out:
+            out.write(json.dumps(row) + "\n")
     return 0
 
 

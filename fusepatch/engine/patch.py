@@ -164,9 +164,8 @@ class PatchState:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         del state["original"]  # a bound method of the owner: derived again, never pickled by name
-        if self.cache.get("dropped"):
-            key, quantized, _ = state["cache"]["fp8"]  # all that is left of the weight (its weak reference is not)
-            state["cache"] = {"fp8": (key, quantized, None), "dropped": True}
+        if self.cache.get("dropped"):  # all that is left of the weight (``layers/fp8.Kept``: without its reference)
+            state["cache"] = {"fp8": state["cache"]["fp8"], "dropped": True}
         else:
             state["cache"] = {}  # derived from the module's tensors, again at the next call
         return state

@@ -1,15 +1,15 @@
 """The forward of a projection that ``apply(model, precision="fp8")`` trains with FP8 GEMMs (op ``fp8_linear``).
 
 Only the instance's forward changes: the module stays a ``torch.nn.Linear`` with its bf16 (or fp32) weight, so
-state dicts, optimizers, FSDP and peft see what they saw (peft's merge methods, which write frozen weights behind
-a kept FP8 copy's back, also let go of it: ``peft_merges``). The fused layers that compute several
-projections themselves (``layers/support/projections.py``) call a projection patched here through its module, so
-its FP8 GEMMs run there too.
+state dicts, optimizers, FSDP and peft see what they saw. The fused layers that compute several projections
+themselves (``layers/support/projections.py``) call a projection patched here through its module, so its FP8 GEMMs
+run there too.
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -19,9 +19,14 @@ from fusepatch.base.state import current as process_state
 from fusepatch.layers.support.hooks import autocast_dtype
 from fusepatch.layers.support.kept import keep
 from fusepatch.layers.support.lora import variant_bases
-from fusepatch.layers.support.peft_merges import follow_merges, peft_imported
 from fusepatch.ops.fp8_linear.reference import fp8_linear_reference
-from fusepatch.ops.fp8_linear.scaled_mm import MULTIPLE, QuantizedWeight, quantize_weight
+from fusepatch.ops.fp8_linear.scaled_mm import (
+    MULTIPLE,
+    QuantizedWeight,
+    fingerprint_weight,
+    quantize_weight,
+    refresh_weight,
+)
 
 # the decoder's projections that train in FP8: attention q/k/v/o, the Gated DeltaNet's input and output
 # projections, the MLPs' (and the MoE shared expert's) gate/up/down. Left as they are: the embeddings, the norms,
@@ -72,16 +77,29 @@ def fp8_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return fp8_linear(x, self.weight, self.bias, frozen=frozen)
 
 
+class Kept(NamedTuple):
+    """A frozen weight's FP8 copy, as ``PatchState.cache["fp8"]`` holds it."""
+
+    key: tuple  # where and what the weight was when quantized: device, storage, version, shape, dtype
+    quantized: QuantizedWeight
+    weight: weakref.ref | None  # the weight quantized; None once dropped (or unpickled)
+    check: torch.Tensor | None  # the fingerprint of its contents (``fingerprint_weight``); None for a dropped one
+
+    def __reduce__(self):  # a weak reference does not pickle: a loaded copy has no weight to check (a dropped one)
+        return Kept, (self.key, self.quantized, None, None)
+
+
 def frozen_weight(module: torch.nn.Module, state) -> QuantizedWeight | None:
-    """A frozen weight's FP8 copy, quantized once per weight version (LoRA's base: every step reuses it); None
-    for a weight that trains (quantized afresh at every GEMM), inside ``torch.compile`` (traced as a fresh
-    quantization) or under ``torch.inference_mode`` (its tensors cannot serve a later training step). Kept for
-    this very tensor (a weak reference) at its storage and version: an in-place update, a load, a new tensor or
-    new storage (``weight.data = ...``) quantizes again. A write into ``.data`` leaves both as they were: peft's
-    merges and unmerges let go of the copy themselves while FP8 projections are patched (``peft_merges``;
-    a copy made before peft was imported is made again once it is); other such writes to a frozen projection need
-    ``revert`` and ``apply``.
-    With ``apply(drop_frozen_weights=True)`` the weight itself is dropped once quantized."""
+    """A frozen weight's FP8 copy, kept between calls and certain to hold the weight's values: None for a weight
+    that trains (quantized afresh at every GEMM), inside ``torch.compile`` (traced as a fresh quantization) or
+    under ``torch.inference_mode`` (its tensors cannot serve a later training step).
+
+    A new tensor, new storage, shape, dtype or device, or a new version (an in-place update) quantizes into a new
+    copy. Writes that move none of these (through ``.data`` as peft's merges and TRL's reference-model sync write,
+    through another view of the storage, FSDP2 gathering new values at the same address) are seen by the copy's
+    fingerprint of the weight's contents, checked at every call (``refresh_weight``: on the GPU without a sync,
+    quantizing into the same buffers only when it changed). With ``apply(drop_frozen_weights=True)`` the weight
+    itself is dropped once quantized: nothing can write it then, and every writer raises (``DroppedWeight``)."""
     weight = module.weight
     cache = state.cache
     if isinstance(weight, DroppedWeight):
@@ -90,17 +108,18 @@ def frozen_weight(module: torch.nn.Module, state) -> QuantizedWeight | None:
         return cache["fp8"][1]
     if weight.requires_grad or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         return None
-    peft = peft_imported()
-    if peft and not follow_merges(module):  # a merge could not be seen: no copy is kept (said once)
-        return None
-    key = (weight.device, weight.data_ptr(), weight._version, weight.shape, weight.dtype, peft)
+    key = (weight.device, weight.data_ptr(), weight._version, weight.shape, weight.dtype)
     held = cache.get("fp8")
-    if held is None or held[0] != key or held[2]() is not weight:
-        held = keep(cache, "fp8", (key, quantize_weight(weight), weakref.ref(weight)))
-    if state.drop_frozen:
+    if isinstance(held, Kept) and held.key == key and held.check is not None and held.weight() is weight:
+        refresh_weight(weight, held.quantized, held.check)
+        return held.quantized
+    dropping = state.drop_frozen  # no fingerprint for a weight about to be dropped
+    check = None if dropping else fingerprint_weight(weight)
+    held = keep(cache, "fp8", Kept(key, quantize_weight(weight), weakref.ref(weight), check))
+    if dropping:
         module.weight = DroppedWeight.of(weight)
-        cache["dropped"] = True  # the copy is all that is left: nothing may drop it (lora's merge follow-up)
-    return held[1]
+        cache["dropped"] = True  # the copy is all that is left of the weight
+    return held.quantized
 
 
 DROPPED = (
@@ -147,23 +166,25 @@ def keep_what_variants_read(model: torch.nn.Module) -> None:
 
 
 class DroppedWeight(torch.nn.Parameter):
-    """What a frozen FP8 projection holds as ``weight`` after ``drop_frozen_weights``: shape, dtype, device and
-    ``requires_grad`` as before, and no values (a meta tensor). Reading it for values (a GEMM, a copy, a move to
-    another device) raises with the fix instead of computing with nothing; ``detach`` (``state_dict``) gives a
-    :class:`DroppedValues`, which peft's adapter saving leaves out and a whole checkpoint refuses."""
+    """What a frozen FP8 projection holds as ``weight`` after ``drop_frozen_weights``: shape, strides, dtype, device
+    and ``requires_grad`` as before, and no values (a meta tensor). Reading it for values (a GEMM, a copy, a move to
+    another device) raises with the fix instead of computing with nothing, and so does every write (``copy_``,
+    through ``.data``, setting ``.data``, ``load_state_dict``), which would otherwise be lost; ``detach``
+    (``state_dict``) gives a :class:`DroppedValues`, which peft's adapter saving leaves out and a whole checkpoint
+    refuses."""
 
     device_of: torch.device
 
     @staticmethod
     def of(weight: torch.Tensor) -> DroppedWeight:
-        return _dropped(tuple(weight.shape), weight.dtype, weight.device)
+        return _dropped(tuple(weight.shape), weight.dtype, weight.device, weight.stride())
 
     def __deepcopy__(self, memo: dict) -> DroppedWeight:
-        memo[id(self)] = copied = _dropped(tuple(self.shape), self.dtype, self.device_of)
+        memo[id(self)] = copied = _dropped(tuple(self.shape), self.dtype, self.device_of, self.stride())
         return copied
 
     def __reduce_ex__(self, protocol):
-        return _dropped, (tuple(self.shape), self.dtype, self.device_of)
+        return _dropped, (tuple(self.shape), self.dtype, self.device_of, self.stride())
 
     def __repr__(self, **kwargs) -> str:  # a meta tensor's repr would name the meta device, not the weight's
         return (
@@ -176,7 +197,13 @@ class DroppedWeight(torch.nn.Parameter):
         kwargs = kwargs or {}
         if getattr(func, "__self__", None) is torch.Tensor.device:  # the ``device`` property's getter
             return args[0].device_of
-        if getattr(func, "__self__", None) is torch.Tensor.data and func.__name__ == "__get__":
+        if getattr(func, "__self__", None) is torch.Tensor.is_meta:  # as the weight answered: it stands for one
+            return False
+        if getattr(func, "__self__", None) is torch.Tensor.data:
+            if func.__name__ == "__set__":  # ``weight.data = values`` (``vector_to_parameters``): nowhere to go
+                if args[1] is args[0]:  # ``model.to`` where it is: itself, nothing changes
+                    return None
+                raise RuntimeError(DROPPED)
             return args[0]  # ``weight.data += delta`` (a merge) reaches the raising path, not a meta tensor
         if func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu) and _same_place(args, kwargs):
             return args[0]
@@ -221,18 +248,28 @@ def _metadata_only(func, args: tuple, kwargs: dict):
     raise RuntimeError(DROPPED)
 
 
-def _dropped(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> DroppedWeight:
-    """A ``DroppedWeight`` of this shape and dtype standing for a weight on ``device`` (also how it unpickles)."""
-    dropped = DroppedWeight(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+def _dropped(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, stride: tuple[int, ...] | None = None
+) -> DroppedWeight:
+    """A ``DroppedWeight`` of this shape, strides (contiguous: None) and dtype standing for a weight on ``device``
+    (also how it unpickles)."""
+    if stride is None:
+        stride = torch.empty(shape, device="meta").stride()
+    dropped = DroppedWeight(torch.empty_strided(shape, stride, dtype=dtype, device="meta"), requires_grad=False)
     dropped.device_of = device
     return dropped
 
 
 _METADATA = {
     torch.Tensor.size,
+    torch.Tensor.stride,
+    torch.Tensor.is_contiguous,
     torch.Tensor.__len__,
     torch.Tensor.dim,
+    torch.Tensor.ndimension,
     torch.Tensor.numel,
+    torch.Tensor.nelement,
+    torch.numel,
     torch.Tensor.element_size,
     torch.Tensor.is_floating_point,
     torch.Tensor.requires_grad_,

@@ -13,7 +13,8 @@ fresh leaves, so that a loop still holding the last step's loss does not matter)
 replay against its own forward, and replays from then on. A call of another signature runs as usual; a new
 steady signature is captured in turn, up to ``MAX_CAPTURES`` per model. Parameters moved or replaced
 (``model.to``, ``load_state_dict(assign=True)``) or frozen since, and an FP8 projection's frozen weight quantized
-anew (after a peft merge), drop the graphs.
+into a new copy (a new version: an in-place load), drop the graphs; a write that keeps the version (peft's merges,
+through ``.data``) is seen by the copy's own check, which the graph captured and runs at every replay.
 
 Calls that run without graphs, said once each with the fix: activation checkpointing (it exists to drop the
 activations a graph keeps), hooks on a layer's modules (they would run once, at capture), FSDP2's sharded
@@ -94,9 +95,9 @@ def _patched(layer: torch.nn.Module) -> tuple:
 
 def _reads(params: Iterable[torch.nn.Parameter], states: tuple) -> tuple:
     """What a layer's graphs read: per parameter its pointer, dtype, ``requires_grad`` and, frozen, its version (an
-    in-place load changes what a frozen FP8 projection computes with, its copy being quantized anew only outside
-    a graph); and per patched module the generation of what it keeps between calls (``support/kept.py``: an FP8
-    projection's frozen weight, whose copy made anew frees the memory the graph reads)."""
+    in-place load gives a frozen FP8 projection a new copy, made outside a graph); and per patched module the
+    generation of what it keeps between calls (``support/kept.py``: an FP8 projection's frozen weight, whose copy
+    made anew frees the memory the graph reads)."""
     tensors = tuple((p.data_ptr(), p.dtype, p.requires_grad, None if p.requires_grad else p._version) for p in params)
     return tensors, tuple(generation(state.cache) for state in states)
 

@@ -1059,3 +1059,20 @@ def test_host_profile_names_packages_by_where_they_are_not_by_folder_names():
     assert package("/home/me/fusepatch/.venv/lib/python3.12/site-packages/fla/ops/utils.py") == "fla"
     assert package("/opt/site-packages/env/lib/python3.12/site-packages/triton/runtime/jit.py") == "triton"
     assert package("~") == "builtins"
+
+
+def test_fp8_kept_check_bench_times_each_frozen_projection_of_a_lora_step():
+    """``fp8_kernels_bench.py --cases kept`` times the kept copies' check at the weight shapes of an 8-layer 27B
+    LoRA step's frozen projections: per decoder layer gate, up, down; per Gated DeltaNet layer (6 of 8) in_proj_qkv,
+    in_proj_z, out_proj; per attention layer (2) q (gated: twice the heads), k, v, o."""
+    from fp8_kernels_bench import kept_sites
+
+    assert kept_sites("27b", 8) == {
+        (17408, 5120): 16,
+        (5120, 17408): 8,
+        (10240, 5120): 6,
+        (6144, 5120): 6,
+        (5120, 6144): 8,
+        (12288, 5120): 2,
+        (1024, 5120): 4,
+    }

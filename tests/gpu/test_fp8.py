@@ -2,7 +2,8 @@
 written transposed and padded) against their PyTorch twins (the same bits), the FP8 GEMMs' error against fp32 at
 the 27B layer widths for a trained and a frozen weight, a mini Qwen3.5 model trained with
 ``apply(model, precision="fp8")`` against the same model patched in bf16, the same with peft LoRA, under FSDP2
-(NCCL, world size 1) and compiled against the same FP8 model plain, and a model converted with torchao first."""
+(NCCL, world size 1) and compiled against the same FP8 model plain, and a model converted with torchao first; a
+frozen weight's kept copy checked and requantized on the device (no host sync, under CUDA graph capture)."""
 
 from __future__ import annotations
 
@@ -248,3 +249,129 @@ def test_a_torchao_converted_model_keeps_its_float8_modules():
     assert all(m.weight.grad is not None for m in converted)
     record("fp8-torchao-converted", {"losses": losses})
     assert abs(losses[1] - losses[0]) <= 2e-2 * abs(losses[0]), losses
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(17408, 5120), (5120, 6144), (48, 80)], ids=["27b-mlp", "27b-qkv", "small"])
+def test_fingerprint_kernel_gives_the_twins_fingerprint(shape, dtype):
+    """The check of a kept copy on the GPU: the fingerprint kernel's atomics and last-program compare give the
+    PyTorch twin's fingerprint at the 27B widths (thousands of programs), flag exactly a changed weight (one value
+    in the middle, two values swapped) and leave the state's sums and count zeroed for the next call."""
+    from fusepatch.kernels.fp8 import fingerprint
+    from fusepatch.kernels.fp8_range import DONE, HELD, STALE, STATE_WORDS, SUMS
+    from fusepatch.ops.fp8_linear.scaled_mm import fingerprint_reference
+
+    def held(state):
+        return state[HELD : HELD + 2].to(torch.int64) & 0xFFFFFFFF
+
+    x = torch.randn(shape, device="cuda").to(dtype)
+    x[0, 0], x[-1, -1] = 1.5, -2.5
+    state = torch.zeros(STATE_WORDS, dtype=torch.int32, device="cuda")
+    for _ in range(2):  # the second call: the same weight, not stale
+        fingerprint(x, state)
+        assert torch.equal(held(state), fingerprint_reference(x)) and bool((state[SUMS : DONE + 1] == 0).all())
+    assert state[STALE].item() == 0
+    changed = x.clone()
+    changed[shape[0] // 2, shape[1] // 3] += 1
+    fingerprint(changed, state)
+    assert state[STALE].item() == 1 and torch.equal(held(state), fingerprint_reference(changed))
+    swapped = x.clone()
+    swapped[0, 0], swapped[-1, -1] = x[-1, -1], x[0, 0]
+    fingerprint(swapped, state)
+    assert state[STALE].item() == 1
+
+
+def _kept(weight):
+    from fusepatch.ops.fp8_linear.scaled_mm import fingerprint_weight, quantize_weight
+
+    return quantize_weight(weight), fingerprint_weight(weight)
+
+
+def _same(quantized, other) -> bool:
+    return torch.equal(quantized.q.view(torch.uint8), other.q.view(torch.uint8)) and torch.equal(
+        quantized.inverse, other.inverse
+    )
+
+
+def test_a_kept_copy_is_checked_and_requantized_without_a_host_sync():
+    """``refresh_weight`` at a 27B MLP weight's shape under ``torch.cuda.set_sync_debug_mode("error")`` (any sync
+    raises): a fresh weight leaves the copy's buffers unwritten (poisoned buffers stay poisoned), a weight written
+    through ``.data`` gets its fresh quantization in the same buffers, the same bits as ``quantize_weight``."""
+    from fusepatch.ops.fp8_linear.scaled_mm import quantize_weight, refresh_weight
+
+    weight = torch.nn.Parameter(torch.randn(17408, 5120, device="cuda").to(torch.bfloat16), requires_grad=False)
+    warm = weight.detach().clone()
+    refresh_weight(warm.mul_(2), *_kept(weight))  # the kernels built before the checked calls
+    quantized, check = _kept(weight)
+    buffers = quantized.q.data_ptr(), quantized.inverse.data_ptr()
+    poison = quantized.inverse.clone().fill_(3.0)
+    quantized.inverse.copy_(poison)  # a fresh check must write nothing
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        refresh_weight(weight, quantized, check)
+        unwritten = quantized.inverse.clone()
+        weight.data.mul_(-0.5)
+        refresh_weight(weight, quantized, check)
+        written = quantized.inverse.clone()
+        refresh_weight(weight, quantized, check)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert (quantized.q.data_ptr(), quantized.inverse.data_ptr()) == buffers
+    assert torch.equal(unwritten, poison) and not torch.equal(written, poison)
+    assert _same(quantized, quantize_weight(weight))
+
+
+def test_a_captured_check_requantizes_at_each_replay():
+    """The check and the conditional write captured in a CUDA graph (as ``cuda_graphs=True`` captures a layer):
+    each replay quantizes the copy again exactly when the weight changed since the last one (through ``.data``
+    or its storage), and writes nothing when it did not."""
+    from fusepatch.ops.fp8_linear.scaled_mm import quantize_weight, refresh_weight
+
+    weight = torch.randn(5120, 6144, device="cuda").to(torch.bfloat16)
+    quantized, check = _kept(weight)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        refresh_weight(weight, quantized, check)  # the kernels' first launches outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        refresh_weight(weight, quantized, check)
+    for write in (lambda: weight.mul_(2), lambda: weight.untyped_storage().fill_(0), lambda: weight.add_(1)):
+        write()
+        graph.replay()
+        assert _same(quantized, quantize_weight(weight))
+        quantized.inverse.fill_(3.0)  # unchanged since: the next replay writes nothing
+        graph.replay()
+        assert bool((quantized.inverse == 3.0).all())
+        quantized.inverse.copy_(quantize_weight(weight).inverse)
+
+
+def test_a_frozen_fp8_model_follows_writes_through_data_on_the_gpu():
+    """A frozen mini model with ``precision="fp8"`` (a reference model): its weights written through ``.data`` as
+    TRL's sync writes them, the next forward equals a copy quantized afresh, exactly; a kept copy's check in the
+    forward issues no host sync."""
+    import fusepatch
+    from fusepatch.layers import fp8 as fp8_layer
+    from fusepatch.tools.tiny import tiny_model
+
+    model = tiny_model("qwen3_5_text", **MINI).cuda().to(torch.bfloat16).requires_grad_(False)
+    fusepatch.apply(model, precision="fp8", verbose=False)
+    ids = torch.randint(0, model.config.vocab_size, (2, 256), device="cuda")
+    with torch.no_grad():
+        before = model(input_ids=ids, use_cache=False).logits
+        for p in model.parameters():
+            p.data.mul_(0.5).add_(0.01)
+        after = model(input_ids=ids, use_cache=False).logits
+        fresh = copy.deepcopy(model)(input_ids=ids, use_cache=False).logits
+    assert torch.equal(after, fresh) and not torch.equal(after, before)
+    projection = next(m for m in model.modules() if "fp8" in getattr(m.__dict__.get("_fusepatch"), "cache", {}))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            kept = fp8_layer.frozen_weight(projection, projection._fusepatch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert kept is projection._fusepatch.cache["fp8"].quantized

@@ -95,3 +95,78 @@ def test_fsdp2_trains_fp8_projections_as_the_unsharded_model(tmp_path):
     data = json.loads(out.read_text())
     assert data["chosen"] == "cpu-standin" and data["calls"] > 0 and data["errors"], data
     assert abs(data["loss"] - data["ref_loss"]) < 1e-4 and max(data["errors"].values()) < 1e-3, data
+
+
+FROZEN_FP8_WORKER = """
+import copy, json, sys, time
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+sys.path.insert(0, sys.argv[2])
+import pytest
+from helpers import cpu_candidates
+import fusepatch
+from fusepatch.layers import fp8 as fp8_layer
+from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear, quantize_weight
+from fusepatch.tools.tiny import tiny_model
+
+monkeypatch = pytest.MonkeyPatch()
+cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+stale, calls = [], []
+kept = fp8_layer.frozen_weight
+
+
+def checked(module, state):  # each call's copy against the weight it computes for, bit for bit
+    copy = kept(module, state)
+    fresh = quantize_weight(module.weight)
+    calls.append(1)
+    if not torch.equal(copy.q.view(torch.uint8), fresh.q.view(torch.uint8)):
+        stale.append(1)
+    return copy
+
+
+monkeypatch.setattr(fp8_layer, "frozen_weight", checked)
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (1,))
+model = tiny_model("qwen3", seed=0, hidden_size=128, intermediate_size=256).to(torch.bfloat16)
+model.requires_grad_(False)  # a reference model (or LoRA's bases): every projection keeps an FP8 copy
+for layer in model.model.layers:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+fusepatch.apply(model, precision="fp8", verbose=False)
+ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+per_step = []
+for step in range(4):
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits
+    per_step.append(len(stale))
+    for p in model.parameters():  # the shards rewritten between steps, as TRL's reference sync writes them
+        p.data.mul_(0.9).add_(0.01)
+full = {name: v.full_tensor() if hasattr(v, "full_tensor") else v for name, v in model.state_dict().items()}
+reference = tiny_model("qwen3", seed=0, hidden_size=128, intermediate_size=256).to(torch.bfloat16)
+reference.load_state_dict(full)
+reference.requires_grad_(False)
+fusepatch.apply(reference, precision="fp8", verbose=False)
+with torch.no_grad():
+    got = model(input_ids=ids, use_cache=False).logits
+    want = reference(input_ids=ids, use_cache=False).logits
+result = {"stale": len(stale), "per_step": per_step, "calls": len(calls), "equal": bool(torch.equal(got, want))}
+json.dump(result, open(sys.argv[1], "w"))
+dist.barrier()
+time.sleep(0.2)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_rewritten_frozen_weights_are_requantized(tmp_path):
+    """FSDP2 (world size 1, gloo) gathers a frozen weight into the same unsharded parameter at each step, often at
+    the same address, keeping its version: with the shards rewritten between steps (a reference model's sync),
+    every FP8 call computes with the copy of the values it was given, and the last step equals an unsharded model
+    quantized afresh, exactly."""
+    script, out = tmp_path / "worker.py", tmp_path / "result.json"
+    script.write_text(FROZEN_FP8_WORKER)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = torchrun(str(script), str(out), tests, processes=1)
+    assert result.returncode == 0, result.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert data["calls"] == 6 * 28 and data["stale"] == 0 and data["equal"], data  # 5 sharded calls, 1 reference

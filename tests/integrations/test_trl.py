@@ -169,3 +169,43 @@ def test_a_run_says_each_fallback_reason_once(data, tmp_path, caplog):
     assert len(losses) == 3
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert_each_reason_once(warnings, fallback_reasons(trainer.model))
+
+
+def test_a_synced_fp8_reference_model_computes_with_the_synced_weights(monkeypatch):
+    """TRL's ``SyncRefModelCallback`` (``sync_ref_model=True``) mixes the policy into the frozen reference model
+    through ``.data`` at the end of a step, which moves neither the weights' storage nor their version: the FP8
+    reference's next call computes what a copy quantized afresh from the synced weights computes, exactly (a
+    stale copy computes the reference from before the sync)."""
+    import copy
+    import types
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from helpers import cpu_candidates, lm_batch
+    from transformers import TrainerControl, TrainerState
+
+    from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear
+
+    cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    policy = tiny_model("qwen3", hidden_size=128, intermediate_size=256, seed=1).to(torch.bfloat16)
+    reference = tiny_model("qwen3", hidden_size=128, intermediate_size=256, seed=0).to(torch.bfloat16)
+    reference.requires_grad_(False)
+    fusepatch.apply(reference, precision="fp8", verbose=False)
+    batch = lm_batch(reference, length=16)
+
+    def logits(model):
+        with torch.no_grad():  # as TRL computes the reference's log-probabilities
+            return model(**batch).logits.float()
+
+    before = logits(reference)
+    # the two fields of TRL's configs (GRPO, RLOO, KTO, DPO) the callback reads
+    args = types.SimpleNamespace(ref_model_sync_steps=1, ref_model_mixup_alpha=0.6)
+    state = TrainerState(global_step=1)
+    try:
+        callback = trl.trainer.callbacks.SyncRefModelCallback(ref_model=reference, accelerator=Accelerator(cpu=True))
+        callback.on_step_end(args, state, TrainerControl(), model=policy)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    synced = logits(reference)
+    assert torch.equal(synced, logits(copy.deepcopy(reference)))
+    assert not torch.equal(synced, before)

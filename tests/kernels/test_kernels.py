@@ -642,3 +642,59 @@ def test_fp8_quantization_kernels_give_the_twins_results_in_the_interpreter():
     same bits on values FP8 holds exactly, and on any values the same scales (a NaN of either sign in any row tile
     makes its column's scale NaN, as in the twin). tests/gpu/test_fp8.py checks the GPU's bits on any values."""
     _run_in_interpreter(FP8_SCRIPT)
+
+
+FP8_CHECK_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from fusepatch.kernels.fp8 import fingerprint, quantize_rows, requantize_rows
+    from fusepatch.kernels.fp8_range import DONE, HELD, STALE, STATE_WORDS, SUMS
+    from fusepatch.ops.fp8_linear.scaled_mm import fingerprint_reference, quantize_rows_reference
+    torch.manual_seed(0)
+
+    def held(state):  # the fingerprint the state holds, as the twin gives it
+        return state[HELD : HELD + 2].to(torch.int64) & 0xFFFFFFFF
+
+    def left_clean(state):  # the sums and the count zeroed for the next call (and for a graph's next replay)
+        return bool((state[SUMS : DONE + 1] == 0).all())
+
+    # one program, several, and the last one partial; bf16 (two values a word) and fp32
+    for dtype, shape in ((torch.bfloat16, (48, 80)), (torch.float32, (33, 64)), (torch.float32, (2056, 16))):
+        x = torch.randn(shape).to(dtype)
+        state = torch.zeros(STATE_WORDS, dtype=torch.int32)
+        fingerprint(x, state)
+        assert torch.equal(held(state), fingerprint_reference(x)) and left_clean(state), (dtype, shape)
+        fingerprint(x, state)
+        assert state[STALE] == 0 and torch.equal(held(state), fingerprint_reference(x)), (dtype, shape)
+        changed = x.clone()
+        changed.view(-1)[-1] += 1  # one value, in the last word
+        fingerprint(changed, state)
+        assert state[STALE] == 1 and torch.equal(held(state), fingerprint_reference(changed)), (dtype, shape)
+        assert left_clean(state)
+    swapped = x.clone()
+    swapped[0, 0], swapped[5, 7] = x[5, 7], x[0, 0]
+    assert not torch.equal(fingerprint_reference(swapped), fingerprint_reference(x))  # positions count
+    # the kept copy's write: nothing while the check found the weight as it was, its quantization once it changed
+    x = torch.randn(40, 96).to(torch.bfloat16)
+    q, inverse = quantize_rows(x)
+    before = q.clone(), inverse.clone()
+    state = torch.zeros(STATE_WORDS, dtype=torch.int32)
+    fingerprint(x, state)
+    fingerprint(x, state)
+    requantize_rows(x * 4, q, inverse, state)  # (the check did not see x * 4: nothing written)
+    assert torch.equal(q.view(torch.uint8), before[0].view(torch.uint8)) and torch.equal(inverse, before[1])
+    fingerprint(x * 4, state)
+    requantize_rows(x * 4, q, inverse, state)
+    fresh, fresh_inverse = quantize_rows(x * 4)  # (the interpreter rounds to FP8 its own way: its kernel's bits)
+    assert torch.equal(inverse, fresh_inverse) and torch.equal(q.view(torch.uint8), fresh.view(torch.uint8))
+    assert torch.equal(inverse, quantize_rows_reference(x * 4)[1])
+    print("ok")
+    """
+)
+
+
+def test_fp8_copy_check_gives_the_twins_fingerprint_and_writes_only_when_stale_in_the_interpreter():
+    """A kept FP8 copy's check (``fingerprint``: every word, positions mixed in, compared on the device) gives the
+    fingerprint of its PyTorch twin, flags exactly a changed weight and leaves its state ready for the next call;
+    ``requantize_rows`` writes the copy only when flagged. tests/gpu/test_fp8.py checks the compiled kernels."""
+    _run_in_interpreter(FP8_CHECK_SCRIPT)

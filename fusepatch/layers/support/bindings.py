@@ -1,5 +1,4 @@
-"""Names in transformers' modules that patched layers replace while they are patched, and put back after (and,
-through ``hold_patch``, other packages' changes kept the same way: peft's merge methods, ``peft_merges``).
+"""Names in transformers' modules that patched layers replace while they are patched, and put back after.
 
 Some of transformers' behaviour is reached through a module-level name rather than a layer (a modeling module's
 ``apply_rotary_pos_emb`` and ``ALL_ATTENTION_FUNCTIONS``, ``masking_utils.find_packed_sequence_indices``). A
@@ -73,12 +72,8 @@ def sweep() -> None:
 
 
 def _restore(key: tuple[str, str]) -> None:
-    """Transformers' object back under ``key`` (with the lock taken), unless someone replaced our wrapper since;
-    for a patch (``hold_patch``), its undo."""
+    """Transformers' object back under ``key`` (with the lock taken), unless someone replaced our wrapper since."""
     original, wrapper = _installed.pop(key)
-    if key[1] == _PATCH:
-        original()
-        return
     module = sys.modules.get(key[0])  # imported when bound; gone only while the interpreter shuts down
     if module is not None and getattr(module, key[1], None) is wrapper:
         setattr(module, key[1], original)
@@ -116,23 +111,6 @@ def _watch(owner: object, key: tuple[str, str]) -> None:
     if owner not in _watched:
         weakref.finalize(owner, _collected).atexit = False
         _watched.add(owner)
-
-
-_PATCH = ""  # the name of a patch's key: it replaces no single module-level name
-
-
-def hold_patch(owner: object, name: str, install: Callable[[], Callable[[], None]]) -> None:
-    """Keep a change to another package that no single module-level name carries (``install()`` makes it and
-    returns its undo) while ``owner`` holds it, as ``hold`` keeps a name: made by the first holder, undone when
-    the last is released or collected. Cheap once held."""
-    key = (name, _PATCH)
-    holders = _holders.get(key)
-    if holders is not None and owner in holders and key in _installed:
-        return
-    with _locked():
-        if key not in _installed:
-            _installed[key] = (install(), None)
-        _watch(owner, key)
 
 
 def _wrapped(current: object, wrap: Callable[[object], object]) -> object:

@@ -11,9 +11,9 @@ forward; in the backward one ``dx += [s_1 g_1 B_1, ...] [A_1; A_2; ...]`` and on
 ``projections.project`` does for plain linears.
 
 fusepatch reads the adapters' parameters and replaces no module: peft's modules, adapter switching, merging and
-saving work as before (peft's merge methods also let go of an FP8 base's kept copy: ``peft_merges``). Dropout
-(``lora_dropout > 0`` while training) is peft's own module, called in peft's order, so one generator state gives
-peft's masks; each dropped input gets its own ``A`` GEMM.
+saving work as before (a merge writes an FP8 base's weight, and its kept copy's check sees it: ``layers/fp8.py``).
+Dropout (``lora_dropout > 0`` while training) is peft's own module, called in peft's order, so one generator state
+gives peft's masks; each dropped input gets its own ``A`` GEMM.
 
 It runs for peft's ``lora.Linear`` over a plain ``nn.Linear`` with vanilla adapters (no DoRA or other variant,
 no LoRA bias), enabled and unmerged, without hooks, in one dtype or under autocast. Merged or disabled adapters

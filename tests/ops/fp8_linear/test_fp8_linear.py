@@ -601,72 +601,33 @@ def test_dora_added_after_a_step_dropped_its_base_is_said_with_the_fix(monkeypat
     assert "1 frozen projections under DoRA" in said and "reload the model" in said, said
 
 
-def test_a_merge_that_changes_nothing_keeps_the_copies(monkeypatch):
-    """peft skips an unmerge with nothing merged and a merge of what is merged already: the kept FP8 copies stay
-    (no quantization and, with CUDA graphs, no recapture for nothing); a real merge lets them go."""
+def test_merges_refresh_the_copies_in_place(monkeypatch):
+    """peft's merge and unmerge write the bases through ``.data``: each base keeps its FP8 copy, the same buffers
+    and generation (``support/kept.py``: CUDA graphs that read them stay valid), quantized again in place from the
+    merged values; a merge of what is merged already changes nothing."""
+    from fusepatch.layers.support.kept import generation
+
     model = _lora_fp8(monkeypatch)
     batch = lm_batch(model, length=16)
+    logits, afresh = _logits_and_afresh(model, batch)
+    states = [m._fusepatch for m in _fp8_modules(model).values()]
 
-    def kept() -> int:
-        return sum("fp8" in m._fusepatch.cache for m in _fp8_modules(model).values())
+    def kept():
+        return [(id(s.cache["fp8"].quantized), generation(s.cache)) for s in states]
 
     with torch.no_grad():
-        model(**batch)
-        copies = kept()
-        assert copies > 0
-        model.unmerge_adapter()  # nothing merged
-        assert kept() == copies
-        model.merge_adapter()
-        assert kept() < copies
-        model(**batch)
-        model.merge_adapter()  # merged already
-        assert kept() == copies
-
-
-def test_where_peft_moved_its_layers_no_copy_is_kept(monkeypatch, caplog):
-    """A peft whose BaseTunerLayer is not where fusepatch follows merges: said once with the fix, and frozen FP8
-    projections quantize at every call, so a merge still computes what a model patched afresh computes."""
-    import sys
-    import types
-
-    from fusepatch.base.state import fresh
-    from fusepatch.base.versions import support
-    from fusepatch.layers.support import peft_merges
-
-    model = _lora_fp8(monkeypatch)
-    batch = lm_batch(model, length=16)
-    moved = types.ModuleType("moved_tuners")  # imported, without BaseTunerLayer
-    monkeypatch.setitem(sys.modules, moved.__name__, moved)
-    monkeypatch.setattr(peft_merges, "TUNER_LAYERS", moved.__name__)
-    logits, afresh = _logits_and_afresh(model, batch)
-    with fresh(), caplog.at_level(logging.WARNING, logger="fusepatch"), torch.no_grad():
-        for module in _fp8_modules(model).values():
-            module._fusepatch.cache.pop("fp8", None)
         logits()
-        assert not any("fp8" in m._fusepatch.cache for m in _fp8_modules(model).values())
+        copies = kept()
+        model.merge_adapter()
+        merged = logits()
+        model.merge_adapter()  # merged already
+        assert torch.equal(logits(), merged)
+        model.unmerge_adapter()
+        unmerged = logits()
+        assert kept() == copies
+        assert not torch.equal(merged, unmerged)
         model.merge_adapter()
         assert torch.equal(logits(), afresh())
-    said = [r.getMessage() for r in caplog.records if "BaseTunerLayer" in r.getMessage()]
-    assert len(said) == 1 and f"fix: pip install peft=={support('peft').tested[-1]}" in said[0], said
-
-
-def test_revert_puts_peft_merge_methods_back(monkeypatch):
-    """peft's ``merge``/``unmerge`` are wrapped while FP8 projections hold them (the first frozen FP8 call), and
-    put back when the last is reverted: a reverted process is the one ``apply`` found."""
-    peft = pytest.importorskip("peft")
-    from fusepatch.layers.support import bindings, peft_merges
-
-    key = (peft_merges.WRAPPED, "")
-    for owner in list(bindings._holders.get(key, ())):  # other tests' models: this test's model holds alone
-        bindings.release(owner)
-    original = peft.tuners.lora.layer.Linear.__dict__["merge"]
-    assert not getattr(original, "lets_go_of_fp8_copies", False)
-    model = _lora_fp8(monkeypatch)
-    with torch.no_grad():
-        model(**lm_batch(model, length=16))
-    assert peft.tuners.lora.layer.Linear.__dict__["merge"].__wrapped__ is original
-    fusepatch.revert(model)
-    assert peft.tuners.lora.layer.Linear.__dict__["merge"] is original
 
 
 def test_an_inference_mode_evaluation_does_not_break_training(monkeypatch):
