@@ -1,12 +1,23 @@
-"""The figure checker's rules (``benchmarks/figures.py``): a figure followed by a key, ``[r:KEY]``, is the statistic
-``benchmarks/records/index.toml`` names for it, recomputed from the records; where a record holds several runs of a
-configuration, the median over the runs (a ratio: each run's against its own baseline, then the median); names,
-versions, dates, code, targets and written arithmetic need no key, any other measured figure does."""
+"""Every measured figure of README.md, CHANGELOG.md and docs/*.md names the record rows it comes from, and is the
+statistic of those rows that its key says, recomputed from ``benchmarks/records/*.jsonl`` (``benchmarks/figures.py``).
+
+A figure is followed by a key, ``[r:KEY]`` (in a table, one per row); ``benchmarks/records/index.toml`` gives, per
+key, the record file, the rows it reads by role (``config``, ``shape``, ``code``, ... or a ``line``) and, in the
+order the figures are written, each one's statistic: ``fp.tokens_per_s_synced``, ``fp.tokens_per_s_synced /
+hf.tokens_per_s_synced``, ``1 - fp.peak_gib / hf.peak_gib`` (a percentage), ``#beyond(...)`` (a measured count),
+``- why`` (marked not a measurement). A figure must equal its statistic rounded to the decimals it is written with,
+so any changed digit fails, as does a record whose new run moves a median. Where a record holds several runs of a
+configuration (other codes, or a second row of one code), the statistic is computed per run and the figure is the
+median over the runs: a ratio is each run's ratio against the baseline of that run, then the median. Not keyed, by
+rule: code spans and blocks, names, versions and dates, targets and thresholds (after ``>=``, ``target``,
+``beyond``, ...), the result of arithmetic written out (checked against its keyed terms), and whole numbers without a
+unit unless a ``#`` statistic claims them (``N of M`` always needs a key). Every index key is used exactly once."""
 
 from __future__ import annotations
 
 import sys
 
+import pytest
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -18,6 +29,49 @@ CURVES = "2026-12-04-fp8-text-curves-h200.jsonl"
 
 def _errors(text: str, index: dict, doc: str = "doc.md") -> list[str]:
     return figures.check({doc: text}, index, whole=False)[0]
+
+
+def test_every_figure_names_its_record_rows():
+    errors, bound = figures.check()
+    assert not errors, "\n".join(errors)
+    kinds = {b.token.kind for b in bound}
+    assert {"ratio", "percent", "unit", "grouped", "decimal", "count"} <= kinds
+
+
+# One figure of each kind in the documents as they are, and the same text with one digit changed: (document, the
+# text around the figure, the changed text).
+CHANGED_DIGIT = {
+    "ratio": ("README.md", "| 19,302 (1.20x) |", "| 19,302 (1.21x) |"),
+    "tokens/s": ("README.md", "| 19,302 (1.20x) |", "| 19,312 (1.20x) |"),
+    "GiB": ("docs/fp8.md", "Peak memory 16.9 GiB without graphs", "Peak memory 16.8 GiB without graphs"),
+    "ms": ("docs/fp8.md", "of the 185.71 ms step", "of the 185.72 ms step"),
+    "s": ("README.md", "first step took 0.42 s", "first step took 0.43 s"),
+    "percentage": ("README.md", "with 22% less peak memory", "with 23% less peak memory"),
+    "loss value": ("docs/fp8.md", "at a loss of 4.84 (1.2% of it)", "at a loss of 4.85 (1.2% of it)"),
+    "loss error": ("docs/kernels.md", "| hf-fast | 1.8e-05 |", "| hf-fast | 1.9e-05 |"),
+    "bare decimal": ("docs/kernels.md", "| 1.8e-05 | 0.0586 |", "| 1.8e-05 | 0.0587 |"),
+    "count": ("README.md", "6 of 321 gradients", "7 of 321 gradients"),
+    "window count": ("docs/fp8.md", "in 6 of the 12 windows", "in 7 of the 12 windows"),
+    "arithmetic result": ("docs/fp8.md", "60.662 - 55.542 = 5.12 ms", "60.662 - 55.542 = 5.13 ms"),
+    "changelog ratio": ("CHANGELOG.md", "1.59x hf-fast LoRA's tokens/s", "1.58x hf-fast LoRA's tokens/s"),
+    "commit of a run": ("README.md", "| b74e292 b1374d9 9bcd8a1 | 16,085", "| b74e292 b1374d9 9bcd8a0 | 16,085"),
+}
+
+
+@pytest.fixture(scope="module")
+def documents() -> dict[str, str]:
+    return figures.documents()
+
+
+@pytest.mark.parametrize("kind", CHANGED_DIGIT)
+def test_one_changed_digit_fails(kind, documents):
+    doc, written, changed = CHANGED_DIGIT[kind]
+    text = documents[doc]
+    assert text.count(written) == 1, f"{doc} no longer holds {written!r}: update the case"
+    index = figures.load_index()
+    assert figures.check({doc: text}, index, whole=False)[0] == []
+    errors = figures.check({doc: text.replace(written, changed)}, index, whole=False)[0]
+    assert errors, f"{doc}: {changed!r} passed"
 
 
 SFT_INDEX = {
