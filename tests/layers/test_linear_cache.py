@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import functools
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -34,7 +35,8 @@ DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
 def _stand_in(monkeypatch, op_name: str, body) -> list[dict]:
-    """The op's only candidate: ``body(reference)`` on the CPU, recording each call's keyword arguments."""
+    """The op's only candidate: ``body(reference)`` on the CPU, recording the keyword arguments of each call the
+    model makes (not its self-test's, which run on inputs of their own)."""
     op = OPS[op_name]
     calls: list[dict] = []
 
@@ -42,7 +44,8 @@ def _stand_in(monkeypatch, op_name: str, body) -> list[dict]:
         inner = body(op.reference)
 
         def standin(*args, **kwargs):
-            calls.append(kwargs)
+            if not any(frame.function == "_compare_case" for frame in inspect.stack(0)[1:6]):
+                calls.append(kwargs)
             return inner(*args, **kwargs)
 
         return standin
