@@ -85,10 +85,8 @@ def hold(owner: object, module_name: str, name: str, wrap: Callable[[object], ob
     the call, a binding whose wrapper is in place is taken as held: dynamo would guard on the holders' weak set,
     whose members the collector may take while it builds the guards (a model of an earlier step collected then)."""
     key = (module_name, name)
-    if torch.compiler.is_compiling():
-        installed = _installed.get(key)
-        if installed is not None and getattr(sys.modules.get(module_name), name, None) is installed[1]:
-            return True
+    if torch.compiler.is_compiling() and _in_place(module_name, name):
+        return True
     holders = _holders.get(key)
     if holders is not None and owner in holders and key in _installed:
         return True
@@ -103,6 +101,14 @@ def hold(owner: object, module_name: str, name: str, wrap: Callable[[object], ob
             _installed[key] = (current, wrapper)
         _watch(owner, key)
     return True
+
+
+@torch.compiler.assume_constant_result
+def _in_place(module_name: str, name: str) -> bool:
+    """Whether our wrapper is what ``module_name.name`` holds now. Read once while dynamo traces, as a constant: a
+    guard on ``_installed`` failed when the collector released a binding while dynamo built that very guard."""
+    installed = _installed.get((module_name, name))
+    return installed is not None and getattr(sys.modules.get(module_name), name, None) is installed[1]
 
 
 def _watch(owner: object, key: tuple[str, str]) -> None:
