@@ -8,6 +8,7 @@ reference itself (the stand-in with no fault) passes."""
 from __future__ import annotations
 
 import pytest
+import torch
 from faults import cases, faulty
 
 from fusepatch.engine import selftest
@@ -45,3 +46,49 @@ def test_bounds_follow_the_reference_error():
     got = selftest.bounds(op, "bfloat16", {"output": 0.003, "grad[5]": 0.003})
     assert got["output"] == pytest.approx(op.selftest.ratio * 0.003 + op.selftest.tolerance["bfloat16"])
     assert got["grad[5]"] == pytest.approx(op.selftest.ratio * 0.003 + op.selftest.looser["bfloat16"]["grad[5]"])
+
+
+def test_a_factor_shows_along_the_reference_through_noise_that_hides_it():
+    """``scale_error``: a 2% factor is 0.02 along the reference, where rounding-like noise four times its size has
+    almost no component (``relative_error`` cannot tell the two apart)."""
+    generator = torch.Generator().manual_seed(0)
+    reference = torch.randn(4096, generator=generator)
+    noise = 0.08 * torch.randn(4096, generator=generator)
+    assert selftest.scale_error(reference * 1.02, reference) == pytest.approx(0.02, rel=1e-6)
+    assert selftest.scale_error(reference + noise, reference) < 0.005
+    assert selftest.error(reference + noise, reference, []) > 4 * selftest.error(reference * 1.02, reference, [])
+
+
+def test_a_zeroed_tile_shows_whatever_the_tensor_size():
+    """``tile_error``: one zeroed 64 x 64 block of a [4096, 256] tensor is ~1, where its relative error is 6%."""
+    reference = torch.randn(4096, 256, generator=torch.Generator().manual_seed(1))
+    spoiled = reference.clone()
+    spoiled[1024:1088, 64:128] = 0
+    assert selftest.tile_error(spoiled, reference) == pytest.approx(1.0, abs=0.1)
+    assert selftest.error(spoiled, reference, []) < 0.07
+    assert selftest.tile_error(reference, reference) == 0.0
+
+
+def test_each_case_is_compared_and_named():
+    """The delta rule's self-test runs every declared case; each quantity carries its case's name, and a case
+    that switches the output's gradient off still compares the final state's path."""
+    op = OPS["gated_delta_rule"]
+    verdict, errors = selftest.compare(op, op.reference, "cpu", "float32", packed=True, seed=0)
+    assert verdict.ok
+    for case in op.selftest.cases:
+        prefix = f"{case.name}/" if case.name else ""
+        assert f"{prefix}output" in errors and f"{prefix}grad[2]:scale" in errors and f"{prefix}grad[0]:tile" in errors
+    assert "no-state/output[1]" not in errors and "state-only/output[1]" in errors
+
+
+def test_a_fault_confined_to_one_case_is_refused_by_that_case():
+    """A stand-in that is wrong only without a start state (training's own call) passes the cached call and is
+    refused by the ``no-state`` case, which names it."""
+    reference = OPS["gated_delta_rule"].reference
+
+    def wrong_without_state(*args, initial_state=None, **kwargs):
+        out = reference(*args, initial_state=initial_state, **kwargs)
+        return out if initial_state is not None else out * 1.02
+
+    verdict, _ = selftest.compare(OPS["gated_delta_rule"], wrong_without_state, "cpu", "float32", packed=False, seed=0)
+    assert not verdict.ok and "no-state/" in verdict.reason
