@@ -92,3 +92,22 @@ def test_a_fault_confined_to_one_case_is_refused_by_that_case():
 
     verdict, _ = selftest.compare(OPS["gated_delta_rule"], wrong_without_state, "cpu", "float32", packed=False, seed=0)
     assert not verdict.ok and "no-state/" in verdict.reason
+
+
+def test_every_quantity_past_its_bound_is_refused_not_only_the_worst():
+    """A quantity at a bound of 0 with no error, or with a NaN error, does not hide another one past its bound; a
+    NaN is refused on its own; a statistic without a bound is judged by its relative error alone."""
+    op = OPS["swiglu"]
+    assert not selftest.judge(op, {"a": 0.0, "b": 5.0}, {"a": 0.0, "b": 1.0}, "cpu", "float32").ok
+    assert not selftest.judge(op, {"a": float("nan"), "b": 0.5}, {"a": 1.0, "b": 1.0}, "cpu", "float32").ok
+    assert selftest.judge(op, {"a": 0.5, "a:tile": 3.0}, {"a": 1.0}, "cpu", "float32").ok
+    verdict = selftest.judge(op, {"a": 0.5, "b": 2.0, "c": 3.0}, {"a": 1.0, "b": 1.0, "c": 1.0}, "cpu", "float32")
+    assert not verdict.ok and "c differs" in verdict.reason
+
+
+def test_a_zeroed_tile_of_a_narrow_tensor_shows_in_full():
+    """A tensor narrower than a tile (a gate's gradient, one column a head): a zeroed block of 64 rows is ~1 too."""
+    reference = torch.randn(4096, 4, generator=torch.Generator().manual_seed(2))
+    spoiled = reference.clone()
+    spoiled[1024:1088] = 0
+    assert selftest.tile_error(spoiled, reference) == pytest.approx(1.0, abs=0.25)

@@ -106,7 +106,9 @@ def hold(owner: object, module_name: str, name: str, wrap: Callable[[object], ob
 @torch.compiler.assume_constant_result
 def _in_place(module_name: str, name: str) -> bool:
     """Whether our wrapper is what ``module_name.name`` holds now. Read once while dynamo traces, as a constant: a
-    guard on ``_installed`` failed when the collector released a binding while dynamo built that very guard."""
+    guard on ``_installed`` failed when the collector released a binding while dynamo built that very guard. A
+    graph compiled while the wrapper was in place keeps taking it as held after a ``revert``: the wrapper and
+    transformers' function compute the same, so only the wrapper's work outside patched layers is lost."""
     installed = _installed.get((module_name, name))
     return installed is not None and getattr(sys.modules.get(module_name), name, None) is installed[1]
 
