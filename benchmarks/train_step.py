@@ -57,7 +57,7 @@ from step_diagnostics import (  # noqa: E402
 from fusepatch.diagnostics.compiles import CompileCounter  # noqa: E402
 from fusepatch.diagnostics.profile import flops_per_token, label_layers, registry_modules, summarize  # noqa: E402
 
-PEAK_TFLOPS = 790.0  # an H200's dense bf16 matmul peak, for MFU (benchmarks/gemm_bench.py measures a GPU's own)
+PEAK_TFLOPS = 790.0  # an H200's dense bf16 matmul peak, for MFU (benchmarks/studies/gemm_bench.py measures a GPU's own)
 
 
 def _versions() -> dict:

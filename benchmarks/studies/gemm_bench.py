@@ -1,6 +1,6 @@
 """Every GEMM of one training step at a shape's real sizes, alone, in each formulation torch could run it.
 
-    python benchmarks/gemm_bench.py --shape 27b --json-out gemm.json
+    python benchmarks/studies/gemm_bench.py --shape 27b --json-out gemm.json
 
 Why: at the 27B shape the step is its kernels (GPU busy 0.97) and the GEMMs are two thirds of them; the lm_head's
 weight gradient (``dlogits.t() @ hidden``, 10.4 TFLOP) took 21 ms in the training step (H200 run of 2026-11-30), ~500
@@ -30,7 +30,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harness: benchmarks/
 from shapes import SHAPES  # noqa: E402
 
 

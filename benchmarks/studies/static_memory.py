@@ -1,6 +1,6 @@
 """What a training step's model holds between steps, by part, computed from the tensors' sizes: no GPU, no step.
 
-    python benchmarks/static_memory.py --shape 27b --lora 16 --json-out static.json
+    python benchmarks/studies/static_memory.py --shape 27b --lora 16 --json-out static.json
 
 Why: a training run's peak (``train_step.py``'s ``peak_mem_gib``) is what the model keeps between steps plus what
 one step adds (activations, gradients, the loss's chunks); the first part follows from the shapes alone. Built on
@@ -22,7 +22,7 @@ from datetime import date
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harness: benchmarks/
 from shapes import SHAPES, build_config  # noqa: E402
 
 GIB = 2**30
@@ -102,7 +102,7 @@ def main() -> int:
     for precision in PRECISIONS:
         row = {
             "kind": "static-memory",
-            "command": " ".join(["python benchmarks/static_memory.py", *sys.argv[1:]]),
+            "command": " ".join(["python benchmarks/studies/static_memory.py", *sys.argv[1:]]),
             "device": "meta (sizes only)",
             "shape": args.shape,
             "layers": layers,

@@ -1,7 +1,7 @@
 """The MoE experts op alone (forward + backward), each candidate, at Qwen3.5-MoE's expert sizes.
 
-    python benchmarks/moe_bench.py --tokens 4096 --json-out moe.json
-    python benchmarks/moe_bench.py --fp8 --json-out moe-fp8.json   # the experts' GEMMs: bf16 against FP8
+    python benchmarks/studies/moe_bench.py --tokens 4096 --json-out moe.json
+    python benchmarks/studies/moe_bench.py --fp8 --json-out moe-fp8.json   # the experts' GEMMs: bf16 against FP8
 
 Sizes from transformers' ``Qwen3_5MoeTextConfig`` defaults (hidden, expert width, experts, experts per token), the
 benchmark table's MoE shape; routing as transformers does it (softmax, top-k, renormalised), bf16, fresh random

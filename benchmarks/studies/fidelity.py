@@ -1,6 +1,7 @@
 """Fidelity at full layer shapes: one training step's loss and every parameter's gradient, against fp32.
 
-    python benchmarks/fidelity.py --shape 27b --site-fla /tmp/site-fla --site-tl /tmp/site-tl --out fidelity.jsonl
+    python benchmarks/studies/fidelity.py --shape 27b --site-fla /tmp/site-fla --site-tl /tmp/site-tl \
+        --out fidelity.jsonl
 
 The reference is the same model in fp32 on transformers' eager paths (a process that cannot import fla or
 causal-conv1d), deterministic. Then ``hf-fast``, ``liger`` and ``fusepatch`` each run the same step in bf16 in
@@ -33,8 +34,8 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository (this file is benchmarks/studies/fidelity.py)
+sys.path.insert(0, os.path.dirname(HERE))  # the harness: benchmarks/
 sys.path.insert(1, ROOT)  # the driver reads fusepatch's projection names where it is not installed
 
 from shapes import SHAPES, build_config  # noqa: E402

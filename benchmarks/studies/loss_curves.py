@@ -1,10 +1,12 @@
 """Loss curves of two configurations, two seeds each: is the candidate's curve within the run-to-run spread of
 the baseline's?
 
-    python benchmarks/loss_curves.py hf-fast:0=hf0.log hf-fast:1=hf1.log fusepatch:0=fp0.log fusepatch:1=fp1.log
-    python benchmarks/loss_curves.py bf16:0=a.log bf16:1=b.log fp8:0=c.log fp8:1=d.log --baseline bf16 --candidate fp8
+    python benchmarks/studies/loss_curves.py hf-fast:0=hf0.log hf-fast:1=hf1.log fusepatch:0=fp0.log \
+        fusepatch:1=fp1.log
+    python benchmarks/studies/loss_curves.py bf16:0=a.log bf16:1=b.log fp8:0=c.log fp8:1=d.log \
+        --baseline bf16 --candidate fp8
 
-Each log holds a ``losses:`` line (``examples/sft_ultrachat.py``'s output, or ``benchmarks/text_curves.py``'s).
+Each log holds a ``losses:`` line (``examples/sft_ultrachat.py``'s output, or ``benchmarks/studies/text_curves.py``'s).
 The curves are averaged over windows of ``--window`` steps; the spread is the largest window difference between
 the baseline's two seeds (``--baseline``, default hf-fast), and the candidate's distance the largest window
 difference between the candidate (``--candidate``, default fusepatch) and the baseline at the same seed. Both are

@@ -12,8 +12,9 @@ it was, ``check_changed_ms`` a changed weight (check and quantization), ``quanti
 costs the host to queue (its two launches against the quantization's one). The sums are one forward's; the
 kept copy serves the input gradient with no check.
 
-    python benchmarks/fp8_kernels_bench.py                     # prints one JSON object: milliseconds per case
-    python benchmarks/fp8_kernels_bench.py --cases kept --json-out benchmarks/records/DATE-fp8-kept-check-h200.jsonl
+    python benchmarks/studies/fp8_kernels_bench.py             # prints one JSON object: milliseconds per case
+    python benchmarks/studies/fp8_kernels_bench.py --cases kept \
+        --json-out benchmarks/records/DATE-fp8-kept-check-h200.jsonl
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harness: benchmarks/
 
 CASES = ("layout", "kept")
 
@@ -163,7 +164,7 @@ def main() -> int:
             "date": time.strftime("%Y-%m-%d"),
             "gpu": torch.cuda.get_device_name(0),
             "versions": {"torch": torch.__version__, "triton": triton.__version__},
-            "command": " ".join(["python benchmarks/fp8_kernels_bench.py", *sys.argv[1:]]),
+            "command": " ".join(["python benchmarks/studies/fp8_kernels_bench.py", *sys.argv[1:]]),
             "code": _code(),
             "results": results,
             "record_note": "median of 20 CUDA-event timings per case, bf16 weights; host_us: mean of 200 calls",
