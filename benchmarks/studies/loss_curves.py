@@ -19,10 +19,13 @@ spread still passes (``benchmarks/figures.py`` counts the windows inside for the
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harness: benchmarks/
+from provenance import today  # noqa: E402
 
 
 def losses(path: str) -> list[float]:
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         record = {
             "benchmark": "loss_curves",
-            "date": datetime.date.today().isoformat(),
+            "date": today(),
             "command": args.command,
             "window": args.window,
             "steps": {f"{c}:{s}": len(v) for (c, s), v in curves.items()},

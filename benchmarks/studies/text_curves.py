@@ -29,7 +29,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import sysconfig
 import time
@@ -38,6 +37,8 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/studies/../..
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # the harness: fast_accum, provenance
+from provenance import code  # noqa: E402
+
 DEFAULT_CONFIG = os.path.join(REPO, "examples", "configs", "qwen3_5_small_text.json")
 SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
 EOS = "<|endoftext|>"
@@ -206,14 +207,6 @@ def evaluate(model, val: torch.Tensor, batch: int, device: str) -> float:
     return total / count
 
 
-def git_hash() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    except OSError:
-        return None
-    return out.stdout.strip() or None
-
-
 def versions() -> dict:
     import transformers
 
@@ -224,7 +217,7 @@ def versions() -> dict:
         found["tokenizers"] = tokenizers.__version__
     except ImportError:
         pass
-    found["fusepatch_git"] = git_hash()
+    found["fusepatch_git"] = code()
     return found
 
 

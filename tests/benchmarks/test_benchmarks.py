@@ -1077,3 +1077,16 @@ def test_fp8_kept_check_bench_times_each_frozen_projection_of_a_lora_step():
         (12288, 5120): 2,
         (1024, 5120): 4,
     }
+
+
+def test_provenance_names_the_study_as_run_from_the_repository_root():
+    """A record's command runs again from the repository root wherever the study was started from; a package
+    that is not installed is None by default (looked for, missing) and left out with ``absent=False``."""
+    import provenance
+
+    study = REPO / "benchmarks" / "studies" / "static_memory.py"
+    assert provenance.command(str(study), ["--shape", "2b"]) == "python benchmarks/studies/static_memory.py --shape 2b"
+    found = provenance.versions(("torch", "no-such-distribution"))
+    assert found["torch"] and found["no-such-distribution"] is None
+    assert provenance.versions(("no-such-distribution",), absent=False) == {}
+    assert len(provenance.today()) == 10 and provenance.today()[4] == "-"
