@@ -500,7 +500,7 @@ def _setting(row: dict, name: str) -> float:
 
 
 def _most_off(found: dict, base: dict) -> float:
-    """The parameter error furthest from the baseline's, in times its own (``benchmarks/trace_check.py``)."""
+    """The parameter error furthest from the baseline's, in times its own (``benchmarks/studies/trace_check.py``)."""
     names = sorted(k for k in base if k != "logits")
     return found[max(names, key=lambda k: found[k] / max(base[k], 1e-6))]
 

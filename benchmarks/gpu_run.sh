@@ -11,18 +11,18 @@
 #   bash benchmarks/gpu_run.sh built               # the built causal-conv1d wheel: install it, test it, doctor
 #   bash benchmarks/gpu_run.sh bench 27b [layers]  # the benchmark table for one shape (benchmarks/run_all.py)
 #   CONFIGS=fusepatch bash benchmarks/gpu_run.sh probe 27b  # where a synced step's forward waits for the host
-#   bash benchmarks/gpu_run.sh loss 27b            # the loss alone (benchmarks/loss_bench.py)
+#   bash benchmarks/gpu_run.sh loss 27b            # the loss alone (benchmarks/studies/loss_bench.py)
 #   bash benchmarks/gpu_run.sh tracecheck          # which patched forward dynamo's trace gets wrong (trace_check.py)
-#   bash benchmarks/gpu_run.sh fidelity 27b        # gradients against fp32 eager (benchmarks/fidelity.py)
+#   bash benchmarks/gpu_run.sh fidelity 27b        # gradients against fp32 eager (benchmarks/studies/fidelity.py)
 #   bash benchmarks/gpu_run.sh warmstart 27b       # `fusepatch warmup` on fresh caches, then a new process's first step
 #   bash benchmarks/gpu_run.sh curves              # needs .whl-ex/: SFT loss curves, two seeds (loss_curves.py)
 #   bash benchmarks/gpu_run.sh textcurves          # bf16 vs fp8 on unrepeated text, two seeds (text_curves.py;
 #                                                      #   FAST_ACCUM=1: and fp8 with fast accumulation)
-#   bash benchmarks/gpu_run.sh norm                # the RMSNorm candidates alone (benchmarks/norm_bench.py)
-#   bash benchmarks/gpu_run.sh moe                 # the MoE experts op alone, per candidate (benchmarks/moe_bench.py;
+#   bash benchmarks/gpu_run.sh norm                # the RMSNorm candidates alone (benchmarks/studies/norm_bench.py)
+#   bash benchmarks/gpu_run.sh moe                 # the MoE experts op alone, per candidate (benchmarks/studies/moe_bench.py;
 #                                                      #   FP8=1: its GEMMs bf16 against FP8)
 #   bash benchmarks/gpu_run.sh dqkwg               # fla's TileLang dqkwg kernel at other tilings (dqkwg_bench.py)
-#   bash benchmarks/gpu_run.sh gemm 27b            # the step's GEMMs alone, each layout (benchmarks/gemm_bench.py;
+#   bash benchmarks/gpu_run.sh gemm 27b            # the step's GEMMs alone, each layout (benchmarks/studies/gemm_bench.py;
 #                                                      #   FP8=1: the FP8 projections' GEMMs)
 #   bash benchmarks/gpu_run.sh sft                 # needs .whl/ and .whl-ex/: the SFT example, FSDP2 world size 1
 #                                                      #   (NPROC=all STEPS=30 LAYERS=N: every GPU)
@@ -166,17 +166,17 @@ EOF
     python3 -c "import json; r = json.load(open('$OUT/warmstart-$shape.json')); \
       print({k: r.get(k) for k in ('config', 'error', 'apply_s', 'first_step_s', 'first_step_builds', 'median_step_ms', 'tokens_per_s')})" ;;
   fidelity)
-    # one step's loss and every gradient against fp32 eager, for hf-fast, liger and fusepatch (benchmarks/fidelity.py)
+    # one step's loss and every gradient against fp32 eager, for hf-fast, liger and fusepatch (benchmarks/studies/fidelity.py)
     need_tilelang
     pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl .whl/liger_kernel-*.whl 2>/dev/null
     shape=${2:-27b}
     # (FIDELITY_CONFIGS=hf-fast,fusepatch,fusepatch-fp8: other configurations than the script's default three)
-    timeout ${FIDELITY_TIMEOUT:-900} python3 benchmarks/fidelity.py --shape "$shape" ${LAYERS:+--layers $LAYERS} \
+    timeout ${FIDELITY_TIMEOUT:-900} python3 benchmarks/studies/fidelity.py --shape "$shape" ${LAYERS:+--layers $LAYERS} \
       ${FIDELITY_CONFIGS:+--configs $FIDELITY_CONFIGS} \
       --site-fla /tmp/site-fla --site-tl /tmp/site-tl --workdir /tmp/fidelity-$shape --out "$OUT/fidelity.jsonl" 2>&1 | tee "$OUT/fidelity-$shape.md"
     rm -rf /tmp/fidelity-$shape/reference.pt ;;
   curves)
-    # the SFT example's loss curve, hf-fast and fusepatch, two seeds each (benchmarks/loss_curves.py)
+    # the SFT example's loss curve, hf-fast and fusepatch, two seeds each (benchmarks/studies/loss_curves.py)
     need_tilelang
     pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
     pipi /tmp/site-ex .whl-ex/*.whl 2>/dev/null
@@ -192,11 +192,11 @@ EOF
         echo "== $config seed $seed: exit $?"; runs+=("$config:$seed=$log")
       done
     done
-    python3 benchmarks/loss_curves.py "${runs[@]}" --out "$OUT/loss_curves.jsonl" \
+    python3 benchmarks/studies/loss_curves.py "${runs[@]}" --out "$OUT/loss_curves.jsonl" \
       --command "STEPS=$steps bash benchmarks/gpu_run.sh curves" | tee "$OUT/loss-curves.md" ;;
   textcurves)
     # bf16 against fp8 projections on the standard library's code, read once (no memorising), two seeds each,
-    # with a held-out eval loss (benchmarks/text_curves.py; no datasets); BATCH, LR: text_curves.py's defaults
+    # with a held-out eval loss (benchmarks/studies/text_curves.py; no datasets); BATCH, LR: text_curves.py's defaults
     need_tilelang
     pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
     export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl"
@@ -205,7 +205,7 @@ EOF
     for seed in 0 1; do
       for precision in bf16 fp8 ${FAST_ACCUM:+fp8-fastaccum}; do
         log="$OUT/text-curve-$precision-$seed.log"
-        timeout ${CURVE_TIMEOUT:-240} python3 benchmarks/text_curves.py --precision "${precision%-fastaccum}" \
+        timeout ${CURVE_TIMEOUT:-240} python3 benchmarks/studies/text_curves.py --precision "${precision%-fastaccum}" \
           $([ "$precision" = fp8-fastaccum ] && echo --fast-accum) --seed "$seed" --steps "$steps" \
           ${BATCH:+--batch $BATCH} ${LR:+--lr $LR} --json-out "$OUT/text-curve-$precision-$seed.json" > "$log" 2>&1
         echo "== $precision seed $seed: exit $?"; grep -E "^(data|tokens/s|eval):" "$log" | cut -c1-300; runs+=("$precision:$seed=$log")
@@ -214,57 +214,57 @@ EOF
     # each candidate against bf16 with only its own runs beside bf16's: one short run cuts no other comparison
     for candidate in fp8 ${FAST_ACCUM:+fp8-fastaccum}; do
       pair=(); for run in "${runs[@]}"; do case "$run" in bf16:*|"$candidate":*) pair+=("$run");; esac; done
-      python3 benchmarks/loss_curves.py "${pair[@]}" --baseline bf16 --candidate "$candidate" --out "$OUT/text_curves-$candidate.jsonl" \
+      python3 benchmarks/studies/loss_curves.py "${pair[@]}" --baseline bf16 --candidate "$candidate" --out "$OUT/text_curves-$candidate.jsonl" \
         --command "STEPS=$steps ${FAST_ACCUM:+FAST_ACCUM=1 }bash benchmarks/gpu_run.sh textcurves" | tee "$OUT/text-curves-$candidate.md"
     done ;;
   probe)
-    # where the GPU waits for the host in a synced step's forward (benchmarks/step_start.py), per CONFIGS
+    # where the GPU waits for the host in a synced step's forward (benchmarks/studies/step_start.py), per CONFIGS
     need_tilelang
     shape=${2:-27b}
     pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
     configs=${CONFIGS:-fusepatch}
     for config in ${configs//,/ }; do
-      PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/step_start.py --shape "$shape" \
+      PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/studies/step_start.py --shape "$shape" \
         --config "$config" --json-out "$OUT/start-$shape-$config.json" 2>&1 | tee "$OUT/start-$shape-$config.md" | tail -${PROBE_TAIL:-60}
     done ;;
   tracecheck)
-    # which patched forward goes wrong when dynamo traces it on the GPU (benchmarks/trace_check.py)
+    # which patched forward goes wrong when dynamo traces it on the GPU (benchmarks/studies/trace_check.py)
     need_tilelang
     pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
-    PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${TRACE_TIMEOUT:-400} python3 benchmarks/trace_check.py --device cuda \
+    PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${TRACE_TIMEOUT:-400} python3 benchmarks/studies/trace_check.py --device cuda \
       --json-out "$OUT/trace-check.json" 2>&1 | tee "$OUT/trace-check.md" | tail -20 ;;
   loss)
     # the loss alone at a shape's real sizes: eager logits vs the fused candidates vs Liger
     need_tilelang
     pipi /tmp/site-fla .whl/fla_core-*.whl .whl/liger_kernel-*.whl 2>/dev/null
-    PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${LOSS_TIMEOUT:-150} python3 benchmarks/loss_bench.py --shape "${2:-27b}" --kernels \
+    PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${LOSS_TIMEOUT:-150} python3 benchmarks/studies/loss_bench.py --shape "${2:-27b}" --kernels \
       --json-out "$OUT/loss-${2:-27b}.json" 2>&1 | tee "$OUT/loss-${2:-27b}.md" ;;
   norm)
-    # the RMSNorm candidates alone, fixed and varying row counts (benchmarks/norm_bench.py); `norm sweep`:
-    # fusepatch's norm kernels at other launch configurations (benchmarks/norm_sweep.py)
+    # the RMSNorm candidates alone, fixed and varying row counts (benchmarks/studies/norm_bench.py); `norm sweep`:
+    # fusepatch's norm kernels at other launch configurations (benchmarks/studies/norm_sweep.py)
     pipi /tmp/site-fla .whl/fla_core-*.whl 2>/dev/null
     if [ "${2:-}" = sweep ]; then
-      PYTHONPATH="$PWD" timeout ${NORM_TIMEOUT:-240} python3 benchmarks/norm_sweep.py --json-out "$OUT/norm-sweep.json" 2>&1 | tee "$OUT/norm-sweep.md"
+      PYTHONPATH="$PWD" timeout ${NORM_TIMEOUT:-240} python3 benchmarks/studies/norm_sweep.py --json-out "$OUT/norm-sweep.json" 2>&1 | tee "$OUT/norm-sweep.md"
       exit 0
     fi
-    PYTHONPATH="$PWD:/tmp/site-fla" timeout ${NORM_TIMEOUT:-240} python3 benchmarks/norm_bench.py \
+    PYTHONPATH="$PWD:/tmp/site-fla" timeout ${NORM_TIMEOUT:-240} python3 benchmarks/studies/norm_bench.py \
       --json-out "$OUT/norm.json" 2>&1 | tee "$OUT/norm.md" ;;
   moe)
-    # the MoE experts op alone, forward and backward, per candidate at Qwen3.5-MoE's sizes (benchmarks/moe_bench.py)
+    # the MoE experts op alone, forward and backward, per candidate at Qwen3.5-MoE's sizes (benchmarks/studies/moe_bench.py)
     # (FP8=1: the expert GEMMs bf16 against FP8, and the quantization FP8 adds)
-    PYTHONPATH="$PWD" timeout ${MOE_TIMEOUT:-150} python3 benchmarks/moe_bench.py ${FP8:+--fp8} \
+    PYTHONPATH="$PWD" timeout ${MOE_TIMEOUT:-150} python3 benchmarks/studies/moe_bench.py ${FP8:+--fp8} \
       --json-out "$OUT/moe-op${TAG:+-$TAG}.json" 2>&1 | tee "$OUT/moe-op${TAG:+-$TAG}.md" ;;
   dqkwg)
-    # fla's TileLang q/k/w/g-gradient kernel at other tilings, alone at the 27B shape (benchmarks/dqkwg_bench.py)
+    # fla's TileLang q/k/w/g-gradient kernel at other tilings, alone at the 27B shape (benchmarks/studies/dqkwg_bench.py)
     need_tilelang
     pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl 2>/dev/null
-    PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${DQKWG_TIMEOUT:-300} python3 benchmarks/dqkwg_bench.py \
+    PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${DQKWG_TIMEOUT:-300} python3 benchmarks/studies/dqkwg_bench.py \
       --json-out "$OUT/dqkwg.json" 2>&1 | tee "$OUT/dqkwg.md" ;;
   gemm)
-    # every GEMM of the step alone, in each formulation (benchmarks/gemm_bench.py): which layouts cuBLAS runs slowly
+    # every GEMM of the step alone, in each formulation (benchmarks/studies/gemm_bench.py): which layouts cuBLAS runs slowly
     # FP8=1: the FP8 projections' GEMMs (the op's call and fast accumulation, bf16 beside them)
     name=gemm${FP8:+-fp8}-${2:-27b}
-    PYTHONPATH="$PWD" timeout ${GEMM_TIMEOUT:-200} python3 benchmarks/gemm_bench.py --shape "${2:-27b}" \
+    PYTHONPATH="$PWD" timeout ${GEMM_TIMEOUT:-200} python3 benchmarks/studies/gemm_bench.py --shape "${2:-27b}" \
       ${FP8:+--fp8} --json-out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.md" ;;
   sft)
     # The SFT example at the 27B layer shapes (LAYERS deep), packed ultrachat-format data, FSDP2 world size 1
@@ -309,7 +309,7 @@ EOF
       done
       [ "$oom" = 0 ] && break
     done
-    python3 benchmarks/sft_table.py --gpus "$nproc" "$OUT/sft-${nproc}gpu-hf-fast.log" "$OUT/sft-${nproc}gpu-fusepatch.log" | tee "$OUT/sft-table-${nproc}gpu.md"
+    python3 benchmarks/studies/sft_table.py --gpus "$nproc" "$OUT/sft-${nproc}gpu-hf-fast.log" "$OUT/sft-${nproc}gpu-fusepatch.log" | tee "$OUT/sft-table-${nproc}gpu.md"
     echo "layers: $layers" >> "$OUT/sft-table-${nproc}gpu.md" ;;
   start)
     need_tilelang

@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_clocks import ClockSampler  # noqa: E402
 from host_load import HostLoad  # noqa: E402
+from provenance import gpu_name, today, versions  # noqa: E402
 from sft_rows import conversations, packed_batch  # noqa: E402
 from sft_rows import shape as sample_shape  # noqa: E402
 from shapes import SHAPES, build_config  # noqa: E402
@@ -57,29 +58,7 @@ from step_diagnostics import (  # noqa: E402
 from fusepatch.diagnostics.compiles import CompileCounter  # noqa: E402
 from fusepatch.diagnostics.profile import flops_per_token, label_layers, registry_modules, summarize  # noqa: E402
 
-PEAK_TFLOPS = 790.0  # an H200's dense bf16 matmul peak, for MFU (benchmarks/gemm_bench.py measures a GPU's own)
-
-
-def _versions() -> dict:
-    import importlib.metadata as md
-
-    found = {}
-    for name in (
-        "torch",
-        "triton",
-        "transformers",
-        "fla-core",
-        "causal-conv1d",
-        "tilelang",
-        "liger-kernel",
-        "torchao",
-        "fusepatch",
-    ):
-        try:
-            found[name] = md.version(name)
-        except md.PackageNotFoundError:
-            found[name] = None
-    return found
+PEAK_TFLOPS = 790.0  # an H200's dense bf16 matmul peak, for MFU (benchmarks/studies/gemm_bench.py measures a GPU's own)
 
 
 def back_to_back(step, lengths: list[int], batch: int, sync, prefix: str = "b2b") -> dict:
@@ -208,9 +187,9 @@ def main() -> int:
         "shape": args.shape,
         "seq": seq,
         "batch": batch,
-        "versions": _versions(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
-        "date": time.strftime("%Y-%m-%d"),
+        "versions": versions(),
+        "gpu": gpu_name() if torch.cuda.is_available() else platform.processor(),
+        "date": today(),
     }
     try:
         result.update(run(args, seq, batch))

@@ -22,7 +22,7 @@ HOST_READS = ("aten::nonzero", "aten::is_nonzero", "aten::all", "aten::any", "at
 # (the AOTAutograd trace of tests/layers/test_decoder.py: 19 s against 25 s for the default four layers on CPU)
 HYBRID_PAIR = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
 
-# mini-model sizes shared by the GPU tests (and benchmarks/trace_check.py), so fla's kernels compile once for
+# mini-model sizes shared by the GPU tests (and benchmarks/studies/trace_check.py), so fla's kernels compile once for
 # all of them
 # The model families: the one table of tiny configs (fusepatch/tools/tiny.py), so a family added there is in every
 # family-wide test. HYBRID: Gated DeltaNet layers beside gated attention; MOE: routed experts.

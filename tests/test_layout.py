@@ -304,3 +304,18 @@ def test_family_lists_come_from_the_one_table():
                 if len(named) >= 3:
                     wrong.append(f"{path.relative_to(tests)}:{node.lineno}: {named}")
     assert not wrong, wrong
+
+
+BENCHMARKS = ROOT.parent / "benchmarks"
+
+
+def test_benchmarks_top_level_is_the_harness_and_docs_name_every_study():
+    """benchmarks/ holds at most 12 scripts, the harness users and CI run (docs/benchmarks.md lists them); one-off
+    studies go to benchmarks/studies/, and docs/benchmarks.md names each one by its path, so none sits unexplained."""
+    scripts = sorted(p.name for p in BENCHMARKS.iterdir() if p.suffix in (".py", ".sh"))
+    assert len(scripts) <= 12, f"{len(scripts)} scripts at the top of benchmarks/ (move studies): {scripts}"
+    docs = (ROOT.parent / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    studies = sorted(p.name for p in (BENCHMARKS / "studies").glob("*.py"))
+    assert studies, "benchmarks/studies/ holds no study"
+    unnamed = [name for name in studies if f"benchmarks/studies/{name}" not in docs]
+    assert not unnamed, f"studies docs/benchmarks.md does not name (as benchmarks/studies/NAME.py): {unnamed}"

@@ -11,23 +11,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
+import os
 import statistics
 import sys
 import time
-from importlib import metadata
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harness: benchmarks/
+from provenance import command, gpu_name, today, versions  # noqa: E402
+
 DIMS = {"gated_delta_rule": {"hk": 16, "hv": 48, "dk": 128, "dv": 128}}
-
-
-def _version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _seconds(measure, op, fn, packed: bool, dims) -> float:
@@ -51,13 +46,11 @@ def main() -> int:
     from fusepatch.ops import OPS
 
     common = {
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join(["python benchmarks/studies/selftest_cost.py", *sys.argv[1:]]),
+        "date": today(),
+        "command": command(__file__),
         "commit": args.commit,
-        "gpu": torch.cuda.get_device_name(),
-        "versions": {
-            n: _version(n) for n in ("torch", "triton", "transformers", "fla-core", "causal-conv1d", "tilelang")
-        },
+        "gpu": gpu_name(),
+        "versions": versions(("torch", "triton", "transformers", "fla-core", "causal-conv1d", "tilelang")),
     }
     rows = []
     for op in OPS.values():

@@ -179,10 +179,10 @@ def _count_after_first_layer(model: torch.nn.Module, rows: LabelledRows):
     (None: counted now, for a model without a ``layers`` list).
 
     A synced step starts on an empty GPU queue, so until the host has queued the first long kernels every host
-    microsecond is one of the step's: in a 27B-shaped step (benchmarks/step_start.py shows where) the GPU waits for
-    the host through layer 0 up to its MLP, and from layer 0's end on the queued work is ahead of the host. The
-    count's three launches and its event would cost the step their host time before layer 0; after it they cost
-    the step nothing. The loss reads the count after the whole forward is queued, by when
+    microsecond is one of the step's: in a 27B-shaped step (benchmarks/studies/step_start.py shows where) the GPU
+    waits for the host through layer 0 up to its MLP, and from layer 0's end on the queued work is ahead of the host.
+    The count's three launches and its event would cost the step their host time before layer 0; after it they
+    cost the step nothing. The loss reads the count after the whole forward is queued, by when
     the GPU has passed layer 0 (if not, it waits only until it has, with the later layers still queued)."""
     layers = getattr(model, "layers", None)
     if (

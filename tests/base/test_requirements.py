@@ -114,7 +114,7 @@ def test_fla_hopper_triton_known_issue(gpu, triton, tilelang_error, affected):
     [
         (H200, "5.17.0", "3.6.0", True),
         (A100, "5.25.0", "3.5.1", True),  # any GPU: the Triton fault was reported off Hopper too
-        (None, "5.17.0", "3.6.0", False),  # the CPU: inductor's CPU code is right (benchmarks/trace_check.py)
+        (None, "5.17.0", "3.6.0", False),  # the CPU: inductor's CPU code is right (benchmarks/studies/trace_check.py)
         (H200, "5.17.0", "3.4.0", False),
     ],
 )

@@ -10,7 +10,7 @@ import time
 import pytest
 from helpers import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "benchmarks" / "studies")]  # the harness, the studies
 import run_all  # noqa: E402
 
 
@@ -202,8 +202,8 @@ def test_norm_sweep_runs_every_configuration_in_the_interpreter(tmp_path):
     import subprocess
 
     out = tmp_path / "sweep.json"
-    script = os.path.join(os.path.dirname(run_all.__file__), "norm_sweep.py")
-    root = os.path.dirname(os.path.dirname(script))
+    script = str(REPO / "benchmarks" / "studies" / "norm_sweep.py")
+    root = str(REPO)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
     cmd = [sys.executable, script, "--tokens", "2", "--reps", "1", "--at-most", "2", "--json-out", str(out)]
     subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=True)
@@ -640,8 +640,8 @@ def test_host_load_lines_mark_a_shared_host_and_say_when_unmeasured():
 
 
 def test_step_start_probe_stamps_with_passive_hooks_and_restores_everything():
-    """The probe's stamps (benchmarks/step_start.py) come from passive hooks, which fusepatch's fused paths do not
-    step aside for (its first H200 runs used plain hooks: a hooked MLP left the residual-in-GEMM path), and from
+    """The probe's stamps (benchmarks/studies/step_start.py) come from passive hooks, which fusepatch's fused
+    paths do not step aside for (its first H200 runs used plain hooks: a hooked MLP left the residual-in-GEMM path), and from
     wrappers that are gone after the block, as the hooks are."""
     import torch
     from step_start import instrument
@@ -912,17 +912,18 @@ def test_fidelity_projection_ratios_are_fp8_over_its_bf16_twin():
 
 
 def test_fidelity_driver_reads_projection_names_where_fusepatch_is_not_installed(tmp_path):
-    """The GPU harness runs ``python benchmarks/fidelity.py`` from the working tree with fusepatch importable only
-    there: the driver's projection table must find it (its workers get the tree on their path; the driver too)."""
+    """The GPU harness runs ``python benchmarks/studies/fidelity.py`` from the working tree with fusepatch
+    importable only there: the driver's projection table must find it (its workers get the tree on their path; the driver too)."""
     import subprocess
 
+    script = REPO / "benchmarks" / "studies" / "fidelity.py"
     code = (
         "import sys\n"
         "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in type(f).__module__.lower()\n"
         "                    and 'editable' not in getattr(f, '__name__', '').lower()]\n"
         f"sys.path[:] = [p for p in sys.path if p and not {str(REPO)!r}.startswith(p)]\n"
         "import importlib.util\n"
-        f"spec = importlib.util.spec_from_file_location('fidelity', {str(REPO / 'benchmarks' / 'fidelity.py')!r})\n"
+        f"spec = importlib.util.spec_from_file_location('fidelity', {str(script)!r})\n"
         "fidelity = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(fidelity)\n"
         "print(fidelity.projection('model.layers.0.mlp.down_proj.weight'))\n"
@@ -1076,3 +1077,16 @@ def test_fp8_kept_check_bench_times_each_frozen_projection_of_a_lora_step():
         (12288, 5120): 2,
         (1024, 5120): 4,
     }
+
+
+def test_provenance_names_the_study_as_run_from_the_repository_root():
+    """A record's command runs again from the repository root wherever the study was started from; a package
+    that is not installed is None by default (looked for, missing) and left out with ``absent=False``."""
+    import provenance
+
+    study = REPO / "benchmarks" / "studies" / "static_memory.py"
+    assert provenance.command(str(study), ["--shape", "2b"]) == "python benchmarks/studies/static_memory.py --shape 2b"
+    found = provenance.versions(("torch", "no-such-distribution"))
+    assert found["torch"] and found["no-such-distribution"] is None
+    assert provenance.versions(("no-such-distribution",), absent=False) == {}
+    assert len(provenance.today()) == 10 and provenance.today()[4] == "-"

@@ -9,7 +9,7 @@ import sys
 import pytest
 from helpers import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "benchmarks" / "studies")]  # the harness, the studies
 import loss_curves  # noqa: E402
 import text_curves  # noqa: E402
 

@@ -86,8 +86,8 @@ def test_forward_of_a_plain_batch_waits_for_nothing(model_type):
 TRACED_WRONG = (
     "traced by dynamo on the H200 with every op eager, the Qwen3.5 mini model's logits are 0.127 off against the "
     "bound 0.016, as transformers' own model compiled: inductor's compile of transformers' rotary embedding gives "
-    "wrong tables there (benchmarks/trace_check.py); on the CPU the trace matches: apply traces patched forwards "
-    "on the CPU only (TRACED_DEVICES)"
+    "wrong tables there (benchmarks/studies/trace_check.py); on the CPU the trace matches: apply traces patched "
+    "forwards on the CPU only (TRACED_DEVICES)"
 )
 WRONG = pytest.mark.xfail(strict=True, raises=AssertionError, reason=TRACED_WRONG)
 # Traced through the fused kernels on the H200 the same code matched in one run and was off in the next (two runs

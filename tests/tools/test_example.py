@@ -56,7 +56,7 @@ def test_example_runs_offline_with_packing_and_checkpointing(tmp_path):
     assert len(out.split("losses: ")[1].splitlines()[0].split()) == 5
     assert "Warning: fusepatch::" not in result.stderr  # every profiler range closed (checkpoint recompute)
     # the results table the GPU runs are recorded with, from this output (steps 3-5 timed, step 2 profiled)
-    sys.path.insert(0, os.path.join(os.path.dirname(EXAMPLE), "..", "benchmarks"))
+    sys.path.insert(0, os.path.join(os.path.dirname(EXAMPLE), "..", "benchmarks", "studies"))
     import sft_table
 
     for name in ("sft-eager.log", "sft-again.log"):
@@ -112,7 +112,7 @@ def test_shipped_27b_config_builds_the_real_layer_shapes_truncated(tmp_path):
 def test_sft_table_reads_two_ranks_lines_run_together(tmp_path):
     """A two-GPU log where rank 1's metrics line ran into its steady-state line (the 2026-11-29 H200 run's run): the table
     takes rank 0's steady state and the first metrics and losses."""
-    sys.path.insert(0, os.path.join(os.path.dirname(EXAMPLE), "..", "benchmarks"))
+    sys.path.insert(0, os.path.join(os.path.dirname(EXAMPLE), "..", "benchmarks", "studies"))
     import sft_table
 
     metrics = {"fusepatch/step_time_s": 1.2, "fusepatch/peak_memory_gib": 92.99, "fusepatch/gpu_busy_fraction": 0.7}

@@ -59,7 +59,7 @@ def narrow_group(linears) -> tuple[int, ...]:
     """Indices of the bias-free projections with at most ``NARROW`` outputs, when there are two or more: their
     GEMMs are too narrow to fill the GPU, each costing about what one GEMM of their summed width does (the
     Gated DeltaNet's ``in_proj_b`` and ``in_proj_a``, 48 outputs each at the 27B shape: 0.04 ms a GEMM, three
-    GEMMs each a layer's step, benchmarks/gemm_bench.py). One GEMM over their concatenated weights (a copy of
+    GEMMs each a layer's step, benchmarks/studies/gemm_bench.py). One GEMM over their concatenated weights (a copy of
     ``n x hidden`` values a step) computes them together."""
     group = tuple(i for i, linear in enumerate(linears) if linear.bias is None and linear.out_features <= NARROW)
     return group if len(group) > 1 else ()

@@ -81,7 +81,7 @@ def _direct_conv():
 
     The package (1.7 here) routes every call through two custom ops (``DaoAILab::_causal_conv1d_fwd_cpp`` /
     ``_bwd_cpp``), which torch.compile needs but which cost the host a custom op's dispatch each way, a third of
-    the conv's host time, in layer 0 of a synced step where the GPU waits for the host (benchmarks/step_start.py
+    the conv's host time, in layer 0 of a synced step where the GPU waits for the host (benchmarks/studies/step_start.py
     shows it). The kernels, their arguments and the buffers (channel-last ``out``/``dx``, fp32 ``dweight``/``dbias``
     cast back) are the package's own, so the results are too; under torch.compile the package's function runs."""
     try:

@@ -5,7 +5,7 @@ gradients there). fla builds it with K in 64-wide blocks and 4 warps: two progra
 the chunk's ``v``, ``do`` and ``dv`` and computing ``do @ v^T`` again for its half of K. Built by the same builder
 with K in one block (K <= 128) and 8 warps, one program reads those inputs and computes ``do @ v^T`` once, with dq,
 dk and dw bit for bit fla's and dg to float rounding (fla adds its two K halves' partial sums);
-benchmarks/dqkwg_bench.py compares the two tilings.
+benchmarks/studies/dqkwg_bench.py compares the two tilings.
 
 Used only where fla itself would run TileLang (its ``common`` TileLang backend available, enabled and accepting
 the call) and the tiling applies; fla's own call otherwise.

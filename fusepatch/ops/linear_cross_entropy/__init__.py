@@ -92,7 +92,7 @@ def fla_chunk_budget() -> int:
     their number (512 tokens at seq 4096): each chunk re-reads and re-writes the whole lm_head weight gradient (2.5
     GB at Qwen3.5's 248k x 5120 in bf16) and runs GEMMs with a 512-long inner dimension. Fewer, larger chunks trade
     logits memory for both, and the loss alone runs faster with a budget than with fla's 8 chunks
-    (benchmarks/loss_bench.py). Why 1024 and not 2048: the loss holds the step's peak since the delta rule keeps
+    (benchmarks/studies/loss_bench.py). Why 1024 and not 2048: the loss holds the step's peak since the delta rule keeps
     its chunk states for the backward, and there one 4096-token chunk's logits (1.9 GiB at Qwen3.5's vocabulary)
     sit on top of every activation; 1024 lowers the peak by about a GiB at the 27B shape, its step time within the
     run-to-run spread. At long rows a budget also bounds the logits where fla's fixed 8 chunks would grow."""
@@ -259,7 +259,7 @@ LINEAR_CROSS_ENTROPY = Op(
             provides="fla.modules.fused_cross_entropy.ops.cross_entropy_fwd/_bwd in fusepatch's chunk loop",
             distribution="fla-core",
         ),
-        # fusepatch's own kernels: as fast as fla's at the 27B shape (benchmarks/loss_bench.py --kernels) and
+        # fusepatch's own kernels: as fast as fla's at the 27B shape (benchmarks/studies/loss_bench.py --kernels) and
         # as exact; after fla, which is the one measured in the training step, and before torch-chunked (no fla
         # needed: Qwen2/Qwen3 installs without fla get the same loop)
         own_triton_candidate(

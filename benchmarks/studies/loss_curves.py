@@ -1,10 +1,12 @@
 """Loss curves of two configurations, two seeds each: is the candidate's curve within the run-to-run spread of
 the baseline's?
 
-    python benchmarks/loss_curves.py hf-fast:0=hf0.log hf-fast:1=hf1.log fusepatch:0=fp0.log fusepatch:1=fp1.log
-    python benchmarks/loss_curves.py bf16:0=a.log bf16:1=b.log fp8:0=c.log fp8:1=d.log --baseline bf16 --candidate fp8
+    python benchmarks/studies/loss_curves.py hf-fast:0=hf0.log hf-fast:1=hf1.log fusepatch:0=fp0.log \
+        fusepatch:1=fp1.log
+    python benchmarks/studies/loss_curves.py bf16:0=a.log bf16:1=b.log fp8:0=c.log fp8:1=d.log \
+        --baseline bf16 --candidate fp8
 
-Each log holds a ``losses:`` line (``examples/sft_ultrachat.py``'s output, or ``benchmarks/text_curves.py``'s).
+Each log holds a ``losses:`` line (``examples/sft_ultrachat.py``'s output, or ``benchmarks/studies/text_curves.py``'s).
 The curves are averaged over windows of ``--window`` steps; the spread is the largest window difference between
 the baseline's two seeds (``--baseline``, default hf-fast), and the candidate's distance the largest window
 difference between the candidate (``--candidate``, default fusepatch) and the baseline at the same seed. Both are
@@ -17,10 +19,13 @@ spread still passes (``benchmarks/figures.py`` counts the windows inside for the
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harness: benchmarks/
+from provenance import today  # noqa: E402
 
 
 def losses(path: str) -> list[float]:
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         record = {
             "benchmark": "loss_curves",
-            "date": datetime.date.today().isoformat(),
+            "date": today(),
             "command": args.command,
             "window": args.window,
             "steps": {f"{c}:{s}": len(v) for (c, s), v in curves.items()},

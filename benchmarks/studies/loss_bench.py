@@ -1,6 +1,6 @@
 """The causal-LM loss alone (lm_head matmul + cross-entropy, forward + backward) at a model's real sizes.
 
-    python benchmarks/loss_bench.py --shape 27b --json-out loss.json
+    python benchmarks/studies/loss_bench.py --shape 27b --json-out loss.json
 
 Each implementation gets the same bf16 hidden states, lm_head weight and labels; one call = loss forward +
 backward to the hidden states and the weight. Median of ``--steps`` calls after ``--warmup``, peak memory above
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harness: benchmarks/
 from shapes import build_config  # noqa: E402
 
 from fusepatch.ops.common import relative_error  # noqa: E402

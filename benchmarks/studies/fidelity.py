@@ -1,6 +1,7 @@
 """Fidelity at full layer shapes: one training step's loss and every parameter's gradient, against fp32.
 
-    python benchmarks/fidelity.py --shape 27b --site-fla /tmp/site-fla --site-tl /tmp/site-tl --out fidelity.jsonl
+    python benchmarks/studies/fidelity.py --shape 27b --site-fla /tmp/site-fla --site-tl /tmp/site-tl \
+        --out fidelity.jsonl
 
 The reference is the same model in fp32 on transformers' eager paths (a process that cannot import fla or
 causal-conv1d), deterministic. Then ``hf-fast``, ``liger`` and ``fusepatch`` each run the same step in bf16 in
@@ -22,7 +23,6 @@ One JSON line per configuration goes to ``--out`` (date, GPU, versions, command)
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -33,27 +33,17 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository (this file is benchmarks/studies/fidelity.py)
+sys.path.insert(0, os.path.dirname(HERE))  # the harness: benchmarks/
 sys.path.insert(1, ROOT)  # the driver reads fusepatch's projection names where it is not installed
 
+from provenance import command, gpu_name, today, versions  # noqa: E402
 from shapes import SHAPES, build_config  # noqa: E402
 
 CONFIGS = ("hf-fast", "liger", "fusepatch")
 FP8_CONFIGS = {"fusepatch-fp8": "fusepatch", "fp8-projections": "hf-fast"}  # each with its bf16 twin
+PACKAGES = ("torch", "transformers", "triton", "fla-core", "causal-conv1d", "tilelang", "liger-kernel")
 RATIO = 1.25  # fusepatch's error may be at most this times hf-fast's, parameter by parameter
-
-
-def versions() -> dict:
-    import importlib.metadata as metadata
-
-    found = {}
-    for name in ("torch", "transformers", "triton", "fla-core", "causal-conv1d", "tilelang", "liger-kernel"):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return found
 
 
 def model_and_batch(
@@ -86,7 +76,7 @@ def worker(args) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference is fp32 GEMMs, not TF32
     torch.backends.cudnn.allow_tf32 = False
     model, ids = model_and_batch(args.shape, args.layers, args.seq, args.batch, device, args.vocab)
-    info: dict = {"config": args.role, "versions": versions()}
+    info: dict = {"config": args.role, "versions": versions(PACKAGES, absent=False)}
     if args.role == "reference":
         torch.use_deterministic_algorithms(True, warn_only=True)
         info["loss"] = step(model, ids)
@@ -253,9 +243,9 @@ def driver(args) -> int:
     print(text + projection_table(results))
     record = {
         "benchmark": "fidelity",
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
-        "command": " ".join([os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
+        "date": today(),
+        "gpu": gpu_name() if args.device == "cuda" else args.device,
+        "command": command(__file__),
         "environment": {name: value for name, value in sorted(os.environ.items()) if name.startswith("FUSEPATCH_")},
         "shape": args.shape,
         "layers": args.layers or SHAPES[args.shape]["layers"],

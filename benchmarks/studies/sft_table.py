@@ -1,6 +1,6 @@
 """Turn the SFT example's logs (one per configuration, same run) into the results table.
 
-    python benchmarks/sft_table.py --gpus 8 sft-hf-fast.log sft-fusepatch.log
+    python benchmarks/studies/sft_table.py --gpus 8 sft-hf-fast.log sft-fusepatch.log
 
 Reads the lines the example prints on rank 0: ``losses: ...``, ``fusepatch metrics: {...}`` (the profiled step)
 and ``steady state (rank N): {...}`` (median over the timed steps after warm-up). Per-GPU figures are rank 0's;

@@ -1,8 +1,8 @@
 """Loss curves on real text that the model sees once: FP8 projections against bf16, with a held-out eval loss.
 
-    python benchmarks/text_curves.py --precision bf16 --seed 0 --json-out bf16-0.json > bf16-0.log
-    python benchmarks/text_curves.py --precision fp8 --seed 0 --json-out fp8-0.json > fp8-0.log
-    python benchmarks/loss_curves.py bf16:0=bf16-0.log fp8:0=fp8-0.log ... --baseline bf16 --candidate fp8
+    python benchmarks/studies/text_curves.py --precision bf16 --seed 0 --json-out bf16-0.json > bf16-0.log
+    python benchmarks/studies/text_curves.py --precision fp8 --seed 0 --json-out fp8-0.json > fp8-0.log
+    python benchmarks/studies/loss_curves.py bf16:0=bf16-0.log fp8:0=fp8-0.log ... --baseline bf16 --candidate fp8
 
 The SFT example's curves repeat a 16 KB sample and memorise it (loss 0.001), so they cannot tell a precision
 that learns worse from one that learns as well. Here the text is the ``.py`` files of Python's standard library
@@ -16,7 +16,7 @@ vocabulary, bf16, no activation checkpointing; ``--precision fp8`` is ``fusepatc
 precision="fp8")``, bf16 ``fusepatch.apply(model)``, ``--no-fusepatch`` the model as transformers builds it;
 ``--fast-accum`` runs the FP8 GEMMs with fast accumulation (``benchmarks/fast_accum.py``).
 AdamW (weight decay 0.1, clip 1.0), linear warmup then cosine. Prints ``losses:`` (per step; the line
-``benchmarks/loss_curves.py`` reads), ``eval:`` (step=loss) and tokens/s. The standard library holds about 3M
+``benchmarks/studies/loss_curves.py`` reads), ``eval:`` (step=loss) and tokens/s. The standard library holds about 3M
 tokens at vocabulary 4096 (10.8 MB in Python 3.12): the defaults (300 steps of 4 x 2048) take 2.5M of them; a
 run that would need more stops before training and says how many steps fit.
 """
@@ -29,14 +29,16 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import sysconfig
 import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/studies/../..
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # the harness: fast_accum, provenance
+from provenance import code  # noqa: E402
+
 DEFAULT_CONFIG = os.path.join(REPO, "examples", "configs", "qwen3_5_small_text.json")
 SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
 EOS = "<|endoftext|>"
@@ -205,14 +207,6 @@ def evaluate(model, val: torch.Tensor, batch: int, device: str) -> float:
     return total / count
 
 
-def git_hash() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    except OSError:
-        return None
-    return out.stdout.strip() or None
-
-
 def versions() -> dict:
     import transformers
 
@@ -223,7 +217,7 @@ def versions() -> dict:
         found["tokenizers"] = tokenizers.__version__
     except ImportError:
         pass
-    found["fusepatch_git"] = git_hash()
+    found["fusepatch_git"] = code()
     return found
 
 

@@ -1,7 +1,7 @@
 """The MoE experts op alone (forward + backward), each candidate, at Qwen3.5-MoE's expert sizes.
 
-    python benchmarks/moe_bench.py --tokens 4096 --json-out moe.json
-    python benchmarks/moe_bench.py --fp8 --json-out moe-fp8.json   # the experts' GEMMs: bf16 against FP8
+    python benchmarks/studies/moe_bench.py --tokens 4096 --json-out moe.json
+    python benchmarks/studies/moe_bench.py --fp8 --json-out moe-fp8.json   # the experts' GEMMs: bf16 against FP8
 
 Sizes from transformers' ``Qwen3_5MoeTextConfig`` defaults (hidden, expert width, experts, experts per token), the
 benchmark table's MoE shape; routing as transformers does it (softmax, top-k, renormalised), bf16, fresh random
@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
 import torch
 
-from fusepatch.ops import OPS
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harness: benchmarks/
+from provenance import cuda_times_ms, gpu_name  # noqa: E402
+
+from fusepatch.ops import OPS  # noqa: E402
 
 
 def sizes() -> dict[str, int]:
@@ -56,28 +60,14 @@ def inputs(tokens: int, dims: dict[str, int], generator: torch.Generator) -> lis
     ]
 
 
-def timed(call, warmup: int, steps: int) -> list[float]:
-    """Milliseconds of ``call()`` by CUDA events, ``steps`` times after ``warmup`` untimed calls."""
-    times = []
-    for i in range(warmup + steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return times
-
-
 def time_candidate(fn, args, warmup: int, steps: int) -> list[float]:
     leaves = [a for a in args if a.is_floating_point()]
     cot = torch.randn_like(args[0])
-    return timed(lambda: torch.autograd.grad(fn(*args), leaves, cot), warmup, steps)
+    return cuda_times_ms(lambda: torch.autograd.grad(fn(*args), leaves, cot), warmup, steps)
 
 
 def _median_ms(call, warmup: int, steps: int) -> float:
-    return round(statistics.median(timed(call, warmup, steps)), 3)
+    return round(statistics.median(cuda_times_ms(call, warmup, steps)), 3)
 
 
 def fp8_gemms(tokens: int, dims: dict[str, int], warmup: int, steps: int) -> dict[str, float]:
@@ -169,7 +159,7 @@ def main() -> int:
     args = parser.parse_args()
     dims = sizes()
     if args.fp8:
-        info = {"tokens": args.tokens, **dims, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+        info = {"tokens": args.tokens, **dims, "gpu": gpu_name(), "torch": torch.__version__}
         info.update(fp8_gemms(args.tokens, dims, args.warmup, args.steps))
         print(json.dumps(info))
         if args.json_out:
@@ -193,7 +183,7 @@ def main() -> int:
     info = {
         "tokens": args.tokens,
         **dims,
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": gpu_name(),
         "torch": torch.__version__,
         "results": results,
     }

@@ -13,7 +13,7 @@ Triton launch) and reads, for each point, when the host queued it and when the G
 
 Run on the GPU machine (``bash benchmarks/gpu_run.sh probe 27b``):
 
-    python benchmarks/step_start.py --shape 27b --config fusepatch --json-out start.json
+    python benchmarks/studies/step_start.py --shape 27b --config fusepatch --json-out start.json
 
 Each point costs the host ~2-4 us (one event record); the table's host times include that, the GPU's do not.
 ``--points`` limits the table printed; the JSON holds every point of the median-length step.
@@ -32,7 +32,7 @@ from collections import defaultdict
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harness: benchmarks/
 from shapes import SHAPES, build_config  # noqa: E402
 from step_diagnostics import passive_hooks  # noqa: E402
 

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
-from gemm_bench import time_ms  # the CUDA-event median the other benchmarks use
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harness: benchmarks/
+from provenance import gpu_name, median_ms  # noqa: E402
 
 
 def inputs(tokens: int = 4096, heads: int = 48, dim: int = 128, chunk: int = 64, seed: int = 0) -> dict:
@@ -92,7 +96,11 @@ def main() -> int:
                 for a, b in zip(out, reference)
             ]
             rows.append(
-                {"variant": name, "ms": round(time_ms(run, warmup=3, repeat=40), 4), "max_rel_diff_dq_dk_dw_dg": diffs}
+                {
+                    "variant": name,
+                    "ms": round(median_ms(run, warmup=3, repeat=40), 4),
+                    "max_rel_diff_dq_dk_dw_dg": diffs,
+                }
             )
         except Exception as exc:  # noqa: BLE001 - a tiling TileLang cannot build is a result
             rows.append({"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
@@ -103,7 +111,7 @@ def main() -> int:
         print(f"| {r['variant']} | {r.get('ms', '-')} | {diffs or r.get('error', '')} |")
     if args.json_out:
         with open(args.json_out, "w") as fh:
-            json.dump({"gpu": torch.cuda.get_device_name(0), "rows": rows}, fh, indent=1)
+            json.dump({"gpu": gpu_name(), "rows": rows}, fh, indent=1)
     return 0
 
 

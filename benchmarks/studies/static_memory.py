@@ -1,6 +1,6 @@
 """What a training step's model holds between steps, by part, computed from the tensors' sizes: no GPU, no step.
 
-    python benchmarks/static_memory.py --shape 27b --lora 16 --json-out static.json
+    python benchmarks/studies/static_memory.py --shape 27b --lora 16 --json-out static.json
 
 Why: a training run's peak (``train_step.py``'s ``peak_mem_gib``) is what the model keeps between steps plus what
 one step adds (activations, gradients, the loss's chunks); the first part follows from the shapes alone. Built on
@@ -18,11 +18,11 @@ import argparse
 import json
 import os
 import sys
-from datetime import date
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harness: benchmarks/
+from provenance import command, today, versions  # noqa: E402
 from shapes import SHAPES, build_config  # noqa: E402
 
 GIB = 2**30
@@ -94,7 +94,6 @@ def main() -> int:
     parser.add_argument("--lora", type=int, default=0, help="peft LoRA rank on every linear (0: full fine-tuning)")
     parser.add_argument("--json-out", default=None, help="append one JSON row a precision to this file")
     args = parser.parse_args()
-    import transformers
 
     model = build(args.shape, args.layers, args.lora)
     layers = model.config.num_hidden_layers
@@ -102,15 +101,15 @@ def main() -> int:
     for precision in PRECISIONS:
         row = {
             "kind": "static-memory",
-            "command": " ".join(["python benchmarks/static_memory.py", *sys.argv[1:]]),
+            "command": command(__file__),
             "device": "meta (sizes only)",
             "shape": args.shape,
             "layers": layers,
             "lora_rank": args.lora or None,
             "precision": precision,
             **static_memory(model, precision),
-            "date": date.today().isoformat(),
-            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+            "date": today(),
+            "versions": versions(("torch", "transformers"), absent=False),
         }
         rows.append(row)
         parts = "  ".join(f"{part} {gib}" for part, gib in row["gib"].items())

@@ -1,6 +1,6 @@
 """The RMSNorm candidates alone (forward + backward), at fixed and at varying row counts.
 
-    python benchmarks/norm_bench.py --json-out norm.json
+    python benchmarks/studies/norm_bench.py --json-out norm.json
 
 Two cases per norm site of the Qwen3.5-27B shapes (decoder width 5120 and the per-head q/k norm, 24 heads of 256,
 zero-centered form; the Gated DeltaNet output norm, 48 value heads of 128, gated form; bf16):

@@ -12,8 +12,9 @@ it was, ``check_changed_ms`` a changed weight (check and quantization), ``quanti
 costs the host to queue (its two launches against the quantization's one). The sums are one forward's; the
 kept copy serves the input gradient with no check.
 
-    python benchmarks/fp8_kernels_bench.py                     # prints one JSON object: milliseconds per case
-    python benchmarks/fp8_kernels_bench.py --cases kept --json-out benchmarks/records/DATE-fp8-kept-check-h200.jsonl
+    python benchmarks/studies/fp8_kernels_bench.py             # prints one JSON object: milliseconds per case
+    python benchmarks/studies/fp8_kernels_bench.py --cases kept \
+        --json-out benchmarks/records/DATE-fp8-kept-check-h200.jsonl
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ import collections
 import itertools
 import json
 import os
-import subprocess
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harness: benchmarks/
+from provenance import code, command, gpu_name, today, versions  # noqa: E402
 
 CASES = ("layout", "kept")
 
@@ -132,14 +133,6 @@ def kept(shape: str = "27b", layers: int = 8, device: str = "cuda") -> dict:
     return out
 
 
-def _code() -> str | None:
-    try:
-        found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return found.stdout.strip()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
@@ -149,7 +142,6 @@ def main() -> int:
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         parser.error(f"--cases: unknown {', '.join(unknown)}; expected some of {', '.join(CASES)}")
-    import triton
 
     results = {}
     if "layout" in cases:
@@ -160,11 +152,11 @@ def main() -> int:
     if args.json_out:
         row = {
             "benchmark": "fp8_kernels",
-            "date": time.strftime("%Y-%m-%d"),
-            "gpu": torch.cuda.get_device_name(0),
-            "versions": {"torch": torch.__version__, "triton": triton.__version__},
-            "command": " ".join(["python benchmarks/fp8_kernels_bench.py", *sys.argv[1:]]),
-            "code": _code(),
+            "date": today(),
+            "gpu": gpu_name(),
+            "versions": versions(("torch", "triton"), absent=False),
+            "command": command(__file__),
+            "code": code(),
             "results": results,
             "record_note": "median of 20 CUDA-event timings per case, bf16 weights; host_us: mean of 200 calls",
         }

@@ -1,7 +1,7 @@
 """fusepatch's RMSNorm kernels at other launch configurations: GPU time of the forward and of the backward
 (kernel plus the weight gradient's final sum), measured with CUDA events, at the 27B shape's norm sites.
 
-    python benchmarks/norm_sweep.py --json-out sweep.json
+    python benchmarks/studies/norm_sweep.py --json-out sweep.json
 
 The library picks one configuration per feature size (``fusepatch.kernels.rms_norm._blocks`` and ``BWD_STEPS``)
 so that nothing compiles per row count; this sweeps (rows a tile, warps, row blocks a backward program) around it,

@@ -1,6 +1,6 @@
 """Every GEMM of one training step at a shape's real sizes, alone, in each formulation torch could run it.
 
-    python benchmarks/gemm_bench.py --shape 27b --json-out gemm.json
+    python benchmarks/studies/gemm_bench.py --shape 27b --json-out gemm.json
 
 Why: at the 27B shape the step is its kernels (GPU busy 0.97) and the GEMMs are two thirds of them; the lm_head's
 weight gradient (``dlogits.t() @ hidden``, 10.4 TFLOP) took 21 ms in the training step (H200 run of 2026-11-30), ~500
@@ -25,12 +25,12 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harness: benchmarks/
+from provenance import gpu_name, median_ms  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 
@@ -167,20 +167,6 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got.float() - expected).norm() / expected.norm().clamp_min(1e-30))
 
 
-def time_ms(fn, warmup: int, repeat: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="27b", choices=sorted(SHAPES))
@@ -196,7 +182,7 @@ def main() -> None:
     tokens = shape["seq"] * shape["batch"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, {tokens} tokens")
+    print(f"GPU {gpu_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, {tokens} tokens")
     print("| site | calls/step | role | formulation | median ms | TFLOP/s | ms/step | vs the step's | error vs fp32 |")
     print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name, k, n, calls in sites(shape):
@@ -218,7 +204,7 @@ def main() -> None:
                     if error > (0.1 if args.fp8 else 2e-2):
                         raise AssertionError(f"{name} {role} {form}: relative error {error:.2e}")
                     del got
-                    ms = time_ms(fn, args.warmup, args.repeat)
+                    ms = median_ms(fn, args.warmup, args.repeat)
                 base = base or ms
                 row = dict(site=name, calls=calls, role=role, form=form, ms=ms, tflops=flop / ms / 1e9, error=error)
                 row["step_runs_it"] = calls > 0 and form == next(iter(forms))

@@ -14,7 +14,7 @@ result changes, so the trace can be allowed where it is right. Its run on the H2
 2026-12-03): transformers' own model traced is as wrong, and its rotary embedding alone, compiled by inductor,
 gives tables up to 2 off; every other class traced matches.
 
-    python benchmarks/trace_check.py --device cuda --json-out trace.json
+    python benchmarks/studies/trace_check.py --device cuda --json-out trace.json
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
+REPO = os.path.dirname(os.path.dirname(HERE))  # this file is benchmarks/studies/trace_check.py
+sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 
 
 def outputs(model, ids, patched: bool = True) -> dict[str, torch.Tensor]:
