@@ -24,6 +24,8 @@ from fusepatch.base.dtypes import autocast_dtype, dtype_name, fsdp_compute_dtype
 from fusepatch.base.env import capture
 from fusepatch.base.row import Row
 from fusepatch.base.state import current as process_state
+from fusepatch.engine import outcome as messages
+from fusepatch.engine.plan import Plan, Request, Resolved
 from fusepatch.engine.registry import known_model_types, rows_for
 from fusepatch.engine.reporting import LayerReport, PatchReport
 from fusepatch.engine.resolve import PREFERABLE, Choice, Dispatch, candidate_names, make_dispatch, preferred_sources
@@ -257,51 +259,6 @@ def _matches(model: torch.nn.Module, rows: list[Row]) -> tuple[dict[Row, list[to
     return found, dict(left)
 
 
-@dataclass(frozen=True)
-class Request:
-    """``apply``'s arguments, checked (``options``): what may be fused, from where, and what to say."""
-
-    ops: tuple[str, ...] | None
-    exclude: tuple[str, ...]
-    prefer: tuple[str, ...]
-    strict: bool
-    compute_dtype: torch.dtype | None
-    cuda_graphs: bool
-    verbose: bool | None
-    mlp_recompute: bool = False  # FUSEPATCH_MLP_RECOMPUTE, read when apply runs
-    precision: str | None = None  # "fp8": the precision rows too (None: the model's own GEMM precision)
-    drop_frozen_weights: bool = False  # with "fp8": frozen projections keep their weight in FP8 only
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What ``apply`` found in the model: its layers by registry row, where and in which dtype they compute, and
-    why nothing is patched (``message``) when that is so."""
-
-    model: torch.nn.Module
-    model_types: tuple[str, ...]
-    found: dict[Row, list[torch.nn.Module]]
-    owners: dict[Row, str]  # head rows whose loss a trainer's own fused head computes -> who
-    device: str
-    compute: torch.dtype
-    cast: bool
-    adapters: dict
-    message: str = ""
-    left: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # reason -> module paths a row leaves
-
-    @property
-    def on_meta(self) -> bool:
-        return self.device == "meta"
-
-
-@dataclass
-class Resolved:
-    """Each row's dispatchers (one per op) and the layer reports with the choices they made."""
-
-    dispatches: dict[Row, dict[str, Dispatch]]
-    layers: list[LayerReport]
-
-
 def _request(model, *arguments) -> tuple[torch.nn.Module, Request]:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fusepatch.apply expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
@@ -439,7 +396,7 @@ def _bind(plan: Plan, resolved: Resolved, request: Request) -> tuple[int, int]:
             module._fusepatch = PatchState(row, resolved.dispatches[row], module, instance_forward)
             module._fusepatch.mlp_recompute = request.mlp_recompute
             module._fusepatch.drop_frozen = request.drop_frozen_weights and row.precision == "fp8"
-            module._fusepatch.choosing = _choices_of(request)
+            module._fusepatch.choosing = messages.choices_of(request)
             module.forward = _Bound(row.forward, module)
             module._replicate_for_data_parallel = _Bound(_replicate_patched, module)
             newly += 1
@@ -467,102 +424,6 @@ def _report(
             "transformers": env.transformers,
             "triton": env.triton,
         },
-    )
-
-
-def _choices_of(request: Request) -> tuple:
-    """What of a request chooses kernels: ``ops``, ``exclude``, ``prefer`` (kept on each module it patches)."""
-    return (request.ops, request.exclude, request.prefer)
-
-
-def _kept(plan: Plan, request: Request) -> list[str]:
-    """What modules patched before keep of the apply that patched them where ``request`` asks otherwise: a second
-    apply patches only modules not patched yet, so their kernel choices, their FP8 rows and what those keep
-    (``drop_frozen_weights``), the MLP recompute and the layers' CUDA graphs stay as they were."""
-    wanted, choosing, names = _choices_of(request), 0, set()
-    fp8, dropping, recompute, graphed = 0, 0, [], False
-    for module in plan.model.modules():
-        state = module.__dict__.get("_fusepatch")
-        graphed = graphed or layer_graphs.ATTRIBUTE in module.__dict__
-        if state is None:
-            continue
-        if state.choosing and state.choosing != wanted:
-            choosing += 1
-            names.update(n for n, a, b in zip(("ops", "exclude", "prefer"), state.choosing, wanted) if a != b)
-        if state.row.precision is not None and state.row.precision != request.precision:
-            fp8 += 1
-        elif state.row.precision is not None and state.drop_frozen != request.drop_frozen_weights:
-            dropping += 1
-        if state.row.forward is swiglu_mlp_forward and state.mlp_recompute != request.mlp_recompute:
-            recompute.append(state.mlp_recompute)
-    kept = []
-    if choosing:
-        kept.append(
-            f"{choosing} modules were patched before with other kernel choices and keep them (this call's "
-            f"{', '.join(sorted(names))} did not reach them)"
-        )
-    if fp8:
-        kept.append(f"{fp8} FP8 projections keep their FP8 GEMMs (this call's precision={request.precision!r})")
-    if dropping:
-        kept.append(f"{dropping} FP8 projections keep drop_frozen_weights={not request.drop_frozen_weights}")
-    if recompute:
-        kept.append(f"{len(recompute)} MLPs keep FUSEPATCH_MLP_RECOMPUTE {'on' if recompute[0] else 'off'}")
-    if graphed and not request.cuda_graphs:
-        kept.append("the decoder layers keep their CUDA graphs (this call's cuda_graphs=False)")
-    return kept
-
-
-def _nothing_selected(plan: Plan, request: Request) -> str:
-    """Why ``ops``/``exclude`` leave none of the model's ops to fuse (``ops=[]``: an empty list selects none, where
-    ``None`` selects every op), with the fix; empty when some op is selected."""
-    offered = list(dict.fromkeys(op for row in plan.found if row not in plan.owners for op in row.ops))
-    chosen = [op for op in offered if (request.ops is None or op in request.ops) and op not in request.exclude]
-    if not offered or chosen:
-        return ""
-    if request.ops == ():
-        why = "apply(ops=[]) selects no op (an empty list; ops=None, the default, selects every op)"
-    else:
-        given = {"ops": None if request.ops is None else list(request.ops), "exclude": list(request.exclude)}
-        arguments = ", ".join(f"{name}={value!r}" for name, value in given.items() if value)
-        why = f"apply({arguments}) leaves none of this model's ops"
-    return (
-        f"nothing will be fused: {why}, so every patched layer runs transformers' arithmetic; fix: leave ops out "
-        f"to fuse every op, or name the ops to fuse among this model's: {', '.join(offered)}"
-    )
-
-
-def _outcome(plan: Plan, newly: int, already: int, kept: list[str], graphs: bool) -> str:
-    """The report's message: the meta device's deferred choices; or, for a model patched before, what this call
-    added and what it did not change."""
-    if plan.on_meta:
-        return (
-            "the model is on the meta device: its layers are patched, and each op's kernel is chosen and "
-            "self-tested at its first call on a real device (fusepatch.report(model) shows the choices then)"
-        )
-    if not already:
-        return ""
-    if not (newly or graphs or kept):
-        return f"already patched ({already} modules); nothing changed"
-    said = [] if newly else [f"already patched ({already} modules)"]
-    said += ["cuda_graphs=True: the decoder layers are graphed from now on"] if graphs else []
-    said += [f"kept from before: {'; '.join(kept)}"] if kept else []
-    return "; ".join(said)
-
-
-def _graphed(model: torch.nn.Module) -> bool:
-    return any(layer_graphs.ATTRIBUTE in module.__dict__ for module in model.modules())
-
-
-def _strict_refusal(plan: Plan, pending: PatchReport) -> str:
-    """``strict=True``'s error: every fallback; for a model patched before, that its patches stay (a second apply
-    patches only what is new, so strict cannot take them back) and how to apply strictly."""
-    before = sum("_fusepatch" in module.__dict__ for modules in plan.found.values() for module in modules)
-    if not before:
-        return "fusepatch.apply(strict=True): nothing patched; fallbacks:\n" + "\n".join(pending.log_lines())
-    return (
-        f"fusepatch.apply(strict=True): nothing patched by this call, and the {before} modules patched before keep "
-        "their patches and their fallbacks (strict refuses what a call would patch); fix: fusepatch.revert(model), "
-        "then fusepatch.apply(model, strict=True); fallbacks:\n" + "\n".join(pending.log_lines())
     )
 
 
@@ -690,12 +551,12 @@ def apply(
         logger.warning("fusepatch: %d modules run as before: %s: %s", len(paths), why, shown)
     resolved = _resolve(plan, request)
     if request.strict and (pending := _report(plan, resolved.layers)).fallbacks():
-        raise FusePatchError(_strict_refusal(plan, pending))
-    graphs = request.cuda_graphs and not _graphed(plan.model) and bool(decoder_stacks(plan.model)[0])
+        raise FusePatchError(messages.strict_refusal(plan, pending))
+    graphs = request.cuda_graphs and not messages.graphed(plan.model) and bool(decoder_stacks(plan.model)[0])
     newly, already = _bind(plan, resolved, request)
     if request.drop_frozen_weights:
         keep_what_variants_read(plan.model)
-    kept = _kept(plan, request) if already else []
+    kept = messages.kept(plan, request) if already else []
     if kept:
         logger.warning(
             "fusepatch: %s was patched before, and this apply did not change what that one set: %s; fix: "
@@ -703,10 +564,10 @@ def apply(
             type(plan.model).__name__,
             "; ".join(kept),
         )
-    unselected = _nothing_selected(plan, request) if newly else ""
+    unselected = messages.nothing_selected(plan, request) if newly else ""
     if unselected:
         logger.warning("fusepatch: %s", unselected)
-    outcome = "; ".join(filter(None, (_outcome(plan, newly, already, kept, graphs), unselected)))
+    outcome = "; ".join(filter(None, (messages.outcome(plan, newly, already, kept, graphs), unselected)))
     report = _report(plan, resolved.layers, message=outcome, newly=newly, already=already)
     _finish(plan, resolved, report, request, newly)
     return report
