@@ -116,6 +116,19 @@ def quantize_rows(x: torch.Tensor, factor: torch.Tensor | None = None) -> tuple[
         factor = factor.reshape(-1).float().contiguous()
     q = torch.empty((rows, columns), device=x.device, dtype=torch.float8_e4m3fn)
     inverse = torch.empty((rows, 1), device=x.device, dtype=torch.float32)
+    _launch_rows(x, q, inverse, factor)
+    return q, inverse
+
+
+def _launch_rows(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    inverse: torch.Tensor,
+    factor: torch.Tensor | None,
+    state: torch.Tensor | None = None,
+) -> None:
+    """``_quantize_rows`` over ``x``'s rows into ``(q, inverse)``; with ``state``, only where its flag is set."""
+    rows, columns = x.shape
     if rows:
         _quantize_rows[(rows,)](
             x,
@@ -129,34 +142,18 @@ def quantize_rows(x: torch.Tensor, factor: torch.Tensor | None = None) -> tuple[
             TINY=FP8_TINY,
             BLOCK=BLOCK,
             FACTOR=factor is not None,
+            STALE_ONLY=state is not None,
+            state=state,
             num_warps=WARPS,
         )
-    return q, inverse
 
 
 def requantize_rows(x: torch.Tensor, q: torch.Tensor, inverse: torch.Tensor, state: torch.Tensor) -> None:
     """``quantize_rows(x)`` written into ``(q, inverse)`` (a kept copy's buffers) if the check that last ran on
     ``state`` (``fingerprint``) found ``x`` changed, nothing written otherwise; the flag is read on the device."""
-    rows, columns = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    if rows:
-        _quantize_rows[(rows,)](
-            x,
-            q,
-            inverse,
-            inverse,
-            columns,
-            x.stride(0),
-            q.stride(0),
-            FP8_MAX=FP8_MAX,
-            TINY=FP8_TINY,
-            BLOCK=BLOCK,
-            FACTOR=False,
-            STALE_ONLY=True,
-            state=state,
-            num_warps=WARPS,
-        )
+    _launch_rows(x, q, inverse, None, state)
 
 
 WORDS_BLOCK, WORDS_STEPS = 1024, 32  # 32-bit words per program: a block of a step, times the steps
