@@ -61,6 +61,23 @@ def fla_backward_requirements(module: str) -> tuple:
     return fla_requirements(module) + (NoKnownIssue("fla-core"),)
 
 
+def fla_candidate(
+    name: str, module: str, load, inputs: InputRule | str, provides: str, *, backward: bool = False
+) -> Candidate:
+    """A kernel of fla's (fla-core from the package index) imported from ``module``. ``inputs``: the input rule, or
+    the kernel's name for the default rule; ``backward``: its backward goes through the gated chunk_bwd_dqkwg
+    kernel (:func:`fla_backward_requirements`)."""
+    return Candidate(
+        name=name,
+        source="pip",
+        requirements=(fla_backward_requirements if backward else fla_requirements)(module),
+        load=load,
+        inputs=InputRule(kernel=inputs) if isinstance(inputs, str) else inputs,
+        provides=provides,
+        distribution=fla_backend.DISTRIBUTION,
+    )
+
+
 def on_device(device: torch.device):
     """Kernels (fla's, Triton's) launch on the current CUDA device: a context making it ``device``'s (as fla's own
     input_guard does); nothing off CUDA."""

@@ -14,7 +14,7 @@ from fusepatch.base.op import Candidate, Op, SelfTest
 from fusepatch.base.requirements import CudaDevice, InputRule
 from fusepatch.ops.boundaries import host_built, host_values
 from fusepatch.ops.causal_conv1d.reference import causal_conv1d_reference
-from fusepatch.ops.common import CAUSAL_CONV1D_FIX, fla_requirements, package_requirements, rand
+from fusepatch.ops.common import CAUSAL_CONV1D_FIX, fla_candidate, package_requirements, rand
 
 
 def _document_numbers(host: tuple[int, ...]) -> torch.Tensor:
@@ -182,14 +182,12 @@ CAUSAL_CONV1D = Op(
             provides="causal_conv1d's kernels, called past its custom ops (its causal_conv1d_fn under torch.compile; seq_idx for packed rows)",
             distribution="causal-conv1d",
         ),
-        Candidate(
-            name="fla-conv",
-            source="pip",
-            requirements=fla_requirements("fla.modules.causal_conv1d.ops"),
-            load=_load_fla_conv,
-            inputs=InputRule(kernel="fla's Triton conv"),
-            provides="fla.modules.causal_conv1d.ops.causal_conv1d (backend='triton')",
-            distribution="fla-core",
+        fla_candidate(
+            "fla-conv",
+            "fla.modules.causal_conv1d.ops",
+            _load_fla_conv,
+            "fla's Triton conv",
+            "fla.modules.causal_conv1d.ops.causal_conv1d (backend='triton')",
         ),
         # The Kernel Hub build of the same kernels (no compiler needed): pinned by version, a lock file or
         # LOCAL_KERNELS (see fusepatch/backends/kernels_hub.py).

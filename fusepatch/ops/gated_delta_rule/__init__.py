@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from fusepatch.base.op import Candidate, Case, Op, SelfTest
+from fusepatch.base.op import Case, Op, SelfTest
 from fusepatch.base.requirements import InputRule
-from fusepatch.ops.common import fla_backward_requirements, rand
+from fusepatch.ops.common import fla_candidate, rand
 from fusepatch.ops.gated_delta_rule.fla import load_fla
 from fusepatch.ops.gated_delta_rule.reference import gated_delta_rule_reference
 
@@ -103,47 +103,43 @@ GATED_DELTA_RULE = Op(
     summary="chunked gated delta rule fwd+bwd, gate/beta/L2-norm in kernel, native grouped value heads",
     reference=gated_delta_rule_reference,
     candidates=(
-        Candidate(
-            name="fla-saved-states-grouped",
-            source="pip",
-            requirements=fla_backward_requirements("fla.ops.gated_delta_rule"),  # Triton >= 3.3 among them
-            load=lambda: _load_fla_saved_states(grouped=True),
-            inputs=FLA_INPUTS,
-            provides=(
+        fla_candidate(  # Triton >= 3.3 among them
+            "fla-saved-states-grouped",
+            "fla.ops.gated_delta_rule",
+            lambda: _load_fla_saved_states(grouped=True),
+            FLA_INPUTS,
+            (
                 "fla-saved-states with the q/k gradients' sums over grouped value heads done in fusepatch's L2-norm "
                 "backward kernel (fusepatch.kernels.l2norm) instead of torch sums inside fla: fewer kernels a step"
             ),
-            distribution="fla-core",
+            backward=True,
         ),
-        Candidate(
-            name="fla-saved-states",
-            source="pip",
-            requirements=fla_backward_requirements("fla.ops.gated_delta_rule"),
-            load=_load_fla_saved_states,
-            inputs=FLA_INPUTS,
-            provides=(
+        fla_candidate(
+            "fla-saved-states",
+            "fla.ops.gated_delta_rule",
+            _load_fla_saved_states,
+            FLA_INPUTS,
+            (
                 "fla's chunked delta rule kernels (fla.ops.gated_delta_rule.chunk), the chunk states kept from the "
                 "forward instead of recomputed in the backward"
             ),
-            distribution="fla-core",
+            backward=True,
         ),
-        Candidate(
-            name="fla",
-            source="pip",
-            requirements=fla_backward_requirements("fla.ops.gated_delta_rule"),
-            load=lambda: load_fla(gate_in_kernel=True),
-            inputs=FLA_INPUTS,
-            provides="fla.ops.gated_delta_rule.chunk_gated_delta_rule (use_gate_in_kernel, use_beta_sigmoid_in_kernel)",
-            distribution="fla-core",
+        fla_candidate(
+            "fla",
+            "fla.ops.gated_delta_rule",
+            lambda: load_fla(gate_in_kernel=True),
+            FLA_INPUTS,
+            "fla.ops.gated_delta_rule.chunk_gated_delta_rule (use_gate_in_kernel, use_beta_sigmoid_in_kernel)",
+            backward=True,
         ),
-        Candidate(
-            name="fla-gate-outside",
-            source="pip",
-            requirements=fla_backward_requirements("fla.ops.gated_delta_rule"),
-            load=lambda: load_fla(gate_in_kernel=False),
-            inputs=FLA_INPUTS,
-            provides="fla.ops.gated_delta_rule.chunk_gated_delta_rule (gate and beta computed in torch)",
-            distribution="fla-core",
+        fla_candidate(
+            "fla-gate-outside",
+            "fla.ops.gated_delta_rule",
+            lambda: load_fla(gate_in_kernel=False),
+            FLA_INPUTS,
+            "fla.ops.gated_delta_rule.chunk_gated_delta_rule (gate and beta computed in torch)",
+            backward=True,
         ),
     ),
     # Floors from the real kernels' errors on these inputs (H200, fla 0.6.0 with TileLang, every case, packed and

@@ -18,7 +18,7 @@ from fusepatch.backends.fla import CROSS_ENTROPY, check_signatures
 from fusepatch.base.op import Candidate, Op, SelfTest
 from fusepatch.base.options import DEFAULT_LOGITS_MIB, positive_whole
 from fusepatch.base.requirements import InputRule, TorchVersion
-from fusepatch.ops.common import fla_requirements, on_device, own_triton_candidate, rand
+from fusepatch.ops.common import fla_candidate, on_device, own_triton_candidate, rand
 from fusepatch.ops.linear_cross_entropy.reference import (
     _denominator,
     _upcast,
@@ -250,14 +250,12 @@ LINEAR_CROSS_ENTROPY = Op(
     summary="lm_head + cross-entropy without materialising the tokens x vocab logits",
     reference=linear_cross_entropy_reference,
     candidates=(
-        Candidate(
-            name="fla",
-            source="pip",
-            requirements=fla_requirements("fla.modules.fused_cross_entropy"),
-            load=_load_fla,
-            inputs=InputRule(kernel="fla's fused linear cross-entropy"),
-            provides="fla.modules.fused_cross_entropy.ops.cross_entropy_fwd/_bwd in fusepatch's chunk loop",
-            distribution="fla-core",
+        fla_candidate(
+            "fla",
+            "fla.modules.fused_cross_entropy",
+            _load_fla,
+            "fla's fused linear cross-entropy",
+            "fla.modules.fused_cross_entropy.ops.cross_entropy_fwd/_bwd in fusepatch's chunk loop",
         ),
         # fusepatch's own kernels: as fast as fla's at the 27B shape (benchmarks/studies/loss_bench.py --kernels) and
         # as exact; after fla, which is the one measured in the training step, and before torch-chunked (no fla

@@ -12,7 +12,7 @@ import torch
 
 from fusepatch.base.op import Candidate, Op, SelfTest
 from fusepatch.base.requirements import InputRule
-from fusepatch.ops.common import fla_requirements, own_triton_candidate, rand
+from fusepatch.ops.common import fla_candidate, own_triton_candidate, rand
 from fusepatch.ops.rms_norm.reference import (
     add_rms_norm_reference,
     add_rms_norm_zero_centered_reference,
@@ -58,16 +58,14 @@ def _triton_norm_candidate(name: str) -> Candidate:
 
 def _fla_norm_candidate(zero_centered: bool, residual: bool = False) -> Candidate:
     """The fla candidate of the four RMSNorm ops (plain / zero-centered, with or without the residual add)."""
-    return Candidate(
-        name="fla",
-        source="pip",
-        requirements=fla_requirements("fla.modules.norm.layernorm"),
-        load=lambda: _load_fla_rms_norm(zero_centered, residual),
-        inputs=FLA_NORM_INPUTS,
-        provides="fla.modules.norm.layernorm.rms_norm"
+    return fla_candidate(
+        "fla",
+        "fla.modules.norm.layernorm",
+        lambda: _load_fla_rms_norm(zero_centered, residual),
+        FLA_NORM_INPUTS,
+        "fla.modules.norm.layernorm.rms_norm"
         + ("(residual=..., prenorm=True)" if residual else "")
         + (" with weight 1 + w" if zero_centered else ""),
-        distribution="fla-core",
     )
 
 
@@ -143,14 +141,12 @@ GATED_RMS_NORM = Op(
     reference=gated_rms_norm_reference,
     candidates=(
         _triton_norm_candidate("gated_rms_norm"),
-        Candidate(
-            name="fla",
-            source="pip",
-            requirements=fla_requirements("fla.modules.norm.fused_norm_gate"),
-            load=_load_fla_gated,
-            inputs=InputRule(kernel="fla's fused gated RMSNorm"),
-            provides="fla.modules.norm.fused_norm_gate.rms_norm_gated",
-            distribution="fla-core",
+        fla_candidate(
+            "fla",
+            "fla.modules.norm.fused_norm_gate",
+            _load_fla_gated,
+            "fla's fused gated RMSNorm",
+            "fla.modules.norm.fused_norm_gate.rms_norm_gated",
         ),
     ),
     selftest=SelfTest(_gated_inputs, NORM_TOLERANCE, _gated_dims),

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from fusepatch.base.op import Candidate, Op, SelfTest
-from fusepatch.base.requirements import InputRule
-from fusepatch.ops.common import fla_requirements, own_triton_candidate, rand
+from fusepatch.base.op import Op, SelfTest
+from fusepatch.ops.common import fla_candidate, own_triton_candidate, rand
 from fusepatch.ops.swiglu.reference import swiglu_reference
 
 
@@ -35,14 +34,12 @@ SWIGLU = Op(
     reference=swiglu_reference,
     candidates=(
         own_triton_candidate(_load_triton, "fusepatch's Triton SwiGLU", "fusepatch.kernels.swiglu.swiglu"),
-        Candidate(
-            name="fla",
-            source="pip",
-            requirements=fla_requirements("fla.modules.activations"),
-            load=_load_fla,
-            inputs=InputRule(kernel="fla's fused SwiGLU"),
-            provides="fla.modules.activations.swiglu",
-            distribution="fla-core",
+        fla_candidate(
+            "fla",
+            "fla.modules.activations",
+            _load_fla,
+            "fla's fused SwiGLU",
+            "fla.modules.activations.swiglu",
         ),
     ),
     selftest=SelfTest(_inputs, {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-5}, _dims),
