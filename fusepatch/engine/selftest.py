@@ -14,6 +14,7 @@ import os
 import time
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -202,19 +203,10 @@ def worst(errors: dict[str, float], limits: dict[str, float]) -> str:
     return max(errors, key=ratio)
 
 
-def compare(
-    op: Op,
-    fn: Callable,
-    device: str,
-    dtype: str,
-    *,
-    packed: bool = True,
-    dims: dict[str, int] | None = None,
-    seed: int | None = None,
-) -> tuple[Verdict, dict[str, float]]:
-    """``fn`` held to :func:`bounds` on :func:`measure`'s errors: a multiple of the reference's own error in ``dtype``
-    plus a small floor, for every quantity."""
-    found = measure(op, fn, device, dtype, packed=packed, dims=dims, seed=seed)
+def compare(op: Op, fn: Callable, device: str, dtype: str, **inputs: Any) -> tuple[Verdict, dict[str, float]]:
+    """``fn`` held to :func:`bounds` on :func:`measure`'s errors (``inputs``: its ``packed``, ``dims``, ``seed``): a
+    multiple of the reference's own error in ``dtype`` plus a small floor, for every quantity."""
+    found = measure(op, fn, device, dtype, **inputs)
     if isinstance(found, Verdict):
         return found, {}
     return judge(op, *found, device, dtype), found[0]

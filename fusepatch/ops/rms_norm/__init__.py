@@ -116,23 +116,40 @@ def _gated_dims(module) -> dict[str, int]:
 NORM_TOLERANCE = {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-4}
 FLA_NORM_INPUTS = InputRule(kernel="fla's Triton RMSNorm")
 
-RMS_NORM = Op(
-    name="rms_norm",
-    summary="RMSNorm fwd+bwd (Qwen2/Qwen3 form, x * w)",
-    reference=rms_norm_reference,
-    candidates=(
-        _triton_norm_candidate("rms_norm"),
-        _fla_norm_candidate(zero_centered=False),
-    ),
-    selftest=SelfTest(_norm_inputs, NORM_TOLERANCE, _norm_dims),
-)
 
-RMS_NORM_ZERO_CENTERED = Op(
-    name="rms_norm_zero_centered",
-    summary="RMSNorm fwd+bwd (Qwen3.5/Qwen3-Next form, x * (1 + w))",
-    reference=rms_norm_zero_centered_reference,
-    candidates=(_triton_norm_candidate("rms_norm_zero_centered"), _fla_norm_candidate(zero_centered=True)),
-    selftest=SelfTest(_norm_inputs, NORM_TOLERANCE, _norm_dims),
+def _norm_op(name: str, summary: str, reference, *, zero_centered: bool, residual: bool = False) -> Op:
+    """One of the four RMSNorm ops (plain / zero-centered, with or without the residual add): fusepatch's Triton
+    kernel, then fla's; the residual forms hold both outputs, the normed sum and the sum itself (the residual
+    stream the layer returns)."""
+    selftest = (
+        SelfTest(_add_norm_inputs, NORM_TOLERANCE, _add_norm_dims, outputs=2)
+        if residual
+        else SelfTest(_norm_inputs, NORM_TOLERANCE, _norm_dims)
+    )
+    candidates = (_triton_norm_candidate(name), _fla_norm_candidate(zero_centered, residual))
+    return Op(name=name, summary=summary, reference=reference, candidates=candidates, selftest=selftest)
+
+
+RMS_NORM = _norm_op("rms_norm", "RMSNorm fwd+bwd (Qwen2/Qwen3 form, x * w)", rms_norm_reference, zero_centered=False)
+RMS_NORM_ZERO_CENTERED = _norm_op(
+    "rms_norm_zero_centered",
+    "RMSNorm fwd+bwd (Qwen3.5/Qwen3-Next form, x * (1 + w))",
+    rms_norm_zero_centered_reference,
+    zero_centered=True,
+)
+ADD_RMS_NORM = _norm_op(
+    "add_rms_norm",
+    "residual add + RMSNorm in one kernel, fwd+bwd (decoder layer, Qwen2/Qwen3 form)",
+    add_rms_norm_reference,
+    zero_centered=False,
+    residual=True,
+)
+ADD_RMS_NORM_ZERO_CENTERED = _norm_op(
+    "add_rms_norm_zero_centered",
+    "residual add + RMSNorm in one kernel, fwd+bwd (decoder layer, Qwen3.5/Qwen3-Next form)",
+    add_rms_norm_zero_centered_reference,
+    zero_centered=True,
+    residual=True,
 )
 
 GATED_RMS_NORM = Op(
@@ -150,27 +167,4 @@ GATED_RMS_NORM = Op(
         ),
     ),
     selftest=SelfTest(_gated_inputs, NORM_TOLERANCE, _gated_dims),
-)
-
-
-# Both outputs count: the normed sum and the sum itself (the residual stream the layer returns).
-ADD_NORM_SELFTEST = SelfTest(_add_norm_inputs, NORM_TOLERANCE, _add_norm_dims, outputs=2)
-
-ADD_RMS_NORM = Op(
-    name="add_rms_norm",
-    summary="residual add + RMSNorm in one kernel, fwd+bwd (decoder layer, Qwen2/Qwen3 form)",
-    reference=add_rms_norm_reference,
-    candidates=(_triton_norm_candidate("add_rms_norm"), _fla_norm_candidate(zero_centered=False, residual=True)),
-    selftest=ADD_NORM_SELFTEST,
-)
-
-ADD_RMS_NORM_ZERO_CENTERED = Op(
-    name="add_rms_norm_zero_centered",
-    summary="residual add + RMSNorm in one kernel, fwd+bwd (decoder layer, Qwen3.5/Qwen3-Next form)",
-    reference=add_rms_norm_zero_centered_reference,
-    candidates=(
-        _triton_norm_candidate("add_rms_norm_zero_centered"),
-        _fla_norm_candidate(zero_centered=True, residual=True),
-    ),
-    selftest=ADD_NORM_SELFTEST,
 )
