@@ -14,6 +14,8 @@
 #   bash benchmarks/gpu_run.sh loss 27b            # the loss alone (benchmarks/studies/loss_bench.py)
 #   bash benchmarks/gpu_run.sh tracecheck          # which patched forward dynamo's trace gets wrong (trace_check.py)
 #   bash benchmarks/gpu_run.sh fidelity 27b        # gradients against fp32 eager (benchmarks/studies/fidelity.py)
+#   bash benchmarks/gpu_run.sh depthfit 27b         # the deepest full fine-tuning that fits one GPU, per configuration
+#                                                      #   (benchmarks/studies/depth_fit.py; CONFIGS, LORA=R as bench)
 #   bash benchmarks/gpu_run.sh warmstart 27b       # `fusepatch warmup` on fresh caches, then a new process's first step
 #   bash benchmarks/gpu_run.sh curves              # needs .whl-ex/: SFT loss curves, two seeds (loss_curves.py)
 #   bash benchmarks/gpu_run.sh textcurves          # bf16 vs fp8 on unrepeated text, two seeds (text_curves.py;
@@ -145,6 +147,15 @@ EOF
       --workdir "/tmp/$name" --out "$OUT/$name.json" --timeout ${BENCH_TIMEOUT:-400} ${VARY:+--vary-seq $VARY} ${DOCS:+--packed-docs $DOCS} ${PROMPT:+--prompt $PROMPT} \
       ${SFT:+--sft --doc-tokens ${DOC_TOKENS:-1024}} ${LORA:+--lora $LORA} \
       --configs "${CONFIGS:-hf-fast,fusepatch,liger,eager,fusepatch-no-tilelang,hf-fast-no-tilelang}" 2>&1 | tee "$OUT/$name.md"
+    tar czf "$OUT/$name-logs.tgz" -C /tmp "$name" ;;
+  depthfit)
+    need_tilelang
+    shape=${2:-27b}; name=depthfit-$shape${LORA:+-lora$LORA}
+    pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
+    mkdir -p "/tmp/$name"
+    timeout ${RUN_TIMEOUT:-3000} python3 benchmarks/studies/depth_fit.py --shape "$shape" --checkpointing --site-fla /tmp/site-fla \
+      --site-tl /tmp/site-tl --workdir "/tmp/$name" --out "$OUT/$name.jsonl" \
+      ${LORA:+--lora $LORA} --configs "${CONFIGS:-hf-fast,fusepatch,fusepatch+fp8}" 2>&1 | tee "$OUT/$name.log"
     tar czf "$OUT/$name-logs.tgz" -C /tmp "$name" ;;
   warmstart)
     # A warm first step: fresh compile caches, `python -m fusepatch warmup` for the shape (a container build's

@@ -1090,3 +1090,26 @@ def test_provenance_names_the_study_as_run_from_the_repository_root():
     assert found["torch"] and found["no-such-distribution"] is None
     assert provenance.versions(("no-such-distribution",), absent=False) == {}
     assert len(provenance.today()) == 10 and provenance.today()[4] == "-"
+
+
+def test_depth_fit_bisects_to_the_deepest_depth_that_fits_and_stops_on_other_errors():
+    """``studies/depth_fit.py``: a probe per depth, bisected over multiples of 4; an error that is not memory
+    stops the search (it says nothing about the depth), and a probe's text is read as run_all returns it."""
+    import depth_fit
+
+    limit = 37
+    calls = []
+
+    def probe(depth):
+        calls.append(depth)
+        return "fits" if depth <= limit else "oom"
+
+    fit, over, seen = depth_fit.deepest(probe, 4, 64, 4)
+    assert (fit, over) == (36, 40)
+    assert len(calls) <= 5 and all(d % 4 == 0 for d in calls) and seen[36] == "fits"
+    assert depth_fit.deepest(lambda d: "fits", 4, 64, 4)[:2] == (64, None)
+    assert depth_fit.deepest(lambda d: "oom", 4, 64, 4)[:2] == (None, 4)
+    assert depth_fit.deepest(lambda d: "error", 4, 64, 4)[:2] == (None, None)
+    assert depth_fit.outcome({"config": "x"}) == "fits"
+    assert depth_fit.outcome({"error": "exit 1: torch.OutOfMemoryError: CUDA out of memory."}) == "oom"
+    assert depth_fit.outcome({"error": "exit 1: ImportError: no fla"}) == "error"
