@@ -18,7 +18,7 @@ class Candidate:
     ``load`` returns a callable with the op's signature (the adapter to the upstream API lives in the op's
     module). It is only called after every requirement passed, so it may import freely.
 
-    A candidate may prepare a weight once for many calls (an FP8 kernel's quantized copy of a frozen weight):
+    A candidate may prepare a weight once for many calls (a low-precision kernel's quantized copy of a frozen weight):
     ``prepare(weight) -> handle``. The op names which argument (``Op.prepares``); the dispatcher keeps one handle
     per weight that takes no gradient, checks it against the weight's contents at every call (the one owner of
     that rule: ``ops/prepared.py``) and passes it to the callable as ``prepared=handle``; a weight that trains is

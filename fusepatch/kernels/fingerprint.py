@@ -1,5 +1,5 @@
 """A weight's fingerprint on the GPU, checked against the one held without the host: what tells a prepared weight
-(``ops/prepared.py``: an FP8 kernel's quantized copy of a frozen weight) that the weight changed under it.
+(``ops/prepared.py``: a kernel's quantized copy of a frozen weight) that the weight changed under it.
 
 One pass over every 32-bit word of the weight (``fingerprint_spec``: two lanes of mixed words, positions mixed in),
 each program's sums added with atomics; the last program to finish compares the total with the fingerprint held,

@@ -1,4 +1,4 @@
-"""Weights a candidate prepares once for many calls (``Candidate.prepare``: an FP8 kernel's quantized copy of a
+"""Weights a candidate prepares once for many calls (``Candidate.prepare``: a kernel's quantized copy of a
 frozen weight), kept per weight by the op's dispatcher, and certain to hold the weight's values at every call: the
 one owner of that rule (``PreparedWeights.handle``).
 
