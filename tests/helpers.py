@@ -383,8 +383,10 @@ ALL_DTYPES = ("bfloat16", "float16", "float32", "float64")  # fp64: the output-f
 def cpu_candidates(monkeypatch, kernels: dict, *, name: str = "cpu-standin") -> list[tuple]:
     """Each op named in ``kernels`` gets one more candidate, first in its list: ``name``, accepting CPU tensors of
     every dtype and running ``kernels[op]`` (a torch function with the op's signature). The dispatcher then picks
-    a non-eager candidate on the CPU, so the layers take the paths they take with a GPU kernel. Returns the list
-    each call appends ``(op, dtype, shape)`` of its first tensor argument to (the self-test's calls included)."""
+    a non-eager candidate on the CPU, so the layers take the paths they take with a GPU kernel; it prepares weights
+    as the op's first candidate that prepares them does (``Candidate.prepare``: an FP8 kernel's frozen copies). Returns
+    the list each call appends ``(op, dtype, shape)`` of its first tensor argument to (the self-test's calls
+    included)."""
     import dataclasses
     import functools
 
@@ -408,6 +410,11 @@ def cpu_candidates(monkeypatch, kernels: dict, *, name: str = "cpu-standin") -> 
 
         rule = InputRule(devices=("cpu",), dtypes=ALL_DTYPES, kernel=f"{name} ({op_name})")
         candidate = Candidate(name, "pip", (), load, inputs=rule, provides=f"{kernel.__module__}.{kernel.__qualname__}")
+        preparing = next((c for c in op.candidates if c.prepare is not None), None)
+        if preparing is not None:
+            candidate = dataclasses.replace(
+                candidate, prepare=preparing.prepare, refresh=preparing.refresh, restore=preparing.restore
+            )
         monkeypatch.setitem(OPS, op_name, dataclasses.replace(op, candidates=(candidate, *op.candidates)))
     selftest.clear_cache()
     return seen

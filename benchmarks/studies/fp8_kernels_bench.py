@@ -4,7 +4,7 @@ timings each.
 ``layout``: the tiled FP8 transpose (a frozen weight's input gradient) against the strided copy it replaces, and
 the column quantization (transposed, padded) against a transposed copy followed by the row quantization.
 
-``kept``: a frozen weight's kept FP8 copy, checked at every call (``scaled_mm.refresh_weight``: the fingerprint of
+``kept``: a frozen weight's kept FP8 copy, checked at every call (``refresh_weight``: the fingerprint of
 the weight's contents compared on the device, the copy quantized again in its own buffers only when it changed)
 against the quantization that keeping the copy saves (``quantize_weight``), per projection shape of an 8-layer
 27B LoRA step (every projection's base frozen) and summed over the step's projections: ``check_ms`` the weight as
@@ -95,9 +95,19 @@ def kept_sites(shape: str = "27b", layers: int = 8) -> dict[tuple[int, int], int
     return dict(sites)
 
 
+def refresh_weight(weight, quantized, check) -> None:
+    """What the dispatcher runs for a kept copy at each call (``fusepatch/ops/prepared.py``): the check of the
+    weight's contents, then the candidate's write where it changed."""
+    from fusepatch.ops.fp8_linear.scaled_mm import refresh
+    from fusepatch.ops.prepared import stale
+
+    refresh(weight, quantized, stale(weight, check))
+
+
 def _site(size: tuple[int, int], device: str) -> dict:
     """One weight shape's timings: the check of a weight as it was, of a changed one, and the quantization."""
-    from fusepatch.ops.fp8_linear.scaled_mm import fingerprint_weight, quantize_weight, refresh_weight
+    from fusepatch.ops.fp8_linear.scaled_mm import quantize_weight
+    from fusepatch.ops.prepared import fingerprint_weight
 
     weights = [torch.randn(size, device=device, dtype=torch.bfloat16) for _ in range(2)]
     quantized, check = quantize_weight(weights[0]), fingerprint_weight(weights[0])
@@ -112,7 +122,8 @@ def _site(size: tuple[int, int], device: str) -> dict:
 
 
 def kept(shape: str = "27b", layers: int = 8, device: str = "cuda") -> dict:
-    from fusepatch.ops.fp8_linear.scaled_mm import fingerprint_weight, quantize_weight, refresh_weight
+    from fusepatch.ops.fp8_linear.scaled_mm import quantize_weight
+    from fusepatch.ops.prepared import fingerprint_weight
 
     sites = kept_sites(shape, layers)
     out: dict = {"sites": {}, "step": {}}

@@ -17,6 +17,16 @@ class Candidate:
 
     ``load`` returns a callable with the op's signature (the adapter to the upstream API lives in the op's
     module). It is only called after every requirement passed, so it may import freely.
+
+    A candidate may prepare a weight once for many calls (a low-precision kernel's quantized copy of a frozen weight):
+    ``prepare(weight) -> handle``. The op names which argument (``Op.prepares``); the dispatcher keeps one handle
+    per weight that takes no gradient, checks it against the weight's contents at every call (the one owner of
+    that rule: ``ops/prepared.py``) and passes it to the callable as ``prepared=handle``; a weight that trains is
+    passed as it is. ``refresh(weight, handle, stale)`` prepares the weight again into the handle's own buffers
+    where ``stale`` (int32 ``[1]`` on the weight's device, 1: changed) says so, without the host (a CUDA graph that
+    captured it refreshes at every replay); without it a changed weight gets a new handle. ``restore(handle)`` gives
+    the weight's values back (rounded as the handle holds them): only a candidate with it lets a weight be dropped
+    once prepared (``apply(drop_frozen_weights=True)``).
     """
 
     name: str
@@ -28,6 +38,9 @@ class Candidate:
     distribution: str | None = None  # the distribution loaded, for "which copy was loaded"
     varlen: bool = True  # honours cu_seqlens (packed documents); a candidate that cannot is skipped for them
     where: Callable[[], str] | None = None  # where it loads from, asked at choice time (Hub: local dir, lock, pin)
+    prepare: Callable[[Any], Any] | None = None  # weight -> handle, made once per weight (see above)
+    refresh: Callable[[Any, Any, Any], None] | None = None  # (weight, handle, stale): the handle again, in place
+    restore: Callable[[Any], Any] | None = None  # handle -> the weight's values (rounded)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -97,6 +110,8 @@ class Op:
     reference: Callable[..., Any]
     candidates: tuple[Candidate, ...]
     selftest: SelfTest | None = None
+    # the position of the argument (a weight) its candidates may prepare (``Candidate.prepare``); None: none
+    prepares: int | None = None
 
     @property
     def eager(self) -> Candidate:
@@ -113,8 +128,10 @@ class Op:
 
 
 class OpDispatch(Protocol):
-    """What a layer calls an op through (the engine's ``Dispatch`` is one): the op for the call's tensors, and the
-    choice it makes for a device, dtype and packing."""
+    """What a layer calls an op through (the engine's ``Dispatch`` is one): the op for the call's tensors (a weight
+    passed with the handle its candidate prepared), the choice it makes for a device, dtype and packing, the
+    prepared handle of a weight, and the generation of the handles it keeps (a new one each time one is made anew or
+    let go: a CUDA graph reads the memory of those it captured)."""
 
     disabled_reason: str | None
 
@@ -123,3 +140,8 @@ class OpDispatch(Protocol):
     def choice(self, device: str, dtype: str, packed: bool = False) -> Any: ...
 
     def implementation(self, device: str, dtype: str, packed: bool = False) -> Callable[..., Any]: ...
+
+    def prepared(self, weight: Any, device: str, dtype: str, *, once: bool = False) -> Any: ...
+
+    @property
+    def generation(self) -> int: ...

@@ -32,7 +32,7 @@ from fusepatch.engine.resolve import PREFERABLE, Choice, Dispatch, candidate_nam
 from fusepatch.layers import layer_graphs, rotary_embedding
 from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward, trainer_head
 from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
-from fusepatch.layers.fp8 import keep_what_variants_read, restore_dropped, say_restored
+from fusepatch.layers.fp8 import is_dropped, keep_what_variants_read, restore_dropped, say_restored
 from fusepatch.layers.simple import swiglu_mlp_forward
 from fusepatch.layers.support import bindings, lora
 from fusepatch.ops import OPS
@@ -166,10 +166,7 @@ class PatchState:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         del state["original"]  # a bound method of the owner: derived again, never pickled by name
-        if self.cache.get("dropped"):  # all that is left of the weight (``layers/fp8.Kept``: without its reference)
-            state["cache"] = {"fp8": state["cache"]["fp8"], "dropped": True}
-        else:
-            state["cache"] = {}  # derived from the module's tensors, again at the next call
+        state["cache"] = {}  # derived from the module's tensors, again at the next call
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -705,7 +702,7 @@ def report(model: torch.nn.Module, compute_dtype: torch.dtype | str | None = Non
         )
     total = sum(len(m) for m in groups.values())
     built = _report(plan, layers, message="" if total else "not patched", already=total)
-    dropped = sum(bool(m._fusepatch.cache.get("dropped")) for modules in groups.values() for m in modules)
+    dropped = sum(is_dropped(m) for modules in groups.values() for m in modules)
     return dataclasses.replace(built, transformers_calls=_transformers_calls(groups), dropped_weights=dropped)
 
 

@@ -29,6 +29,7 @@ from fusepatch.base.requirements import (
 from fusepatch.base.state import current as process_state
 from fusepatch.engine import selftest
 from fusepatch.engine.registry import all_ops, op_with_user_candidates
+from fusepatch.ops.prepared import Held, PreparedWeights
 
 logger = logging.getLogger("fusepatch")
 
@@ -284,7 +285,9 @@ class Dispatch:
     """Per-op dispatcher shared by every patched instance of one layer class.
 
     The choice is made per (device type, dtype, packed) of the call, so a model that moves between CPU and
-    GPU after ``apply`` keeps working; each new fallback is logged once.
+    GPU after ``apply`` keeps working; each new fallback is logged once. Where the chosen candidate prepares a
+    weight (``Candidate.prepare``), the dispatcher keeps its handle per weight (``ops/prepared.py``, which owns when
+    a handle is made anew) and passes it to the candidate: the layers pass the weight.
     """
 
     def __init__(
@@ -311,6 +314,8 @@ class Dispatch:
                 if candidate.source not in prefer:
                     self._static.append((candidate, not_preferred(candidate, prefer)))
         self._choices: dict[tuple[str, str, bool], tuple[Choice, Callable[..., Any]]] = {}
+        self._chosen: dict[tuple[str, str, bool], Candidate] = {}  # the candidate behind each choice
+        self._prepared = PreparedWeights()
         self._lock = threading.RLock()  # re-entry from the same thread is detected and reported, not deadlocked
         self._resolving: set[tuple[str, str, bool]] = set()
         self.announce = False  # set by apply once its report is logged: later new choices log themselves
@@ -335,8 +340,31 @@ class Dispatch:
 
     def __call__(self, *args, **kwargs):
         first = next(a for a in args if hasattr(a, "device"))
-        packed = kwargs.get("cu_seqlens") is not None
-        return self.implementation(first.device.type, dtype_name(first.dtype), packed)(*args, **kwargs)
+        key = (first.device.type, dtype_name(first.dtype), kwargs.get("cu_seqlens") is not None)
+        fn = self.implementation(*key)
+        where = self.op.prepares
+        if where is not None and where < len(args):
+            handle = self._prepared.handle(self._chosen[key], args[where])
+            if handle is not None:
+                return fn(*args, prepared=handle, **kwargs)
+        return fn(*args, **kwargs)
+
+    def prepared(self, weight: Any, device: str, dtype: str, *, once: bool = False) -> Held | None:
+        """The handle the candidate chosen for ``device`` and ``dtype`` prepared of ``weight`` (made now if need
+        be), with what made it; None where it prepares nothing (the eager fallback among them) or keeps nothing now
+        (a weight that trains, ``torch.compile``, ``inference_mode``). ``once``: the weight is dropped right after,
+        the handle all that is left of it: made, not kept."""
+        self.implementation(device, dtype)
+        return self._prepared.held(self._chosen[(device, dtype, False)], weight, once=once)
+
+    def kept(self, weight: Any) -> Held | None:
+        """The handle held for ``weight`` as the last call left it (nothing made or checked; None: none)."""
+        return self._prepared.kept(weight)
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever a handle this dispatcher keeps is made anew or let go (0: none made yet)."""
+        return self._prepared.generation
 
     def _resolve(self, device: str, dtype: str, packed: bool) -> tuple[Choice, Callable[..., Any]]:
         key = (device, dtype, packed)
@@ -392,6 +420,7 @@ class Dispatch:
             origin(candidate),
             ready,
         )
+        self._chosen[key] = candidate  # before the choice, which calls read without the lock
         self._choices[key] = (choice, fn)
         if self.announce:
             where = f"{device}/{dtype}{' packed' if packed else ''}"

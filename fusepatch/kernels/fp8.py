@@ -11,8 +11,8 @@ quantization of the copy. ``transpose``: an FP8 tensor transposed in tiles (a fr
 input gradient).
 
 A frozen weight's kept FP8 copy is checked at every call against the weight's contents without the host
-(``fingerprint``: a fingerprint of every byte, compared on the device with the one held, setting a flag) and
-quantized again into its own buffers only where the flag is set (``requantize_rows``): no sync, so a step stays
+(``kernels/fingerprint.py``: a fingerprint of every byte, compared on the device with the one held, setting a flag)
+and quantized again into its own buffers only where the flag is set (``requantize_rows``): no sync, so a step stays
 asynchronous and a CUDA graph that captured the check runs it at every replay.
 
 Why a kernel: in eager PyTorch the same quantization is five kernels over the whole tensor (abs, amax, multiply,
@@ -29,28 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fusepatch.kernels.fp8_range import (
-    DONE,
-    FP8_MAX,
-    FP8_TINY,
-    HELD,
-    MIX_A,
-    MIX_B,
-    OFFSET_B,
-    POSITION_A,
-    POSITION_B,
-    STALE,
-    SUMS,
-    padded,
-    words,
-)
+from fusepatch.kernels.fp8_range import FP8_MAX, FP8_TINY, padded
 
 BLOCK = 1024
 WARPS = 4
-_A1, _A2, _A3, _A4, _A5 = (tl.constexpr(c) for c in MIX_A)
-_B1, _B2, _B3, _B4, _B5 = (tl.constexpr(c) for c in MIX_B)
-_POSITION_A, _POSITION_B, _OFFSET_B = tl.constexpr(POSITION_A), tl.constexpr(POSITION_B), tl.constexpr(OFFSET_B)
-_HELD, _SUMS, _DONE, _STALE = tl.constexpr(HELD), tl.constexpr(SUMS), tl.constexpr(DONE), tl.constexpr(STALE)
 
 
 @triton.jit
@@ -74,10 +56,10 @@ def _quantize_rows(
     BLOCK: tl.constexpr,
     FACTOR: tl.constexpr,
     STALE_ONLY: tl.constexpr = False,
-    state=None,
+    stale=None,
 ):
     if STALE_ONLY:  # a kept copy's requantization: only where its check (``fingerprint``) found the weight changed
-        wanted = tl.load(state + _STALE) != 0
+        wanted = tl.load(stale) != 0
     else:
         wanted = True
     if wanted:
@@ -125,9 +107,9 @@ def _launch_rows(
     q: torch.Tensor,
     inverse: torch.Tensor,
     factor: torch.Tensor | None,
-    state: torch.Tensor | None = None,
+    stale: torch.Tensor | None = None,
 ) -> None:
-    """``_quantize_rows`` over ``x``'s rows into ``(q, inverse)``; with ``state``, only where its flag is set."""
+    """``_quantize_rows`` over ``x``'s rows into ``(q, inverse)``; with ``stale``, only where it is set."""
     rows, columns = x.shape
     if rows:
         _quantize_rows[(rows,)](
@@ -142,73 +124,19 @@ def _launch_rows(
             TINY=FP8_TINY,
             BLOCK=BLOCK,
             FACTOR=factor is not None,
-            STALE_ONLY=state is not None,
-            state=state,
+            STALE_ONLY=stale is not None,
+            stale=stale,
             num_warps=WARPS,
         )
 
 
-def requantize_rows(x: torch.Tensor, q: torch.Tensor, inverse: torch.Tensor, state: torch.Tensor) -> None:
-    """``quantize_rows(x)`` written into ``(q, inverse)`` (a kept copy's buffers) if the check that last ran on
-    ``state`` (``fingerprint``) found ``x`` changed, nothing written otherwise; the flag is read on the device."""
+def requantize_rows(x: torch.Tensor, q: torch.Tensor, inverse: torch.Tensor, stale: torch.Tensor) -> None:
+    """``quantize_rows(x)`` written into ``(q, inverse)`` (a kept copy's buffers) if ``stale`` (int32 ``[1]``: the
+    flag of the check that last ran, ``kernels/fingerprint.py``) is set, nothing written otherwise; the flag is
+    read on the device."""
     if x.stride(1) != 1:
         x = x.contiguous()
-    _launch_rows(x, q, inverse, None, state)
-
-
-WORDS_BLOCK, WORDS_STEPS = 1024, 32  # 32-bit words per program: a block of a step, times the steps
-
-
-@triton.jit
-def _mix(x, S1: tl.constexpr, M1: tl.constexpr, S2: tl.constexpr, M2: tl.constexpr, S3: tl.constexpr):
-    """A bijective 32-bit multiply-xorshift mixer (``fp8_range.MIX_A``, ``MIX_B``) of unsigned 32-bit ``x``."""
-    x = x ^ (x >> S1)
-    x = (x * M1).to(tl.uint32)
-    x = x ^ (x >> S2)
-    x = (x * M2).to(tl.uint32)
-    return x ^ (x >> S3)
-
-
-@triton.jit
-def _fingerprint(words, count, state, BLOCK: tl.constexpr, STEPS: tl.constexpr):
-    """Each program sums its words' two mixed lanes into ``state``'s sums (atomics); the last program to finish
-    compares the total with the fingerprint held, sets the stale flag, holds the new fingerprint and zeroes the
-    sums and the count for the next call (the state is left as it was found: a graph replays it)."""
-    start = tl.program_id(0).to(tl.int64) * (BLOCK * STEPS)
-    lane_a = tl.zeros((BLOCK,), dtype=tl.uint32)
-    lane_b = tl.zeros((BLOCK,), dtype=tl.uint32)
-    for step in range(STEPS):
-        index = start + step * BLOCK + tl.arange(0, BLOCK)
-        mask = index < count
-        word = tl.load(words + index, mask=mask, other=0).to(tl.uint32, bitcast=True)
-        position = index.to(tl.uint32)
-        a = _mix(word ^ (position * _POSITION_A).to(tl.uint32), _A1, _A2, _A3, _A4, _A5)
-        b = _mix(word ^ (position * _POSITION_B + _OFFSET_B).to(tl.uint32), _B1, _B2, _B3, _B4, _B5)
-        lane_a += tl.where(mask, a, 0).to(tl.uint32)
-        lane_b += tl.where(mask, b, 0).to(tl.uint32)
-    tl.atomic_add(state + _SUMS, tl.sum(lane_a, axis=0).to(tl.int32, bitcast=True), sem="relaxed")
-    tl.atomic_add(state + _SUMS + 1, tl.sum(lane_b, axis=0).to(tl.int32, bitcast=True), sem="relaxed")
-    done = tl.atomic_add(state + _DONE, 1, sem="acq_rel")  # after this program's sums (release)
-    if done == tl.num_programs(0) - 1:  # every other program's sums are in (acquire)
-        total_a = tl.atomic_xchg(state + _SUMS, 0, sem="acq_rel")
-        total_b = tl.atomic_xchg(state + _SUMS + 1, 0, sem="acq_rel")
-        changed = (total_a != tl.load(state + _HELD)) | (total_b != tl.load(state + _HELD + 1))
-        tl.store(state + _HELD, total_a)
-        tl.store(state + _HELD + 1, total_b)
-        tl.store(state + _STALE, changed.to(tl.int32))
-        tl.atomic_xchg(state + _DONE, 0, sem="acq_rel")
-
-
-def fingerprint(x: torch.Tensor, state: torch.Tensor) -> None:
-    """Check ``x``'s contents against the fingerprint ``state`` holds (int32 ``[fp8_range.STATE_WORDS]``, zeros
-    before the first check): on the device, the stale flag set where they differ and the new fingerprint held.
-    ``x``'s rows must hold a multiple of 4 bytes (``fp8_range.words``; an FP8 weight's dimensions are multiples
-    of 16)."""
-    values = words(x)
-    count = values.numel()
-    if count:
-        programs = triton.cdiv(count, WORDS_BLOCK * WORDS_STEPS)
-        _fingerprint[(programs,)](values, count, state, BLOCK=WORDS_BLOCK, STEPS=WORDS_STEPS, num_warps=WARPS)
+    _launch_rows(x, q, inverse, None, stale)
 
 
 TILE_ROWS, TILE_COLUMNS = 64, 64

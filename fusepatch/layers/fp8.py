@@ -8,8 +8,7 @@ run there too.
 
 from __future__ import annotations
 
-import weakref
-from typing import NamedTuple
+import copy
 
 import torch
 
@@ -17,16 +16,9 @@ from fusepatch.base.dtypes import dtype_name
 from fusepatch.base.log import logger
 from fusepatch.base.state import current as process_state
 from fusepatch.layers.support.hooks import autocast_dtype
-from fusepatch.layers.support.kept import keep
 from fusepatch.layers.support.lora import variant_bases
-from fusepatch.ops.fp8_linear.reference import fp8_linear_reference
-from fusepatch.ops.fp8_linear.scaled_mm import (
-    MULTIPLE,
-    QuantizedWeight,
-    fingerprint_weight,
-    quantize_weight,
-    refresh_weight,
-)
+from fusepatch.ops.fp8_linear import MULTIPLE
+from fusepatch.ops.prepared import HELD, Held, held_by
 
 # the decoder's projections that train in FP8: attention q/k/v/o, the Gated DeltaNet's input and output
 # projections, the MLPs' (and the MoE shared expert's) gate/up/down. Left as they are: the embeddings, the norms,
@@ -52,74 +44,39 @@ def aligned(module: torch.nn.Module) -> str | None:
 
 def fp8_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``self(x)`` with FP8 GEMMs where the op chose a kernel for ``x``'s device and compute dtype; the
-    projection as before otherwise (the fallback, said by ``apply`` with its reason)."""
+    projection as before otherwise (the fallback, said by ``apply`` with its reason). A frozen weight's FP8 copy is
+    the dispatcher's to keep and check (``ops/prepared.py``); with ``apply(drop_frozen_weights=True)`` the weight
+    itself is dropped at its first FP8 call, its copy all that is left (``DroppedWeight``)."""
     state = self._fusepatch
     if aligned(self) is not None:  # resized since apply, which patches aligned projections only
         state.transformers_calls[RESIZED] = state.transformers_calls.get(RESIZED, 0) + 1
         return state.original(x)
     cast = autocast_dtype(x)
-    dtype = cast or x.dtype
-    fp8_linear = state.ops["fp8_linear"].implementation(x.device.type, dtype_name(dtype))
-    # a frozen weight's FP8 copy is the FP8 kernel's alone: the fallback computes with the weight as it is
-    falls_back = fp8_linear is fp8_linear_reference
-    frozen = None if falls_back else frozen_weight(self, state)
-    if (
-        falls_back
-        and state.drop_frozen
-        and not self.weight.requires_grad
-        and process_state().said.first(NOTHING_DROPPED)
-    ):
-        logger.warning("fusepatch: %s", NOTHING_DROPPED)
-    if cast is not None:  # autocast would run the projection in its dtype: quantize from that input
-        with torch.autocast(x.device.type, enabled=False):
-            bias = None if self.bias is None else self.bias.to(cast)
-            return fp8_linear(x.to(cast), self.weight, bias, frozen=frozen)
-    return fp8_linear(x, self.weight, self.bias, frozen=frozen)
-
-
-class Kept(NamedTuple):
-    """A frozen weight's FP8 copy, as ``PatchState.cache["fp8"]`` holds it."""
-
-    key: tuple  # where and what the weight was when quantized: device, storage, version, shape, dtype
-    quantized: QuantizedWeight
-    weight: weakref.ref | None  # the weight quantized; None once dropped (or unpickled)
-    check: torch.Tensor | None  # the fingerprint of its contents (``fingerprint_weight``); None for a dropped one
-
-    def __reduce__(self):  # a weak reference does not pickle: a loaded copy has no weight to check (a dropped one)
-        return Kept, (self.key, self.quantized, None, None)
-
-
-def frozen_weight(module: torch.nn.Module, state) -> QuantizedWeight | None:
-    """A frozen weight's FP8 copy, kept between calls and certain to hold the weight's values: None for a weight
-    that trains (quantized afresh at every GEMM), inside ``torch.compile`` (traced as a fresh quantization) or
-    under ``torch.inference_mode`` (its tensors cannot serve a later training step).
-
-    A new tensor, new storage, shape, dtype or device, or a new version (an in-place update) quantizes into a new
-    copy. Writes that move none of these (through ``.data`` as peft's merges and TRL's reference-model sync write,
-    through another view of the storage, FSDP2 gathering new values at the same address) are seen by the copy's
-    fingerprint of the weight's contents, checked at every call (``refresh_weight``: on the GPU without a sync,
-    quantizing into the same buffers only when it changed). With ``apply(drop_frozen_weights=True)`` the weight
-    itself is dropped once quantized: nothing can write it then, and every writer raises (``DroppedWeight``)."""
-    weight = module.weight
-    cache = state.cache
+    fp8_linear = state.ops["fp8_linear"]
+    weight = self.weight
     if isinstance(weight, DroppedWeight):
         if weight.requires_grad:  # set to train after it was dropped: there is nothing to train
             raise RuntimeError(DROPPED)
-        return cache["fp8"][1]
-    if weight.requires_grad or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
-        return None
-    key = (weight.device, weight.data_ptr(), weight._version, weight.shape, weight.dtype)
-    held = cache.get("fp8")
-    if isinstance(held, Kept) and held.key == key and held.check is not None and held.weight() is weight:
-        refresh_weight(weight, held.quantized, held.check)
-        return held.quantized
-    dropping = state.drop_frozen  # no fingerprint for a weight about to be dropped
-    check = None if dropping else fingerprint_weight(weight)
-    held = keep(cache, "fp8", Kept(key, quantize_weight(weight), weakref.ref(weight), check))
-    if dropping:
-        module.weight = DroppedWeight.of(weight)
-        cache["dropped"] = True  # the copy is all that is left of the weight
-    return held.quantized
+    elif state.drop_frozen and not weight.requires_grad:
+        weight = _dropped_once_prepared(self, fp8_linear, x.device.type, dtype_name(cast or x.dtype))
+    if cast is not None:  # autocast would run the projection in its dtype: quantize from that input
+        with torch.autocast(x.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.to(cast)
+            return fp8_linear(x.to(cast), weight, bias)
+    return fp8_linear(x, weight, self.bias)
+
+
+def _dropped_once_prepared(module: torch.nn.Linear, dispatch, device: str, dtype: str) -> torch.Tensor:
+    """``drop_frozen_weights``: the frozen weight dropped once its FP8 copy is made, the copy kept by the weight in
+    its place; the weight as it is where the kernel chosen prepares nothing to keep (the fallback, said once) or
+    nothing is kept now (``torch.compile``, ``inference_mode``)."""
+    held = dispatch.prepared(module.weight, device, dtype, once=True)
+    if held is None or held.restore is None:
+        if not dispatch.choice(device, dtype).fused and process_state().said.first(NOTHING_DROPPED):
+            logger.warning("fusepatch: %s", NOTHING_DROPPED)
+        return module.weight
+    module.weight = DroppedWeight.of(module.weight, held)
+    return module.weight
 
 
 DROPPED = (
@@ -155,7 +112,7 @@ def keep_what_variants_read(model: torch.nn.Module) -> None:
         if state is None or not state.drop_frozen:
             continue
         state.drop_frozen = False
-        if isinstance(base.__dict__.get("_parameters", {}).get("weight"), DroppedWeight):
+        if is_dropped(base):
             lost += 1
         else:
             kept += 1
@@ -167,24 +124,26 @@ def keep_what_variants_read(model: torch.nn.Module) -> None:
 
 class DroppedWeight(torch.nn.Parameter):
     """What a frozen FP8 projection holds as ``weight`` after ``drop_frozen_weights``: shape, strides, dtype, device
-    and ``requires_grad`` as before, and no values (a meta tensor). Reading it for values (a GEMM, a copy, a move to
-    another device) raises with the fix instead of computing with nothing, and so does every write (``copy_``,
-    through ``.data``, setting ``.data``, ``load_state_dict``), which would otherwise be lost; ``detach``
-    (``state_dict``) gives a :class:`DroppedValues`, which peft's adapter saving leaves out and a whole checkpoint
-    refuses."""
+    and ``requires_grad`` as before, no values (a meta tensor), and its FP8 copy (``Held``, as ``ops/prepared.HELD``:
+    the dispatcher passes it to the kernel that made it), which deep-copies and pickles with it. Reading it for
+    values (a GEMM, a copy, a move to another device) raises with the fix instead of computing with nothing, and so
+    does every write (``copy_``, through ``.data``, setting ``.data``, ``load_state_dict``), which would otherwise be
+    lost; ``detach`` (``state_dict``) gives a :class:`DroppedValues`, which peft's adapter saving leaves out and a
+    whole checkpoint refuses."""
 
     device_of: torch.device
 
     @staticmethod
-    def of(weight: torch.Tensor) -> DroppedWeight:
-        return _dropped(tuple(weight.shape), weight.dtype, weight.device, weight.stride())
+    def of(weight: torch.Tensor, held: Held) -> DroppedWeight:
+        return _dropped(tuple(weight.shape), weight.dtype, weight.device, weight.stride(), held)
 
     def __deepcopy__(self, memo: dict) -> DroppedWeight:
-        memo[id(self)] = copied = _dropped(tuple(self.shape), self.dtype, self.device_of, self.stride())
+        held = copy.deepcopy(held_by(self), memo)
+        memo[id(self)] = copied = _dropped(tuple(self.shape), self.dtype, self.device_of, self.stride(), held)
         return copied
 
     def __reduce_ex__(self, protocol):
-        return _dropped, (tuple(self.shape), self.dtype, self.device_of, self.stride())
+        return _dropped, (tuple(self.shape), self.dtype, self.device_of, self.stride(), held_by(self))
 
     def __repr__(self, **kwargs) -> str:  # a meta tensor's repr would name the meta device, not the weight's
         return (
@@ -249,14 +208,19 @@ def _metadata_only(func, args: tuple, kwargs: dict):
 
 
 def _dropped(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, stride: tuple[int, ...] | None = None
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    stride: tuple[int, ...] | None = None,
+    held: Held | None = None,
 ) -> DroppedWeight:
-    """A ``DroppedWeight`` of this shape, strides (contiguous: None) and dtype standing for a weight on ``device``
-    (also how it unpickles)."""
+    """A ``DroppedWeight`` of this shape, strides (contiguous: None) and dtype standing for a weight on ``device``,
+    holding ``held`` (also how it unpickles)."""
     if stride is None:
         stride = torch.empty(shape, device="meta").stride()
     dropped = DroppedWeight(torch.empty_strided(shape, stride, dtype=dtype, device="meta"), requires_grad=False)
     dropped.device_of = device
+    setattr(dropped, HELD, held)
     return dropped
 
 
@@ -305,14 +269,20 @@ def _same_place(args: tuple, kwargs: dict) -> bool:
     return True
 
 
-def restore_dropped(module: torch.nn.Module, cache: dict) -> bool:
-    """``revert``: a dropped weight back as a real parameter, dequantized from its FP8 copy (rounded: FP8 keeps
-    3 mantissa bits); anything else as it is. Whether it restored one (``revert`` says how many, once)."""
-    weight = module.__dict__.get("_parameters", {}).get("weight")
-    if not isinstance(weight, DroppedWeight):
+def is_dropped(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s weight was dropped (``drop_frozen_weights``): its FP8 copy is all that is left of it."""
+    return isinstance(module.__dict__.get("_parameters", {}).get("weight"), DroppedWeight)
+
+
+def restore_dropped(module: torch.nn.Module, cache: object = None) -> bool:
+    """``revert``: a dropped weight back as a real parameter, from the FP8 copy it holds (rounded: FP8 keeps 3
+    mantissa bits); anything else as it is. Whether it restored one (``revert`` says how many, once). ``cache`` is
+    not read (the weight holds its copy), accepted for callers that pass the patch state's."""
+    if not is_dropped(module):
         return False
-    q, inverse = cache["fp8"][1]
-    values = (q.float() * inverse).to(weight.dtype)
+    weight = module.weight
+    held = held_by(weight)
+    values = held.restore(held.handle).to(weight.dtype)
     module.weight = torch.nn.Parameter(values, requires_grad=False)
     return True
 

@@ -12,9 +12,10 @@ pool; forwards in call order, then backwards in reverse, as a step replays them;
 fresh leaves, so that a loop still holding the last step's loss does not matter), checks the first layer's
 replay against its own forward, and replays from then on. A call of another signature runs as usual; a new
 steady signature is captured in turn, up to ``MAX_CAPTURES`` per model. Parameters moved or replaced
-(``model.to``, ``load_state_dict(assign=True)``) or frozen since, and an FP8 projection's frozen weight quantized
-into a new copy (a new version: an in-place load), drop the graphs; a write that keeps the version (peft's merges,
-through ``.data``) is seen by the copy's own check, which the graph captured and runs at every replay.
+(``model.to``, ``load_state_dict(assign=True)``) or frozen since, and a weight an op's kernel prepared (a frozen
+weight's quantized copy) prepared into a new handle (a new version: an in-place load), drop the graphs; a write that
+keeps the version (peft's merges, through ``.data``) is seen by the handle's own check, which the graph captured and
+runs at every replay.
 
 Calls that run without graphs, said once each with the fix: activation checkpointing (it exists to drop the
 activations a graph keeps), hooks on a layer's modules (they would run once, at capture), FSDP2's sharded
@@ -36,7 +37,6 @@ from typing import Any
 import torch
 
 from fusepatch.layers.support.hooks import autocast_dtype, hooked
-from fusepatch.layers.support.kept import generation
 from fusepatch.layers.support.positions import is_plain
 from fusepatch.layers.support.signature import CACHE_NAMES
 
@@ -95,11 +95,11 @@ def _patched(layer: torch.nn.Module) -> tuple:
 
 def _reads(params: Iterable[torch.nn.Parameter], states: tuple) -> tuple:
     """What a layer's graphs read: per parameter its pointer, dtype, ``requires_grad`` and, frozen, its version (an
-    in-place load gives a frozen FP8 projection a new copy, made outside a graph); and per patched module the
-    generation of what it keeps between calls (``support/kept.py``: an FP8 projection's frozen weight, whose copy
-    made anew frees the memory the graph reads)."""
+    in-place load gives a prepared weight a new handle, made outside a graph); and per patched module the
+    generation of the handles its ops' dispatchers keep (``ops/prepared.py``: a handle made anew frees the memory the
+    graph reads)."""
     tensors = tuple((p.data_ptr(), p.dtype, p.requires_grad, None if p.requires_grad else p._version) for p in params)
-    return tensors, tuple(generation(state.cache) for state in states)
+    return tensors, tuple(getattr(d, "generation", 0) for state in states for d in state.ops.values())
 
 
 class LayerGraphs:
@@ -221,7 +221,7 @@ class LayerGraphs:
             )
             return
         read = [_reads(layer.parameters(), states) for layer, states in zip(self.layers, patched)]
-        if read != params:  # the capture's forward quantized a frozen weight anew: older captures read the old copy
+        if read != params:  # the capture's forward prepared a frozen weight anew: older captures read the old handle
             self.graphs.clear()
         self.graphs[step] = list(graphed)
         self.params, self.patched = read, patched

@@ -13,8 +13,8 @@ gradient is the same GEMM on the same values; the SwiGLU op's own backward (whic
 chose) gives the gate and up gradients. The residual, when given, is added by the forward's GEMM as
 ``linear_plus`` adds it, and its gradient is the output's.
 
-A peft LoRA down projection keeps the product for its adapters' ``A`` gradients (its frozen base, bf16 or FP8,
-needs none): the fused LoRA path (``lora.project`` with ``recompute``) keeps ``gate`` and ``up`` instead and
+A peft LoRA down projection keeps the product for its adapters' ``A`` gradients (its frozen base, plain or with a
+forward ``apply`` gave it, needs none): the fused LoRA path (``lora.project`` with ``recompute``) keeps ``gate`` and ``up`` instead and
 computes the product again in its backward.
 """
 
@@ -78,7 +78,7 @@ def recomputed_down(
     (``enabled``: ``FUSEPATCH_MLP_RECOMPUTE=1`` when the model was patched), a gradient is being recorded, and
     ``down`` is a bias-free plain ``nn.Linear`` in the inputs' dtype (no autocast; the residual, if any, of the
     output's shape and dtype) or a peft LoRA linear the fused LoRA path takes (which keeps the product for the
-    adapters' gradients, over an FP8 base too); None otherwise (the caller runs the usual path). Switched on but
+    adapters' gradients, over a base with a forward ``apply`` gave it too); None otherwise (the caller runs the usual path). Switched on but
     stepping aside while training is said once, with the reason: the switch promised less memory."""
     if not (enabled and torch.is_grad_enabled() and up.shape == gate.shape and up.dtype == gate.dtype):
         return None
@@ -118,7 +118,7 @@ def _kept_because(down: torch.nn.Module, x: torch.Tensor) -> tuple[str, str]:
     if x.device.type not in projections.DEVICES:
         return f"the recompute runs on {', '.join(projections.DEVICES)}, not {x.device.type}", CHECKPOINTING
     if lora.own_forward(down):
-        return 'it is an FP8 projection (apply(precision="fp8")), which keeps its input for its own backward', (
+        return f"it computes through a forward apply gave it ({_ops_of(down)}), whose backward keeps its input", (
             CHECKPOINTING
         )
     if autocast_dtype(x) is not None:
@@ -127,3 +127,9 @@ def _kept_because(down: torch.nn.Module, x: torch.Tensor) -> tuple[str, str]:
         "it is not a bias-free plain nn.Linear in its input's dtype (a bias, a hook, another class or dtype)",
         CHECKPOINTING,
     )
+
+
+def _ops_of(module: torch.nn.Module) -> str:
+    """The ops a patched module runs, in a user's words: ``op <name>: <summary>``."""
+    dispatches = module.__dict__["_fusepatch"].ops
+    return "; ".join(f"op {name}: {getattr(getattr(d, 'op', None), 'summary', name)}" for name, d in dispatches.items())

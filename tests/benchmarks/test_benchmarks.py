@@ -1040,8 +1040,9 @@ def test_static_memory_counts_the_fp8_copies_a_patched_model_keeps(monkeypatch):
     fusepatch.apply(model, precision="fp8", verbose=False)
     with torch.no_grad():
         model(**lm_batch(model, length=16))
-    states = [m.__dict__["_fusepatch"] for m in model.modules() if "_fusepatch" in m.__dict__]
-    kept = [state.cache["fp8"][1] for state in states if "fp8" in state.cache]
+    patched = [m for m in model.modules() if "fp8_linear" in getattr(m.__dict__.get("_fusepatch"), "ops", {})]
+    held = [m._fusepatch.ops["fp8_linear"].kept(m.weight) for m in patched]
+    kept = [h.handle for h in held if h is not None]
     assert kept and sum(q.nbytes + inverse.nbytes for q, inverse in kept) == counted
 
 

@@ -106,26 +106,26 @@ sys.path.insert(0, sys.argv[2])
 import pytest
 from helpers import cpu_candidates
 import fusepatch
-from fusepatch.layers import fp8 as fp8_layer
 from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear, quantize_weight
+from fusepatch.ops.prepared import PreparedWeights
 from fusepatch.tools.tiny import tiny_model
 
 monkeypatch = pytest.MonkeyPatch()
 cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
 stale, calls = [], []
-kept = fp8_layer.frozen_weight
+kept = PreparedWeights.handle
 
 
-def checked(module, state):  # each call's copy against the weight it computes for, bit for bit
-    copy = kept(module, state)
-    fresh = quantize_weight(module.weight)
+def checked(self, candidate, weight):  # each call's copy against the weight it computes for, bit for bit
+    copy = kept(self, candidate, weight)
+    fresh = quantize_weight(weight)
     calls.append(1)
     if not torch.equal(copy.q.view(torch.uint8), fresh.q.view(torch.uint8)):
         stale.append(1)
     return copy
 
 
-monkeypatch.setattr(fp8_layer, "frozen_weight", checked)
+monkeypatch.setattr(PreparedWeights, "handle", checked)
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (1,))
 model = tiny_model("qwen3", seed=0, hidden_size=128, intermediate_size=256).to(torch.bfloat16)

@@ -121,7 +121,6 @@ def test_fp8_lora_through_trl(data, tmp_path, monkeypatch):
     within FP8's error of TRL's own bf16 run."""
     from helpers import cpu_candidates
 
-    from fusepatch.layers import fp8 as fp8_layer
     from fusepatch.layers.support import projections
     from fusepatch.ops.fp8_linear import scaled_mm
 
@@ -131,7 +130,7 @@ def test_fp8_lora_through_trl(data, tmp_path, monkeypatch):
     calls = cpu_candidates(monkeypatch, {"fp8_linear": scaled_mm.fp8_linear})
     monkeypatch.setattr(projections, "DEVICES", ("cpu", "cuda"))
     quantized = []
-    monkeypatch.setattr(fp8_layer, "quantize_weight", lambda w: quantized.append(1) or scaled_mm.quantize_weight(w))
+    monkeypatch.setattr(scaled_mm, "prepare", lambda w: quantized.append(1) or scaled_mm.quantize_weight(w))
     callback = fusepatch.FusePatchCallback(profile=False, apply_kwargs={"precision": "fp8"})
     bf16["model"] = tiny_model("qwen3", vocab_size=len(tokenizer)).to(torch.bfloat16)
     trainer, losses = _train(data, tmp_path / "fp8", callbacks=[callback], **bf16)

@@ -647,9 +647,11 @@ def test_fp8_quantization_kernels_give_the_twins_results_in_the_interpreter():
 FP8_CHECK_SCRIPT = textwrap.dedent(
     """
     import torch
-    from fusepatch.kernels.fp8 import fingerprint, quantize_rows, requantize_rows
-    from fusepatch.kernels.fp8_range import DONE, HELD, STALE, STATE_WORDS, SUMS
-    from fusepatch.ops.fp8_linear.scaled_mm import fingerprint_reference, quantize_rows_reference
+    from fusepatch.kernels.fingerprint import fingerprint
+    from fusepatch.kernels.fingerprint_spec import DONE, HELD, STALE, STATE_WORDS, SUMS
+    from fusepatch.kernels.fp8 import quantize_rows, requantize_rows
+    from fusepatch.ops.fp8_linear.scaled_mm import quantize_rows_reference
+    from fusepatch.ops.prepared import fingerprint_reference
     torch.manual_seed(0)
 
     def held(state):  # the fingerprint the state holds, as the twin gives it
@@ -681,10 +683,10 @@ FP8_CHECK_SCRIPT = textwrap.dedent(
     state = torch.zeros(STATE_WORDS, dtype=torch.int32)
     fingerprint(x, state)
     fingerprint(x, state)
-    requantize_rows(x * 4, q, inverse, state)  # (the check did not see x * 4: nothing written)
+    requantize_rows(x * 4, q, inverse, state[STALE:])  # (the check did not see x * 4: nothing written)
     assert torch.equal(q.view(torch.uint8), before[0].view(torch.uint8)) and torch.equal(inverse, before[1])
     fingerprint(x * 4, state)
-    requantize_rows(x * 4, q, inverse, state)
+    requantize_rows(x * 4, q, inverse, state[STALE:])
     fresh, fresh_inverse = quantize_rows(x * 4)  # (the interpreter rounds to FP8 its own way: its kernel's bits)
     assert torch.equal(inverse, fresh_inverse) and torch.equal(q.view(torch.uint8), fresh.view(torch.uint8))
     assert torch.equal(inverse, quantize_rows_reference(x * 4)[1])

@@ -1,5 +1,5 @@
-"""A frozen FP8 projection's copy (``layers/fp8.py::frozen_weight``) never computes with values its weight no longer
-holds. A kept copy (the weight kept too) is checked against the weight's contents at every call, so writes that
+"""A frozen FP8 projection's copy (the candidate's ``prepare``, kept by the op's dispatcher: ``ops/prepared.py``) never
+computes with values its weight no longer holds. A kept copy (the weight kept too) is checked against the weight's contents at every call, so writes that
 leave the weight's storage and version as they were (``.data``, another view of its storage, a load, a move) are
 seen; a dropped weight (``drop_frozen_weights=True``) has no values to write, and every writer refuses with the
 fix, while its metadata answers as the weight's did. On the CPU the FP8 function runs as the op's kernel
@@ -31,6 +31,10 @@ def _frozen_fp8(monkeypatch, **apply_kwargs) -> torch.nn.Module:
     model.requires_grad_(False)
     fusepatch.apply(model, precision="fp8", verbose=False, **apply_kwargs)
     return model
+
+
+def _kept(module):
+    return module._fusepatch.ops["fp8_linear"].kept(module.weight)
 
 
 def _logits(model, batch) -> torch.Tensor:
@@ -95,7 +99,7 @@ def test_a_write_that_keeps_storage_and_version_is_seen(monkeypatch, write):
     model = _frozen_fp8(monkeypatch)
     batch = lm_batch(model, length=16)
     before = _logits(model, batch)
-    assert all("fp8" in m._fusepatch.cache for m in _fp8_modules(model))  # kept: the case a write could miss
+    assert all(_kept(m) is not None for m in _fp8_modules(model))  # kept: the case a write could miss
     WRITES[write](model, lambda: _logits(model, batch))
     after = _logits(model, batch)
     assert torch.equal(after, _afresh(model, batch))

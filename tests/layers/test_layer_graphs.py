@@ -413,19 +413,19 @@ def test_fp8_projections_are_captured_and_replay_their_fp8_steps(capture, monkey
 @pytest.fixture
 def reads_captured(capture, monkeypatch):
     """``capture``, with replays that read the FP8 copies of frozen weights the capture read, as a CUDA graph reads
-    their memory, after the check each copy's capture recorded ran (``refresh_weight``: it requantizes in place a
-    copy whose weight changed), as the graph runs it. A copy made anew after the capture (other buffers) reaches a
-    replay only if the graphs were dropped and captured again."""
-    from fusepatch.layers import fp8 as fp8_layer
+    their memory, after the check each copy's capture recorded ran (the candidate's ``refresh``: it requantizes in
+    place a copy whose weight changed), as the graph runs it. A copy made anew after the capture (other buffers)
+    reaches a replay only if the graphs were dropped and captured again."""
+    from fusepatch.ops.prepared import PreparedWeights
 
-    real, held = fp8_layer.frozen_weight, {"capturing": None, "replaying": None}
+    real, held = PreparedWeights.handle, {"capturing": None, "replaying": None}
 
-    def frozen_weight(module, state):
-        copy_ = real(module, state)
-        if held["replaying"] is not None and id(module) in held["replaying"]:
-            return held["replaying"][id(module)]
-        if held["capturing"] is not None:
-            held["capturing"][id(module)] = copy_
+    def handle(self, candidate, weight):
+        copy_ = real(self, candidate, weight)
+        if held["replaying"] is not None and id(weight) in held["replaying"]:
+            return held["replaying"][id(weight)]
+        if held["capturing"] is not None and copy_ is not None:
+            held["capturing"][id(weight)] = copy_
         return copy_
 
     class _Reads(layer_graphs._Rerun):
@@ -443,7 +443,7 @@ def reads_captured(capture, monkeypatch):
             finally:
                 held["replaying"] = None
 
-    monkeypatch.setattr(fp8_layer, "frozen_weight", frozen_weight)
+    monkeypatch.setattr(PreparedWeights, "handle", handle)
     monkeypatch.setattr(layer_graphs, "GRAPH", _Reads)
     return capture
 

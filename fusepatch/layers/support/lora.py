@@ -11,7 +11,8 @@ forward; in the backward one ``dx += [s_1 g_1 B_1, ...] [A_1; A_2; ...]`` and on
 ``projections.project`` does for plain linears.
 
 fusepatch reads the adapters' parameters and replaces no module: peft's modules, adapter switching, merging and
-saving work as before (a merge writes an FP8 base's weight, and its kept copy's check sees it: ``layers/fp8.py``).
+saving work as before (a merge writes a base's weight, and a handle its op's kernel prepared of it sees it at the next
+call: ``ops/prepared.py``).
 Dropout (``lora_dropout > 0`` while training) is peft's own module, called in peft's order, so one generator state
 gives peft's masks; each dropped input gets its own ``A`` GEMM.
 
@@ -26,8 +27,8 @@ computes them in fp32: FFMA GEMMs, a tenth of the tensor cores' rate. Here their
 as autocast would run them; the adapters' weights, and their gradients (through the cast's backward), stay
 fp32. Said once at INFO.
 
-A base projection that ``apply(model, precision="fp8")`` trains in FP8 (``layers/fp8.py``) is called as its
-module: its output, from its own FP8 GEMM, is what the adapters' products are added to (the first through the GEMM's
+A base projection with a forward ``apply`` gave it (a precision row's: ``apply(model, precision=...)``) is called as
+its module: its output, from its own GEMM, is what the adapters' products are added to (the first through the GEMM's
 ``beta``, out of place), and its input gradient comes from its own backward.
 """
 
@@ -73,7 +74,7 @@ class Unfused:
 @dataclass(frozen=True)
 class Part:
     """One projection: the base linear's weight and bias, and its adapters (none for a plain ``nn.Linear``);
-    ``called``: a base with a forward of its own (an FP8 projection), called for its output."""
+    ``called``: a base with a forward ``apply`` gave it (a precision row's), called for its output."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -82,7 +83,7 @@ class Part:
 
 
 def own_forward(linear: torch.nn.Module) -> bool:
-    """Whether a plain ``nn.Linear`` computes through a forward ``apply`` gave it (an FP8 projection)."""
+    """Whether a plain ``nn.Linear`` computes through a forward ``apply`` gave it (a precision row's projection)."""
     return "forward" in linear.__dict__ and "_fusepatch" in linear.__dict__
 
 
@@ -409,7 +410,7 @@ def project(
         droppeds = []
         for p in parts:  # peft's order: each linear's adapters in turn (same generator draws, same masks)
             droppeds.append([None if ad.dropout is None else ad.dropout(x) for ad in p.adapters])
-        # a base with a forward of its own (FP8) computes its output itself; the adapters are added to it, and
+        # a base with a forward apply gave it computes its output itself; the adapters are added to it, and
         # one without adapters is its own output (never an output of the function)
         given = [None if p.called is None else p.called(x) for p in parts]
         fused = [i for i, p in enumerate(parts) if p.called is None or p.adapters]

@@ -15,7 +15,7 @@ recompute). The sum is rounded once, from fp32, instead of twice: within one bf1
 
 peft's LoRA linears go to ``lora.project``, which fuses their adapters into these GEMMs. Otherwise both paths
 take plain ``nn.Linear`` modules only (no subclass such as a quantised or FSDP-wrapped layer, no hooks, no forward of
-its own such as an FP8 projection's), outside
+its own such as a projection ``apply(precision=...)`` patched), outside
 ``torch.compile``, on the devices in ``DEVICES``; the projections in one dtype or under autocast (cast as
 autocast casts them), the residual GEMM in one dtype outside autocast (there the residual stream is fp32 and the
 MLP output bf16). Anything else calls the modules as transformers does.
@@ -43,7 +43,7 @@ def plain_linears(x: torch.Tensor, linears: tuple[torch.nn.Module, ...], autocas
     if cast and not autocast:
         return False
     for linear in linears:
-        # an instance forward (apply(precision="fp8") gives its projections one) computes what the weight alone
+        # an instance forward (apply's precision rows give their projections one) computes what the weight alone
         # does not say: the module is called
         if type(linear) is not torch.nn.Linear or hooked(linear) or "forward" in linear.__dict__:
             return False

@@ -4,6 +4,9 @@ Op signature::
 
     y = fp8_linear(x, weight, bias=None)        # F.linear(x, weight, bias), in x's dtype
 
+A frozen weight (LoRA's base) is quantized once: the candidate's ``prepare`` makes its FP8 copy, which the
+dispatcher keeps and checks against the weight at every call (``ops/prepared.py``) and passes as ``prepared=``.
+
 The forward, input-gradient and weight-gradient GEMMs run on the GPU's FP8 tensor cores (twice the bf16 rate
 on Hopper) with rowwise scales; the weight, its gradient and the optimizer stay in their own dtype. FP8 is less
 precise than bf16 by design: float8_e4m3fn keeps 3 mantissa bits, and a GEMM of FP8 operands lands about 3.8%
@@ -17,8 +20,11 @@ from __future__ import annotations
 
 from fusepatch.base.op import Candidate, Op, SelfTest
 from fusepatch.base.requirements import DistributionVersion, InputRule, MinCapability
+from fusepatch.kernels.fp8_range import MULTIPLE
 from fusepatch.ops.common import TRITON_FIX, package_requirements, rand
 from fusepatch.ops.fp8_linear.reference import fp8_linear_reference
+
+__all__ = ["FP8_LINEAR", "MULTIPLE"]
 
 TORCH_FIX = "pip install --upgrade torch   (a CUDA build: torch._scaled_mm with rowwise scales)"
 
@@ -27,6 +33,26 @@ def _load():
     from fusepatch.ops.fp8_linear.scaled_mm import load
 
     return load()
+
+
+# a frozen weight's FP8 copy, prepared once and kept by the dispatcher (``ops/prepared.py``); imported when first
+# used, as ``load`` is
+def _prepare(weight):
+    from fusepatch.ops.fp8_linear import scaled_mm
+
+    return scaled_mm.prepare(weight)
+
+
+def _refresh(weight, handle, stale) -> None:
+    from fusepatch.ops.fp8_linear import scaled_mm
+
+    scaled_mm.refresh(weight, handle, stale)
+
+
+def _restore(handle):
+    from fusepatch.ops.fp8_linear import scaled_mm
+
+    return scaled_mm.restore(handle)
 
 
 def _inputs(device, dtype, generator, packed=False, dims=None):
@@ -59,9 +85,13 @@ FP8_LINEAR = Op(
             ),
             provides="torch._scaled_mm (float8_e4m3fn, rowwise scales) with fusepatch.kernels.fp8.quantize_rows",
             distribution="torch",
+            prepare=_prepare,
+            refresh=_refresh,
+            restore=_restore,
         ),
     ),
     # FP8 rounding: 3.8% measured on these inputs (out, dx, dW alike); the bound leaves 1.3x of room
     # small aligned sizes of its own, not the layer's (a 27B MLP weight is 178 MB)
     selftest=SelfTest(_inputs, {"bfloat16": 0.05, "float16": 0.05}),
+    prepares=1,  # the weight: a frozen one is quantized once (``scaled_mm.prepare``), not at every call
 )

@@ -6,8 +6,5 @@ import torch
 import torch.nn.functional as F
 
 
-def fp8_linear_reference(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, frozen: object = None
-) -> torch.Tensor:
-    """``frozen`` (the FP8 candidate's quantized weight) is not read: the weight itself is."""
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))

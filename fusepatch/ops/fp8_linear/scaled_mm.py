@@ -16,21 +16,9 @@ from typing import NamedTuple
 
 import torch
 
-from fusepatch.kernels.fp8_range import (
-    FP8_MAX,
-    FP8_TINY,
-    MIX_A,
-    MIX_B,
-    OFFSET_B,
-    POSITION_A,
-    POSITION_B,
-    STATE_WORDS,
-    padded,
-    words,
-)
+from fusepatch.kernels.fp8_range import FP8_MAX, FP8_TINY, MULTIPLE, padded
 
 FP8 = torch.float8_e4m3fn
-MULTIPLE = 16  # _scaled_mm's alignment of the reduction and output dimensions
 
 
 def quantize_rows_reference(x: torch.Tensor, factor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,68 +86,31 @@ def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(*_quantizers(weight.device).rows(weight.detach()))
 
 
-_LOW = 0xFFFFFFFF
-_CHUNK = 1 << 20  # words per pass of the twin: its int64 temporaries stay a few MB
+def prepare(weight: torch.Tensor) -> QuantizedWeight:
+    """The candidate's ``prepare``: a frozen weight quantized once, kept between calls by the dispatcher."""
+    return quantize_weight(weight)
 
 
-def _times(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """``x * constant`` mod 2**32 for int64 ``x`` in [0, 2**32), without leaving int64's range."""
-    return (x * (constant & 0xFFFF) + (((x * (constant >> 16)) & 0xFFFF) << 16)) & _LOW
-
-
-def _mixed(x: torch.Tensor, mix: tuple[int, ...]) -> torch.Tensor:
-    first, times, second, again, last = mix
-    x = x ^ (x >> first)
-    x = _times(x, times)
-    x = x ^ (x >> second)
-    x = _times(x, again)
-    return x ^ (x >> last)
-
-
-def fingerprint_reference(x: torch.Tensor) -> torch.Tensor:
-    """``kernels/fp8.fingerprint``'s fingerprint of ``x`` in PyTorch: int64 ``[2]``, its two lanes (each in
-    [0, 2**32); ``fp8_range`` says how they are made)."""
-    values = words(x).reshape(-1)
-    total = torch.zeros(2, dtype=torch.int64, device=x.device)
-    for start in range(0, values.numel(), _CHUNK):
-        word = values[start : start + _CHUNK].to(torch.int64) & _LOW
-        position = torch.arange(start, start + word.numel(), dtype=torch.int64, device=x.device) & _LOW
-        a = _mixed(word ^ _times(position, POSITION_A), MIX_A)
-        b = _mixed(word ^ ((_times(position, POSITION_B) + OFFSET_B) & _LOW), MIX_B)
-        total = (total + torch.stack((a.sum(), b.sum()))) & _LOW
-    return total
-
-
-def fingerprint_weight(weight: torch.Tensor) -> torch.Tensor:
-    """What a kept copy of ``weight`` holds to check its contents at each call (``refresh_weight``): on CUDA the
-    fingerprint kernel's state, holding ``weight``'s fingerprint now; elsewhere the fingerprint itself."""
+def refresh(weight: torch.Tensor, quantized: QuantizedWeight, stale: torch.Tensor) -> None:
+    """The candidate's ``refresh``: ``weight`` quantized again into ``quantized``'s own buffers where ``stale``
+    (int32 ``[1]``, the dispatcher's check of the weight's contents) is set. On CUDA the flag is read and the write
+    made on the device, without a sync, so a CUDA graph that captured them runs them at every replay. The buffers are
+    written in place (as the GPU kernel writes them), not as a new version: a backward still pending reads the
+    weight as it is now, as it would read a bf16 weight."""
     if weight.device.type == "cuda":
-        from fusepatch.kernels.fp8 import fingerprint
+        from fusepatch.kernels.fp8 import requantize_rows
 
-        state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=weight.device)
-        fingerprint(weight, state)
-        return state
-    return fingerprint_reference(weight)
-
-
-def refresh_weight(weight: torch.Tensor, quantized: QuantizedWeight, check: torch.Tensor) -> None:
-    """Quantize ``weight`` into ``quantized``'s own buffers again where its contents changed since ``check`` (its
-    ``fingerprint_weight``) was taken, and hold their new fingerprint. On CUDA the check and the conditional write
-    run on the device, without a sync, so a CUDA graph that captured them checks at every replay; elsewhere the
-    fingerprints are compared on the host. The buffers are written in place (as the GPU kernel writes them), not
-    as a new version: a backward still pending reads the weight as it is now, as it would read a bf16 weight."""
-    if weight.device.type == "cuda":
-        from fusepatch.kernels.fp8 import fingerprint, requantize_rows
-
-        fingerprint(weight, check)
-        requantize_rows(weight, quantized.q, quantized.inverse, check)
+        requantize_rows(weight.detach(), quantized.q, quantized.inverse, stale)
         return
-    now = fingerprint_reference(weight)
-    if not torch.equal(now, check):
+    if bool(stale.item()):
         fresh = quantize_weight(weight)
         quantized.q.data.copy_(fresh.q)
         quantized.inverse.data.copy_(fresh.inverse)
-        check.copy_(now)
+
+
+def restore(quantized: QuantizedWeight) -> torch.Tensor:
+    """The candidate's ``restore``: the weight's values as the copy holds them (rounded to FP8), in fp32."""
+    return quantized.q.float() * quantized.inverse
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -228,18 +179,19 @@ def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    frozen: QuantizedWeight | None = None,
+    *,
+    prepared: QuantizedWeight | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with its forward and backward GEMMs in FP8; output and input gradient in
     ``x``'s dtype, weight and bias gradients in theirs. ``weight``'s two dimensions must be multiples of 16.
-    ``frozen``: the weight's ``quantize_weight``, for a weight that takes no gradient (it is used as given: the
-    caller keeps it current)."""
+    ``prepared``: the weight's ``prepare``, for a weight that takes no gradient, given by the dispatcher (which
+    keeps it current); the weight itself is then not read (a dropped weight has no values)."""
     _aligned(weight)
     flat = x.reshape(-1, x.shape[-1])  # the functions see 2-D tensors: their outputs are no views of their own
-    if frozen is not None or not weight.requires_grad:
-        if frozen is None:
-            frozen = quantize_weight(weight)
-        out = _FP8FrozenLinear.apply(flat, frozen.q, frozen.inverse, bias)
+    if prepared is not None or not weight.requires_grad:
+        if prepared is None:
+            prepared = quantize_weight(weight)
+        out = _FP8FrozenLinear.apply(flat, prepared.q, prepared.inverse, bias)
     else:
         out = _FP8Linear.apply(flat, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])

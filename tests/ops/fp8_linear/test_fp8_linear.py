@@ -225,7 +225,7 @@ def test_a_frozen_weight_reuses_its_fp8_copy_in_the_backward():
     frozen = weight.to(torch.bfloat16)
     for given in (None, quantize_weight(frozen)):
         leaf = x.to(torch.bfloat16).requires_grad_(True)
-        out = fp8_linear(leaf, frozen, frozen=given)
+        out = fp8_linear(leaf, frozen, prepared=given)
         out.backward(grad.to(out.dtype))
         errors = relative_error(out, want[0]), relative_error(leaf.grad, want[1])
         assert all(FP8_ERROR[0] < e < FP8_ERROR[1] for e in errors), errors
@@ -246,12 +246,11 @@ def test_lora_over_an_fp8_base_quantizes_it_once_per_version(monkeypatch, order)
     reused over steps until its weight changes in place. Against the bf16 LoRA model FP8 moves the loss by under
     2% and the adapters' gradients by FP8's error through a whole backward (rank-4 adapters of a random tiny
     model: 0.12-0.83 measured, the trained weights' path the same)."""
-    from fusepatch.layers import fp8 as fp8_layer
     from fusepatch.ops.fp8_linear import scaled_mm
 
     calls = cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
     quantized = []
-    monkeypatch.setattr(fp8_layer, "quantize_weight", lambda w: quantized.append(w) or scaled_mm.quantize_weight(w))
+    monkeypatch.setattr(scaled_mm, "prepare", lambda w: quantized.append(w) or scaled_mm.quantize_weight(w))
     torch.manual_seed(0)
     base = tiny_model("qwen3_5_text", hidden_size=128, intermediate_size=256).to(torch.bfloat16)
 
@@ -603,17 +602,16 @@ def test_dora_added_after_a_step_dropped_its_base_is_said_with_the_fix(monkeypat
 
 def test_merges_refresh_the_copies_in_place(monkeypatch):
     """peft's merge and unmerge write the bases through ``.data``: each base keeps its FP8 copy, the same buffers
-    and generation (``support/kept.py``: CUDA graphs that read them stay valid), quantized again in place from the
-    merged values; a merge of what is merged already changes nothing."""
-    from fusepatch.layers.support.kept import generation
-
+    and the dispatcher's generation (``ops/prepared.py``: CUDA graphs that read them stay valid), quantized again in
+    place from the merged values; a merge of what is merged already changes nothing."""
     model = _lora_fp8(monkeypatch)
     batch = lm_batch(model, length=16)
     logits, afresh = _logits_and_afresh(model, batch)
-    states = [m._fusepatch for m in _fp8_modules(model).values()]
+    modules = list(_fp8_modules(model).values())
 
     def kept():
-        return [(id(s.cache["fp8"].quantized), generation(s.cache)) for s in states]
+        dispatches = [m._fusepatch.ops["fp8_linear"] for m in modules]
+        return [(id(d.kept(m.weight).handle), d.generation) for d, m in zip(dispatches, modules)]
 
     with torch.no_grad():
         logits()
