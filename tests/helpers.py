@@ -306,29 +306,19 @@ def errors_against_fp64(fn, reference, args, dtype, extra=(), **kwargs) -> dict[
 
 
 def transformers_own(module, name: str):
-    """``module.name`` as transformers defines it, even while a patched model of an earlier test still holds a
-    binding of it (fusepatch/layers/support/bindings.py)."""
-    import gc
+    """``module.name`` as transformers defines it, also while a patched model holds a binding of it
+    (fusepatch/layers/support/bindings.py)."""
+    from fusepatch.base.state import current
 
-    from fusepatch.layers.support import bindings
-
-    gc.collect()  # models of earlier tests that are gone release their bindings
-    installed = bindings._installed.get((module.__name__, name))
-    return installed[0] if installed else getattr(module, name)
+    installed = current().bindings.get((module.__name__, name))
+    return installed.original if installed is not None else getattr(module, name)
 
 
 def assert_released(module, name: str, original) -> None:
-    """After the test's models are reverted: transformers' object is back, unless a model of another test that is
-    still alive holds the binding (then that model is its only holder)."""
-    import gc
+    """After the test's models are reverted: transformers' object is back, and the ledger no longer lists it."""
+    from fusepatch.base.state import current
 
-    from fusepatch.layers.support import bindings
-
-    gc.collect()
-    holders = bindings._holders.get((module.__name__, name))
-    if holders is not None and len(holders) > 0:
-        assert getattr(module, name) is not original  # held for them, and for them only
-        return
+    assert (module.__name__, name) not in current().bindings
     assert getattr(module, name) is original
 
 

@@ -319,3 +319,29 @@ def test_benchmarks_top_level_is_the_harness_and_docs_name_every_study():
     assert studies, "benchmarks/studies/ holds no study"
     unnamed = [name for name in studies if f"benchmarks/studies/{name}" not in docs]
     assert not unnamed, f"studies docs/benchmarks.md does not name (as benchmarks/studies/NAME.py): {unnamed}"
+
+
+def test_bindings_are_installed_by_apply_not_held_from_forwards():
+    """Foreign names are declared by rows and installed by ``apply`` (``layers/support/bindings.py``): no layer
+    calls a ``hold(``, and nothing keeps them with finalizers or the garbage collector (``weakref.finalize``, ``gc``)."""
+    wrong = []
+    for path in ROOT.rglob("*.py"):
+        where = path.relative_to(ROOT.parent)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                wrong += [f"{where}: import {a.name}" for a in node.names if a.name == "gc"]
+            elif isinstance(node, ast.ImportFrom):
+                names = {a.name for a in node.names}
+                if node.module == "gc" or (node.module == "weakref" and "finalize" in names):
+                    wrong.append(f"{where}: from {node.module} import {', '.join(sorted(names))}")
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr == "finalize"
+                and getattr(node.value, "id", "") == "weakref"
+            ):
+                wrong.append(f"{where}:{node.lineno}: weakref.finalize")
+            elif isinstance(node, ast.Call) and path.is_relative_to(ROOT / "layers"):
+                called = getattr(node.func, "attr", getattr(node.func, "id", ""))
+                if called == "hold":
+                    wrong.append(f"{where}:{node.lineno}: hold(...) from a layer")
+    assert not wrong, wrong

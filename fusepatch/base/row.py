@@ -4,7 +4,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A module-level name of a foreign package that a row's replacement forward needs replaced while the layer is
+    patched (``transformers.masking_utils.find_packed_sequence_indices``). ``apply`` puts ``wrap(the object
+    found)`` in its place once and ``revert`` puts the object back (``layers/support/bindings.py``); the wrapper
+    must do what the object does unless the calling thread is inside a patched layer that asked it for more.
+    Compared by place alone: ``wrap`` is how, and one name holds one wrapper whichever rows declare it."""
+
+    module: str
+    name: str
+    wrap: Callable[[object], object] = field(compare=False)
 
 
 @dataclass(frozen=True)
@@ -24,6 +37,9 @@ class Row:
         precision: when set, the row applies only to ``apply(model, precision=...)`` with this value.
         fits: when set, a module the row matches is patched only if ``fits(module)`` is None; otherwise it gives
             why it is left as it is (``apply`` says it, naming the modules).
+        bindings: the foreign module-level names the replacement forward needs replaced while a module of the row
+            is patched (a modeling module's ``apply_rotary_pos_emb``): installed by ``apply``, released by
+            ``revert``.
     """
 
     model_types: tuple[str, ...]
@@ -35,6 +51,7 @@ class Row:
     names: tuple[str, ...] = ()
     precision: str | None = None
     fits: Callable[[object], str | None] | None = None
+    bindings: tuple[Binding, ...] = ()
 
     def matches(self, module: object, name: str = "") -> bool:
         """Whether this row patches ``module``, held by its parent as ``name`` (the last part of its path)."""
@@ -53,4 +70,5 @@ class Row:
             "note": self.note,
             **({"names": list(self.names)} if self.names else {}),
             **({"precision": self.precision} if self.precision else {}),
+            **({"bindings": [f"{b.module}.{b.name}" for b in self.bindings]} if self.bindings else {}),
         }

@@ -176,6 +176,7 @@ class PatchState:
         self.__dict__.setdefault("drop_frozen", False)
         self.__dict__.setdefault("choosing", ())
         self.original = self._forward_before()
+        bindings.install(self.row.bindings, self.owner)  # a copy (deepcopy, pickle) holds the names it runs with
 
 
 def _model_types(model: torch.nn.Module) -> tuple[str, ...]:
@@ -313,7 +314,7 @@ _REPORT_REQUEST = Request(None, (), (), False, None, False, None)  # report(mode
 
 def _plan(model: torch.nn.Module, request: Request) -> Plan:
     """The model's rows and compute dtype, or the reason nothing is patched (disabled, no rows for the model)."""
-    bindings.sweep()  # names a model collected during a torch.compile left bound go back first
+    bindings.sweep()  # names held only by models collected without revert go back first
     model_types = tuple(_model_types(model))
     device, compute, cast = _compute(model, request.compute_dtype)
     adapters = lora.survey(model, compute, cast)  # in the dtype the layers compute in
@@ -386,6 +387,7 @@ def _bind(plan: Plan, resolved: Resolved, request: Request) -> tuple[int, int]:
         if row.forward is None or row in plan.owners:
             continue
         for module in modules:
+            bindings.install(row.bindings, module)  # the foreign names the row declares, once; revert releases them
             if hasattr(module, "_fusepatch"):
                 already += 1
                 continue

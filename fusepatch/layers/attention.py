@@ -6,10 +6,10 @@ from the module's ``ALL_ATTENTION_FUNCTIONS``. Re-implementing each forward per 
 release is what this avoids: the layer's own forward runs unchanged, with those names bound to objects that send
 the call to the chosen kernel, or back to transformers for anything the kernel
 does not reproduce exactly (another ``unsqueeze_dim``, mixed dtypes, cos/sin that need gradients, a fallback).
-Those names are bound once while a layer of the module is patched and put back by ``revert``
-(``layers/support/bindings.py``); each call finds its own layer's choices in a thread-local, so threads
-(``nn.DataParallel`` replicas, the checkpoint recompute in the autograd thread) and unpatched models of the same
-family are not affected.
+The attention rows declare those names (:func:`attn_names`): ``apply`` binds them once and ``revert`` puts
+them back (``layers/support/bindings.py``); each call finds its own layer's choices in the calling thread's context,
+so threads (``nn.DataParallel`` replicas, the checkpoint recompute in the autograd thread) and unpatched models of
+the same family are not affected.
 
 Packed rows (``position_ids`` restarting at 0) under ``attn_implementation="sdpa"``: transformers builds a
 block-causal 4D mask, and sdpa with a mask runs cuDNN or the memory-efficient kernel over every masked block,
@@ -30,15 +30,15 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-import threading
 from dataclasses import dataclass
 
 import torch
 
 from fusepatch.base.dtypes import autocast_dtype, dtype_name
 from fusepatch.base.op import OpDispatch
+from fusepatch.base.row import Binding
 from fusepatch.base.state import current as process_state
-from fusepatch.layers.support.bindings import hold
+from fusepatch.layers.support import bindings
 from fusepatch.layers.support.packing import boundaries_for_call, mask_plan
 from fusepatch.layers.support.projections import apply_linear, project
 from fusepatch.layers.support.signature import CACHE_NAMES, forward_parameters
@@ -48,13 +48,19 @@ logger = logging.getLogger("fusepatch")
 
 ROTARY = "apply_rotary_pos_emb"
 INTERFACES = "ALL_ATTENTION_FUNCTIONS"
+# the context's slots (``bindings.inside``): the calling layer's rotary dispatch, and its packed call's varlen route
+ROTARY_SLOT = "rotary"
+ROUTE_SLOT = "attention_route"
 
-_local = threading.local()  # .dispatch: this thread's rotary choice; .route: this thread's varlen route
+
+def attn_names(module: str) -> tuple[Binding, ...]:
+    """The names an attention row of the modeling module ``module`` declares: its rotary and attention functions."""
+    return Binding(module, ROTARY, _dispatching), Binding(module, INTERFACES, _RoutingInterfaces)
 
 
 def _dispatching(original):
     def apply_rotary_pos_emb(q, k, cos, sin, *rest, **extra):
-        dispatch = getattr(_local, "dispatch", None)
+        dispatch = bindings.active(ROTARY_SLOT)
         unsqueeze_dim = extra.get("unsqueeze_dim", rest[0] if rest else 1)
         plain = unsqueeze_dim == 1 and len(rest) <= 1 and set(extra) <= {"unsqueeze_dim"}
         if dispatch is not None and plain and unsupported(q, k, cos, sin) is None:
@@ -84,7 +90,7 @@ class _RoutingInterfaces:
 
     def get_interface(self, implementation, default):
         found = self._original.get_interface(implementation, default)
-        route = getattr(_local, "route", None)
+        route = bindings.active(ROUTE_SLOT)
         if route is None or implementation != "sdpa":
             return found
         return functools.partial(_varlen_attention, route, found)
@@ -157,22 +163,11 @@ def _route(self, args: tuple, kwargs: dict) -> _Route | None:
 
 def _with_bindings(self, args: tuple, kwargs: dict, body):
     """``body(module)`` with the layer's modeling module's rotary (and, for a packed call, its attention
-    interfaces) sending this thread's calls to fusepatch's dispatch. The module's names are bound once, while
-    the layer is patched (``layers/support/bindings.py``); a call only sets this thread's choices."""
-    state = self._fusepatch
-    name = type(self).__module__
-    module = sys.modules[name]
-    rotary = hold(self, name, ROTARY, _dispatching)
-    interfaces = hold(self, name, INTERFACES, _RoutingInterfaces)
-    if not (rotary or interfaces):
+    interfaces) sending this thread's calls to fusepatch's dispatch. The module's names were bound by ``apply``
+    (``layers/support/bindings.py``); a call only sets this thread's choices."""
+    module = sys.modules[type(self).__module__]
+    with bindings.inside({ROTARY_SLOT: self._fusepatch.ops.get("rotary"), ROUTE_SLOT: _route(self, args, kwargs)}):
         return body(module)
-    outer = getattr(_local, "dispatch", None), getattr(_local, "route", None)
-    _local.dispatch = state.ops.get("rotary")
-    _local.route = _route(self, args, kwargs) if interfaces else None
-    try:
-        return body(module)
-    finally:
-        _local.dispatch, _local.route = outer
 
 
 def attention_forward(self, *args, **kwargs):

@@ -8,13 +8,34 @@ own forward runs unchanged.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fusepatch.base.dtypes import autocast_dtype, dtype_name, fsdp_compute_dtype
-from fusepatch.layers.support.bindings import hold
+from fusepatch.base.row import Binding
+from fusepatch.layers.support import bindings
 from fusepatch.layers.support.labelled_rows import LabelledRows, check_fit
 from fusepatch.layers.support.packing import note_padding, traced_plain_call
 from fusepatch.layers.support.positions import FIND_PACKED, MASKING, plain_positions, skip_plain, wants_plain_positions
+
+PLAIN_SLOT = "plain_positions"  # the context's slot (``bindings.inside``): the call gave transformers plain positions
+
+
+def _skipping_plain(original):
+    """transformers' packed-rows check, answering the plain positions of a patched causal LM's call without a read
+    (``positions.skip_plain``); any other call's is transformers' own."""
+    skipping = skip_plain(original)
+
+    @functools.wraps(original)
+    def find_packed_sequence_indices(*args, **kwargs):
+        return (skipping if bindings.active(PLAIN_SLOT) else original)(*args, **kwargs)
+
+    return find_packed_sequence_indices
+
+
+# the names the causal-LM rows declare (``Row.bindings``): transformers' packed-rows check
+PACKED_CHECK = (Binding(MASKING, FIND_PACKED, _skipping_plain),)
 
 
 def causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
@@ -74,14 +95,14 @@ def _causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
     if reference is not None:  # none: transformers' forward raises for the missing input
         given = "labels" if shift_labels is None else "shift_labels"
         check_fit(labels if shift_labels is None else shift_labels, reference, name=given)
-    if (
+    plain = (
         not torch.compiler.is_compiling()
         and len(args) <= 1
         and wants_plain_positions(kwargs.get("position_ids"), kwargs.get("attention_mask"), cache, kwargs, reference)
-    ):
+    )
+    if plain:
         # the positions transformers would build, known to hold one document a row: no read of the GPU to find out
         kwargs["position_ids"] = plain_positions(reference.shape[0], reference.shape[1], reference.device)
-        hold(self, MASKING, FIND_PACKED, skip_plain)  # transformers' packed-rows check reads them neither
     rows = _labelled_rows(labels, shift_labels, start=False)
     # counted once the text stack's first layer is queued (an image-text wrapper runs its vision tower before it)
     counting = _count_after_first_layer(getattr(self.model, "language_model", self.model), rows)
@@ -93,7 +114,8 @@ def _causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
     handle = self.model.register_forward_hook(keep)
     try:
         no_logits = torch.empty(0, dtype=torch.long, device=weight.device)
-        outputs = state.original(*args, labels=None, logits_to_keep=no_logits, return_dict=True, **kwargs)
+        with bindings.inside({PLAIN_SLOT: plain}):  # transformers' packed-rows check reads plain positions neither
+            outputs = state.original(*args, labels=None, logits_to_keep=no_logits, return_dict=True, **kwargs)
     finally:
         handle.remove()
         if counting is not None:

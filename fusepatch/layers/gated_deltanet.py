@@ -72,7 +72,7 @@ def _transformers_forward(self, why: str, hidden_states, cache, attention_mask, 
                 type(self).__name__,
                 ", ".join(missing),
             )
-    with dispatch_guard.refusing(self, refused):
+    with dispatch_guard.refusing(refused):
         # The cache goes in positionally: it is `cache_params` up to transformers 5.2x and `cache` after.
         return state.original(hidden_states, cache, attention_mask=attention_mask, **kwargs)
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from fusepatch.base.row import Row
-from fusepatch.layers.attention import attention_forward, gated_attention_forward
+from fusepatch.layers.attention import attention_forward, attn_names, gated_attention_forward
 from fusepatch.layers.base_model import base_model_forward
-from fusepatch.layers.causal_lm import causal_lm_forward, conditional_generation_forward
+from fusepatch.layers.causal_lm import PACKED_CHECK, causal_lm_forward, conditional_generation_forward
 from fusepatch.layers.decoder import decoder_layer_forward, hybrid_decoder_layer_forward
 from fusepatch.layers.fp8 import PROJECTIONS, aligned, fp8_linear_forward
 from fusepatch.layers.gated_deltanet import gated_deltanet_forward
@@ -16,6 +16,7 @@ from fusepatch.layers.simple import (
     rms_norm_zero_centered_forward,
     swiglu_mlp_forward,
 )
+from fusepatch.layers.support.dispatch_guard import guards
 
 GDN_OPS = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm")
 ATTENTION_OPS = ("rotary", "varlen_attention")
@@ -44,11 +45,13 @@ def fp8_projections(model_types: tuple[str, ...]) -> Row:
 
 __all__ = [
     "ATTENTION_OPS",
+    "PACKED_CHECK",
     "GATED_ATTENTION_OPS",
     "GDN_OPS",
     "PADDING",
     "ROPE_TABLES",
     "Row",
+    "attn_names",
     "attention_forward",
     "base_model_forward",
     "causal_lm_forward",
@@ -58,6 +61,7 @@ __all__ = [
     "fp8_projections",
     "gated_attention_forward",
     "gated_deltanet_forward",
+    "guards",
     "hybrid_decoder_layer_forward",
     "rms_norm_forward",
     "rms_norm_zero_centered_forward",

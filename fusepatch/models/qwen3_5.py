@@ -3,9 +3,11 @@
 from fusepatch.models._rows import (
     GATED_ATTENTION_OPS,
     GDN_OPS,
+    PACKED_CHECK,
     PADDING,
     ROPE_TABLES,
     Row,
+    attn_names,
     base_model_forward,
     causal_lm_forward,
     conditional_generation_forward,
@@ -13,6 +15,7 @@ from fusepatch.models._rows import (
     fp8_projections,
     gated_attention_forward,
     gated_deltanet_forward,
+    guards,
     hybrid_decoder_layer_forward,
     rms_norm_zero_centered_forward,
     rotary_embedding_forward,
@@ -26,7 +29,15 @@ MOE_MODULE = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
 
 ROWS = [
     # model types, module, layer class, ops, replacement forward
-    Row(DENSE, DENSE_MODULE, "Qwen3_5GatedDeltaNet", GDN_OPS, gated_deltanet_forward, note="linear attention"),
+    Row(
+        DENSE,
+        DENSE_MODULE,
+        "Qwen3_5GatedDeltaNet",
+        GDN_OPS,
+        gated_deltanet_forward,
+        note="linear attention",
+        bindings=guards(DENSE_MODULE),
+    ),
     Row(
         DENSE,
         DENSE_MODULE,
@@ -45,9 +56,10 @@ ROWS = [
         GATED_ATTENTION_OPS,
         gated_attention_forward,
         note="gated full attention",
+        bindings=attn_names(DENSE_MODULE),
     ),
     Row(DENSE, DENSE_MODULE, "Qwen3_5TextModel", (), base_model_forward, note=PADDING),
-    Row(DENSE, DENSE_MODULE, "Qwen3_5ForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
+    Row(DENSE, DENSE_MODULE, "Qwen3_5ForCausalLM", ("linear_cross_entropy",), causal_lm_forward, bindings=PACKED_CHECK),
     Row(
         DENSE,
         DENSE_MODULE,
@@ -55,8 +67,17 @@ ROWS = [
         ("linear_cross_entropy",),
         conditional_generation_forward,
         note="image-text wrapper: text loss only",
+        bindings=PACKED_CHECK,
     ),
-    Row(MOE, MOE_MODULE, "Qwen3_5MoeGatedDeltaNet", GDN_OPS, gated_deltanet_forward, note="linear attention"),
+    Row(
+        MOE,
+        MOE_MODULE,
+        "Qwen3_5MoeGatedDeltaNet",
+        GDN_OPS,
+        gated_deltanet_forward,
+        note="linear attention",
+        bindings=guards(MOE_MODULE),
+    ),
     Row(
         MOE,
         MOE_MODULE,
@@ -76,9 +97,10 @@ ROWS = [
         GATED_ATTENTION_OPS,
         gated_attention_forward,
         note="gated full attention",
+        bindings=attn_names(MOE_MODULE),
     ),
     Row(MOE, MOE_MODULE, "Qwen3_5MoeTextModel", (), base_model_forward, note=PADDING),
-    Row(MOE, MOE_MODULE, "Qwen3_5MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
+    Row(MOE, MOE_MODULE, "Qwen3_5MoeForCausalLM", ("linear_cross_entropy",), causal_lm_forward, bindings=PACKED_CHECK),
     Row(
         MOE,
         MOE_MODULE,
@@ -86,6 +108,7 @@ ROWS = [
         ("linear_cross_entropy",),
         conditional_generation_forward,
         note="image-text wrapper: text loss only",
+        bindings=PACKED_CHECK,
     ),
     fp8_projections(DENSE + MOE),
 ]

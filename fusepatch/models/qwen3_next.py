@@ -3,15 +3,18 @@
 from fusepatch.models._rows import (
     GATED_ATTENTION_OPS,
     GDN_OPS,
+    PACKED_CHECK,
     PADDING,
     ROPE_TABLES,
     Row,
+    attn_names,
     base_model_forward,
     causal_lm_forward,
     experts_forward,
     fp8_projections,
     gated_attention_forward,
     gated_deltanet_forward,
+    guards,
     hybrid_decoder_layer_forward,
     rms_norm_zero_centered_forward,
     rotary_embedding_forward,
@@ -22,7 +25,15 @@ TYPES = ("qwen3_next",)
 MODULE = "transformers.models.qwen3_next.modeling_qwen3_next"
 
 ROWS = [
-    Row(TYPES, MODULE, "Qwen3NextGatedDeltaNet", GDN_OPS, gated_deltanet_forward, note="linear attention"),
+    Row(
+        TYPES,
+        MODULE,
+        "Qwen3NextGatedDeltaNet",
+        GDN_OPS,
+        gated_deltanet_forward,
+        note="linear attention",
+        bindings=guards(MODULE),
+    ),
     Row(
         TYPES,
         MODULE,
@@ -35,8 +46,16 @@ ROWS = [
     Row(TYPES, MODULE, "Qwen3NextMLP", ("swiglu",), swiglu_mlp_forward, note="dense and shared-expert MLP"),
     Row(TYPES, MODULE, "Qwen3NextExperts", ("moe_experts",), experts_forward),
     Row(TYPES, MODULE, "Qwen3NextRotaryEmbedding", (), rotary_embedding_forward, note=ROPE_TABLES),
-    Row(TYPES, MODULE, "Qwen3NextAttention", GATED_ATTENTION_OPS, gated_attention_forward, note="gated full attention"),
+    Row(
+        TYPES,
+        MODULE,
+        "Qwen3NextAttention",
+        GATED_ATTENTION_OPS,
+        gated_attention_forward,
+        note="gated full attention",
+        bindings=attn_names(MODULE),
+    ),
     Row(TYPES, MODULE, "Qwen3NextModel", (), base_model_forward, note=PADDING),
-    Row(TYPES, MODULE, "Qwen3NextForCausalLM", ("linear_cross_entropy",), causal_lm_forward),
+    Row(TYPES, MODULE, "Qwen3NextForCausalLM", ("linear_cross_entropy",), causal_lm_forward, bindings=PACKED_CHECK),
     fp8_projections(TYPES),
 ]

@@ -46,9 +46,7 @@ STATE_HOLDERS = {"fusepatch/base/state.py"}
 # Module-level objects that are caches of pure functions, locks, thread-local routing of the current call or
 # constants in a mutable type: state of a call or of the machine, not of what the process has decided.
 ALLOWED = {
-    "fusepatch/layers/support/bindings.py": {"_lock", "_installed", "_holders", "_watched", "_sweep_due"},
-    "fusepatch/layers/support/dispatch_guard.py": {"_local"},
-    "fusepatch/layers/attention.py": {"_local"},
+    "fusepatch/layers/support/bindings.py": {"_lock", "_local"},  # _local: the calling thread's patched layer
     "fusepatch/layers/support/packing.py": {"_memo", "_memo_lock", "_traced_plain"},  # _traced_plain: the traced call
     "fusepatch/layers/support/positions.py": {"_aranges"},
     "fusepatch/layers/support/labelled_rows.py": {"_pinned"},

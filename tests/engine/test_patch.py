@@ -599,9 +599,6 @@ def test_inductor_trace_of_a_model_without_kernels_matches_the_uncompiled_one_on
 
     decay_tol = 0.25  # the GPU model tests' DECAY_TOL (tests/gpu/conftest.py): sums that cancel
 
-    import gc
-
-    gc.collect()  # models of earlier tests collected now, not mid-trace (their bindings go back when collected)
     torch._dynamo.reset()
     base = tiny_model("qwen3_5_text", **HYBRID_PAIR).train()
     ids = torch.randint(0, base.config.vocab_size, (2, 150))

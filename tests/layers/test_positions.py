@@ -46,10 +46,6 @@ def test_forward_without_positions_reads_nothing_back_and_matches_transformers(c
     reference = tiny_model(model_type)
     model = tiny_model(model_type)
     model.load_state_dict(reference.state_dict())
-    fusepatch.apply(model)
-    ids = torch.randint(0, model.config.vocab_size, (2, 19))
-    expected = reference(input_ids=ids, labels=ids, use_cache=False).loss
-    expected.backward()
     reads = {"packed": 0, "boundaries": 0}
     original_check = masking.find_packed_sequence_indices
     real_boundaries = packing.cu_seqlens_from_position_ids
@@ -62,9 +58,14 @@ def test_forward_without_positions_reads_nothing_back_and_matches_transformers(c
         reads["boundaries"] += 1
         return real_boundaries(*args)
 
-    # transformers' check as the patched forward finds it (it binds its own around it at the first call)
+    # transformers' check as apply finds it (it binds its own around it)
     monkeypatch.setattr(masking, "find_packed_sequence_indices", packed_check)
     monkeypatch.setattr(packing, "cu_seqlens_from_position_ids", boundaries)
+    fusepatch.apply(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 19))
+    expected = reference(input_ids=ids, labels=ids, use_cache=False).loss
+    expected.backward()
+    reads.update(packed=0, boundaries=0)  # the unpatched reference's calls checked as transformers does
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
     assert reads == {"packed": 0, "boundaries": 0}, reads

@@ -5,10 +5,11 @@ transformers' linear-attention layers reach their kernels through module-level n
 (``torch_chunk_gated_delta_rule``, ``torch_recurrent_gated_delta_rule``, ``causal_conv1d_fn``,
 ``causal_conv1d_update``), each bound at import to an installed package's kernel (fla, causal-conv1d) when it
 imports, else to transformers' torch code. A kernel that imports but that fusepatch's self-test refused (NaN, a
-wrong gradient) would run there all the same. While a patched layer runs transformers' forward, these names are
-bound (``layers/support/bindings.py``) to guards that send the calling thread's call to transformers' torch code
-for every op whose kernel fusepatch refused for the call's device and dtype; other threads, other models and the
-ops fusepatch accepted keep transformers' choice, which the layer's report names.
+wrong gradient) would run there all the same. The linear-attention rows declare these names (:func:`guards`), so
+``apply`` binds them (``layers/support/bindings.py``) to guards that, while a patched layer runs transformers'
+forward (:func:`refusing`), send the calling thread's call to transformers' torch code for every op whose kernel
+fusepatch refused for the call's device and dtype; other threads, other models and the ops fusepatch accepted keep
+transformers' choice, which the layer's report names.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from fusepatch.layers.support.bindings import hold
+from fusepatch.base.row import Binding
+from fusepatch.layers.support import bindings
 
 # transformers' module-level names a linear-attention forward dispatches through, and the op each computes
 GUARDED = {
@@ -32,7 +34,7 @@ GUARDED = {
 }
 
 GUARDING = "_fusepatch_guarding"  # on a guard: transformers' object it stands in front of
-_local = threading.local()  # .refused: the ops whose kernels the current call must not reach
+REFUSED = "refused"  # the context's slot (``bindings.inside``): the ops whose kernels the current call must not reach
 
 
 def _decorated(obj: object) -> Callable | None:
@@ -67,20 +69,27 @@ def dispatched_kernel(obj: object) -> str:
     return f"{getattr(chosen, '__module__', '?')}.{getattr(chosen, '__qualname__', '?')}"
 
 
-def _guard(op: str):
-    def wrap(current: object) -> Callable:
-        reference = torch_code(current)
+@dataclass(frozen=True)
+class _Guard:
+    """The wrap of a guarded name: a value, so that a row holding it pickles (a closure would not)."""
+
+    op: str
+
+    def __call__(self, current: object) -> Callable:
+        op, reference = self.op, torch_code(current)
 
         def guarded(*args, **kwargs):
-            refused = getattr(_local, "refused", ())
-            if op in refused and reference is not None:
+            if reference is not None and op in (bindings.active(REFUSED) or ()):
                 return reference(*args, **kwargs)
             return current(*args, **kwargs)
 
         setattr(guarded, GUARDING, current)
         return guarded
 
-    return wrap
+
+def guards(module_name: str) -> tuple[Binding, ...]:
+    """The bindings a linear-attention row of ``module_name`` declares: a guard in front of each dispatching name."""
+    return tuple(Binding(module_name, name, _Guard(op)) for name, op in GUARDED.items())
 
 
 def unguardable(module_name: str, refused: set[str]) -> list[str]:
@@ -104,15 +113,6 @@ def kernels_behind(module_name: str) -> dict[str, str]:
     return found
 
 
-@contextlib.contextmanager
-def refusing(owner: torch.nn.Module, refused: set[str]) -> Iterator[None]:
-    """Run transformers' forward of ``owner`` with the kernels of ``refused`` ops kept out of its dispatch."""
-    module_name = type(owner).__module__
-    for name, op in GUARDED.items():
-        hold(owner, module_name, name, _guard(op))
-    outer = getattr(_local, "refused", ())
-    _local.refused = frozenset(refused)
-    try:
-        yield
-    finally:
-        _local.refused = outer
+def refusing(refused: set[str]) -> contextlib.AbstractContextManager:
+    """Run transformers' forward with the kernels of ``refused`` ops kept out of its dispatch, in this thread."""
+    return bindings.inside({REFUSED: frozenset(refused)})

@@ -71,6 +71,7 @@ def test_patched_attention_uses_the_kernel_and_matches(rotary_on_cpu, model_type
 
 def test_the_binding_is_undone_when_the_forward_raises(rotary_on_cpu):
     from fusepatch.layers import attention as patched_attention
+    from fusepatch.layers.support import bindings
 
     model = tiny_model("qwen3")
     module = sys.modules[type(model.model.layers[0]).__module__]
@@ -80,7 +81,7 @@ def test_the_binding_is_undone_when_the_forward_raises(rotary_on_cpu):
     with pytest.raises(TypeError):  # no position embeddings: fails inside the forward, after the binding
         attention(hidden_states=torch.randn(1, 4, 64), position_embeddings=None, attention_mask=None)
     # this thread's choice is cleared: another model's call in the same module runs transformers' function
-    assert getattr(patched_attention._local, "dispatch", None) is None
+    assert bindings.active(patched_attention.ROTARY_SLOT) is None
     fusepatch.revert(model)
     assert_released(module, "apply_rotary_pos_emb", original)
 
