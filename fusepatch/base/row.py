@@ -24,6 +24,12 @@ class Row:
         precision: when set, the row applies only to ``apply(model, precision=...)`` with this value.
         fits: when set, a module the row matches is patched only if ``fits(module)`` is None; otherwise it gives
             why it is left as it is (``apply`` says it, naming the modules).
+        role: what the layer is in the model, for the engine's features (``engine/features/``), which act on
+            layers by role, never by their forward: ``"head"`` (a causal-LM head computing the loss: a trainer's
+            own fused head may take it over), ``"decoder"`` (a decoder layer: CUDA graphs capture stacks of them),
+            ``"mlp"`` (a SwiGLU MLP: ``FUSEPATCH_MLP_RECOMPUTE``), ``"projection"`` (a linear projection),
+            ``"norm"``, ``"attention"``, ``"linear_attention"``, ``"experts"``, ``"rotary"``, ``"base_model"``;
+            ``""`` for a row no feature acts on.
     """
 
     model_types: tuple[str, ...]
@@ -35,6 +41,7 @@ class Row:
     names: tuple[str, ...] = ()
     precision: str | None = None
     fits: Callable[[object], str | None] | None = None
+    role: str = ""
 
     def matches(self, module: object, name: str = "") -> bool:
         """Whether this row patches ``module``, held by its parent as ``name`` (the last part of its path)."""
@@ -53,4 +60,5 @@ class Row:
             "note": self.note,
             **({"names": list(self.names)} if self.names else {}),
             **({"precision": self.precision} if self.precision else {}),
+            **({"role": self.role} if self.role else {}),
         }
