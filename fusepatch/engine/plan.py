@@ -66,17 +66,8 @@ class Resolved:
 REPORT_REQUEST = Request(None, (), (), False, None, False, None)  # report(model): a plan that raises nothing
 
 
-def checked(
-    ops=None,
-    exclude=(),
-    prefer=None,
-    strict=False,
-    compute_dtype=None,
-    cuda_graphs=False,
-    verbose=None,
-    precision=None,
-    drop_frozen_weights=False,
-) -> Request:
+def checked(ops=None, exclude=(), prefer=None, strict=False, compute_dtype=None, cuda_graphs=False, verbose=None,
+            precision=None, drop_frozen_weights=False) -> Request:  # fmt: skip
     """``apply``'s arguments and the ``FUSEPATCH_*`` variables checked: the request, or the error naming the values
     an argument or variable takes. Its parameters are ``apply``'s keyword arguments, defaults included."""
     # every FUSEPATCH_* variable, read or not on this call, all bad ones in one error (before the request reads one)
