@@ -345,3 +345,111 @@ def test_bindings_are_installed_by_apply_not_held_from_forwards():
                 if called == "hold":
                     wrong.append(f"{where}:{node.lineno}: hold(...) from a layer")
     assert not wrong, wrong
+
+
+def _functions() -> tuple[dict[str, dict[str, ast.FunctionDef]], dict[str, dict[str, str]], dict[str, list]]:
+    """Per module: its functions (methods as ``Class.name``) and what its imported names stand for; and every
+    function of the package by its bare name (for calls on an object: ``feature.bind(...)``)."""
+    functions: dict[str, dict[str, ast.FunctionDef]] = {}
+    imported: dict[str, dict[str, str]] = {}
+    by_name: dict[str, list] = {}
+    for module, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        functions[module], imported[module] = {}, {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fusepatch"):
+                for alias in node.names:
+                    imported[module][alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        for node in tree.body:
+            members = [(node.name, node)] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else []
+            if isinstance(node, ast.ClassDef):
+                members = [(f"{node.name}.{n.name}", n) for n in node.body if isinstance(n, ast.FunctionDef)]
+            for qualname, function in members:
+                functions[module][qualname] = function
+                by_name.setdefault(function.name, []).append((module, qualname))
+    return functions, imported, by_name
+
+
+def _model_reach() -> set[str]:
+    """The functions of fusepatch/ that ``apply``'s ``model`` reaches (see the test below)."""
+    functions, imported, by_name = _functions()
+
+    def callees(module: str, call: ast.Call) -> list[tuple[str, str, int]]:
+        """The package's functions a call may run, each with how many of its parameters the call fills before its
+        first argument (1 for a method called on an object: its ``self``)."""
+        func = call.func
+        if isinstance(func, ast.Name):
+            target = imported[module].get(func.id, f"{module}.{func.id}")
+            owner, _, name = target.rpartition(".")
+            return [(owner, name, 0)] if name in functions.get(owner, {}) else []
+        if isinstance(func, ast.Attribute):
+            held = imported[module].get(func.value.id, "") if isinstance(func.value, ast.Name) else ""
+            if held in functions:  # a module's function: ``layer_graphs.drop(model)``
+                return [(held, func.attr, 0)] if func.attr in functions[held] else []
+            return [(m, q, 1) for m, q in by_name.get(func.attr, []) if "." in q]  # a method, by its name
+        return []
+
+    reached: set[str] = set()
+    pending = [("fusepatch.engine.patch", "apply", "model")]
+    while pending:
+        module, qualname, parameter = pending.pop()
+        key = f"{module}:{qualname}"
+        if key in reached:
+            continue
+        reached.add(key)
+        for call in (n for n in ast.walk(functions[module][qualname]) if isinstance(n, ast.Call)):
+            given = [(i, a) for i, a in enumerate(call.args)] + [(k.arg, k.value) for k in call.keywords]
+            for where, value in given:
+                if not (isinstance(value, ast.Name) and value.id == parameter) and not (
+                    isinstance(value, ast.Attribute) and value.attr == "model"
+                ):
+                    continue
+                for owner, name, skipped in callees(module, call):
+                    callee = functions[owner][name]
+                    names = [a.arg for a in (*callee.args.posonlyargs, *callee.args.args, *callee.args.kwonlyargs)]
+                    if isinstance(where, int):
+                        index = where + skipped
+                        if index < len(callee.args.posonlyargs) + len(callee.args.args):
+                            pending.append((owner, name, names[index]))
+                    elif where in names:
+                        pending.append((owner, name, where))
+    return reached
+
+
+def test_applys_model_reaches_few_functions():
+    """Where ``apply``'s ``model`` goes is where a change to what fusepatch patches must look: at most 14 places.
+
+    The measure: from ``apply`` (engine/patch.py), each call whose argument is the model (the parameter that holds
+    it, or a ``.model`` attribute: ``Plan.model``) is followed into the package's function it names (a module's
+    function by its import; a method called on an object to every method of that name), whose parameter then
+    holds it; the functions so reached, ``apply`` included, are counted. A value built from the model (its
+    modules, a plan) is not followed."""
+    reached = _model_reach()
+    assert len(reached) <= 14, f"{len(reached)} functions receive apply's model:\n" + "\n".join(sorted(reached))
+
+
+def test_the_engine_holds_the_pipeline_and_features_hold_the_rest():
+    """engine/patch.py is the pipeline (apply, revert, report and their steps, PatchState): within 350 lines, and
+    it imports no ``fusepatch.layers`` module; what a layer is reaches it through ``Row.role`` and the features
+    (``engine/features/``), which name layers."""
+    patch = ROOT / "engine" / "patch.py"
+    assert len(patch.read_text().splitlines()) <= 350
+    layers = sorted(m for m in _graph()["fusepatch.engine.patch"] if m.startswith("fusepatch.layers"))
+    assert not layers, f"engine/patch.py imports {layers}"
+
+
+def test_the_engine_tells_layers_apart_by_role_not_by_forward():
+    """No engine module compares a row's forward with a layer's function (``row.forward in HEAD_FORWARDS``,
+    ``state.row.forward is swiglu_mlp_forward``): a row says its part as ``Row.role``, which a user's row with a
+    forward of its own can say too."""
+    wrong = []
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = (node.left, *node.comparators)
+            forwards = [s for s in sides if isinstance(s, ast.Attribute) and s.attr == "forward"]
+            others = [s for s in sides if s not in forwards]
+            if forwards and not all(isinstance(s, ast.Constant) and s.value is None for s in others):
+                wrong.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")  # ``row.forward is None`` is fine
+    assert not wrong, "compares a forward: " + ", ".join(wrong)

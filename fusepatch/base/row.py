@@ -40,6 +40,12 @@ class Row:
         bindings: the foreign module-level names the replacement forward needs replaced while a module of the row
             is patched (a modeling module's ``apply_rotary_pos_emb``): installed by ``apply``, released by
             ``revert``.
+        role: what the layer is in the model, for the engine's features (``engine/features/``), which act on
+            layers by role, never by their forward: ``"head"`` (a causal-LM head computing the loss: a trainer's
+            own fused head may take it over), ``"decoder"`` (a decoder layer: CUDA graphs capture stacks of them),
+            ``"mlp"`` (a SwiGLU MLP: ``FUSEPATCH_MLP_RECOMPUTE``), ``"projection"`` (a linear projection),
+            ``"norm"``, ``"attention"``, ``"linear_attention"``, ``"experts"``, ``"rotary"``, ``"base_model"``;
+            ``""`` for a row no feature acts on.
     """
 
     model_types: tuple[str, ...]
@@ -52,6 +58,7 @@ class Row:
     precision: str | None = None
     fits: Callable[[object], str | None] | None = None
     bindings: tuple[Binding, ...] = ()
+    role: str = ""
 
     def matches(self, module: object, name: str = "") -> bool:
         """Whether this row patches ``module``, held by its parent as ``name`` (the last part of its path)."""
@@ -71,4 +78,5 @@ class Row:
             **({"names": list(self.names)} if self.names else {}),
             **({"precision": self.precision} if self.precision else {}),
             **({"bindings": [f"{b.module}.{b.name}" for b in self.bindings]} if self.bindings else {}),
+            **({"role": self.role} if self.role else {}),
         }

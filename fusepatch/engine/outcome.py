@@ -1,14 +1,23 @@
 """What an ``apply`` call says beyond its table: what a model patched before keeps from the call that patched it,
-an ``ops``/``exclude`` that leaves nothing to fuse, the report's message, and ``strict=True``'s error."""
+an ``ops``/``exclude`` that leaves nothing to fuse, the report's message, ``strict=True``'s error, and the log."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
 
+from fusepatch.base.log import logger
+from fusepatch.base.row import Row
+from fusepatch.base.state import current as process_state
+from fusepatch.engine.features import FEATURES
 from fusepatch.engine.plan import Plan, Request
 from fusepatch.engine.reporting import PatchReport
-from fusepatch.layers import layer_graphs
-from fusepatch.layers.simple import swiglu_mlp_forward
+
+META_STRICT = (
+    "fusepatch.apply(strict=True): the model is on the meta device, so no kernel can be self-tested; "
+    "call apply after materialising it (model.to_empty(device=...) and loading the weights)"
+)
 
 
 def choices_of(request: Request) -> tuple:
@@ -17,45 +26,43 @@ def choices_of(request: Request) -> tuple:
 
 
 def kept(plan: Plan, request: Request) -> list[str]:
-    """What modules patched before keep of the apply that patched them where ``request`` asks otherwise: a second
-    apply patches only modules not patched yet, so their kernel choices, their FP8 rows and what those keep
-    (``drop_frozen_weights``), the MLP recompute and the layers' CUDA graphs stay as they were."""
+    """What modules patched before keep of the apply that patched them where ``request`` asks otherwise (said at
+    WARNING with the fix): a second apply patches only modules not patched yet, so their kernel choices and what
+    each feature set on them (FP8 rows and ``drop_frozen_weights``, the MLP recompute, the layers' CUDA graphs)
+    stay as they were."""
     wanted, choosing, names = choices_of(request), 0, set()
-    fp8, dropping, recompute, graphed = 0, 0, [], False
-    for module in plan.model.modules():
-        state = module.__dict__.get("_fusepatch")
-        graphed = graphed or layer_graphs.ATTRIBUTE in module.__dict__
-        if state is None:
-            continue
+    states = [state for module in plan.model.modules() if (state := module.__dict__.get("_fusepatch")) is not None]
+    for state in states:
         if state.choosing and state.choosing != wanted:
             choosing += 1
             names.update(n for n, a, b in zip(("ops", "exclude", "prefer"), state.choosing, wanted) if a != b)
-        if state.row.precision is not None and state.row.precision != request.precision:
-            fp8 += 1
-        elif state.row.precision is not None and state.drop_frozen != request.drop_frozen_weights:
-            dropping += 1
-        if state.row.forward is swiglu_mlp_forward and state.mlp_recompute != request.mlp_recompute:
-            recompute.append(state.mlp_recompute)
     kept = []
     if choosing:
         kept.append(
             f"{choosing} modules were patched before with other kernel choices and keep them (this call's "
             f"{', '.join(sorted(names))} did not reach them)"
         )
-    if fp8:
-        kept.append(f"{fp8} FP8 projections keep their FP8 GEMMs (this call's precision={request.precision!r})")
-    if dropping:
-        kept.append(f"{dropping} FP8 projections keep drop_frozen_weights={not request.drop_frozen_weights}")
-    if recompute:
-        kept.append(f"{len(recompute)} MLPs keep FUSEPATCH_MLP_RECOMPUTE {'on' if recompute[0] else 'off'}")
-    if graphed and not request.cuda_graphs:
-        kept.append("the decoder layers keep their CUDA graphs (this call's cuda_graphs=False)")
+    kept += [line for feature in FEATURES for line in feature.kept(plan, request, states)]
+    if kept:
+        logger.warning(
+            "fusepatch: %s was patched before, and this apply did not change what that one set: %s; fix: "
+            "fusepatch.revert(model), then apply with the options wanted (weights kept in FP8 only come back rounded)",
+            type(plan.model).__name__,
+            "; ".join(kept),
+        )
     return kept
+
+
+def say_left(plan: Plan) -> None:
+    """The modules a row matched but leaves as they are (``Row.fits``), by reason."""
+    for why, paths in plan.left.items():
+        shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+        logger.warning("fusepatch: %d modules run as before: %s: %s", len(paths), why, shown)
 
 
 def nothing_selected(plan: Plan, request: Request) -> str:
     """Why ``ops``/``exclude`` leave none of the model's ops to fuse (``ops=[]``: an empty list selects none, where
-    ``None`` selects every op), with the fix; empty when some op is selected."""
+    ``None`` selects every op), with the fix, said at WARNING; empty when some op is selected."""
     offered = list(dict.fromkeys(op for row in plan.found if row not in plan.owners for op in row.ops))
     chosen = [op for op in offered if (request.ops is None or op in request.ops) and op not in request.exclude]
     if not offered or chosen:
@@ -66,15 +73,17 @@ def nothing_selected(plan: Plan, request: Request) -> str:
         given = {"ops": None if request.ops is None else list(request.ops), "exclude": list(request.exclude)}
         arguments = ", ".join(f"{name}={value!r}" for name, value in given.items() if value)
         why = f"apply({arguments}) leaves none of this model's ops"
-    return (
+    said = (
         f"nothing will be fused: {why}, so every patched layer runs transformers' arithmetic; fix: leave ops out "
         f"to fuse every op, or name the ops to fuse among this model's: {', '.join(offered)}"
     )
+    logger.warning("fusepatch: %s", said)
+    return said
 
 
-def outcome(plan: Plan, newly: int, already: int, kept: list[str], graphs: bool) -> str:
+def outcome(plan: Plan, newly: int, already: int, kept: list[str], news: list[str]) -> str:
     """The report's message: the meta device's deferred choices; or, for a model patched before, what this call
-    added and what it did not change."""
+    added (``news``: what the features' ``bind`` said) and what it did not change."""
     if plan.on_meta:
         return (
             "the model is on the meta device: its layers are patched, and each op's kernel is chosen and "
@@ -82,16 +91,12 @@ def outcome(plan: Plan, newly: int, already: int, kept: list[str], graphs: bool)
         )
     if not already:
         return ""
-    if not (newly or graphs or kept):
+    if not (newly or news or kept):
         return f"already patched ({already} modules); nothing changed"
     said = [] if newly else [f"already patched ({already} modules)"]
-    said += ["cuda_graphs=True: the decoder layers are graphed from now on"] if graphs else []
+    said += news
     said += [f"kept from before: {'; '.join(kept)}"] if kept else []
     return "; ".join(said)
-
-
-def graphed(model: torch.nn.Module) -> bool:
-    return any(layer_graphs.ATTRIBUTE in module.__dict__ for module in model.modules())
 
 
 def strict_refusal(plan: Plan, pending: PatchReport) -> str:
@@ -105,3 +110,33 @@ def strict_refusal(plan: Plan, pending: PatchReport) -> str:
         "their patches and their fallbacks (strict refuses what a call would patch); fix: fusepatch.revert(model), "
         "then fusepatch.apply(model, strict=True); fallbacks:\n" + "\n".join(pending.log_lines())
     )
+
+
+def log(report: PatchReport, verbose: bool | None, *, said: bool) -> None:
+    """The table (verbose), its totals (default) or nothing; each fallback reason once per process (``said``:
+    this call patched something new, or chose nothing yet on meta); the LoRA lines."""
+    if verbose:
+        logger.info("%s", report)
+    elif verbose is None:
+        logger.info("%s", report.totals())
+    if not said:
+        return
+    for reason, line in report.fallback_reasons():
+        process_state().said.warn(reason, "%s", line)  # once per process: another model, or apply again, says no more
+    lines = report.lora_lines()
+    if lines:
+        logger.info(lines[0])
+        for line in lines[1:]:
+            logger.warning(line)
+
+
+def transformers_calls(groups: dict[Row, list[torch.nn.Module]]) -> tuple[str, ...]:
+    """Per layer class and reason, how many calls its patched layers handed to transformers' forward."""
+    lines = []
+    for row, modules in groups.items():
+        counts: dict[str, int] = defaultdict(int)
+        for module in modules:
+            for why, count in module._fusepatch.transformers_calls.items():
+                counts[why] += count
+        lines += [f"{row.layer}: {count} calls: {why}" for why, count in counts.items()]
+    return tuple(lines)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from fusepatch.base.env import require_transformers
-from fusepatch.engine.patch import apply, check_apply_kwargs
+from fusepatch.engine.patch import apply
+from fusepatch.engine.plan import check_apply_kwargs
 
 
 def from_pretrained(

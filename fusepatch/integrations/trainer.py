@@ -22,7 +22,9 @@ from transformers import TrainerCallback
 from fusepatch.base import options
 from fusepatch.diagnostics import profile as profiling
 from fusepatch.diagnostics.compiles import CompileCounter, describe
-from fusepatch.engine.patch import apply, check_apply_kwargs, decoder_stacks, report
+from fusepatch.engine.features.cuda_graphs import decoder_stacks
+from fusepatch.engine.patch import apply, report
+from fusepatch.engine.plan import check_apply_kwargs
 from fusepatch.layers import layer_graphs
 
 logger = logging.getLogger("fusepatch")

@@ -274,10 +274,9 @@ def is_dropped(module: torch.nn.Module) -> bool:
     return isinstance(module.__dict__.get("_parameters", {}).get("weight"), DroppedWeight)
 
 
-def restore_dropped(module: torch.nn.Module, cache: object = None) -> bool:
+def restore_dropped(module: torch.nn.Module) -> bool:
     """``revert``: a dropped weight back as a real parameter, from the FP8 copy it holds (rounded: FP8 keeps 3
-    mantissa bits); anything else as it is. Whether it restored one (``revert`` says how many, once). ``cache`` is
-    not read (the weight holds its copy), accepted for callers that pass the patch state's."""
+    mantissa bits); anything else as it is. Whether it restored one (``revert`` says how many, once)."""
     if not is_dropped(module):
         return False
     weight = module.weight

@@ -1,8 +1,15 @@
-"""Shorthands for the family tables."""
+"""The parts every Qwen family is made of, and the one table that names a family's classes after them.
+
+A family file (``qwen2.py``, ...) says which families of transformers it covers and what kind of decoder each has;
+:func:`family` gives its rows, one per class, in the order of the table below (the order ``fusepatch list`` shows).
+"""
 
 from __future__ import annotations
 
-from fusepatch.base.row import Row
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fusepatch.base.row import Binding, Row
 from fusepatch.layers.attention import attention_forward, attn_names, gated_attention_forward
 from fusepatch.layers.base_model import base_model_forward
 from fusepatch.layers.causal_lm import PACKED_CHECK, causal_lm_forward, conditional_generation_forward
@@ -18,12 +25,96 @@ from fusepatch.layers.simple import (
 )
 from fusepatch.layers.support.dispatch_guard import guards
 
-GDN_OPS = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm")
-ATTENTION_OPS = ("rotary", "varlen_attention")
-GATED_ATTENTION_OPS = ("rotary", "attention_gate", "varlen_attention")
 ROPE_TABLES = "cos/sin of plain positions computed once and reused across steps; no kernel"
 # the base model every head calls: padded rows told apart from packed ones for every head, not the causal LM's alone
 PADDING = "the call's attention_mask noted, so padded rows are not taken for packed ones; no kernel"
+RESIDUAL_NORM = "residual add fused into the post-attention norm; packed boundaries to linear attention"
+
+
+@dataclass(frozen=True)
+class Part:
+    """What a row of one kind of layer holds besides its class: the ops its forward calls, the forward, its role
+    (``Row.role``), its note, and the foreign names it needs replaced (``Row.bindings``) as a function of the
+    family's modeling module."""
+
+    ops: tuple[str, ...]
+    forward: object
+    role: str
+    note: str = ""
+    bindings: Callable[[str], tuple[Binding, ...]] | None = None
+
+
+NORM = Part(("rms_norm",), rms_norm_forward, "norm")
+NORM_ZERO_CENTERED = Part(("rms_norm_zero_centered",), rms_norm_zero_centered_forward, "norm")
+GDN_OPS = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm")
+GATED_DELTANET = Part(GDN_OPS, gated_deltanet_forward, "linear_attention", "linear attention", guards)
+DECODER = Part(("add_rms_norm",), decoder_layer_forward, "decoder")
+HYBRID_DECODER = Part(("add_rms_norm_zero_centered",), hybrid_decoder_layer_forward, "decoder", RESIDUAL_NORM)
+MLP = Part(("swiglu",), swiglu_mlp_forward, "mlp")
+EXPERTS = Part(("moe_experts",), experts_forward, "experts")
+ROTARY = Part((), rotary_embedding_forward, "rotary", ROPE_TABLES)
+ATTENTION = Part(("rotary", "varlen_attention"), attention_forward, "attention", bindings=attn_names)
+GATED_ATTENTION = Part(
+    ("rotary", "attention_gate", "varlen_attention"),
+    gated_attention_forward,
+    "attention",
+    "gated full attention",
+    attn_names,
+)
+BASE_MODEL = Part((), base_model_forward, "base_model", PADDING)
+HEAD = Part(("linear_cross_entropy",), causal_lm_forward, "head", bindings=lambda module: PACKED_CHECK)
+IMAGE_TEXT_HEAD = Part(
+    ("linear_cross_entropy",),
+    conditional_generation_forward,
+    "head",
+    "image-text wrapper: text loss only",
+    lambda module: PACKED_CHECK,
+)
+
+
+def family(
+    model_type: str, prefix: str, *, hybrid: bool = False, moe: bool = False, image_text: bool = False, mlp: str = ""
+) -> list[Row]:
+    """The rows of one transformers family (``transformers.models.<model_type>``), whose classes are ``prefix``
+    followed by the part's name.
+
+    Args:
+        hybrid: Gated DeltaNet layers beside gated full attention, zero-centered norms (Qwen3.5, Qwen3-Next);
+            else full attention and plain RMSNorm (Qwen2, Qwen3).
+        moe: the MLPs are mixture-of-experts (an ``Experts`` class).
+        image_text: the family also has a text-only model type (``<model_type>_text``, ``Text`` classes) and an
+            image-text wrapper (``ForConditionalGeneration``).
+        mlp: the MLP row's note (which MLPs the class serves).
+    """
+    text = "Text" if image_text else ""
+    table = [  # (class after the prefix, its part), in the order the rows are listed; None: not in this family
+        ("GatedDeltaNet", GATED_DELTANET) if hybrid else None,
+        ("DecoderLayer", HYBRID_DECODER) if hybrid else None,
+        ("RMSNorm", NORM_ZERO_CENTERED if hybrid else NORM),
+        ("MLP", Part(MLP.ops, MLP.forward, MLP.role, mlp)),
+        ("Experts", EXPERTS) if moe else None,
+        None if hybrid else ("DecoderLayer", DECODER),
+        (f"{text}RotaryEmbedding", ROTARY),
+        ("Attention", GATED_ATTENTION if hybrid else ATTENTION),
+        (f"{text}Model", BASE_MODEL),
+        ("ForCausalLM", HEAD),
+        ("ForConditionalGeneration", IMAGE_TEXT_HEAD) if image_text else None,
+    ]
+    types = (model_type, f"{model_type}_text") if image_text else (model_type,)
+    module = f"transformers.models.{model_type}.modeling_{model_type}"
+    return [
+        Row(
+            types,
+            module,
+            prefix + name,
+            part.ops,
+            part.forward,
+            note=part.note,
+            bindings=part.bindings(module) if part.bindings else (),
+            role=part.role,
+        )
+        for name, part in filter(None, table)
+    ]
 
 
 def fp8_projections(model_types: tuple[str, ...]) -> Row:
@@ -40,31 +131,5 @@ def fp8_projections(model_types: tuple[str, ...]) -> Row:
         names=PROJECTIONS,
         precision="fp8",
         fits=aligned,
+        role="projection",
     )
-
-
-__all__ = [
-    "ATTENTION_OPS",
-    "PACKED_CHECK",
-    "GATED_ATTENTION_OPS",
-    "GDN_OPS",
-    "PADDING",
-    "ROPE_TABLES",
-    "Row",
-    "attn_names",
-    "attention_forward",
-    "base_model_forward",
-    "causal_lm_forward",
-    "conditional_generation_forward",
-    "decoder_layer_forward",
-    "experts_forward",
-    "fp8_projections",
-    "gated_attention_forward",
-    "gated_deltanet_forward",
-    "guards",
-    "hybrid_decoder_layer_forward",
-    "rms_norm_forward",
-    "rms_norm_zero_centered_forward",
-    "rotary_embedding_forward",
-    "swiglu_mlp_forward",
-]

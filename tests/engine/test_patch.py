@@ -575,9 +575,9 @@ def test_torch_compile_keeps_a_model_without_kernels_outside_dynamo_where_tracin
     H200, the patched Qwen3.5 forwards gave wrong logits with every op eager (tests/gpu/test_models.py). Here the
     CPU is taken out of them: the model patched there runs outside dynamo, says why once (not "its fused
     kernels": it has none), and gives the uncompiled results."""
-    from fusepatch.engine import patch as patch_module
+    from fusepatch.engine.features import traceable
 
-    monkeypatch.setattr(patch_module, "TRACED_DEVICES", ())
+    monkeypatch.setattr(traceable, "TRACED_DEVICES", ())
     model = tiny_model("qwen3_5_text", **HYBRID_PAIR).train()
     fusepatch.apply(model)
     states = [m._fusepatch for m in model.modules() if hasattr(m, "_fusepatch")]

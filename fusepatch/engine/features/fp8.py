@@ -1,0 +1,51 @@
+"""``apply(precision="fp8", drop_frozen_weights=True)``: what FP8 projections (``layers/fp8.py``) keep beyond their
+forward. A frozen projection keeps its weight in FP8 only (the ``drop_frozen`` flag; DoRA's bases excepted, their
+adapters read the weight; the dropped weight carries its FP8 copy, so it copies and pickles with the module),
+``revert`` puts the weight back rounded and says so, and ``report`` counts the dropped weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fusepatch.engine.features.base import Feature, Patched
+from fusepatch.engine.plan import Plan, Request
+from fusepatch.engine.reporting import PatchReport
+from fusepatch.layers.fp8 import is_dropped, keep_what_variants_read, restore_dropped, say_restored
+
+
+class Fp8(Feature):
+    name = "fp8"
+    slots = {"drop_frozen": False}  # read by the projection's forward at its first FP8 call
+
+    def bind(self, plan: Plan, request: Request, patched: Patched) -> str:
+        for _, state in patched:
+            state.drop_frozen = request.drop_frozen_weights and state.row.precision == "fp8"
+        if request.drop_frozen_weights:
+            keep_what_variants_read(plan.model)
+        return ""
+
+    def kept(self, plan: Plan, request: Request, states: list) -> list[str]:
+        other = dropping = 0
+        for state in states:
+            if state.row.precision is not None and state.row.precision != request.precision:
+                other += 1
+            elif state.row.precision is not None and state.drop_frozen != request.drop_frozen_weights:
+                dropping += 1
+        kept = [f"{other} FP8 projections keep their FP8 GEMMs (this call's precision={request.precision!r})"]
+        kept = kept if other else []
+        if dropping:
+            kept.append(f"{dropping} FP8 projections keep drop_frozen_weights={not request.drop_frozen_weights}")
+        return kept
+
+    def report(self, report: PatchReport, states: list) -> PatchReport:
+        return dataclasses.replace(report, dropped_weights=sum(is_dropped(s.owner) for s in states))
+
+    def revert(self, model: torch.nn.Module, patched: Patched) -> None:
+        rounded = sum(restore_dropped(module) for module, _ in patched)
+        if rounded:
+            say_restored(rounded)
+
+
+FEATURE = Fp8()
