@@ -7,8 +7,9 @@ FSDP2 plugin (``FullyShardedDataParallelPlugin(fsdp_version=2)`` and ``Accelerat
 each run's losses and its parameters' distance to the unsharded, unpatched run's (``--out``, JSON), and, for a
 ``memory`` case, what each rank holds against ``benchmarks/studies/static_memory.py``'s per-rank count.
 
-Case names: ``<engine>-<full|lora>-<fp32|bf16>`` with engine ``accelerate`` or ``trainer``, and ``memory-lora-fp8``
-(a bf16 LoRA model whose frozen bases run in FP8, on the CPU stand-in of the FP8 op).
+Case names: ``<engine>-<full|lora>-<fp32|bf16>`` with engine ``accelerate`` or ``trainer``, ``memory-lora-fp8``
+(a bf16 LoRA model whose frozen bases run in FP8, on the CPU stand-in of the FP8 op), and those of ``DIRECT``
+(``fully_shard`` called directly, ``fsdp2_worker.py``'s comparisons, run last).
 """
 
 from __future__ import annotations
@@ -216,9 +217,20 @@ def patch_use(model: torch.nn.Module) -> dict:
     return {"ops": sorted(chosen), "transformers_calls": list(fusepatch.report(model).transformers_calls)}
 
 
+# fully_shard called directly (fsdp2_worker.py), the fused decoder paths on: their stand-ins stay installed for
+# the cases after them, so a launch runs these last
+DIRECT = {
+    "fully_shard-shard_first": ["--order", "shard-then-patch", "--standin-add-norm"],
+    "fully_shard-checkpointing_projections": ["--checkpointing", "--standin-add-norm", "--fused-projections"],
+}
+
+
 def run_case(name: str, rank: int, world: int) -> dict | None:
     import fusepatch
 
+    if name in DIRECT:
+        worker = _module(os.path.join(HERE, "fsdp2_worker.py"), "fsdp2_worker")
+        return worker.run(worker.parse(["--out", "-", *DIRECT[name]]))
     engine, mode, precision = name.split("-")
     if engine == "memory":
         return memory_case(rank, world)
@@ -331,7 +343,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results, seconds = {}, {}
-    for name in args.cases.split(","):
+    names = args.cases.split(",")
+    last = [n for n in names if n in DIRECT]
+    for name in [n for n in names if n not in DIRECT] + last:
         started = time.perf_counter()
         results[name] = run_case(name, rank, world)
         seconds[name] = round(time.perf_counter() - started, 2)
