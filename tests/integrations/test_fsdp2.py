@@ -35,8 +35,9 @@ FLOORS = {"fp32": {"loss": 1e-6, "params": 1e-5}, "bf16": {"loss": 1e-4, "params
 
 def engine_case_problems(name: str, case: dict) -> list[str]:
     """The patched, sharded run against the unpatched, unsharded one, bounded by what this model's own runs
-    measure: patching alone (patched, unsharded) plus twice what sharding alone costs (unpatched, sharded: the
-    reduction order of the sharded gradients differs), plus a floor. Parameters are compared by their updates
+    measure: patching alone (patched, unsharded) plus three times what sharding alone costs (unpatched, sharded:
+    the reduction order of the sharded gradients differs; the cases measured here needed at most 1.3 times), plus a
+    floor. Parameters are compared by their updates
     (AdamW's first steps amplify a gradient's rounding where it is near zero, so bf16's bound is wide)."""
     problems = []
     precision = name.rsplit("-", 1)[1]
@@ -44,7 +45,7 @@ def engine_case_problems(name: str, case: dict) -> list[str]:
         if case[label]["steps"] != 2:
             problems.append(f"{name}: {label} ran {case[label]['steps']} steps, not 2")
     for what in ("loss", "params"):
-        bound = case["unsharded_patched"][what] + 2 * case["sharded_unpatched"][what] + FLOORS[precision][what]
+        bound = case["unsharded_patched"][what] + 3 * case["sharded_unpatched"][what] + FLOORS[precision][what]
         if not case["sharded_patched"][what] <= bound:
             problems.append(f"{name}: sharded patched {what} error {case['sharded_patched'][what]:.3g} > {bound:.3g}")
     dtype = "bfloat16" if precision == "bf16" else "float32"
