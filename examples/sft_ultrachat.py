@@ -133,17 +133,78 @@ def build_model(args, tokenizer):
 
 
 def fsdp_arguments(model, checkpointing: bool) -> dict:
-    """TrainingArguments for FSDP2: shard every decoder layer; FSDP does the activation checkpointing."""
+    """TrainingArguments for FSDP2: shard every decoder layer; FSDP does the activation checkpointing. (``fsdp=True``
+    with everything in ``fsdp_config``: transformers 5.25 warns that the string form, ``"full_shard auto_wrap"``,
+    goes.)"""
     layer = type(model.model.layers[0]).__name__
     return {
-        "fsdp": "full_shard auto_wrap",
+        "fsdp": True,
         "fsdp_config": {
             "fsdp_version": 2,
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "transformer_layer_cls_to_wrap": [layer],
             "reshard_after_forward": True,
             "activation_checkpointing": checkpointing,
         },
     }
+
+
+def fsdp_on_cpu(accelerator, plugin) -> bool:
+    """Let ``accelerator`` shard with ``plugin`` (FSDP2's ``fully_shard``) in a CPU process group (gloo).
+
+    accelerate (checked on 1.16) calls a CPU process group ``MULTI_CPU`` and keeps an FSDP plugin only for GPU-like
+    devices (``AcceleratorState``'s FSDP branch), so on CPU the request runs unsharded. This sets the state as
+    accelerate sets it on GPUs: the plugin with the run's mixed precision, and ``FSDP`` as the distributed type in
+    both shared states (``AcceleratorState()`` copies ``PartialState``'s at every construction). Returns whether it
+    changed anything: only a CPU group of several processes without a kept plugin is changed."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    state = accelerator.state
+    if state.distributed_type != DistributedType.MULTI_CPU or getattr(state, "fsdp_plugin", None) is not None:
+        return False
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin = plugin
+    AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    return True
+
+
+def trainer_fsdp_on_cpu(trainer) -> bool:
+    """``fsdp_on_cpu`` for a Trainer built with ``fsdp``/``fsdp_config`` arguments or started by ``accelerate launch``
+    with an FSDP config: the plugin those describe (``TrainingArguments.fsdp_plugin_args``, what the Trainer hands
+    accelerate, or accelerate's ``FSDP_*`` variables), then the Trainer's own flag, read once when it created its
+    accelerator. Call before ``train()``; nothing changes without a plugin or outside a CPU process group."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    if trainer.args.fsdp_plugin_args is not None:
+        plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+    elif os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":  # accelerate launch's FSDP config
+        plugin = FullyShardedDataParallelPlugin()
+    else:
+        return False
+    if not fsdp_on_cpu(trainer.accelerator, plugin):
+        return False
+    trainer.is_fsdp_enabled = True
+    return True
+
+
+UNSHARDED_ON_ONE_PROCESS = (
+    "--fsdp in a single process: nothing to shard over, so the model runs unsharded. FSDP2 shards it with several "
+    "processes, one per GPU (or several on CPU, gloo): torchrun --nproc-per-node 2 examples/sft_ultrachat.py "
+    "--fsdp, or accelerate launch --config_file examples/accelerate_fsdp2.yaml --num_processes 2 "
+    "examples/sft_ultrachat.py"
+)
+
+
+def sharding(fsdp: bool) -> bool:
+    """Whether the run shards: ``--fsdp`` with several processes. A single process says why it runs unsharded and
+    how to launch sharded (the Trainer refuses ``fsdp`` arguments outside a process group)."""
+    if fsdp and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        print(UNSHARDED_ON_ONE_PROCESS)
+        return False
+    return fsdp
 
 
 def end_process_group(trainer) -> None:
@@ -231,13 +292,14 @@ def main(argv: list[str] | None = None) -> int:
         collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     else:
         collator = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+    shard = sharding(args.fsdp)
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size,
         learning_rate=args.learning_rate,
         logging_steps=1,
-        gradient_checkpointing=not args.no_checkpointing and not args.fsdp,
+        gradient_checkpointing=not args.no_checkpointing and not shard,
         gradient_checkpointing_kwargs={"use_reentrant": False},
         bf16=torch.cuda.is_available(),
         use_cpu=not torch.cuda.is_available(),
@@ -247,9 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         remove_unused_columns=False,
         seed=args.seed,
         data_seed=args.seed,
-        **(fsdp_arguments(model, not args.no_checkpointing) if args.fsdp else {}),
+        **(fsdp_arguments(model, not args.no_checkpointing) if shard else {}),
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=collator)
+    if not torch.cuda.is_available():
+        trainer_fsdp_on_cpu(trainer)  # accelerate shards only on GPUs unless told (fsdp_on_cpu says why)
     callback = fusepatch.attach(
         trainer,
         fusepatch.FusePatchCallback(

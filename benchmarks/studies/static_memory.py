@@ -1,6 +1,7 @@
 """What a training step's model holds between steps, by part, computed from the tensors' sizes: no GPU, no step.
 
     python benchmarks/studies/static_memory.py --shape 27b --lora 16 --json-out static.json
+    python benchmarks/studies/static_memory.py --shape 27b --world 1 2 4 8    # per rank, FSDP2 and ZeRO-3
 
 Why: a training run's peak (``train_step.py``'s ``peak_mem_gib``) is what the model keeps between steps plus what
 one step adds (activations, gradients, the loss's chunks); the first part follows from the shapes alone. Built on
@@ -10,6 +11,21 @@ projection keeps: one byte a value plus one fp32 scale a row; ``drop_frozen_weig
 the rest of the parameters, and the trainable parameters' gradients and AdamW states (in the parameters' dtype,
 as ``torch.optim.AdamW`` keeps them). A row's ``static_gib`` is everything but the gradients, which a step
 creates and ``zero_grad`` frees.
+
+Per rank (``--world 1 2 4 8``): what each of N processes holds under FSDP2 and under DeepSpeed ZeRO-3, as the
+Trainer and accelerate run them in bf16 (``per_rank``), for rank 0, the one holding the most:
+
+- FSDP2 (accelerate's plugin, ``mixed_precision="bf16"``): every parameter split along its first dimension into N
+  chunks of ``ceil(rows / N)`` rows; accelerate upcasts the trainable ones to fp32 (fp32 shards, gradients and
+  AdamW states), frozen ones keep the model's dtype.
+- ZeRO-3 (DeepSpeed, bf16): every parameter flattened and split into N parts of ``ceil(numel / N)`` values in the
+  model's dtype; a trainable one adds its gradient part in that dtype and the fp32 master copy and AdamW states of
+  its part.
+- The FP8 copies of frozen projections: ``current`` is what fusepatch keeps today, a whole copy of every frozen
+  projection on every rank (quantized from the gathered weight inside the forward, kept between steps in the
+  module's cache); ``sharded`` is the ideal where each rank keeps the copy of its own rows. With
+  ``drop_frozen_weights=True`` fusepatch drops nothing under either engine today (the shards are the engine's), so
+  ``fp8+drop`` keeps the bf16 shards in ``current``; ``sharded`` counts them dropped.
 """
 
 from __future__ import annotations
@@ -71,6 +87,54 @@ def static_memory(model: torch.nn.Module, precision: str) -> dict:
     }
 
 
+ENGINES = ("fsdp2", "zero3")
+FP8_COPIES = ("current", "sharded")
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def per_rank(model: torch.nn.Module, precision: str, *, engine: str, world: int, fp8_copy: str = "current") -> dict:
+    """Bytes by part that rank 0 of ``world`` processes holds of ``model`` under ``engine`` (module docstring)."""
+    if engine not in ENGINES or fp8_copy not in FP8_COPIES:
+        raise ValueError(f"engine must be one of {ENGINES} and fp8_copy one of {FP8_COPIES}")
+    parts = dict.fromkeys(("parameters", "gradients", "optimizer_states", "projections_fp8"), 0)
+    frozen_projections = {}
+    for name, module in model.named_modules():
+        if _projection(name, module) and not module.weight.requires_grad:
+            frozen_projections[id(module.weight)] = module.weight
+    dropped = precision == "fp8+drop" and fp8_copy == "sharded"
+    for parameter in model.parameters():
+        shape = tuple(parameter.shape)
+        if engine == "fsdp2":
+            values = _ceil(shape[0], world) * (parameter.numel() // shape[0]) if shape else parameter.numel()
+        else:
+            values = _ceil(parameter.numel(), world)
+        if parameter.requires_grad:
+            if engine == "fsdp2":  # fp32 shard, gradient and AdamW states
+                parts["parameters"] += 4 * values
+                parts["gradients"] += 4 * values
+            else:  # the model's dtype for the part and its gradient; fp32 master and AdamW states
+                parts["parameters"] += values * parameter.element_size()
+                parts["gradients"] += values * parameter.element_size()
+            parts["optimizer_states"] += (12 if engine == "zero3" else 8) * values
+            continue
+        if id(parameter) in frozen_projections and precision.startswith("fp8"):
+            rows, cols = shape
+            kept_rows = rows if fp8_copy == "current" else _ceil(rows, world)
+            parts["projections_fp8"] += kept_rows * (cols + 4)  # one byte a value, one fp32 scale a row
+            if dropped:
+                continue
+        parts["parameters"] += values * parameter.element_size()
+    static = sum(size for part, size in parts.items() if part != "gradients")
+    return {
+        "bytes": parts,
+        "gib": {part: round(size / GIB, 3) for part, size in parts.items()},
+        "static_gib": round(static / GIB, 3),
+    }
+
+
 def build(shape: str, layers: int | None, lora: int) -> torch.nn.Module:
     """``train_step.py``'s model of ``shape`` (bf16, sdpa; peft LoRA on every linear for ``lora``) on the meta
     device."""
@@ -87,12 +151,60 @@ def build(shape: str, layers: int | None, lora: int) -> torch.nn.Module:
     return model
 
 
+def per_rank_rows(model: torch.nn.Module, args: argparse.Namespace, layers: int) -> list[dict]:
+    """``per_rank`` for every process count, engine, precision and (FP8) copy: the rows, and a table printed."""
+    rows = []
+    print(
+        f"\nper rank (rank 0), GiB: {args.shape}, {layers} layers, " + (f"LoRA r={args.lora}" if args.lora else "full")
+    )
+    print(
+        f"{'N':>2} {'engine':6} {'precision':9} {'fp8 copy':8} {'params':>8} {'grads':>7} {'optim':>8} {'fp8':>7} {'static':>8}"
+    )
+    for world in args.world:
+        for engine in ENGINES:
+            for precision in PRECISIONS:
+                for copy in FP8_COPIES if precision != "bf16" else ("-",):
+                    held = per_rank(
+                        model, precision, engine=engine, world=world, fp8_copy=copy if copy != "-" else "current"
+                    )
+                    rows.append(
+                        {
+                            "kind": "static-memory-per-rank",
+                            "command": command(__file__),
+                            "device": "meta (sizes only)",
+                            "shape": args.shape,
+                            "layers": layers,
+                            "lora_rank": args.lora or None,
+                            "engine": engine,
+                            "world": world,
+                            "precision": precision,
+                            "fp8_copy": copy,
+                            **held,
+                            "date": today(),
+                            "versions": versions(("torch", "transformers"), absent=False),
+                        }
+                    )
+                    g = held["gib"]
+                    print(
+                        f"{world:>2} {engine:6} {precision:9} {copy:8} {g['parameters']:8.2f} {g['gradients']:7.2f} "
+                        f"{g['optimizer_states']:8.2f} {g['projections_fp8']:7.2f} {held['static_gib']:8.2f}"
+                    )
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="27b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     parser.add_argument("--lora", type=int, default=0, help="peft LoRA rank on every linear (0: full fine-tuning)")
     parser.add_argument("--json-out", default=None, help="append one JSON row a precision to this file")
+    parser.add_argument(
+        "--world",
+        type=int,
+        nargs="*",
+        default=None,
+        help="also per rank under FSDP2 and ZeRO-3 for these process counts (e.g. --world 1 2 4 8)",
+    )
     args = parser.parse_args()
 
     model = build(args.shape, args.layers, args.lora)
@@ -114,6 +226,8 @@ def main() -> int:
         rows.append(row)
         parts = "  ".join(f"{part} {gib}" for part, gib in row["gib"].items())
         print(f"{precision:9s} static {row['static_gib']:7.3f} GiB  {parts}")
+    if args.world:
+        rows += per_rank_rows(model, args, layers)
     if args.json_out:
         with open(args.json_out, "a") as out:
             for row in rows:

@@ -18,6 +18,7 @@ from fusepatch.base.versions import SUPPORT, version_in
 from fusepatch.engine.registry import all_ops, all_rows
 from fusepatch.engine.resolve import PREFERABLE, candidate_names, evaluate, first_verdict, ordered, preferred_sources
 from fusepatch.engine.selftest import COMPILED_S
+from fusepatch.layers.layer_graphs import FIXES as GRAPH_FIXES
 
 logger = logging.getLogger("fusepatch")
 
@@ -128,6 +129,93 @@ def variables() -> dict:
     }
 
 
+# What a launcher sets for each process (torchrun, accelerate launch, deepspeed): shown where set
+LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+ENGINE_PACKAGES = ("accelerate", "deepspeed")
+
+# What fusepatch does under each engine, the reason with each difference (what the code does: layer_graphs' rules,
+# the FP8 copy made from the gathered weight, the compute dtype read from FSDP2's MixedPrecisionPolicy)
+UNDER_ENGINES = {
+    "fsdp2": (
+        "patch before or after fully_shard (accelerate's FSDP2 plugin, the Trainer's fsdp arguments, torchrun); the "
+        "module tree and instance forwards are what FSDP2's hooks see",
+        "kernels are chosen and self-tested for the MixedPrecisionPolicy's param_dtype (the compute dtype), not the "
+        "fp32 shards' dtype",
+        "cuda_graphs=True steps aside: " + GRAPH_FIXES["sharded"],
+        'precision="fp8": each frozen projection (LoRA\'s bases) keeps a whole FP8 copy on every rank, quantized '
+        "from the gathered weight (not sharded); drop_frozen_weights=True drops nothing (the shards are FSDP2's)",
+    ),
+    "deepspeed": (
+        "cuda_graphs=True steps aside: ZeRO-3 gathers parameters in hooks on every module, and a layer whose "
+        "modules have hooks is not captured (a graph would run them once, at capture)",
+        'precision="fp8": a frozen projection\'s FP8 copy is quantized from the weight its forward sees, which '
+        "ZeRO-3 has gathered: whole on every rank",
+    ),
+}
+
+
+def distributed(environ: dict | None = None) -> dict:
+    """What multi-process training runs on here: torch.distributed and its backends, the launcher's variables of
+    this process (where set), FSDP2's ``fully_shard``, the engines' packages, and what fusepatch does under each."""
+    from importlib import metadata
+
+    environ = os.environ if environ is None else environ
+    info: dict = {"available": False, "backends": {}, "fully_shard": None}
+    try:
+        import torch.distributed as dist
+    except ImportError as exc:  # a torch build without distributed
+        info["reason"] = str(exc)
+        dist = None
+    if dist is not None and dist.is_available():
+        info["available"] = True
+        info["backends"] = {
+            "nccl": dist.is_nccl_available(),
+            "gloo": dist.is_gloo_available(),
+            "mpi": dist.is_mpi_available(),
+        }
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+
+            info["fully_shard"] = "torch.distributed.fsdp.fully_shard"
+        except ImportError as exc:
+            info["fully_shard_missing"] = f"{exc}; fix: pip install 'torch>=2.6' (FSDP2's fully_shard)"
+    info["launch"] = {name: environ[name] for name in LAUNCH_VARIABLES if name in environ}
+    packages = {}
+    for name in ENGINE_PACKAGES:
+        try:
+            packages[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            packages[name] = None
+    info["packages"] = packages
+    info["under"] = {engine: list(lines) for engine, lines in UNDER_ENGINES.items()}
+    return info
+
+
+def distributed_lines(info: dict | None) -> list[str]:
+    """The report's distributed section; a blank line after."""
+    if info is None:
+        return []
+    lines = ["Distributed"]
+    if not info["available"]:
+        lines.append(
+            f"  torch.distributed: not available in this torch build ({info.get('reason', 'is_available() is False')})"
+        )
+    else:
+        backends = ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in info["backends"].items())
+        lines.append(f"  torch.distributed: available; backends: {backends}")
+        lines.append(f"  FSDP2: {info['fully_shard'] or info.get('fully_shard_missing')}")
+    launch = info["launch"]
+    lines.append(
+        "  this process: " + (" ".join(f"{k}={v}" for k, v in launch.items()) if launch else "not launched as a rank")
+    )
+    packages = ", ".join(f"{name} {version or 'not installed'}" for name, version in info["packages"].items())
+    lines.append(f"  engines' packages: {packages}")
+    for engine, said in info["under"].items():
+        lines.append(f"  under {'FSDP2' if engine == 'fsdp2' else 'DeepSpeed ZeRO-3'}:")
+        lines += [f"    - {line}" for line in said]
+    return [*lines, ""]
+
+
 @contextlib.contextmanager
 def _unset(names):
     """The variables ``names`` unset for the diagnosis, then back: a bad value makes ``apply`` raise, and the ops
@@ -150,7 +238,7 @@ def diagnose(
     found = variables()
     with _unset(found["problems"]):
         report = _diagnose(model_types, prefer, static_only, every)
-    return {**report, "variables": found}
+    return {**report, "variables": found, "distributed": distributed()}
 
 
 def _diagnose(model_types: list[str] | None, prefer: tuple[str, ...] | None, static_only: bool, every: bool) -> dict:
@@ -250,6 +338,7 @@ def render(report: dict) -> str:
         + ("" if report.get("self_tests", True) else " (--static: checks only; no kernel loaded or self-tested)"),
         "",
         *variable_lines(report.get("variables")),
+        *distributed_lines(report.get("distributed")),
         "Known-bad stacks",
     ]
     for issue in report["known_issues"]:

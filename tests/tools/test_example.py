@@ -69,9 +69,9 @@ def test_example_runs_offline_with_packing_and_checkpointing(tmp_path):
 
 @pytest.mark.slow
 def test_example_under_torchrun_with_fsdp2(tmp_path):
-    """Two CPU processes (gloo). On CPU accelerate runs the Trainer's FSDP request as plain data parallel (it
-    reports MULTI_CPU), so this checks the distributed launch, the patching and the logging; FSDP2 sharding itself
-    is checked by tests/integrations/test_fsdp2.py with fully_shard, and the example prints whether its layers are sharded."""
+    """Two CPU processes (gloo), the layers FSDP2-sharded through the Trainer's fsdp arguments (accelerate shards
+    only GPU-like devices by itself: the example's ``trainer_fsdp_on_cpu``); the numerics of that path against the
+    unsharded model are tests/integrations/test_fsdp2.py's."""
     result = torchrun(
         EXAMPLE,
         "--fsdp",
@@ -86,8 +86,32 @@ def test_example_under_torchrun_with_fsdp2(tmp_path):
         HF_DATASETS_CACHE=str(tmp_path / "cache"),
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("world size 2, FSDP2-sharded layers:") == 2
+    assert result.stdout.count("world size 2, FSDP2-sharded layers: True") == 2, result.stdout[-3000:]
     assert "Qwen3_5GatedDeltaNet x3" in result.stderr or "Qwen3_5GatedDeltaNet x3" in result.stdout
+
+
+def test_fsdp_in_one_process_says_why_it_runs_unsharded_and_how_to_shard(monkeypatch, capsys):
+    sft = _module()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert sft.sharding(True) is False
+    said = capsys.readouterr().out
+    assert "runs unsharded" in said and "torchrun --nproc-per-node 2 examples/sft_ultrachat.py --fsdp" in said
+    assert sft.sharding(False) is False and capsys.readouterr().out == ""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert sft.sharding(True) is True and capsys.readouterr().out == ""
+
+
+def test_fsdp_on_cpu_changes_only_a_cpu_process_group_without_a_plugin():
+    """``fsdp_on_cpu`` sets accelerate's state as accelerate sets it on GPUs, and only where accelerate left a CPU
+    process group without its plugin: a single process (``NO``) or a kept plugin is left alone."""
+    from accelerate.utils import DistributedType
+
+    sft = _module()
+    plugin = object()
+    state = type("State", (), {"distributed_type": DistributedType.NO, "mixed_precision": "no"})()
+    assert sft.fsdp_on_cpu(type("Accelerator", (), {"state": state})(), plugin) is False
+    state.distributed_type, state.fsdp_plugin = DistributedType.MULTI_CPU, plugin
+    assert sft.fsdp_on_cpu(type("Accelerator", (), {"state": state})(), plugin) is False
 
 
 def test_shipped_27b_config_builds_the_real_layer_shapes_truncated(tmp_path):

@@ -62,7 +62,7 @@ def _fused_projections() -> list:
     return seen
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--order", choices=["patch-then-shard", "shard-then-patch"], default="patch-then-shard")
@@ -77,11 +77,30 @@ def main() -> None:
         action="store_true",
         help="run the GPU-only shared-input projections and residual GEMM (fusepatch.layers.support.projections) on the CPU",
     )
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    result = run(args)
+    if result is not None:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh)
+    # as examples/sft_ultrachat.py ends: every rank done, the GIL free a moment for gloo's worker threads to
+    # release the last collectives' tensors, then the group closed (see end_process_group there)
+    dist.barrier()
+    time.sleep(0.2)
+    dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """One comparison in the process group already open (``fsdp2_cases.py`` runs several in one launch; the stand-ins
+    stay installed for the runs after it); rank 0 returns it."""
     calls = _standin_add_norm() if args.standin_add_norm else []
     projected = _fused_projections() if args.fused_projections else []
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -136,13 +155,8 @@ def main() -> None:
             "shared_input_calls": projected.count("shared"),
             "residual_gemm_calls": projected.count("residual"),
         }
-        with open(args.out, "w") as fh:
-            json.dump(result, fh)
-    # as examples/sft_ultrachat.py ends: every rank done, the GIL free a moment for gloo's worker threads to
-    # release the last collectives' tensors, then the group closed (see end_process_group there)
-    dist.barrier()
-    time.sleep(0.2)
-    dist.destroy_process_group()
+        return result
+    return None
 
 
 if __name__ == "__main__":
