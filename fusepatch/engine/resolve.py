@@ -361,6 +361,10 @@ class Dispatch:
         """The handle held for ``weight`` as the last call left it (nothing made or checked; None: none)."""
         return self._prepared.kept(weight)
 
+    def all_held(self) -> list[Held]:
+        """Every handle this dispatcher keeps for a live weight (a dropped weight carries its own)."""
+        return self._prepared.all_held()
+
     @property
     def generation(self) -> int:
         """Changes whenever a handle this dispatcher keeps is made anew or let go (0: none made yet)."""

@@ -149,6 +149,11 @@ class PreparedWeights:
         entry = self._entries.get(id(weight))
         return entry.held if entry is not None and entry.weight() is weight else None
 
+    def all_held(self) -> list[Held]:
+        """Every handle kept here for a weight still alive (what they hold is memory the weights' own does not
+        count: a per-rank memory account reads it)."""
+        return [entry.held for entry in self._entries.values() if entry.weight() is not None]
+
     def handle(self, candidate: Candidate, weight: torch.Tensor) -> Any | None:
         """``candidate``'s handle of ``weight`` for this call, holding the weight's values now; None where nothing
         is prepared: a candidate that prepares nothing, a weight that trains, inside ``torch.compile``, under

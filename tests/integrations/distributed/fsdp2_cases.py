@@ -310,12 +310,14 @@ def memory_case(rank: int, world: int) -> dict:
                 parts["gradients"] += local_bytes(p.grad) if p.grad is not None else 0
         for state in optimizer.state.values():
             parts["optimizer_states"] += sum(local_bytes(v) for k, v in state.items() if k != "step")
+        dispatches = {}  # one dispatcher serves every projection of a row: each counted once
         for module in model.modules():
-            kept = module.__dict__.get("_fusepatch")
-            copy_ = kept.cache.get("fp8") if kept is not None else None
-            if copy_ is not None:
-                q, inverse = copy_[1]
-                parts["projections_fp8"] += q.nbytes + inverse.nbytes
+            state = module.__dict__.get("_fusepatch")
+            if state is not None and "fp8_linear" in state.ops:
+                dispatches[id(state.ops["fp8_linear"])] = state.ops["fp8_linear"]
+        for dispatch in dispatches.values():
+            for held in dispatch.all_held():
+                parts["projections_fp8"] += held.handle.q.nbytes + held.handle.inverse.nbytes
         return parts
 
     after: list[dict] = []
