@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fusepatch import backends
+from fusepatch.backends import deepspeed
 from fusepatch.base import options
 from fusepatch.base.dtypes import autocast_dtype, dtype_name, fsdp_compute_dtype
 from fusepatch.base.env import capture
@@ -418,6 +419,7 @@ def _report(
         already_patched=already,
         drift=backends.drifted(),
         lora=plan.adapters,
+        sharding=deepspeed.describe(plan.model),
         environment={
             "torch": env.torch,
             "cuda": env.torch_cuda,
