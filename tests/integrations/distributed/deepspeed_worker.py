@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ def stand_ins() -> list[tuple]:
     from helpers import cpu_candidates
 
     from fusepatch.layers import gated_deltanet
-    from fusepatch.layers.support import projections
+    from fusepatch.layers.support import lora, projections
     from fusepatch.ops import OPS
     from fusepatch.ops.linear_cross_entropy import linear_cross_entropy_chunked
 
@@ -45,6 +46,21 @@ def stand_ins() -> list[tuple]:
     seen = cpu_candidates(patch, kernels)
     patch.setattr(projections, "DEVICES", (*projections.DEVICES, "cpu"))
     patch.setattr(gated_deltanet, "COPY_DEVICES", (*gated_deltanet.COPY_DEVICES, "cpu"))
+    # the projections' own GEMMs, which ZeRO-3's hooks on every module send back to the modules: counted
+    shared, fused_lora = projections._SharedInputLinears.apply, lora.project
+
+    def counted_shared(*args):
+        seen.append(("shared-input projections",))
+        return shared(*args)
+
+    def counted_lora(*args, **kwargs):
+        out = fused_lora(*args, **kwargs)
+        if out is not None:
+            seen.append(("fused LoRA",))
+        return out
+
+    patch.setattr(projections._SharedInputLinears, "apply", counted_shared)
+    patch.setattr(lora, "project", counted_lora)
     return seen
 
 
@@ -56,6 +72,10 @@ def ds_config(stage: int, rows: int) -> dict:
             "stage": stage,
             # every parameter partitioned (the default keeps those under 100k elements whole: all of a tiny model's)
             "stage3_param_persistence_threshold": 0,
+            # buckets of a tiny model's size: the defaults (5e8 elements) allocate and clear 2 GB a case
+            "reduce_bucket_size": 2**20,
+            "allgather_bucket_size": 2**20,
+            "stage3_prefetch_bucket_size": 2**20,
         },
         "gradient_clipping": 0.0,  # DeepSpeed's default clips to 1.0: the reference's SGD clips nothing
         "zero_allow_untested_optimizer": True,
@@ -111,18 +131,24 @@ def reference_loss(model, batch: dict) -> torch.Tensor:
     return total / count
 
 
-def build(model_type: str, tuning: str):
-    """The model and its unpatched twin (same weights, same adapters)."""
+def build(model_type: str, tuning: str, checkpointing: bool = False):
+    """The model and its unpatched twin (same weights, same adapters); the model with transformers' non-reentrant
+    activation checkpointing if asked (the backward's recompute gathers again)."""
+    from helpers import HYBRID_PAIR
+
     from fusepatch.tools.tiny import tiny_model
 
-    model = tiny_model(model_type, seed=0)
+    model = tiny_model(model_type, seed=0, **HYBRID_PAIR)  # a Gated DeltaNet layer and a gated attention layer
     if tuning == "lora":
         import peft
 
         torch.manual_seed(0)
         model = peft.get_peft_model(model, peft.LoraConfig(**LORA))
     model.train()
-    return model, copy.deepcopy(model)
+    reference = copy.deepcopy(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, reference
 
 
 def reference_steps(reference, batches: list[dict]) -> list[list[float]]:
@@ -167,13 +193,13 @@ def compare(model_params: dict, reference, initial: dict) -> dict:
     return {"worst_update_rel_err": worst, "max_abs_diff": largest, "worst_name": max(names, key=names.get)}
 
 
-def engine_case(model_type: str, stage: int, tuning: str, batching: str, seen: list) -> dict:
+def engine_case(model_type: str, stage: int, tuning: str, batching: str, checkpointing: bool, seen: list) -> dict:
     import deepspeed
 
     import fusepatch
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, reference = build(model_type, tuning)
+    model, reference = build(model_type, tuning, checkpointing)
     vocab = model.config.vocab_size if tuning == "full" else model.base_model.model.config.vocab_size
     batches = (padded_batches if batching == "padded" else packed_batches)(vocab, world)
     initial = {n: p.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
@@ -198,7 +224,7 @@ def engine_case(model_type: str, stage: int, tuning: str, batching: str, seen: l
     model_params = full_parameters(engine, stage)
     after = fusepatch.report(engine.module)
     engine.destroy()
-    result = {"fused": fused, "patched": report.patched, "engine": list(getattr(after, "engine", ()))}
+    result = {"fused": fused, "patched": report.patched, "sharding": list(after.sharding)}
     if rank == 0:
         expected = reference_steps(reference, batches)
         result["losses"], result["expected"] = losses, expected
@@ -260,7 +286,7 @@ def trainer_case(stage: int, seen: list) -> dict:
         fused = sorted({op for op, *_ in seen})
         model_params = full_parameters(trainer.model_wrapped, stage)
         report = fusepatch_report(trainer.model)
-    result = {"fused": fused, "patched": report.patched, "engine": list(getattr(report, "engine", ()))}
+    result = {"fused": fused, "patched": report.patched, "sharding": list(report.sharding)}
     if rank == 0:
         rows = {"input_ids": torch.stack(data.rows), "labels": torch.stack(data.rows)}
         expected = reference_steps(reference, [rows])
@@ -287,11 +313,16 @@ def fusepatch_report(model):
     return fusepatch.report(model)
 
 
+# ZeRO-3's full fine-tuning on packed rows also checkpoints the layers
 CASES = {
-    f"zero{stage}-{tuning}-{batching}": (engine_case, ("qwen3_5_text", stage, tuning, batching))
+    f"zero{stage}-{tuning}-{batching}{'-checkpointing' if checkpointing else ''}": (
+        engine_case,
+        ("qwen3_5_text", stage, tuning, batching, checkpointing),
+    )
     for stage in (3, 2)
     for tuning in ("full", "lora")
     for batching in ("padded", "packed")
+    for checkpointing in [stage == 3 and tuning == "full" and batching == "packed"]
 }
 CASES["trainer-zero3"] = (trainer_case, (3,))
 
@@ -311,6 +342,11 @@ def main() -> None:
     # 160 s on two busy cores); without it gloo does every collective. Its table of buildable ops is read once
     # and kept (deepspeed/ops/__init__.py): an op it names incompatible is never built.
     vars(deepspeed.ops)["__compatible_ops__"] = {"deepspeed_shm_comm": False}
+    # ZeRO's optimizers import DeepSpeed's Muon optimizer to ask whether theirs is one, and its import compiles with
+    # torch.compile (imports inductor: 6 s a process); these cases train with SGD, so a stand-in class answers
+    muon = types.ModuleType("deepspeed.runtime.zero.muon.muon_optimizer")
+    muon.MuonWithAuxAdam = type("MuonWithAuxAdam", (), {})
+    sys.modules[muon.__name__] = muon
     deepspeed.init_distributed(dist_backend="gloo")
     results = {}
     for name in args.cases:
