@@ -135,6 +135,13 @@ SUPPORT: dict[str, Support] = {
             requires=(("==1.16.0", "accelerate>=1.10.1"), ("==1.16.0", "datasets>=4.7.0")),
         ),
         Support("peft", ">=0.21", ("0.21.2",), "CI", extras=("test",)),
+        Support(
+            "deepspeed",
+            ">=0.19,<0.20",
+            ("0.19.8",),
+            "CI: the ZeRO-2/3 tests on DeepSpeed's CPU accelerator (tests/integrations/test_deepspeed.py)",
+            extras=("deepspeed", "test"),
+        ),
         Support("triton", ">=3.6", ("3.6.0", "3.9.0"), "3.6: the GPU suite; 3.9: CI", extras=("test",)),
     )
 }

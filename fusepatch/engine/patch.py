@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from fusepatch import backends
+from fusepatch.backends import deepspeed
 from fusepatch.base import options
 from fusepatch.base.dtypes import dtype_name
 from fusepatch.base.env import capture
@@ -199,6 +200,7 @@ def _report(
         already_patched=already,
         drift=backends.drifted(),
         lora=plan.adapters,
+        sharding=deepspeed.describe(plan.model),
         environment=versions,
     )
 

@@ -54,6 +54,8 @@ class PatchReport:
     transformers_calls: tuple[str, ...] = ()
     # frozen FP8 projections whose weight apply(drop_frozen_weights=True) dropped (kept in FP8 only)
     dropped_weights: int = 0
+    # how the fused paths meet a sharding engine: DeepSpeed ZeRO-3 detected, and what its patched modules gather
+    sharding: tuple[str, ...] = ()
 
     @property
     def patched(self) -> int:
@@ -126,6 +128,7 @@ class PatchReport:
             "lora": self.lora,
             "transformers_calls": list(self.transformers_calls),
             "dropped_weights": self.dropped_weights,
+            "sharding": list(self.sharding),
             "environment": self.environment,
         }
 
@@ -173,6 +176,8 @@ class PatchReport:
             lines.append(f"  drift: {line}")
         for line in self.transformers_calls:
             lines.append(f"  transformers' forward: {line}")
+        for line in self.sharding:
+            lines.append(f"  {line}")
         if self.dropped_weights:
             lines.append(
                 f"  {self.dropped_weights} frozen weights kept in FP8 only (drop_frozen_weights=True; "

@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from fusepatch.backends import deepspeed
 from fusepatch.base.dtypes import autocast_dtype, dtype_name, fsdp_compute_dtype
 from fusepatch.base.row import Binding
 from fusepatch.layers.support import bindings
@@ -121,6 +122,9 @@ def _causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
         if counting is not None:
             counting.remove()
     hidden = captured[-1]
+    # read after transformers' forward: its call of lm_head (for no position) has ZeRO-3 free lm_head's weight
+    weight = self.lm_head.weight
+    deepspeed.gather(self, weight)
     loss = _fused_loss(dispatch, hidden, weight, rows, kwargs.get("num_items_in_batch"))
     aux_loss = getattr(outputs, "aux_loss", None)
     if aux_loss is not None:  # transformers adds the router's load-balancing loss whenever labels are given

@@ -24,6 +24,7 @@ import functools
 
 import torch
 
+from fusepatch.backends import deepspeed
 from fusepatch.base.dtypes import dtype_name
 from fusepatch.layers.simple import _eps, swiglu_mlp_plus
 from fusepatch.layers.support.packing import packed_kwargs
@@ -93,6 +94,7 @@ def _fused_forward(self, *args, **kwargs) -> torch.Tensor:
     # means the same choice.
     if hidden_states.dtype == residual.dtype:
         dispatch = self._fusepatch.ops[_add_norm_op(self)]
+        deepspeed.gather(self, norm.weight)  # the norm's own forward, which ZeRO-3 would gather it for, is not called
         hidden_states, residual = dispatch(hidden_states, residual, norm.weight, _eps(norm))
     else:
         residual = residual + hidden_states

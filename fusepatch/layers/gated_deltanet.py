@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from fusepatch.backends import deepspeed
 from fusepatch.base.state import current as process_state
 from fusepatch.layers.support import dispatch_guard, linear_cache
 from fusepatch.layers.support.projections import apply_linear, project
@@ -203,6 +204,7 @@ def gated_deltanet_forward(
         conv_inputs, z, b, a = (t.reshape(1, batch * length, *t.shape[2:]) for t in (conv_inputs, z, b, a))
 
     ops = state.ops
+    deepspeed.gather(self, self.conv1d.weight, self.conv1d.bias, self.norm.weight)  # modules not called (ZeRO-3)
     weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
     if weight.dtype != conv_inputs.dtype:  # autocast over fp32 weights: the conv runs in the activations' dtype
         weight, bias = weight.to(conv_inputs.dtype), None if bias is None else bias.to(conv_inputs.dtype)
