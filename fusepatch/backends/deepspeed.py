@@ -49,6 +49,12 @@ def partitioned(param: torch.Tensor | None) -> bool:
     return param is not None and hasattr(param, "ds_id")
 
 
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """``param``'s shape as the model defines it: under ZeRO-3 the partitioned parameter's own (``ds_shape``; the
+    placeholder in its place is empty), else the tensor's."""
+    return torch.Size(param.ds_shape) if partitioned(param) else param.shape
+
+
 def gather(owner: torch.nn.Module, *params: torch.Tensor | None) -> None:
     """Make each of ``params`` whole for ``owner``'s forward, and for its backward, under ZeRO-3: an external
     parameter of ``owner``, gathered now if it is not. Nothing for a parameter ZeRO-3 does not partition (the

@@ -12,6 +12,7 @@ import copy
 
 import torch
 
+from fusepatch.backends import deepspeed
 from fusepatch.base.dtypes import dtype_name
 from fusepatch.base.log import logger
 from fusepatch.base.state import current as process_state
@@ -38,7 +39,7 @@ RESIZED = f"resized since apply to a weight dimension that is not a multiple of 
 
 def aligned(module: torch.nn.Module) -> str | None:
     """``Row.fits`` of the FP8 rows: None for a projection FP8 GEMMs can compute, else why not."""
-    rows, columns = module.weight.shape
+    rows, columns = deepspeed.full_shape(module.weight)  # a ZeRO-3 weight between its module's calls: a placeholder
     return UNALIGNED if rows % MULTIPLE or columns % MULTIPLE else None
 
 

@@ -1,7 +1,9 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 with world size 2 on CPU (DeepSpeed's CPU accelerator, gloo): the patched model
 trains as the unsharded, unpatched one (the loss of each of two SGD steps, and every trainable parameter after
 them), full fine-tuning and LoRA, on padded and packed batches, through ``deepspeed.initialize`` and through the
-Trainer's ``deepspeed=`` config (accelerate's DeepSpeed plugin), with the layers on the paths a GPU takes. Every case
+Trainer's ``deepspeed=`` config (accelerate's DeepSpeed plugin), with the layers on the paths a GPU takes; and
+``precision="fp8"`` applied after ZeRO-3 partitioned a LoRA model (as ``FusePatchCallback`` applies), against the
+unsharded model patched alike. Every case
 runs in one launch of two processes (tests/integrations/distributed/deepspeed_worker.py)."""
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ def _wrong(name: str, case: dict) -> str:
     """What is wrong with one case's result, or ""."""
     if "error" in case:
         return case["error"]
+    if name.endswith("-fp8"):  # bf16 autocast, the reference patched alike: its loss 3.3e-3 off at step 2 measured
+        if "fp8_linear" not in case["fused"]:
+            return f"the FP8 projections did not run: {case['fused']}"
+        return "" if case["loss_diff"] < 1e-2 else f"trains otherwise than the unsharded FP8 model: {case}"
     # fp32, two SGD steps; the eager chunked delta rule is fusepatch's own formulation of transformers' reference
     if not (case["loss_diff"] < 1e-5 and case["worst_update_rel_err"] < 2e-3):
         return f"trains otherwise than the unpatched model: {case}"
@@ -57,7 +63,7 @@ def test_deepspeed_zero_world_size_2_trains_as_unsharded_unpatched(tmp_path):
     result = torchrun(WORKER, "--out", str(out), "--tests", str(TESTS), timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     cases = json.loads(out.read_text())
-    assert len(cases) == 9, sorted(cases)
+    assert len(cases) == 10, sorted(cases)
     wrong = {name: why for name, case in cases.items() if (why := _wrong(name, case))}
     assert not wrong, "\n\n".join(f"{name}: {why}" for name, why in wrong.items())
 

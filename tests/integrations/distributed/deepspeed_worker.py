@@ -38,11 +38,13 @@ def stand_ins() -> list[tuple]:
     from fusepatch.layers import gated_deltanet
     from fusepatch.layers.support import lora, projections
     from fusepatch.ops import OPS
+    from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear
     from fusepatch.ops.linear_cross_entropy import linear_cross_entropy_chunked
 
     patch = pytest.MonkeyPatch()
     kernels = {name: op.reference for name, op in OPS.items()}
     kernels["linear_cross_entropy"] = linear_cross_entropy_chunked
+    kernels["fp8_linear"] = fp8_linear  # FP8 GEMMs' arithmetic in torch: quantized operands, frozen copies kept
     seen = cpu_candidates(patch, kernels)
     patch.setattr(projections, "DEVICES", (*projections.DEVICES, "cpu"))
     patch.setattr(gated_deltanet, "COPY_DEVICES", (*gated_deltanet.COPY_DEVICES, "cpu"))
@@ -193,7 +195,9 @@ def compare(model_params: dict, reference, initial: dict) -> dict:
     return {"worst_update_rel_err": worst, "max_abs_diff": largest, "worst_name": max(names, key=names.get)}
 
 
-def engine_case(model_type: str, stage: int, tuning: str, batching: str, checkpointing: bool, seen: list) -> dict:
+def engine_case(
+    model_type: str, stage: int, tuning: str, batching: str, checkpointing: bool, seen: list, precision=None
+) -> dict:
     import deepspeed
 
     import fusepatch
@@ -203,18 +207,31 @@ def engine_case(model_type: str, stage: int, tuning: str, batching: str, checkpo
     vocab = model.config.vocab_size if tuning == "full" else model.base_model.model.config.vocab_size
     batches = (padded_batches if batching == "padded" else packed_batches)(vocab, world)
     initial = {n: p.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
-    report = fusepatch.apply(model, verbose=False) if not os.environ.get("NOPATCH") else fusepatch.report(model)
+
+    # FP8: bf16 autocast on both sides, the reference patched alike (FP8's own error is the same on both)
+    fp8 = {"precision": precision, "compute_dtype": "bf16"} if precision else {}
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(precision))
+    if precision:
+        fusepatch.apply(reference, verbose=False, **fp8)
+
+    def patch(module):
+        return fusepatch.report(module) if os.environ.get("NOPATCH") else fusepatch.apply(module, verbose=False, **fp8)
+
+    report = patch(model) if precision is None else None
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(
         model=model,
         optimizer=torch.optim.SGD(params, lr=LR),
         config=ds_config(int(os.environ.get("STAGE", stage)), batches[rank]["input_ids"].shape[0]),
     )
+    if precision is not None:  # after ZeRO-3 partitioned the weights, as FusePatchCallback applies at train start
+        report = patch(engine.module)
     mine = {k: v for k, v in batches[rank].items() if k != "documents"}
     seen.clear()
     losses = []
     for _ in range(STEPS):
-        loss = engine(**mine, use_cache=False).loss
+        with autocast:
+            loss = engine(**mine, use_cache=False).loss
         engine.backward(loss)
         engine.step()
         gathered = [torch.zeros(()) for _ in range(world)]
@@ -226,7 +243,8 @@ def engine_case(model_type: str, stage: int, tuning: str, batching: str, checkpo
     engine.destroy()
     result = {"fused": fused, "patched": report.patched, "sharding": list(after.sharding)}
     if rank == 0:
-        expected = reference_steps(reference, batches)
+        with autocast:
+            expected = reference_steps(reference, batches)
         result["losses"], result["expected"] = losses, expected
         result["loss_diff"] = max(abs(a - b) for got, want in zip(losses, expected) for a, b in zip(got, want))
         result.update(compare(model_params, reference, initial))
@@ -325,6 +343,11 @@ CASES = {
     for checkpointing in [stage == 3 and tuning == "full" and batching == "packed"]
 }
 CASES["trainer-zero3"] = (trainer_case, (3,))
+# FP8 projections over ZeRO-3's partitioned LoRA bases: each gathered by its own module's hooks, its copy prepared
+CASES["zero3-lora-padded-fp8"] = (
+    lambda seen: engine_case("qwen3_5_text", 3, "lora", "padded", False, seen, precision="fp8"),
+    (),
+)
 
 
 def main() -> None:
