@@ -453,3 +453,26 @@ def test_the_engine_tells_layers_apart_by_role_not_by_forward():
             if forwards and not all(isinstance(s, ast.Constant) and s.value is None for s in others):
                 wrong.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")  # ``row.forward is None`` is fine
     assert not wrong, "compares a forward: " + ", ".join(wrong)
+
+
+DESIGN = ROOT.parent / "docs" / "design.md"
+
+
+def test_design_names_every_feature_module():
+    """docs/design.md names each module of engine/features/ as ``NAME.py``: a feature added is a feature explained."""
+    text = DESIGN.read_text(encoding="utf-8")
+    modules = sorted(p.name for p in (ROOT / "engine" / "features").glob("*.py") if p.name != "__init__.py")
+    unnamed = [name for name in modules if name not in text]
+    assert modules and not unnamed, f"feature modules docs/design.md does not name: {unnamed}"
+
+
+def test_design_names_every_op_folder_and_op():
+    """docs/design.md lists each folder of ops/ (as ``NAME/``) and each op of ``OPS`` by its whole name."""
+    from fusepatch.ops import OPS
+
+    text = DESIGN.read_text(encoding="utf-8")
+    folders = sorted(p.parent.name for p in (ROOT / "ops").glob("*/__init__.py"))
+    missing = [name for name in folders if f"`{name}/`" not in text]
+    assert len(folders) > 1 and not missing, f"op folders docs/design.md does not list (as `NAME/`): {missing}"
+    unnamed = [op for op in OPS if not re.search(rf"(?<!\w){re.escape(op)}(?!\w)", text)]
+    assert not unnamed, f"ops docs/design.md does not name: {unnamed}"
