@@ -108,8 +108,6 @@ class PatchState:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         del state["original"]  # a bound method of the owner: derived again, never pickled by name
-        for feature in FEATURES:
-            feature.getstate(self, state)
         return state
 
     def __setstate__(self, state: dict) -> None:

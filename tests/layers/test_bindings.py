@@ -145,6 +145,12 @@ def test_a_model_dropped_without_revert_is_released_at_the_next_apply_or_revert(
     gc.collect()
     fusepatch.revert(model)  # the release sweeps the dropped one's holders too
     assert all(_now(declared)[key] is originals[key] for key in declared) and current().bindings == {}
+    last = tiny_model("qwen3")
+    fusepatch.apply(last)
+    del last
+    gc.collect()
+    fusepatch.revert(tiny_model("qwen2"))  # a revert of a model that holds none of them sweeps as well
+    assert all(_now(declared)[key] is originals[key] for key in declared) and current().bindings == {}
 
 
 def test_copies_hold_the_names_they_run_with(stand_ins):

@@ -15,9 +15,8 @@ A feature (``base.Feature``; each hook optional) has:
 - ``finish(plan, resolved, report, request, newly)``: after the report is made and logged.
 - ``report(report, states) -> PatchReport``: ``fusepatch.report``'s value with what this feature counts.
 - ``revert(model, patched)``: undo what it did, before the engine puts the forwards back.
-- ``getstate(state, pickled)``: what of its slots a pickled ``PatchState`` keeps (``pickled`` is what will be
-  pickled, every slot by default; a feature removes what a copy must derive again).
-- ``setstate(state)``: a copy of a patched module (``deepcopy``, a pickle loaded) made: what it needs to run.
+- ``setstate(state)``: a copy of a patched module made (``deepcopy``, a pickle loaded; every slot travels with
+  it): what the copy needs to run.
 - ``runs(module, args, kwargs) -> runner | None``: at each call of a patched forward, in ``FEATURES`` order: a
   feature that runs this call its own way (outside dynamo, from a CUDA graph) returns
   ``runner(function, module, args, kwargs)``.

@@ -42,9 +42,6 @@ class Feature:
     def revert(self, model: torch.nn.Module, patched: Patched) -> None:
         return None
 
-    def getstate(self, state: Any, pickled: dict) -> None:
-        return None
-
     def setstate(self, state: Any) -> None:
         return None
 

@@ -31,6 +31,7 @@ class Bindings(Feature):
     def revert(self, model: torch.nn.Module, patched: Patched) -> None:
         for module, _ in patched:  # transformers' module-level names back once no patched layer holds them
             bindings.release(module)
+        bindings.sweep()  # and those only models collected without revert held, whatever this model held
 
 
 FEATURE = Bindings()
