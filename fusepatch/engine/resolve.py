@@ -322,7 +322,8 @@ class Dispatch:
         self._prefer = prefer
 
     def __deepcopy__(self, memo) -> Dispatch:
-        """Shared by a model's copies: it holds choices and kernels, no weights."""
+        """Shared by a model's copies: it holds choices and kernels, and the prepared handles of every weight it has
+        served (each by the weight's identity, let go with it), the copies' among them."""
         return self
 
     def __reduce__(self):
@@ -364,6 +365,10 @@ class Dispatch:
     def all_held(self) -> list[Held]:
         """Every handle this dispatcher keeps for a live weight (a dropped weight carries its own)."""
         return self._prepared.all_held()
+
+    def generation_of(self, weight: Any) -> int:
+        """The generation of the handle kept for ``weight`` (0: none), new each time it is made anew."""
+        return self._prepared.generation_of(weight)
 
     @property
     def generation(self) -> int:

@@ -96,10 +96,15 @@ def _patched(layer: torch.nn.Module) -> tuple:
 def _reads(params: Iterable[torch.nn.Parameter], states: tuple) -> tuple:
     """What a layer's graphs read: per parameter its pointer, dtype, ``requires_grad`` and, frozen, its version (an
     in-place load gives a prepared weight a new handle, made outside a graph); and per patched module the
-    generation of the handles its ops' dispatchers keep (``ops/prepared.py``: a handle made anew frees the memory the
-    graph reads)."""
+    generation of the handle its ops' dispatchers keep for its own weight (``ops/prepared.py``: a handle made anew
+    frees the memory the graph reads; another weight's, a copy's, leaves this one's as it was)."""
     tensors = tuple((p.data_ptr(), p.dtype, p.requires_grad, None if p.requires_grad else p._version) for p in params)
-    return tensors, tuple(getattr(d, "generation", 0) for state in states for d in state.ops.values())
+    handles = tuple(
+        d.generation_of(getattr(state.owner, "weight", None)) if hasattr(d, "generation_of") else 0
+        for state in states
+        for d in state.ops.values()
+    )
+    return tensors, handles
 
 
 class LayerGraphs:

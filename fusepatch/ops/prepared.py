@@ -122,6 +122,7 @@ class _Entry:
     weight: weakref.ref
     held: Held
     check: torch.Tensor  # its contents' fingerprint (``fingerprint_weight``)
+    generation: int = 0  # a process-wide number, new each time this weight's handle is made anew
 
 
 def _key(weight: torch.Tensor) -> tuple:
@@ -200,9 +201,16 @@ class PreparedWeights:
         self._keep(weight, _Entry(key, self._watch(weight), held, fingerprint_weight(weight)))
         return held
 
+    def generation_of(self, weight: torch.Tensor | None) -> int:
+        """The generation of ``weight``'s handle kept here (0: none): what a CUDA graph that read this weight's
+        handle compares, untouched by the handles of other weights (another model's, a copy's) this dispatcher
+        keeps."""
+        entry = self._entries.get(id(weight)) if weight is not None else None
+        return entry.generation if entry is not None and entry.weight() is weight else 0
+
     def _keep(self, weight: torch.Tensor, entry: _Entry) -> None:
+        entry.generation = self.generation = next(_generations)
         self._entries[id(weight)] = entry
-        self.generation = next(_generations)
 
     def _watch(self, weight: torch.Tensor) -> weakref.ref:
         entries, ident = weakref.ref(self), id(weight)

@@ -156,6 +156,23 @@ def test_a_trained_weight_is_passed_as_it_is_and_a_freed_one_lets_its_handle_go(
     assert len(dispatch._prepared) == 0 and dispatch.generation != generation
 
 
+def test_a_weights_generation_is_its_own_handles(toy):
+    """A CUDA graph that read one weight's handle compares that handle's generation (``layers/layer_graphs._reads``):
+    another weight's handle made or let go (a copy of the model shares the dispatcher) leaves it as it was; its own
+    made anew changes it."""
+    dispatch, mine, other = _dispatch(), _frozen(), _frozen()
+    x = torch.randn(3, 48)
+    dispatch(x, mine.weight)
+    assert dispatch.generation_of(mine.weight) != 0 and dispatch.generation_of(other.weight) == 0
+    seen = dispatch.generation_of(mine.weight)
+    dispatch(x, other.weight)
+    del other
+    assert dispatch.generation_of(mine.weight) == seen  # the dispatcher-wide number moved twice meanwhile
+    mine.weight.data = mine.weight.data.clone()  # new storage: a new handle
+    dispatch(x, mine.weight)
+    assert dispatch.generation_of(mine.weight) not in (0, seen)
+
+
 def test_the_reference_takes_only_what_it_computes():
     """The eager fallback never sees a handle: its signature is the op's, ``F.linear``'s."""
     import inspect
