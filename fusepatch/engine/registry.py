@@ -13,6 +13,7 @@ from fusepatch.base.op import Op
 from fusepatch.base.row import Row
 from fusepatch.base.state import current as process_state
 from fusepatch.models import BUILTIN_ROWS
+from fusepatch.models._rows import completed
 from fusepatch.ops import OPS
 
 
@@ -27,7 +28,7 @@ def register(row: Row) -> None:
     unknown = [op for op in row.ops if op not in OPS]
     if unknown:
         raise ValueError(f"row {row.layer}: unknown op(s) {unknown}; known ops: {sorted(OPS)}")
-    process_state().user_rows.insert(0, row)
+    process_state().user_rows.insert(0, completed(row))  # fusepatch's own forward: its role and names too
 
 
 def all_rows() -> list[Row]:

@@ -6,6 +6,7 @@ A family file (``qwen2.py``, ...) says which families of transformers it covers 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,6 +71,34 @@ IMAGE_TEXT_HEAD = Part(
     "image-text wrapper: text loss only",
     lambda module: PACKED_CHECK,
 )
+
+PARTS = (
+    NORM,
+    NORM_ZERO_CENTERED,
+    GATED_DELTANET,
+    DECODER,
+    HYBRID_DECODER,
+    MLP,
+    EXPERTS,
+    ROTARY,
+    ATTENTION,
+    GATED_ATTENTION,
+    BASE_MODEL,
+    HEAD,
+    IMAGE_TEXT_HEAD,
+)
+
+
+def completed(row: Row) -> Row:
+    """A row added with ``register`` whose forward is one of fusepatch's own, with what that forward's part
+    declares where the row leaves it out: its role (the trainer's head, the CUDA graphs and the MLP recompute act
+    by role) and the foreign names it needs (for the row's own modeling module). A row that sets either keeps its
+    own; a forward of the user's own is left as it is."""
+    part = next((part for part in PARTS if part.forward is row.forward), None)
+    if part is None:
+        return row
+    bindings = row.bindings or (part.bindings(row.module) if part.bindings else ())
+    return dataclasses.replace(row, role=row.role or part.role, bindings=bindings)
 
 
 def family(

@@ -287,6 +287,30 @@ def test_register_user_row():
         register(Row(("x",), "m", "L", ("nope",), forward))
 
 
+def test_a_user_row_with_fusepatchs_forward_gets_its_role_and_names():
+    """``register(Row(..., attention_forward))`` as docs/design.md shows it: the row takes the role and the foreign
+    names that forward's built-in rows declare (the features act by role; the attention routes rotary through its
+    binding), for its own modeling module; a role or bindings the row sets stay its own."""
+    from fusepatch.base.row import Row
+    from fusepatch.engine.registry import all_rows, register
+    from fusepatch.layers.attention import attention_forward
+    from fusepatch.layers.causal_lm import causal_lm_forward
+
+    module = "transformers.models.qwen3.modeling_qwen3"
+    register(Row(("qwen3",), module, "Qwen3Attention", ("rotary", "varlen_attention"), attention_forward))
+    register(Row(("qwen3",), module, "Qwen3ForCausalLM", ("linear_cross_entropy",), causal_lm_forward, role="mine"))
+    head, attention = all_rows()[:2]
+    assert attention.role == "attention" and {b.name for b in attention.bindings} >= {"apply_rotary_pos_emb"}
+    assert all(b.module == module for b in attention.bindings)
+    assert head.role == "mine" and head.bindings  # its role kept, the packed-rows check added
+    model = tiny_model("qwen3")
+    fusepatch.apply(model)
+    import transformers.models.qwen3.modeling_qwen3 as modeling
+
+    assert modeling.apply_rotary_pos_emb is process_state().bindings[(module, "apply_rotary_pos_emb")].wrapper
+    fusepatch.revert(model)
+
+
 @pytest.mark.parametrize("model_type", ONE_OF_EACH)
 def test_cached_generation_is_unchanged(model_type):
     model = tiny_model(model_type).eval()
