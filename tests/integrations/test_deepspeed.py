@@ -63,7 +63,7 @@ def test_deepspeed_zero_world_size_2_trains_as_unsharded_unpatched(tmp_path):
     result = torchrun(WORKER, "--out", str(out), "--tests", str(TESTS), timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     cases = json.loads(out.read_text())
-    assert len(cases) == 10, sorted(cases)
+    assert len(cases) == 8, sorted(cases)
     wrong = {name: why for name, case in cases.items() if (why := _wrong(name, case))}
     assert not wrong, "\n\n".join(f"{name}: {why}" for name, why in wrong.items())
 
