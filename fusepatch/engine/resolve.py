@@ -370,11 +370,6 @@ class Dispatch:
         """The generation of the handle kept for ``weight`` (0: none), new each time it is made anew."""
         return self._prepared.generation_of(weight)
 
-    @property
-    def generation(self) -> int:
-        """Changes whenever a handle this dispatcher keeps is made anew or let go (0: none made yet)."""
-        return self._prepared.generation
-
     def _resolve(self, device: str, dtype: str, packed: bool) -> tuple[Choice, Callable[..., Any]]:
         key = (device, dtype, packed)
         with self._lock:

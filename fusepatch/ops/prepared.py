@@ -130,13 +130,12 @@ def _key(weight: torch.Tensor) -> tuple:
 
 
 class PreparedWeights:
-    """The handles one dispatcher keeps, one per weight (by identity, let go with the weight), and their
-    ``generation``: a new number each time one is made anew or let go, which a CUDA graph that read the old one's
-    memory compares before a replay (``layers/layer_graphs.py``)."""
+    """The handles one dispatcher keeps, one per weight (by identity, let go with the weight), each with its
+    generation: a new number each time it is made anew, which a CUDA graph that read the old one's memory compares
+    before a replay (``generation_of``, ``layers/layer_graphs.py``)."""
 
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}
-        self.generation = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -209,7 +208,7 @@ class PreparedWeights:
         return entry.generation if entry is not None and entry.weight() is weight else 0
 
     def _keep(self, weight: torch.Tensor, entry: _Entry) -> None:
-        entry.generation = self.generation = next(_generations)
+        entry.generation = next(_generations)
         self._entries[id(weight)] = entry
 
     def _watch(self, weight: torch.Tensor) -> weakref.ref:
@@ -219,7 +218,6 @@ class PreparedWeights:
             owner = entries()
             if owner is not None and (entry := owner._entries.get(ident)) is not None and entry.weight is ref:
                 del owner._entries[ident]
-                owner.generation = next(_generations)
 
         return weakref.ref(weight, gone)
 

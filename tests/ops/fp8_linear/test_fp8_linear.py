@@ -602,7 +602,7 @@ def test_dora_added_after_a_step_dropped_its_base_is_said_with_the_fix(monkeypat
 
 def test_merges_refresh_the_copies_in_place(monkeypatch):
     """peft's merge and unmerge write the bases through ``.data``: each base keeps its FP8 copy, the same buffers
-    and the dispatcher's generation (``ops/prepared.py``: CUDA graphs that read them stay valid), quantized again in
+    and their generation (``ops/prepared.py``: CUDA graphs that read them stay valid), quantized again in
     place from the merged values; a merge of what is merged already changes nothing."""
     model = _lora_fp8(monkeypatch)
     batch = lm_batch(model, length=16)
@@ -611,7 +611,7 @@ def test_merges_refresh_the_copies_in_place(monkeypatch):
 
     def kept():
         dispatches = [m._fusepatch.ops["fp8_linear"] for m in modules]
-        return [(id(d.kept(m.weight).handle), d.generation) for d, m in zip(dispatches, modules)]
+        return [(id(d.kept(m.weight).handle), d.generation_of(m.weight)) for d, m in zip(dispatches, modules)]
 
     with torch.no_grad():
         logits()
