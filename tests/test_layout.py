@@ -438,6 +438,24 @@ def test_the_engine_holds_the_pipeline_and_features_hold_the_rest():
     assert not layers, f"engine/patch.py imports {layers}"
 
 
+# FP8's own places: its op folder, its kernels, its layer and its feature module
+FP8_HOMES = ("ops/fp8_linear/", "kernels/fp8", "layers/fp8.py", "engine/features/fp8.py")
+# the others that may name it: the option's values, the feature and op tables, the rows, apply's docstring, the
+# demo's switch and doctor's advice; a ninth is a sign FP8 leaks past its op again
+FP8_NAMED_AT_MOST = 8
+
+
+def test_fp8_stays_behind_its_op():
+    """Outside its op folder, kernels, layer and feature module, at most ``FP8_NAMED_AT_MOST`` modules name FP8 (in
+    code, strings or comments): a second precision or a second FP8 kernel is added there, not across the engine."""
+    named = sorted(
+        str(path.relative_to(ROOT))
+        for path in ROOT.rglob("*.py")
+        if not str(path.relative_to(ROOT)).startswith(FP8_HOMES) and "fp8" in path.read_text().lower()
+    )
+    assert len(named) <= FP8_NAMED_AT_MOST, f"{len(named)} modules name FP8: {named}"
+
+
 def test_the_engine_tells_layers_apart_by_role_not_by_forward():
     """No engine module compares a row's forward with a layer's function (``row.forward in HEAD_FORWARDS``,
     ``state.row.forward is swiglu_mlp_forward``): a row says its part as ``Row.role``, which a user's row with a

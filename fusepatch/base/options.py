@@ -101,6 +101,17 @@ def precision(value: object) -> str | None:
     )
 
 
+def drop_frozen_weights(value: object, precision: str | None) -> bool:
+    """``apply(drop_frozen_weights=...)``: True or False, and True only with a ``precision`` (whose copy of a frozen
+    weight is what the projection keeps)."""
+    value = boolean(value, "drop_frozen_weights")
+    if value and precision is None:
+        raise ValueError(
+            'drop_frozen_weights=True keeps frozen projections in FP8 only; fix: pass precision="fp8" with it'
+        )
+    return value
+
+
 def optional_boolean(value: object, argument: str) -> bool | None:
     """True, False or None (``verbose``: None is its own level)."""
     if value is None or isinstance(value, bool):

@@ -28,8 +28,8 @@ def choices_of(request: Request) -> tuple:
 def kept(plan: Plan, request: Request) -> list[str]:
     """What modules patched before keep of the apply that patched them where ``request`` asks otherwise (said at
     WARNING with the fix): a second apply patches only modules not patched yet, so their kernel choices and what
-    each feature set on them (FP8 rows and ``drop_frozen_weights``, the MLP recompute, the layers' CUDA graphs)
-    stay as they were."""
+    each feature set on them (``precision``'s rows and ``drop_frozen_weights``, the MLP recompute, the layers' CUDA
+    graphs) stay as they were."""
     wanted, choosing, names = choices_of(request), 0, set()
     states = [state for module in plan.model.modules() if (state := module.__dict__.get("_fusepatch")) is not None]
     for state in states:
@@ -46,7 +46,7 @@ def kept(plan: Plan, request: Request) -> list[str]:
     if kept:
         logger.warning(
             "fusepatch: %s was patched before, and this apply did not change what that one set: %s; fix: "
-            "fusepatch.revert(model), then apply with the options wanted (weights kept in FP8 only come back rounded)",
+            "fusepatch.revert(model), then apply with the options wanted (dropped frozen weights come back rounded)",
             type(plan.model).__name__,
             "; ".join(kept),
         )

@@ -30,8 +30,8 @@ class Request:
     cuda_graphs: bool
     verbose: bool | None
     mlp_recompute: bool = False  # FUSEPATCH_MLP_RECOMPUTE, read when apply runs
-    precision: str | None = None  # "fp8": the precision rows too (None: the model's own GEMM precision)
-    drop_frozen_weights: bool = False  # with "fp8": frozen projections keep their weight in FP8 only
+    precision: str | None = None  # one of ``options.PRECISIONS``: its rows too (None: the model's own precision)
+    drop_frozen_weights: bool = False  # with a precision: frozen projections keep only that precision's copy
 
 
 @dataclass(frozen=True)
@@ -82,12 +82,8 @@ def checked(ops=None, exclude=(), prefer=None, strict=False, compute_dtype=None,
         verbose=options.optional_boolean(verbose, "verbose"),
         mlp_recompute=options.switch("FUSEPATCH_MLP_RECOMPUTE"),
         precision=options.precision(precision),
-        drop_frozen_weights=options.boolean(drop_frozen_weights, "drop_frozen_weights"),
+        drop_frozen_weights=options.drop_frozen_weights(drop_frozen_weights, options.precision(precision)),
     )
-    if request.drop_frozen_weights and request.precision != "fp8":
-        raise ValueError(
-            'drop_frozen_weights=True keeps frozen projections in FP8 only; fix: pass precision="fp8" with it'
-        )
     for name in [*(request.ops or ()), *request.exclude]:
         if name not in OPS:
             raise ValueError(f"unknown op {name!r}; known ops: {', '.join(sorted(OPS))}")

@@ -52,8 +52,10 @@ class PatchReport:
     lora: dict = field(default_factory=dict)  # peft LoRA linears: count, fusable, the others by reason
     # calls a patched layer handed to transformers' own forward, and why: "Qwen3_5GatedDeltaNet: 2 calls: <reason>"
     transformers_calls: tuple[str, ...] = ()
-    # frozen FP8 projections whose weight apply(drop_frozen_weights=True) dropped (kept in FP8 only)
+    # frozen projections whose weight apply(drop_frozen_weights=True) dropped (only the precision's copy left)
     dropped_weights: int = 0
+    # what a feature of apply says of the model beyond the kernels (``Feature.report``), one line each
+    notes: tuple[str, ...] = ()
     # how the fused paths meet a sharding engine: DeepSpeed ZeRO-3 detected, and what its patched modules gather
     sharding: tuple[str, ...] = ()
 
@@ -178,11 +180,8 @@ class PatchReport:
             lines.append(f"  transformers' forward: {line}")
         for line in self.sharding:
             lines.append(f"  {line}")
-        if self.dropped_weights:
-            lines.append(
-                f"  {self.dropped_weights} frozen weights kept in FP8 only (drop_frozen_weights=True; "
-                "fusepatch.revert(model) puts back rounded copies)"
-            )
+        for line in self.notes:
+            lines.append(f"  {line}")
         compiled = sum(c.ready_s for _, c in self.fused_ops if c.compiled)
         if compiled:
             lines.append(

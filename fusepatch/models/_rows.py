@@ -146,19 +146,32 @@ def family(
     ]
 
 
-def fp8_projections(model_types: tuple[str, ...]) -> Row:
-    """The decoder's projections of these model types under ``apply(model, precision="fp8")``: plain
-    ``nn.Linear`` held as one of ``PROJECTIONS`` (a subclass, such as a layer torchao already converted or a
-    peft LoRA wrapper, is left as it is), with both weight dimensions multiples of 16 (the others are named)."""
-    return Row(
-        model_types,
-        "torch.nn.modules.linear",
-        "Linear",
-        ("fp8_linear",),
-        fp8_linear_forward,
-        note="decoder projections with FP8 GEMMs: " + ", ".join(PROJECTIONS),
-        names=PROJECTIONS,
-        precision="fp8",
-        fits=aligned,
-        role="projection",
-    )
+# the decoder's projections under ``apply(model, precision=...)``, one part per precision: plain ``nn.Linear`` held
+# as one of the names listed (a subclass, such as a layer torchao already converted or a peft LoRA wrapper, is left
+# as it is), where ``fits`` says the precision's GEMMs can compute it (the others are named)
+PRECISION_PROJECTIONS = {
+    "fp8": (
+        Part(("fp8_linear",), fp8_linear_forward, "projection", "decoder projections with FP8 GEMMs: "),
+        PROJECTIONS,
+        aligned,
+    ),
+}
+
+
+def projections(model_types: tuple[str, ...]) -> list[Row]:
+    """The decoder's projections of these model types, one row per precision ``apply`` takes."""
+    return [
+        Row(
+            model_types,
+            "torch.nn.modules.linear",
+            "Linear",
+            part.ops,
+            part.forward,
+            note=part.note + ", ".join(names),
+            names=names,
+            precision=precision,
+            fits=fits,
+            role=part.role,
+        )
+        for precision, (part, names, fits) in PRECISION_PROJECTIONS.items()
+    ]

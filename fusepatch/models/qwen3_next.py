@@ -1,8 +1,8 @@
 """Qwen3-Next: hybrid Gated DeltaNet + gated attention, MoE, zero-centered norms."""
 
-from fusepatch.models._rows import family, fp8_projections
+from fusepatch.models._rows import family, projections
 
 ROWS = [
     *family("qwen3_next", "Qwen3Next", hybrid=True, moe=True, mlp="dense and shared-expert MLP"),
-    fp8_projections(("qwen3_next",)),
+    *projections(("qwen3_next",)),
 ]

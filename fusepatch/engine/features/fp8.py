@@ -14,6 +14,8 @@ from fusepatch.engine.plan import Plan, Request
 from fusepatch.engine.reporting import PatchReport
 from fusepatch.layers.fp8 import is_dropped, keep_what_variants_read, restore_dropped, say_restored
 
+ROUNDED = "fusepatch.revert(model) puts back rounded copies"
+
 
 class Fp8(Feature):
     name = "fp8"
@@ -40,7 +42,11 @@ class Fp8(Feature):
         return kept
 
     def report(self, report: PatchReport, states: list) -> PatchReport:
-        return dataclasses.replace(report, dropped_weights=sum(is_dropped(s.owner) for s in states))
+        dropped = sum(is_dropped(s.owner) for s in states)
+        if not dropped:
+            return report
+        note = f"{dropped} frozen weights kept in FP8 only (drop_frozen_weights=True; {ROUNDED})"
+        return dataclasses.replace(report, dropped_weights=dropped, notes=(*report.notes, note))
 
     def revert(self, model: torch.nn.Module, patched: Patched) -> None:
         rounded = sum(restore_dropped(module) for module, _ in patched)

@@ -11,7 +11,7 @@ from fusepatch.engine.reporting import PatchReport
 SAID = (
     "fusepatch: FUSEPATCH_MLP_RECOMPUTE=1: the SwiGLU MLPs' down projections recompute their input in the "
     "backward instead of keeping it (less activation memory, one more SwiGLU kernel per MLP a step); one "
-    "that cannot (in FP8 and trained, under autocast or torch.compile) is said at its first training step"
+    "that cannot (a trained down projection under apply(precision=...), autocast or torch.compile) is said at its first training step"
 )
 
 
