@@ -6,6 +6,7 @@ stack safe again (``unless_importable``: a module whose presence routes around t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from fusepatch.base.env import Environment
@@ -40,16 +41,7 @@ class KnownIssue:
         return f"{self.package} {env.version(self.package)} + triton {env.triton} on {gpu}: {self.what} ({self.link})"
 
     def to_dict(self) -> dict:
-        return {
-            "package": self.package,
-            "package_spec": self.package_spec,
-            "triton_spec": self.triton_spec,
-            "capability_major": self.capability_major,
-            "what": self.what,
-            "link": self.link,
-            "fix": self.fix,
-            "unless_importable": self.unless_importable,
-        }
+        return dataclasses.asdict(self)
 
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (

@@ -42,6 +42,16 @@ class Requirement(Protocol):
     def describe(self) -> str: ...
 
 
+def _within(name: str, version: str | None, spec: str, fix: str, why: str = "") -> Verdict:
+    """``name`` installed (``version``) within ``spec`` ("": any), else why not with ``fix``."""
+    if version is None:
+        return reject(f"{name} is not installed", fix)
+    if spec and not version_in(version, spec):
+        because = f" ({why})" if why else ""
+        return reject(f"{name} {version} is installed, {spec} is needed{because}", fix)
+    return OK
+
+
 @dataclass(frozen=True)
 class DistributionVersion:
     """An installed distribution within a version range (read from package metadata, never imported)."""
@@ -53,13 +63,7 @@ class DistributionVersion:
 
     def check(self, env: Environment) -> Verdict:
         fix = self.fix or f'pip install "{self.distribution}{self.spec}"'
-        version = env.version(self.distribution)
-        if version is None:
-            return reject(f"{self.distribution} is not installed", fix)
-        if self.spec and not version_in(version, self.spec):
-            why = f" ({self.why})" if self.why else ""
-            return reject(f"{self.distribution} {version} is installed, {self.spec} is needed{why}", fix)
-        return OK
+        return _within(self.distribution, env.version(self.distribution), self.spec, fix, self.why)
 
     def describe(self) -> str:
         return f"{self.distribution}{self.spec}"
@@ -145,12 +149,8 @@ class MinCapability:
 class TorchVersion:
     spec: str
 
-    def check(self, env: Environment) -> Verdict:
-        if env.torch is None:
-            return reject("torch is not installed", "pip install torch")
-        if not version_in(env.torch, self.spec):
-            return reject(f"torch {env.torch} is installed, {self.spec} is needed", f'pip install "torch{self.spec}"')
-        return OK
+    def check(self, env: Environment) -> Verdict:  # the torch this process runs, not the metadata's
+        return _within("torch", env.torch, self.spec, f'pip install "torch{self.spec}"')
 
     def describe(self) -> str:
         return f"torch{self.spec}"

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from fusepatch.base.dtypes import dtype_name
@@ -51,12 +51,7 @@ class Rejection:
         return self.parts or ((self.reason, self.fix),)
 
     def to_dict(self) -> dict:
-        return {
-            "candidate": self.candidate,
-            "source": self.source,
-            "reason": self.reason,
-            "fix": self.fix,
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "parts"}
 
 
 @dataclass(frozen=True)
