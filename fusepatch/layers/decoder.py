@@ -6,6 +6,12 @@ fused op does both in one kernel each way. The layer's second add (``h + mlp_out
 norm, across the layer boundary; where the MLP is fusepatch's SwiGLU with plain linear layers it is done by the
 down projection's GEMM (``addmm``, see ``projections.linear_plus``), else it stays an add.
 
+Where the projections a producer feeds are FP8 (``apply(precision="fp8")``), the producer writes their FP8 rows
+beside its output in the same kernel (``kernels/fp8_rows``): the input norm for the mixer's input projections
+(q/k/v, the Gated DeltaNet's), the residual add + norm for the MLP's gate/up, the SwiGLU for the down projection.
+Each is asked inside a frame that holds the rows for that call only; the projections check that the tensor they
+get is the one the rows were made for, unwritten since, and quantize it themselves otherwise.
+
 The forward below is the layer's own, step for step, with those changes; it runs when the fused op has a
 candidate for the layer input's device and dtype. Where the two summands' dtypes differ (autocast over fp32
 weights: an fp32 residual stream, a bf16 attention output) it adds them as transformers does, since the kernel
@@ -26,6 +32,7 @@ import torch
 
 from fusepatch.backends import deepspeed
 from fusepatch.base.dtypes import dtype_name
+from fusepatch.kernels import fp8_rows
 from fusepatch.layers.simple import _eps, swiglu_mlp_plus
 from fusepatch.layers.support.packing import packed_kwargs
 from fusepatch.layers.support.signature import CACHE_NAMES, forward_parameters
@@ -87,25 +94,54 @@ def _mixer(self, hidden_states: torch.Tensor, named: dict, extra: dict) -> torch
 def _fused_forward(self, *args, **kwargs) -> torch.Tensor:
     hidden_states, named, extra = _bind(self, args, kwargs)
     residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
-    hidden_states = _mixer(self, hidden_states, named, extra)
+    with fp8_rows.frame() as frame:  # the FP8 rows of the input norm's output, for the mixer's projections
+        with frame.emitting(_feeds_fp8(hidden_states, _mixer_inputs(self))):
+            hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = _mixer(self, hidden_states, named, extra)
     norm = self.post_attention_layernorm
-    # _run chose this forward because the op is fused for the layer input's device and dtype: the same dtype here
-    # means the same choice.
-    if hidden_states.dtype == residual.dtype:
-        dispatch = self._fusepatch.ops[_add_norm_op(self)]
-        deepspeed.gather(self, norm.weight)  # the norm's own forward, which ZeRO-3 would gather it for, is not called
-        hidden_states, residual = dispatch(hidden_states, residual, norm.weight, _eps(norm))
-    else:
-        residual = residual + hidden_states
-        hidden_states = norm(residual)
-    fused = swiglu_mlp_plus(self.mlp, hidden_states, residual)  # the add in the down projection's GEMM
+    mlp = self.mlp
+    with fp8_rows.frame() as frame:  # the FP8 rows of the norm's and the SwiGLU's outputs, for the MLP's projections
+        # _run chose this forward because the op is fused for the layer input's device and dtype: the same dtype
+        # here means the same choice.
+        if hidden_states.dtype == residual.dtype:
+            dispatch = self._fusepatch.ops[_add_norm_op(self)]
+            deepspeed.gather(self, norm.weight)  # the norm's own forward (ZeRO-3 would gather it for) is not called
+            with frame.emitting(_feeds_fp8(residual, (getattr(mlp, "gate_proj", None),))):
+                hidden_states, residual = dispatch(hidden_states, residual, norm.weight, _eps(norm))
+        else:
+            residual = residual + hidden_states
+            hidden_states = norm(residual)
+        with frame.emitting(_feeds_fp8(residual, (getattr(mlp, "down_proj", None),))):
+            fused = swiglu_mlp_plus(mlp, hidden_states, residual)  # the add in the down projection's GEMM
     if fused is not None:
         return fused
     hidden_states = self.mlp(hidden_states)
     if isinstance(hidden_states, tuple):  # MoE blocks that also return router logits
         hidden_states = hidden_states[0]
     return residual + hidden_states
+
+
+def _mixer_inputs(self) -> tuple:
+    """The token mixer's input projections (attention's q_proj, the Gated DeltaNet's in_proj_qkv or in_proj_qkvz)."""
+    mixer = getattr(self, "linear_attn", None)
+    if mixer is None or getattr(self, "block_type", "linear_attention") != "linear_attention":
+        mixer = getattr(self, "self_attn", None)
+    return tuple(getattr(mixer, name, None) for name in ("q_proj", "in_proj_qkv", "in_proj_qkvz"))
+
+
+def _feeds_fp8(x: torch.Tensor, projections: tuple) -> bool:
+    """Whether one of ``projections`` (peft's LoRA linears: their base) computes with FP8 GEMMs for ``x``'s device
+    and dtype: its producer then writes the FP8 rows it would quantize (a hint only: a projection that is not FP8
+    never reads them, and one that is checks them)."""
+    if torch.compiler.is_compiling():
+        return False
+    for projection in projections:
+        base = getattr(projection, "base_layer", projection)
+        state = getattr(base, "__dict__", {}).get("_fusepatch")
+        dispatch = None if state is None else getattr(state, "ops", {}).get("fp8_linear")
+        if dispatch is not None and dispatch.choice(x.device.type, dtype_name(x.dtype)).fused:
+            return True
+    return False
 
 
 def _add_norm_op(self) -> str:
