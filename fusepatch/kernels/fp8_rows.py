@@ -80,18 +80,21 @@ class Frame:
     """The records of one layer call (``frame()``); ``emit``: whether producers called now write FP8 rows."""
 
     def __init__(self, share: bool) -> None:
-        self.share, self.emit = share, False
+        self.share, self.emit, self.emit_gradients = share, False, False
         self.records: dict[int, _Record] = {}
 
     @contextmanager
-    def emitting(self, wanted: bool = True) -> Iterator[None]:
+    def emitting(self, wanted: bool = True, gradients: bool = False) -> Iterator[None]:
         """Producers called inside (an RMSNorm, SwiGLU) write the FP8 rows of their output beside it, when
-        ``wanted`` (the projections they feed are FP8)."""
-        before, self.emit = self.emit, bool(wanted) and not torch.compiler.is_compiling()
+        ``wanted`` (the projections they feed are FP8); with ``gradients``, their backward also writes those of the
+        input gradients it returns (``record_gradient``: the projections that made their inputs are FP8, trained)."""
+        compiling = torch.compiler.is_compiling()
+        before = self.emit, self.emit_gradients
+        self.emit, self.emit_gradients = bool(wanted) and not compiling, bool(gradients) and not compiling
         try:
             yield
         finally:
-            self.emit = before
+            self.emit, self.emit_gradients = before
 
 
 _LOCAL = threading.local()
@@ -126,6 +129,14 @@ def emitting() -> bool:
     return bool(frames) and frames[-1].emit
 
 
+def emitting_gradients() -> bool:
+    """Whether a producer called now should write, in its backward, the FP8 rows of the gradients it returns."""
+    if torch.compiler.is_compiling():
+        return False
+    frames = _frames()
+    return bool(frames) and frames[-1].emit_gradients
+
+
 def sharing() -> bool:
     """Whether a projection that quantized its input now should ``record`` the rows for the next one."""
     if torch.compiler.is_compiling():
@@ -157,4 +168,51 @@ def carried(x: torch.Tensor) -> Carried | None:
             if found.tensor() is x and found.state == _state(x):
                 return found.carried
             return None
+    return None
+
+
+# Gradients' rows, written by a producer's backward for the FP8 projection whose output the gradient is (SwiGLU's
+# backward: gate_proj's and up_proj's output gradients). No frame runs in the backward: a record goes with its tensor
+# (a weak reference's callback), or is taken by the one projection that reads it.
+_GRADIENTS: dict[int, _Record] = {}
+_GRADIENTS_LOCK = threading.Lock()
+
+
+def record_gradient(x: torch.Tensor, rows: Rows) -> None:
+    """``rows`` as the FP8 rows of ``x``, a gradient a backward returns, as ``x`` is now."""
+    key = id(x)
+
+    def forget(_, key=key) -> None:
+        with _GRADIENTS_LOCK:
+            found = _GRADIENTS.get(key)
+            if found is not None and found.tensor() is None:
+                del _GRADIENTS[key]
+
+    with _GRADIENTS_LOCK:
+        _GRADIENTS[key] = _Record(weakref.ref(x, forget), _state(x), Carried(Rows(*rows), Columns()))
+
+
+def carried_gradient(grad: torch.Tensor) -> Rows | None:
+    """The FP8 rows a backward recorded for ``grad``, or for the tensor ``grad`` is a same-layout view of (autograd
+    reshapes a gradient on its way back through a ``view``), in its present state; taken (a gradient has one
+    reader). None otherwise."""
+    if torch.compiler.is_compiling() or not _GRADIENTS:
+        return None
+    for candidate in (grad, grad._base):
+        if candidate is None:
+            continue
+        with _GRADIENTS_LOCK:
+            found = _GRADIENTS.get(id(candidate))
+            if found is None or found.tensor() is not candidate:
+                continue
+            del _GRADIENTS[id(candidate)]
+        same_layout = candidate is grad or (
+            grad.data_ptr() == candidate.data_ptr()
+            and grad.is_contiguous()
+            and candidate.is_contiguous()
+            and grad.numel() == candidate.numel()
+            and grad.shape[-1] == candidate.shape[-1]
+        )
+        if same_layout and found.state == _state(candidate):
+            return found.carried.rows
     return None

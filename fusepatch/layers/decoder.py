@@ -111,7 +111,9 @@ def _fused_forward(self, *args, **kwargs) -> torch.Tensor:
         else:
             residual = residual + hidden_states
             hidden_states = norm(residual)
-        with frame.emitting(_feeds_fp8(residual, (getattr(mlp, "down_proj", None),))):
+        fed = _feeds_fp8(residual, (getattr(mlp, "down_proj", None),))
+        trained = _feeds_fp8(residual, (getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)), trained=True)
+        with frame.emitting(fed, gradients=trained):
             fused = swiglu_mlp_plus(mlp, hidden_states, residual)  # the add in the down projection's GEMM
     if fused is not None:
         return fused
@@ -129,19 +131,21 @@ def _mixer_inputs(self) -> tuple:
     return tuple(getattr(mixer, name, None) for name in ("q_proj", "in_proj_qkv", "in_proj_qkvz"))
 
 
-def _feeds_fp8(x: torch.Tensor, projections: tuple) -> bool:
+def _feeds_fp8(x: torch.Tensor, projections: tuple, trained: bool = False) -> bool:
     """Whether one of ``projections`` (peft's LoRA linears: their base) computes with FP8 GEMMs for ``x``'s device
-    and dtype: its producer then writes the FP8 rows it would quantize (a hint only: a projection that is not FP8
-    never reads them, and one that is checks them)."""
+    and dtype (``trained``: all of them, with a trained weight, whose input gradient reads its output gradient's
+    rows unscaled): its producer then writes the FP8 rows it would quantize (a hint only: a projection that is not
+    FP8 never reads them, and one that is checks them)."""
     if torch.compiler.is_compiling():
         return False
+    found = []
     for projection in projections:
         base = getattr(projection, "base_layer", projection)
         state = getattr(base, "__dict__", {}).get("_fusepatch")
         dispatch = None if state is None else getattr(state, "ops", {}).get("fp8_linear")
-        if dispatch is not None and dispatch.choice(x.device.type, dtype_name(x.dtype)).fused:
-            return True
-    return False
+        fp8 = dispatch is not None and dispatch.choice(x.device.type, dtype_name(x.dtype)).fused
+        found.append(fp8 and (not trained or (projection is base and bool(base.weight.requires_grad))))
+    return all(found) if trained else any(found)
 
 
 def _add_norm_op(self) -> str:

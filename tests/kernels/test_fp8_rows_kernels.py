@@ -57,6 +57,23 @@ SCRIPT = textwrap.dedent(
         for norm in (add_rms_norm, add_rms_norm_zero_centered):
             check(norm, x, residual, weight, 1e-6)
         check(swiglu, x, residual)
+    # the SwiGLU backward: both input gradients' rows, as quantize_rows gives them on the gradients it returns
+    for shape in ((3, 2064), (2, 5, 48)):
+        gate, up = (torch.randn(shape).to(torch.bfloat16).requires_grad_(True) for _ in range(2))
+        dy = torch.randn(shape).to(torch.bfloat16)
+        dy.view(-1, shape[-1])[1, 3] = float("nan")
+        plain = torch.autograd.grad(swiglu(gate, up), (gate, up), dy)
+        with fp8_rows.frame() as frame:
+            with frame.emitting(True, gradients=True):
+                out = swiglu(gate, up)
+        grads = torch.autograd.grad(out, (gate, up), dy)
+        for grad, want in zip(grads, plain):
+            assert torch.equal(grad.nan_to_num(), want.nan_to_num())
+            flat = grad.reshape(-1, shape[-1])  # a view, as autograd hands a gradient back through a view
+            rows = fp8_rows.carried_gradient(flat)
+            q, inverse = quantize_rows(flat)
+            assert same_bits(rows.q, q) and same_scales(rows.inverse, quantize_rows_reference(flat)[1]), shape
+            assert fp8_rows.carried_gradient(flat) is None  # taken by its one reader
     x = torch.randn(4, 40).to(torch.bfloat16)  # a width FP8 GEMMs cannot take: no rows asked of the kernel
     with fp8_rows.frame() as frame:
         with frame.emitting():

@@ -144,7 +144,8 @@ class _FP8Linear(torch.autograd.Function):
         quantize = _quantizers(grad.device)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:  # dx = grad @ W: reduction over the outputs (W's columns)
-            dx = _scaled_mm(*quantize.rows(grad), *quantize.columns(weight), x.dtype)
+            rows = fp8_rows.carried_gradient(grad)  # written by the backward that made grad (SwiGLU's), if any
+            dx = _scaled_mm(*(rows if rows is not None else quantize.rows(grad)), *quantize.columns(weight), x.dtype)
         if ctx.needs_input_grad[1]:  # dW = grad.t() @ x: reduction over the tokens (both operands' columns)
             g = quantize.columns(grad, MULTIPLE)
             if ctx.columns is None:
