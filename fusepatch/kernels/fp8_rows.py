@@ -72,6 +72,11 @@ class _Record(NamedTuple):
     carried: Carried
 
 
+def _untracked(x: torch.Tensor) -> bool:
+    """A tensor whose writes no version counter sees (made under ``torch.inference_mode``), or a trace's: no record."""
+    return torch.compiler.is_compiling() or x.is_inference()
+
+
 def _state(x: torch.Tensor) -> tuple:
     return (x._version, x.data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
 
@@ -123,7 +128,7 @@ def frame(share: bool = False) -> Iterator[Frame]:
 
 def emitting() -> bool:
     """Whether a producer called now should write FP8 rows of its output (and ``record`` them)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         return False
     frames = _frames()
     return bool(frames) and frames[-1].emit
@@ -131,7 +136,7 @@ def emitting() -> bool:
 
 def emitting_gradients() -> bool:
     """Whether a producer called now should write, in its backward, the FP8 rows of the gradients it returns."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         return False
     frames = _frames()
     return bool(frames) and frames[-1].emit_gradients
@@ -139,7 +144,7 @@ def emitting_gradients() -> bool:
 
 def sharing() -> bool:
     """Whether a projection that quantized its input now should ``record`` the rows for the next one."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         return False
     frames = _frames()
     return bool(frames) and frames[-1].share
@@ -147,7 +152,7 @@ def sharing() -> bool:
 
 def record(x: torch.Tensor, rows: Rows) -> Carried | None:
     """``rows`` as ``x``'s FP8 rows, as ``x`` is now, in the innermost frame (nothing outside a frame)."""
-    if torch.compiler.is_compiling():
+    if _untracked(x):
         return None
     frames = _frames()
     if not frames:
@@ -159,7 +164,7 @@ def record(x: torch.Tensor, rows: Rows) -> Carried | None:
 
 def carried(x: torch.Tensor) -> Carried | None:
     """The FP8 rows recorded for this very tensor in its present state, else None (quantize it)."""
-    if torch.compiler.is_compiling():
+    if _untracked(x):
         return None
     frames = _frames()
     for current in reversed(frames):
@@ -180,6 +185,8 @@ _GRADIENTS_LOCK = threading.Lock()
 
 def record_gradient(x: torch.Tensor, rows: Rows) -> None:
     """``rows`` as the FP8 rows of ``x``, a gradient a backward returns, as ``x`` is now."""
+    if _untracked(x):
+        return
     key = id(x)
 
     def forget(_, key=key) -> None:
@@ -196,7 +203,7 @@ def carried_gradient(grad: torch.Tensor) -> Rows | None:
     """The FP8 rows a backward recorded for ``grad``, or for the tensor ``grad`` is a same-layout view of (autograd
     reshapes a gradient on its way back through a ``view``), in its present state; taken (a gradient has one
     reader). None otherwise."""
-    if torch.compiler.is_compiling() or not _GRADIENTS:
+    if not _GRADIENTS or _untracked(grad):
         return None
     for candidate in (grad, grad._base):
         if candidate is None:
