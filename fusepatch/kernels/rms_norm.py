@@ -100,6 +100,8 @@ def _rms_norm_bwd(
     dx,
     dz,
     dw_partial,
+    q,
+    inverse,
     rows,
     x_stride,
     D: tl.constexpr,
@@ -110,6 +112,9 @@ def _rms_norm_bwd(
     GATED: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,
     HAS_DRES: tl.constexpr,
+    FP8: tl.constexpr = False,
+    FP8_MAX: tl.constexpr = FP8_MAX,
+    TINY: tl.constexpr = FP8_TINY,
 ):
     pid = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_D)
@@ -147,6 +152,9 @@ def _rms_norm_bwd(
         if HAS_DRES:  # x was also returned (the next residual): its gradient adds to the norm's
             gx += tl.load(dres + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx + offsets, gx.to(dx.dtype.element_ty), mask=mask)
+        if FP8:  # the FP8 rows of dx, for the FP8 projection whose output gradient it is (``kernels/fp8_rows``)
+            rounded = gx.to(dx.dtype.element_ty).to(tl.float32)
+            store_fp8_rows(rounded, mask, q + offsets, inverse + r, row_ok, FP8_MAX, TINY)
     tl.store(dw_partial + pid * D + c, tl.sum(acc, axis=0), mask=col_ok)
 
 
@@ -196,8 +204,9 @@ def _norm_forward(flat, weight, eps, flags, z, y, add=None, fp8=None):
     return rstd
 
 
-def _norm_backward(flat, weight, rstd, z, grad, flags, dres=None):
-    """dx (plus ``dres`` where given, the gradient of ``flat`` itself), dz (gated) and dw; all contiguous."""
+def _norm_backward(flat, weight, rstd, z, grad, flags, dres=None, fp8=None):
+    """dx (plus ``dres`` where given, the gradient of ``flat`` itself), dz (gated) and dw; all contiguous; with
+    ``fp8 = (q, inverse)`` also dx's FP8 rows."""
     rows, dim = flat.shape
     dx = torch.empty((rows, dim), dtype=flat.dtype, device=flat.device)
     dz = torch.empty_like(z) if flags["GATED"] else dx  # not written without a gate
@@ -215,6 +224,7 @@ def _norm_backward(flat, weight, rstd, z, grad, flags, dres=None):
             dx,
             dz,
             partial,
+            *(fp8 if fp8 is not None else (dx, rstd)),
             rows,
             flat.stride(0),
             D=dim,
@@ -223,6 +233,7 @@ def _norm_backward(flat, weight, rstd, z, grad, flags, dres=None):
             STEPS=BWD_STEPS,
             num_warps=warps,
             HAS_DRES=dres is not None,
+            FP8=fp8 is not None,
             **flags,
         )
     return dx, (dz if flags["GATED"] else None), partial.sum(0).to(weight.dtype)
@@ -287,6 +298,8 @@ class _AddRMSNorm(torch.autograd.Function):
         rstd = _norm_forward(h, weight, eps, ctx.flags, h, y, add=(a, res), fp8=fp8)
         ctx.save_for_backward(h, weight, rstd)
         ctx.shape, ctx.dtypes = x.shape, (x.dtype, residual.dtype)
+        # dh is the gradient of x, the projection's output that x is (o_proj, out_proj): its FP8 rows where asked
+        ctx.fp8_gradients = x.dtype == h.dtype and _fits_fp8(h.dtype, dim) and fp8_rows.emitting_gradients()
         return y.view(x.shape), h.view(x.shape)
 
     @staticmethod
@@ -294,25 +307,35 @@ class _AddRMSNorm(torch.autograd.Function):
         h, weight, rstd = ctx.saved_tensors
         grad = grad_out.reshape(h.shape).contiguous()
         dres = None if grad_h is None else grad_h.reshape(h.shape).contiguous()
-        dh, _, dw = _norm_backward(h, weight, rstd, h, grad, ctx.flags, dres=dres)
+        rows = _rows_buffers(h) if ctx.fp8_gradients else None
+        dh, _, dw = _norm_backward(h, weight, rstd, h, grad, ctx.flags, dres=dres, fp8=rows)
+        if rows is not None:
+            fp8_rows.record_gradient(dh, rows)  # what autograd hands the projection are views of dh
         dh = dh.view(ctx.shape)
         x_dtype, residual_dtype = ctx.dtypes
         return dh.to(x_dtype), dh.to(residual_dtype), dw, None, None, None
 
 
+def _fits_fp8(dtype: torch.dtype, dim: int) -> bool:
+    """Whether an FP8 projection could read rows of this dtype and width (bf16 or fp16, a multiple of 16)."""
+    return dtype in (torch.bfloat16, torch.float16) and dim > 0 and dim % 16 == 0
+
+
+def _rows_buffers(like: torch.Tensor) -> fp8_rows.Rows:
+    dim = like.shape[-1]
+    q = torch.empty((like.numel() // dim, dim), device=like.device, dtype=torch.float8_e4m3fn)
+    return fp8_rows.Rows(q, torch.empty((q.shape[0], 1), device=like.device, dtype=torch.float32))
+
+
 def _fp8_buffers(x: torch.Tensor, weight: torch.Tensor, zero_centered: bool, residual=None) -> fp8_rows.Rows | None:
-    """Where a frame asks for them (``kernels/fp8_rows.emitting``) and an FP8 projection could read the output (bf16
-    or fp16, a width that is a multiple of 16): buffers for its FP8 rows; None otherwise (no extra stores)."""
+    """Where a frame asks for them (``kernels/fp8_rows.emitting``) and an FP8 projection could read the output:
+    buffers for its FP8 rows; None otherwise (no extra stores)."""
     if not fp8_rows.emitting():
         return None
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    dtype = _out_dtype(zero_centered, False, dtype, weight.dtype)
-    dim = x.shape[-1]
-    if dtype not in (torch.bfloat16, torch.float16) or dim % 16:
+    if not _fits_fp8(_out_dtype(zero_centered, False, dtype, weight.dtype), x.shape[-1]):
         return None
-    rows = x.numel() // dim if dim else 0
-    q = torch.empty((rows, dim), device=x.device, dtype=torch.float8_e4m3fn)
-    return fp8_rows.Rows(q, torch.empty((rows, 1), device=x.device, dtype=torch.float32))
+    return _rows_buffers(x)
 
 
 def _with_rows(y: torch.Tensor, rows: fp8_rows.Rows | None) -> torch.Tensor:

@@ -8,7 +8,9 @@ down projection's GEMM (``addmm``, see ``projections.linear_plus``), else it sta
 
 Where the projections a producer feeds are FP8 (``apply(precision="fp8")``), the producer writes their FP8 rows
 beside its output in the same kernel (``kernels/fp8_rows``): the input norm for the mixer's input projections
-(q/k/v, the Gated DeltaNet's), the residual add + norm for the MLP's gate/up, the SwiGLU for the down projection.
+(q/k/v, the Gated DeltaNet's), the residual add + norm for the MLP's gate/up, the SwiGLU for the down projection;
+in the backward the SwiGLU for gate/up's output gradients and the add + norm for the mixer's output projection's
+(o_proj, out_proj: the gradient of the residual add's summand), where those weights are trained.
 Each is asked inside a frame that holds the rows for that call only; the projections check that the tensor they
 get is the one the rows were made for, unwritten since, and quantize it themselves otherwise.
 
@@ -106,7 +108,9 @@ def _fused_forward(self, *args, **kwargs) -> torch.Tensor:
         if hidden_states.dtype == residual.dtype:
             dispatch = self._fusepatch.ops[_add_norm_op(self)]
             deepspeed.gather(self, norm.weight)  # the norm's own forward (ZeRO-3 would gather it for) is not called
-            with frame.emitting(_feeds_fp8(residual, (getattr(mlp, "gate_proj", None),))):
+            fed = _feeds_fp8(residual, (getattr(mlp, "gate_proj", None),))
+            mixed = _feeds_fp8(residual, _mixer_outputs(self), trained=True)  # the mixer's output projection
+            with frame.emitting(fed, gradients=mixed):
                 hidden_states, residual = dispatch(hidden_states, residual, norm.weight, _eps(norm))
         else:
             residual = residual + hidden_states
@@ -123,12 +127,25 @@ def _fused_forward(self, *args, **kwargs) -> torch.Tensor:
     return residual + hidden_states
 
 
-def _mixer_inputs(self) -> tuple:
-    """The token mixer's input projections (attention's q_proj, the Gated DeltaNet's in_proj_qkv or in_proj_qkvz)."""
+def _mixer_module(self) -> torch.nn.Module | None:
     mixer = getattr(self, "linear_attn", None)
     if mixer is None or getattr(self, "block_type", "linear_attention") != "linear_attention":
         mixer = getattr(self, "self_attn", None)
+    return mixer
+
+
+def _mixer_inputs(self) -> tuple:
+    """The token mixer's input projections (attention's q_proj, the Gated DeltaNet's in_proj_qkv or in_proj_qkvz)."""
+    mixer = _mixer_module(self)
     return tuple(getattr(mixer, name, None) for name in ("q_proj", "in_proj_qkv", "in_proj_qkvz"))
+
+
+def _mixer_outputs(self) -> tuple:
+    """The token mixer's output projection (attention's o_proj, the Gated DeltaNet's out_proj), whose output the
+    residual add takes: the add-RMSNorm's backward writes its output gradient."""
+    mixer = _mixer_module(self)
+    found = next((p for p in (getattr(mixer, n, None) for n in ("o_proj", "out_proj")) if p is not None), None)
+    return (found,)
 
 
 def _feeds_fp8(x: torch.Tensor, projections: tuple, trained: bool = False) -> bool:

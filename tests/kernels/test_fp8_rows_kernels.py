@@ -74,6 +74,21 @@ SCRIPT = textwrap.dedent(
             q, inverse = quantize_rows(flat)
             assert same_bits(rows.q, q) and same_scales(rows.inverse, quantize_rows_reference(flat)[1]), shape
             assert fp8_rows.carried_gradient(flat) is None  # taken by its one reader
+    # the add-RMSNorm backward: the summand's gradient's rows (the mixer's output projection's output gradient)
+    for shape in ((3, 2064), (2, 5, 48)):
+        x, residual = (torch.randn(shape).to(torch.bfloat16).requires_grad_(True) for _ in range(2))
+        weight = (torch.randn(shape[-1]) * 0.1).to(torch.bfloat16)
+        dy, dh = (torch.randn(shape).to(torch.bfloat16) for _ in range(2))
+        plain = torch.autograd.grad(add_rms_norm_zero_centered(x, residual, weight, 1e-6), (x, residual), (dy, dh))
+        with fp8_rows.frame() as frame:
+            with frame.emitting(False, gradients=True):
+                outs = add_rms_norm_zero_centered(x, residual, weight, 1e-6)
+        grad, _ = torch.autograd.grad(outs, (x, residual), (dy, dh))
+        assert torch.equal(grad, plain[0])
+        flat = grad.reshape(-1, shape[-1])
+        rows = fp8_rows.carried_gradient(flat)
+        q, inverse = quantize_rows(flat)
+        assert same_bits(rows.q, q) and same_scales(rows.inverse, quantize_rows_reference(flat)[1]), shape
     x = torch.randn(4, 40).to(torch.bfloat16)  # a width FP8 GEMMs cannot take: no rows asked of the kernel
     with fp8_rows.frame() as frame:
         with frame.emitting():
