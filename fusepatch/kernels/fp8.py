@@ -10,6 +10,9 @@ parallel) and the scaled, transposed write, instead of a transposed copy of the 
 quantization of the copy. ``transpose``: an FP8 tensor transposed in tiles (a frozen weight's FP8 copy for the
 input gradient).
 
+``store_fp8_rows``: the same row quantization inside a kernel that holds whole rows of the tensor it produces (the
+RMSNorm forward and backward), which writes the FP8 rows for the projection it feeds (``kernels/fp8_rows``).
+
 A frozen weight's kept FP8 copy is checked at every call against the weight's contents without the host
 (``kernels/fingerprint.py``: a fingerprint of every byte, compared on the device with the one held, setting a flag)
 and quantized again into its own buffers only where the flag is set (``requantize_rows``): no sync, so a step stays
