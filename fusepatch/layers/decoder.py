@@ -119,9 +119,9 @@ def _fused_forward(self, *args, **kwargs) -> torch.Tensor:
         trained = _feeds_fp8(residual, (getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)), trained=True)
         with frame.emitting(fed, gradients=trained):
             fused = swiglu_mlp_plus(mlp, hidden_states, residual)  # the add in the down projection's GEMM
-    if fused is not None:
-        return fused
-    hidden_states = self.mlp(hidden_states)
+        if fused is not None:
+            return fused
+        hidden_states = mlp(hidden_states)  # in the frame: its projections may read the norm's rows
     if isinstance(hidden_states, tuple):  # MoE blocks that also return router logits
         hidden_states = hidden_states[0]
     return residual + hidden_states

@@ -1,7 +1,7 @@
 """The producers' FP8 rows (``kernels/fp8_rows``) in Triton's CPU interpreter: the RMSNorm, add-RMSNorm and SwiGLU
 kernels asked for them write the same output as without, and FP8 rows with the bits ``kernels/fp8.quantize_rows``
 gives on that output (the interpreter casts to FP8 its own way: the same math under the same cast) and the inverse
-scales of its PyTorch twin ``quantize_rows_reference`` (NaN rows included). tests/gpu/test_fp8_rows.py checks the
+scales of its PyTorch twin ``quantize_rows_reference`` (NaN rows included). tests/gpu/test_gpu_fp8_rows.py checks the
 compiled kernels' bits against the twin. One process for all of them: the interpreter's start is the cost."""
 
 from __future__ import annotations
