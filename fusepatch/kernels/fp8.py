@@ -10,6 +10,9 @@ parallel) and the scaled, transposed write, instead of a transposed copy of the 
 quantization of the copy. ``transpose``: an FP8 tensor transposed in tiles (a frozen weight's FP8 copy for the
 input gradient).
 
+``store_fp8_rows``: the same row quantization inside a kernel that holds whole rows of the tensor it produces (the
+RMSNorm forward and backward), which writes the FP8 rows for the projection it feeds (``kernels/fp8_rows``).
+
 A frozen weight's kept FP8 copy is checked at every call against the weight's contents without the host
 (``kernels/fingerprint.py``: a fingerprint of every byte, compared on the device with the one held, setting a flag)
 and quantized again into its own buffers only where the flag is set (``requantize_rows``): no sync, so a step stays
@@ -36,10 +39,25 @@ WARPS = 4
 
 
 @triton.jit
-def _clamped(scaled, FP8_MAX: tl.constexpr):
+def clamped(scaled, FP8_MAX: tl.constexpr):
     """``scaled`` clamped to FP8's range, NaN kept (Triton's minimum and maximum drop a NaN operand)."""
     clamped = tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
     return tl.where(scaled == scaled, clamped, scaled)
+
+
+@triton.jit
+def store_fp8_rows(values, mask, q, inverse, row_ok, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
+    """``quantize_rows`` of a tile ``[rows, columns]`` a producing kernel holds whole rows of (fp32 ``values``, the
+    output it stored, rounded to the output's dtype; ``mask``: its valid entries): the FP8 values to ``q`` (pointers
+    of the tile's shape) and the inverse scales to ``inverse`` (one pointer a row): ``_quantize_rows``' math, so
+    its bits (``kernels/fp8_rows``)."""
+    peak = tl.max(tl.where(mask, tl.abs(values), 0.0), axis=1)
+    nan = tl.max(tl.where(mask & (values != values), 1, 0), axis=1)
+    peak = tl.maximum(peak, TINY)
+    peak = tl.where(nan > 0, float("nan"), peak)  # a NaN row stays NaN, as in ``quantize_rows``
+    scale = tl.exp2(tl.floor(tl.log2(FP8_MAX / peak)))
+    tl.store(q, clamped(values * scale[:, None], FP8_MAX).to(q.dtype.element_ty), mask=mask)
+    tl.store(inverse, 1.0 / scale, mask=row_ok)
 
 
 @triton.jit
@@ -83,7 +101,7 @@ def _quantize_rows(
             values = tl.load(start_x + cols, mask=mask, other=0.0).to(tl.float32)
             if FACTOR:
                 values = values * tl.load(factor + cols, mask=mask, other=0.0)
-            tl.store(start_q + cols, _clamped(values * scale, FP8_MAX).to(q.dtype.element_ty), mask=mask)
+            tl.store(start_q + cols, clamped(values * scale, FP8_MAX).to(q.dtype.element_ty), mask=mask)
         tl.store(inverse + row, 1.0 / scale)
 
 
@@ -184,7 +202,7 @@ def _quantize_columns(
     scale = tl.exp2(tl.floor(tl.log2(FP8_MAX / peak)))
     mask = (r[:, None] < rows) & (c[None, :] < columns)
     values = tl.load(x + r[:, None].to(tl.int64) * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    scaled = _clamped(values * scale[None, :], FP8_MAX)
+    scaled = clamped(values * scale[None, :], FP8_MAX)
     out = (r[:, None] < rows_out) & (c[None, :] < columns)
     tl.store(q + c[None, :].to(tl.int64) * stride_q + r[:, None], scaled.to(q.dtype.element_ty), mask=out)
     if tl.program_id(0) == 0:

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusepatch.kernels import fp8_rows
+from fusepatch.kernels.fp8 import FP8_MAX, FP8_TINY, store_fp8_rows
 from fusepatch.kernels.rows import as_rows
 
 
@@ -39,6 +41,8 @@ def _rms_norm_fwd(
     z,
     y,
     rstd,
+    q,
+    inverse,
     rows,
     x_stride,
     eps,
@@ -49,6 +53,9 @@ def _rms_norm_fwd(
     GATED: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,
     ADD: tl.constexpr,
+    FP8: tl.constexpr = False,
+    FP8_MAX: tl.constexpr = FP8_MAX,
+    TINY: tl.constexpr = FP8_TINY,
 ):
     r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     c = tl.arange(0, BLOCK_D)
@@ -78,6 +85,8 @@ def _rms_norm_fwd(
         zv = tl.load(z + offsets, mask=mask, other=0.0).to(tl.float32)
         out = out * zv * tl.sigmoid(zv)
     tl.store(y + offsets, out.to(y.dtype.element_ty), mask=mask)
+    if FP8:  # the FP8 rows of the rounded output, for the FP8 projections it feeds (``kernels/fp8_rows``)
+        store_fp8_rows(out.to(y.dtype.element_ty).to(tl.float32), mask, q + offsets, inverse + r, row_ok, FP8_MAX, TINY)
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -91,6 +100,8 @@ def _rms_norm_bwd(
     dx,
     dz,
     dw_partial,
+    q,
+    inverse,
     rows,
     x_stride,
     D: tl.constexpr,
@@ -101,6 +112,9 @@ def _rms_norm_bwd(
     GATED: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,
     HAS_DRES: tl.constexpr,
+    FP8: tl.constexpr = False,
+    FP8_MAX: tl.constexpr = FP8_MAX,
+    TINY: tl.constexpr = FP8_TINY,
 ):
     pid = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_D)
@@ -138,6 +152,9 @@ def _rms_norm_bwd(
         if HAS_DRES:  # x was also returned (the next residual): its gradient adds to the norm's
             gx += tl.load(dres + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx + offsets, gx.to(dx.dtype.element_ty), mask=mask)
+        if FP8:  # the FP8 rows of dx, for the FP8 projection whose output gradient it is (``kernels/fp8_rows``)
+            rounded = gx.to(dx.dtype.element_ty).to(tl.float32)
+            store_fp8_rows(rounded, mask, q + offsets, inverse + r, row_ok, FP8_MAX, TINY)
     tl.store(dw_partial + pid * D + c, tl.sum(acc, axis=0), mask=col_ok)
 
 
@@ -155,10 +172,10 @@ def _blocks(dim: int) -> tuple[int, int, int]:
 BWD_STEPS = 8
 
 
-def _norm_forward(flat, weight, eps, flags, z, y, add=None):
+def _norm_forward(flat, weight, eps, flags, z, y, add=None, fp8=None):
     """Launch the forward kernel over ``flat`` ``[rows, D]`` (rows any stride apart, columns contiguous); with
-    ``add = (a, res)`` it first writes ``res + a`` into ``flat`` (contiguous). Returns the per-row ``rstd`` the
-    backward needs."""
+    ``add = (a, res)`` it first writes ``res + a`` into ``flat`` (contiguous); with ``fp8 = (q, inverse)`` it also
+    writes ``y``'s FP8 rows there. Returns the per-row ``rstd`` the backward needs."""
     rows, dim = flat.shape
     rstd = torch.empty(rows, dtype=torch.float32, device=flat.device)
     block_d, block_rows, warps = _blocks(dim)
@@ -172,6 +189,7 @@ def _norm_forward(flat, weight, eps, flags, z, y, add=None):
             z,
             y,
             rstd,
+            *(fp8 if fp8 is not None else (y, rstd)),
             rows,
             flat.stride(0),
             eps,
@@ -180,13 +198,15 @@ def _norm_forward(flat, weight, eps, flags, z, y, add=None):
             BLOCK_ROWS=block_rows,
             num_warps=warps,
             ADD=add is not None,
+            FP8=fp8 is not None,
             **flags,
         )
     return rstd
 
 
-def _norm_backward(flat, weight, rstd, z, grad, flags, dres=None):
-    """dx (plus ``dres`` where given, the gradient of ``flat`` itself), dz (gated) and dw; all contiguous."""
+def _norm_backward(flat, weight, rstd, z, grad, flags, dres=None, fp8=None):
+    """dx (plus ``dres`` where given, the gradient of ``flat`` itself), dz (gated) and dw; all contiguous; with
+    ``fp8 = (q, inverse)`` also dx's FP8 rows."""
     rows, dim = flat.shape
     dx = torch.empty((rows, dim), dtype=flat.dtype, device=flat.device)
     dz = torch.empty_like(z) if flags["GATED"] else dx  # not written without a gate
@@ -204,6 +224,7 @@ def _norm_backward(flat, weight, rstd, z, grad, flags, dres=None):
             dx,
             dz,
             partial,
+            *(fp8 if fp8 is not None else (dx, rstd)),
             rows,
             flat.stride(0),
             D=dim,
@@ -212,6 +233,7 @@ def _norm_backward(flat, weight, rstd, z, grad, flags, dres=None):
             STEPS=BWD_STEPS,
             num_warps=warps,
             HAS_DRES=dres is not None,
+            FP8=fp8 is not None,
             **flags,
         )
     return dx, (dz if flags["GATED"] else None), partial.sum(0).to(weight.dtype)
@@ -237,7 +259,7 @@ def _out_dtype(zero_centered: bool, gated: bool, x_dtype: torch.dtype, weight_dt
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps: float, zero_centered: bool, gate=None) -> torch.Tensor:
+    def forward(ctx, x, weight, eps: float, zero_centered: bool, gate=None, fp8=None) -> torch.Tensor:
         dim = _check(x, weight, gate, "gate")
         flat = as_rows(x, dim)
         weight = weight.contiguous()
@@ -246,7 +268,7 @@ class _RMSNorm(torch.autograd.Function):
         y = torch.empty(
             flat.shape, dtype=_out_dtype(zero_centered, gate is not None, x.dtype, weight.dtype), device=x.device
         )
-        rstd = _norm_forward(flat, weight, eps, ctx.flags, z, y)
+        rstd = _norm_forward(flat, weight, eps, ctx.flags, z, y, fp8=fp8)
         ctx.save_for_backward(flat, weight, rstd, z)
         ctx.shape = x.shape
         return y.view(x.shape)
@@ -257,7 +279,7 @@ class _RMSNorm(torch.autograd.Function):
         grad = grad_out.reshape(flat.shape).contiguous()
         dx, dz, dw = _norm_backward(flat, weight, rstd, z, grad, ctx.flags)
         dgate = dz.view(ctx.shape) if dz is not None else None
-        return dx.view(ctx.shape), dw, None, None, dgate
+        return dx.view(ctx.shape), dw, None, None, dgate, None
 
 
 class _AddRMSNorm(torch.autograd.Function):
@@ -265,7 +287,7 @@ class _AddRMSNorm(torch.autograd.Function):
     backward adds ``h``'s own gradient into the norm's input gradient in the same kernel."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps: float, zero_centered: bool):
+    def forward(ctx, x, residual, weight, eps: float, zero_centered: bool, fp8=None):
         dim = _check(x, weight, residual, "residual")
         a = x.reshape(-1, dim).contiguous()
         res = residual.reshape(-1, dim).contiguous()
@@ -273,9 +295,11 @@ class _AddRMSNorm(torch.autograd.Function):
         h = torch.empty(a.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
         ctx.flags = _flags(zero_centered, False, h.dtype, weight.dtype)
         y = torch.empty(a.shape, dtype=_out_dtype(zero_centered, False, h.dtype, weight.dtype), device=x.device)
-        rstd = _norm_forward(h, weight, eps, ctx.flags, h, y, add=(a, res))
+        rstd = _norm_forward(h, weight, eps, ctx.flags, h, y, add=(a, res), fp8=fp8)
         ctx.save_for_backward(h, weight, rstd)
         ctx.shape, ctx.dtypes = x.shape, (x.dtype, residual.dtype)
+        # dh is the gradient of x, the projection's output that x is (o_proj, out_proj): its FP8 rows where asked
+        ctx.fp8_gradients = x.dtype == h.dtype and _fits_fp8(h.dtype, dim) and fp8_rows.emitting_gradients()
         return y.view(x.shape), h.view(x.shape)
 
     @staticmethod
@@ -283,22 +307,55 @@ class _AddRMSNorm(torch.autograd.Function):
         h, weight, rstd = ctx.saved_tensors
         grad = grad_out.reshape(h.shape).contiguous()
         dres = None if grad_h is None else grad_h.reshape(h.shape).contiguous()
-        dh, _, dw = _norm_backward(h, weight, rstd, h, grad, ctx.flags, dres=dres)
+        rows = _rows_buffers(h) if ctx.fp8_gradients else None
+        dh, _, dw = _norm_backward(h, weight, rstd, h, grad, ctx.flags, dres=dres, fp8=rows)
+        if rows is not None:
+            fp8_rows.record_gradient(dh, rows)  # what autograd hands the projection are views of dh
         dh = dh.view(ctx.shape)
         x_dtype, residual_dtype = ctx.dtypes
-        return dh.to(x_dtype), dh.to(residual_dtype), dw, None, None
+        return dh.to(x_dtype), dh.to(residual_dtype), dw, None, None, None
+
+
+def _fits_fp8(dtype: torch.dtype, dim: int) -> bool:
+    """Whether an FP8 projection could read rows of this dtype and width (bf16 or fp16, a multiple of 16)."""
+    return dtype in (torch.bfloat16, torch.float16) and dim > 0 and dim % 16 == 0
+
+
+def _rows_buffers(like: torch.Tensor) -> fp8_rows.Rows:
+    dim = like.shape[-1]
+    q = torch.empty((like.numel() // dim, dim), device=like.device, dtype=torch.float8_e4m3fn)
+    return fp8_rows.Rows(q, torch.empty((q.shape[0], 1), device=like.device, dtype=torch.float32))
+
+
+def _fp8_buffers(x: torch.Tensor, weight: torch.Tensor, zero_centered: bool, residual=None) -> fp8_rows.Rows | None:
+    """Where a frame asks for them (``kernels/fp8_rows.emitting``) and an FP8 projection could read the output:
+    buffers for its FP8 rows; None otherwise (no extra stores)."""
+    if not fp8_rows.emitting():
+        return None
+    dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    if not _fits_fp8(_out_dtype(zero_centered, False, dtype, weight.dtype), x.shape[-1]):
+        return None
+    return _rows_buffers(x)
+
+
+def _with_rows(y: torch.Tensor, rows: fp8_rows.Rows | None) -> torch.Tensor:
+    if rows is not None:
+        fp8_rows.record(y, rows)
+    return y
 
 
 @torch.compiler.disable  # a graph break under torch.compile, like fla's ops: dynamo never traces the launch
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen2/Qwen3 RMSNorm ``weight * norm(x).to(x.dtype)`` over the last dimension, fused backward."""
-    return _RMSNorm.apply(x, weight, eps, False)
+    rows = _fp8_buffers(x, weight, False)
+    return _with_rows(_RMSNorm.apply(x, weight, eps, False, None, rows), rows)
 
 
 @torch.compiler.disable
 def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3.5/Qwen3-Next RMSNorm ``(norm(x) * (1 + weight)).type_as(x)`` over the last dimension, fused backward."""
-    return _RMSNorm.apply(x, weight, eps, True)
+    rows = _fp8_buffers(x, weight, True)
+    return _with_rows(_RMSNorm.apply(x, weight, eps, True, None, rows), rows)
 
 
 @torch.compiler.disable
@@ -311,10 +368,14 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 @torch.compiler.disable
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """The decoder layer's ``h = residual + x; rms_norm(h)`` in one kernel: ``(norm(h), h)``."""
-    return _AddRMSNorm.apply(x, residual, weight, eps, False)
+    rows = _fp8_buffers(x, weight, False, residual)
+    y, h = _AddRMSNorm.apply(x, residual, weight, eps, False, rows)
+    return _with_rows(y, rows), h
 
 
 @torch.compiler.disable
 def add_rms_norm_zero_centered(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """The decoder layer's ``h = residual + x; rms_norm_zero_centered(h)`` in one kernel: ``(norm(h), h)``."""
-    return _AddRMSNorm.apply(x, residual, weight, eps, True)
+    rows = _fp8_buffers(x, weight, True, residual)
+    y, h = _AddRMSNorm.apply(x, residual, weight, eps, True, rows)
+    return _with_rows(y, rows), h

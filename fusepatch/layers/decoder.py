@@ -6,6 +6,14 @@ fused op does both in one kernel each way. The layer's second add (``h + mlp_out
 norm, across the layer boundary; where the MLP is fusepatch's SwiGLU with plain linear layers it is done by the
 down projection's GEMM (``addmm``, see ``projections.linear_plus``), else it stays an add.
 
+Where the projections a producer feeds are FP8 (``apply(precision="fp8")``), the producer writes their FP8 rows
+beside its output in the same kernel (``kernels/fp8_rows``): the input norm for the mixer's input projections
+(q/k/v, the Gated DeltaNet's), the residual add + norm for the MLP's gate/up, the SwiGLU for the down projection;
+in the backward the SwiGLU for gate/up's output gradients and the add + norm for the mixer's output projection's
+(o_proj, out_proj: the gradient of the residual add's summand), where those weights are trained.
+Each is asked inside a frame that holds the rows for that call only; the projections check that the tensor they
+get is the one the rows were made for, unwritten since, and quantize it themselves otherwise.
+
 The forward below is the layer's own, step for step, with those changes; it runs when the fused op has a
 candidate for the layer input's device and dtype. Where the two summands' dtypes differ (autocast over fp32
 weights: an fp32 residual stream, a bf16 attention output) it adds them as transformers does, since the kernel
@@ -26,6 +34,7 @@ import torch
 
 from fusepatch.backends import deepspeed
 from fusepatch.base.dtypes import dtype_name
+from fusepatch.kernels import fp8_rows
 from fusepatch.layers.simple import _eps, swiglu_mlp_plus
 from fusepatch.layers.support.packing import packed_kwargs
 from fusepatch.layers.support.signature import CACHE_NAMES, forward_parameters
@@ -87,25 +96,73 @@ def _mixer(self, hidden_states: torch.Tensor, named: dict, extra: dict) -> torch
 def _fused_forward(self, *args, **kwargs) -> torch.Tensor:
     hidden_states, named, extra = _bind(self, args, kwargs)
     residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
-    hidden_states = _mixer(self, hidden_states, named, extra)
+    with fp8_rows.frame() as frame:  # the FP8 rows of the input norm's output, for the mixer's projections
+        with frame.emitting(_feeds_fp8(hidden_states, _mixer_inputs(self))):
+            hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = _mixer(self, hidden_states, named, extra)
     norm = self.post_attention_layernorm
-    # _run chose this forward because the op is fused for the layer input's device and dtype: the same dtype here
-    # means the same choice.
-    if hidden_states.dtype == residual.dtype:
-        dispatch = self._fusepatch.ops[_add_norm_op(self)]
-        deepspeed.gather(self, norm.weight)  # the norm's own forward, which ZeRO-3 would gather it for, is not called
-        hidden_states, residual = dispatch(hidden_states, residual, norm.weight, _eps(norm))
-    else:
-        residual = residual + hidden_states
-        hidden_states = norm(residual)
-    fused = swiglu_mlp_plus(self.mlp, hidden_states, residual)  # the add in the down projection's GEMM
-    if fused is not None:
-        return fused
-    hidden_states = self.mlp(hidden_states)
+    mlp = self.mlp
+    with fp8_rows.frame() as frame:  # the FP8 rows of the norm's and the SwiGLU's outputs, for the MLP's projections
+        # _run chose this forward because the op is fused for the layer input's device and dtype: the same dtype
+        # here means the same choice.
+        if hidden_states.dtype == residual.dtype:
+            dispatch = self._fusepatch.ops[_add_norm_op(self)]
+            deepspeed.gather(self, norm.weight)  # the norm's own forward (ZeRO-3 would gather it for) is not called
+            fed = _feeds_fp8(residual, (getattr(mlp, "gate_proj", None),))
+            mixed = _feeds_fp8(residual, _mixer_outputs(self), trained=True)  # the mixer's output projection
+            with frame.emitting(fed, gradients=mixed):
+                hidden_states, residual = dispatch(hidden_states, residual, norm.weight, _eps(norm))
+        else:
+            residual = residual + hidden_states
+            hidden_states = norm(residual)
+        fed = _feeds_fp8(residual, (getattr(mlp, "down_proj", None),))
+        trained = _feeds_fp8(residual, (getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)), trained=True)
+        with frame.emitting(fed, gradients=trained):
+            fused = swiglu_mlp_plus(mlp, hidden_states, residual)  # the add in the down projection's GEMM
+        if fused is not None:
+            return fused
+        hidden_states = mlp(hidden_states)  # in the frame: its projections may read the norm's rows
     if isinstance(hidden_states, tuple):  # MoE blocks that also return router logits
         hidden_states = hidden_states[0]
     return residual + hidden_states
+
+
+def _mixer_module(self) -> torch.nn.Module | None:
+    mixer = getattr(self, "linear_attn", None)
+    if mixer is None or getattr(self, "block_type", "linear_attention") != "linear_attention":
+        mixer = getattr(self, "self_attn", None)
+    return mixer
+
+
+def _mixer_inputs(self) -> tuple:
+    """The token mixer's input projections (attention's q_proj, the Gated DeltaNet's in_proj_qkv or in_proj_qkvz)."""
+    mixer = _mixer_module(self)
+    return tuple(getattr(mixer, name, None) for name in ("q_proj", "in_proj_qkv", "in_proj_qkvz"))
+
+
+def _mixer_outputs(self) -> tuple:
+    """The token mixer's output projection (attention's o_proj, the Gated DeltaNet's out_proj), whose output the
+    residual add takes: the add-RMSNorm's backward writes its output gradient."""
+    mixer = _mixer_module(self)
+    found = next((p for p in (getattr(mixer, n, None) for n in ("o_proj", "out_proj")) if p is not None), None)
+    return (found,)
+
+
+def _feeds_fp8(x: torch.Tensor, projections: tuple, trained: bool = False) -> bool:
+    """Whether one of ``projections`` (peft's LoRA linears: their base) computes with FP8 GEMMs for ``x``'s device
+    and dtype (``trained``: all of them, with a trained weight, whose input gradient reads its output gradient's
+    rows unscaled): its producer then writes the FP8 rows it would quantize (a hint only: a projection that is not
+    FP8 never reads them, and one that is checks them)."""
+    if torch.compiler.is_compiling():
+        return False
+    found = []
+    for projection in projections:
+        base = getattr(projection, "base_layer", projection)
+        state = getattr(base, "__dict__", {}).get("_fusepatch")
+        dispatch = None if state is None else getattr(state, "ops", {}).get("fp8_linear")
+        fp8 = dispatch is not None and dispatch.choice(x.device.type, dtype_name(x.dtype)).fused
+        found.append(fp8 and (not trained or (projection is base and bool(base.weight.requires_grad))))
+    return all(found) if trained else any(found)
 
 
 def _add_norm_op(self) -> str:

@@ -18,7 +18,8 @@ take plain ``nn.Linear`` modules only (no subclass such as a quantised or FSDP-w
 its own such as a projection ``apply(precision=...)`` patched), outside
 ``torch.compile``, on the devices in ``DEVICES``; the projections in one dtype or under autocast (cast as
 autocast casts them), the residual GEMM in one dtype outside autocast (there the residual stream is fp32 and the
-MLP output bf16). Anything else calls the modules as transformers does.
+MLP output bf16). Anything else calls the modules as transformers does; several FP8 projections of one input
+(``apply(precision="fp8")``) called so share one quantization of it (a ``kernels/fp8_rows`` frame).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fusepatch.kernels import fp8_rows
 from fusepatch.layers.support import lora
 from fusepatch.layers.support.hooks import autocast_dtype as _autocast_dtype
 from fusepatch.layers.support.hooks import hooked, in_dtype
@@ -127,7 +129,16 @@ def project(x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tensor, .
     (``plain_linears``), the narrow bias-free ones through one GEMM (``narrow_group``); the modules themselves
     otherwise, or when no gradient is being recorded. Under autocast (the Trainer's bf16 over fp32 weights) the
     input, weights and biases are cast to autocast's dtype first, as autocast casts them for ``F.linear``; the
-    casts' backward returns the weight gradients in fp32."""
+    casts' backward returns the weight gradients in fp32. FP8 projections among them (``apply(precision="fp8")``,
+    also as LoRA bases) quantize ``x`` once: the first records its FP8 rows in this call's frame, the others find
+    them (``kernels/fp8_rows``); other modules ignore the frame."""
+    if len(linears) < 2 or torch.compiler.is_compiling():
+        return _project(x, linears)
+    with fp8_rows.frame(share=True):
+        return _project(x, linears)
+
+
+def _project(x: torch.Tensor, linears: tuple[torch.nn.Module, ...]) -> tuple[torch.Tensor, ...]:
     if adapted(x, linears):
         fused = lora.project(x, linears)
         if fused is not None:

@@ -7,6 +7,10 @@ transposed, for the weight gradient; the weight stays in its own dtype (the opti
 ``_scaled_mm`` takes its first operand row-major and its second column-major, each with a reduction dimension
 that is a multiple of 16, and with rowwise scales writes bf16 only: the token dimension of the weight gradient is
 padded with zero rows to a multiple of 16, and outputs in another dtype are cast from bf16.
+
+An input whose FP8 rows came with it (``kernels/fp8_rows``: written by the kernel that produced it, or by the first
+of several projections of it) is not quantized again: ``fp8_linear`` looks them up by the tensor itself and its
+state, and the projections sharing them also share the weight gradient's by-columns quantization of it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from fusepatch.kernels import fp8_rows
 from fusepatch.kernels.fp8_range import FP8_MAX, FP8_TINY, MULTIPLE, padded
 
 FP8 = torch.float8_e4m3fn
@@ -68,9 +73,13 @@ def _scaled_mm(a, a_inverse, b, b_inverse, dtype: torch.dtype) -> torch.Tensor:
     return out if dtype == torch.bfloat16 else out.to(dtype)
 
 
-def _project(x: torch.Tensor, q: torch.Tensor, inverse: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The forward GEMM of both functions: ``x`` quantized by rows against the FP8 weight, plus the bias."""
-    out = _scaled_mm(*_quantizers(x.device).rows(x), q, inverse, x.dtype)
+def _project(
+    x: torch.Tensor, q: torch.Tensor, inverse: torch.Tensor, bias: torch.Tensor | None, carried: fp8_rows.Carried | None
+) -> torch.Tensor:
+    """The forward GEMM of both functions: ``x`` quantized by rows (or its carried rows) against the FP8 weight,
+    plus the bias."""
+    rows = carried.rows if carried is not None else _quantizers(x.device).rows(x)
+    out = _scaled_mm(*rows, q, inverse, x.dtype)
     return out if bias is None else out + bias.to(out.dtype)
 
 
@@ -117,27 +126,36 @@ class _FP8Linear(torch.autograd.Function):
     """A trained weight: quantized afresh for every GEMM, along each GEMM's reduction dimension."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, carried) -> torch.Tensor:
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _project(x, *_quantizers(x.device).rows(weight), bias)
+        ctx.columns = None
+        if carried is not None and ctx.needs_input_grad[1]:  # x's by-columns quantization, shared in the backward
+            ctx.columns = carried.columns
+            ctx.columns.users += 1
+        return _project(x, *_quantizers(x.device).rows(weight), bias, carried)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None):
         if grad is None:
-            return None, None, None
+            return None, None, None, None
         x, weight = ctx.saved_tensors
         quantize = _quantizers(grad.device)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:  # dx = grad @ W: reduction over the outputs (W's columns)
-            dx = _scaled_mm(*quantize.rows(grad), *quantize.columns(weight), x.dtype)
+            rows = fp8_rows.carried_gradient(grad)  # written by the backward that made grad (SwiGLU's), if any
+            dx = _scaled_mm(*(rows if rows is not None else quantize.rows(grad)), *quantize.columns(weight), x.dtype)
         if ctx.needs_input_grad[1]:  # dW = grad.t() @ x: reduction over the tokens (both operands' columns)
-            g, x_t = quantize.columns(grad, MULTIPLE), quantize.columns(x, MULTIPLE)
+            g = quantize.columns(grad, MULTIPLE)
+            if ctx.columns is None:
+                x_t = quantize.columns(x, MULTIPLE)
+            else:  # the same x (autograd refuses a saved tensor written since) for every projection sharing it
+                x_t = ctx.columns.take(lambda: quantize.columns(x, MULTIPLE))
             dw = _scaled_mm(*g, *x_t, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = grad.sum(0)
-        return dx, dw, db
+        return dx, dw, db, None
 
 
 class _FP8FrozenLinear(torch.autograd.Function):
@@ -146,16 +164,16 @@ class _FP8FrozenLinear(torch.autograd.Function):
     move into the gradient before it is quantized (exact: they are powers of two), and ``q`` is only transposed."""
 
     @staticmethod
-    def forward(ctx, x, q, inverse, bias):
+    def forward(ctx, x, q, inverse, bias, carried):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, inverse)
         ctx.has_bias = bias is not None
-        return _project(x, q, inverse, bias)
+        return _project(x, q, inverse, bias, carried)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None):
         if grad is None:
-            return None, None, None, None
+            return None, None, None, None, None
         q, inverse = ctx.saved_tensors
         dx = db = None
         if ctx.needs_input_grad[0]:
@@ -165,7 +183,7 @@ class _FP8FrozenLinear(torch.autograd.Function):
             dx = _scaled_mm(g, g_inverse, quantize.transpose(q), ones, grad.dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = grad.sum(0)
-        return dx, None, None, db
+        return dx, None, None, db, None
 
 
 def _aligned(weight: torch.Tensor) -> None:
@@ -188,13 +206,26 @@ def fp8_linear(
     keeps it current); the weight itself is then not read (a dropped weight has no values)."""
     _aligned(weight)
     flat = x.reshape(-1, x.shape[-1])  # the functions see 2-D tensors: their outputs are no views of their own
+    carried = _carried(x, flat)
     if prepared is not None or not weight.requires_grad:
         if prepared is None:
             prepared = quantize_weight(weight)
-        out = _FP8FrozenLinear.apply(flat, prepared.q, prepared.inverse, bias)
+        out = _FP8FrozenLinear.apply(flat, prepared.q, prepared.inverse, bias, carried)
     else:
-        out = _FP8Linear.apply(flat, weight, bias)
+        out = _FP8Linear.apply(flat, weight, bias, carried)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _carried(x: torch.Tensor, flat: torch.Tensor) -> fp8_rows.Carried | None:
+    """``x``'s FP8 rows where they came with it (``kernels/fp8_rows``); where several projections of ``x`` share a
+    frame (``projections.project``), quantized here once and recorded for the others; None otherwise (each
+    function quantizes its input itself, as before)."""
+    found = fp8_rows.carried(x)
+    if found is not None or not fp8_rows.sharing():
+        return found
+    with torch.no_grad():
+        rows = _quantizers(x.device).rows(flat)
+    return fp8_rows.record(x, rows)
 
 
 def load():

@@ -1,0 +1,155 @@
+"""FP8 rows written by their producers (``kernels/fp8_rows``) on the GPU: the compiled RMSNorm, add-RMSNorm and
+SwiGLU kernels (forward; the SwiGLU's and the add-RMSNorm's backward gradients) give the bits ``quantize_rows_reference`` gives on
+their output, at the 27B layer widths; a mini Qwen3.5 trained with ``apply(precision="fp8")`` computes the same
+loss and gradients with the rows carried as with every input quantized by its projection, with fewer quantization
+launches; an activation written in place after its rows were made is quantized again."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import MINI
+
+from fusepatch.ops.common import relative_error
+
+pytestmark = pytest.mark.gpu
+
+
+def _same_bits(rows, y: torch.Tensor) -> None:
+    from fusepatch.ops.fp8_linear.scaled_mm import quantize_rows_reference
+
+    want_q, want_inverse = quantize_rows_reference(y.reshape(-1, y.shape[-1]))
+    assert torch.equal(rows.inverse.nan_to_num(-1.0, -2.0), want_inverse.nan_to_num(-1.0, -2.0))
+    assert torch.equal(rows.q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def _inputs(shape, dtype):
+    x = torch.randn(shape, device="cuda").to(dtype)
+    flat = x.view(-1, shape[-1])
+    flat[0] *= 1e4  # a large row
+    flat[1] = 0  # a zero row: the smallest peak's scale
+    flat[2, 5] = float("nan")  # a NaN row: its scale NaN
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(2, 301, 5120), (7, 1024), (5, 64)], ids=["hidden", "narrow", "rows-a-program"])
+def test_norm_kernels_write_the_reference_rows(shape, dtype):
+    from fusepatch.kernels import fp8_rows
+    from fusepatch.kernels.rms_norm import add_rms_norm, add_rms_norm_zero_centered, rms_norm, rms_norm_zero_centered
+
+    x, residual = _inputs(shape, dtype), torch.randn(shape, device="cuda").to(dtype)
+    weight = (torch.randn(shape[-1], device="cuda") * 0.1).to(dtype)
+    cases = [(f, (x, weight, 1e-6)) for f in (rms_norm, rms_norm_zero_centered)]
+    cases += [(f, (x, residual, weight, 1e-6)) for f in (add_rms_norm, add_rms_norm_zero_centered)]
+    for norm, args in cases:
+        plain = norm(*args)
+        with fp8_rows.frame() as frame:
+            with frame.emitting():
+                out = norm(*args)
+            y = out[0] if isinstance(out, tuple) else out
+            _same_bits(fp8_rows.carried(y).rows, y)
+        plain = plain[0] if isinstance(plain, tuple) else plain
+        assert torch.equal(y.nan_to_num(), plain.nan_to_num()), norm  # the output as without the rows
+
+
+@pytest.mark.parametrize("shape", [(2, 301, 17408), (9, 2064), (3, 64)], ids=["intermediate", "odd", "narrow"])
+def test_swiglu_kernels_write_the_reference_rows_forward_and_backward(shape):
+    from fusepatch.kernels import fp8_rows
+    from fusepatch.kernels.swiglu import swiglu
+
+    gate = _inputs(shape, torch.bfloat16).requires_grad_(True)
+    up = torch.randn(shape, device="cuda").to(torch.bfloat16).requires_grad_(True)
+    dy = _inputs(shape, torch.bfloat16)
+    plain = swiglu(gate, up)
+    plain_grads = torch.autograd.grad(plain, (gate, up), dy)
+    with fp8_rows.frame() as frame:
+        with frame.emitting(True, gradients=True):
+            out = swiglu(gate, up)
+        _same_bits(fp8_rows.carried(out).rows, out)
+    assert torch.equal(out.nan_to_num(), plain.nan_to_num())
+    grads = torch.autograd.grad(out, (gate, up), dy)
+    for grad, want in zip(grads, plain_grads):
+        assert torch.equal(grad.nan_to_num(), want.nan_to_num())
+        flat = grad.view(-1, shape[-1])
+        _same_bits(fp8_rows.carried_gradient(flat), flat)
+
+
+@pytest.mark.parametrize("shape", [(2, 301, 5120), (7, 1024)], ids=["hidden", "narrow"])
+def test_add_norm_backward_writes_the_reference_rows(shape):
+    from fusepatch.kernels import fp8_rows
+    from fusepatch.kernels.rms_norm import add_rms_norm_zero_centered
+
+    x = torch.randn(shape, device="cuda").to(torch.bfloat16).requires_grad_(True)
+    residual = torch.randn(shape, device="cuda").to(torch.bfloat16).requires_grad_(True)
+    weight = (torch.randn(shape[-1], device="cuda") * 0.1).to(torch.bfloat16)
+    dy, dh = _inputs(shape, torch.bfloat16), torch.randn(shape, device="cuda").to(torch.bfloat16)
+    plain = torch.autograd.grad(add_rms_norm_zero_centered(x, residual, weight, 1e-6), (x, residual), (dy, dh))
+    with fp8_rows.frame() as frame:
+        with frame.emitting(False, gradients=True):
+            outs = add_rms_norm_zero_centered(x, residual, weight, 1e-6)
+    grad, _ = torch.autograd.grad(outs, (x, residual), (dy, dh))
+    assert torch.equal(grad.nan_to_num(), plain[0].nan_to_num())
+    flat = grad.reshape(-1, shape[-1])
+    _same_bits(fp8_rows.carried_gradient(flat), flat)
+
+
+def _fp8_step(model, ids, monkeypatch, *, carried: bool, hook=None):
+    """One step's loss and gradients, and the by-rows quantization launches it made (the weights' included)."""
+    from fusepatch.kernels import fp8, fp8_rows
+
+    launches = []
+    quantize = fp8.quantize_rows
+    with monkeypatch.context() as patch:
+        patch.setattr(fp8, "quantize_rows", lambda *a, **k: launches.append(1) or quantize(*a, **k))
+        if not carried:  # every projection quantizes its own input, as without ``fp8_rows``
+            for name in ("emitting", "emitting_gradients", "sharing"):
+                patch.setattr(fp8_rows, name, lambda: False)
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        torch.cuda.synchronize()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, len(launches)
+
+
+def test_a_model_computes_the_same_with_the_rows_carried(monkeypatch):
+    import fusepatch
+    from fusepatch.tools.tiny import tiny_model
+
+    model = tiny_model("qwen3_5_text", seed=0, **MINI).to("cuda", torch.bfloat16).train()
+    fusepatch.apply(model, precision="fp8", verbose=False)
+    ids = torch.randint(0, model.config.vocab_size, (2, 256), device="cuda")
+    loss, grads, each = _fp8_step(model, ids, monkeypatch, carried=False)
+    again_loss, again, _ = _fp8_step(model, ids, monkeypatch, carried=False)  # the path's own run-to-run spread
+    fused_loss, fused, fewer = _fp8_step(model, ids, monkeypatch, carried=True)
+    assert torch.equal(fused_loss, loss), (fused_loss, loss)
+    assert grads.keys() == fused.keys()
+    for name, grad in grads.items():
+        spread = relative_error(again[name], grad)
+        assert relative_error(fused[name], grad) <= 2 * spread + 1e-6, name
+    # per layer: the mixer's input, gate/up's input, down_proj's input, gate/up's and the mixer's output
+    # projection's output gradients
+    assert fewer <= each - 6 * model.config.num_hidden_layers, (fewer, each)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    recomputed_loss, recomputed, _ = _fp8_step(model, ids, monkeypatch, carried=True)
+    assert torch.equal(recomputed_loss, loss)
+    for name, grad in grads.items():
+        assert relative_error(recomputed[name], grad) <= 2 * relative_error(again[name], grad) + 1e-6, name
+
+
+def test_an_activation_written_after_its_rows_were_made_is_quantized_again(monkeypatch):
+    import fusepatch
+    from fusepatch.tools.tiny import tiny_model
+
+    base = tiny_model("qwen3", seed=0, **MINI, num_hidden_layers=1).to("cuda", torch.bfloat16).train()
+    fusepatch.apply(base, precision="fp8", verbose=False)
+    model = copy.deepcopy(base)
+    for each in (base, model):
+        each.model.layers[0].input_layernorm.register_forward_hook(lambda module, args, out: out.mul_(1.5))
+    ids = torch.randint(0, base.config.vocab_size, (2, 128), device="cuda")
+    loss, _, _ = _fp8_step(base, ids, monkeypatch, carried=False)
+    fused_loss, _, _ = _fp8_step(model, ids, monkeypatch, carried=True)
+    assert torch.equal(fused_loss, loss), (fused_loss, loss)
