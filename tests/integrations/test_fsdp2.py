@@ -27,10 +27,14 @@ DIRECT_CASES = ["fully_shard-shard_first", "fully_shard-checkpointing_projection
 # every engine x mode x precision case runs once, at one world size or the other: at 4 the fewest that still cover
 # each engine, mode and precision there, at 2 the rest (CI's time); the memory check at both
 FOUR = ["accelerate-lora-bf16", "trainer-full-fp32"]
+# LoRA over FP8 bases kept sharded by FSDP2 (fully_shard per layer), with their values and dropped
+FP8_CASES = ["fp8-lora-keep", "fp8-lora-drop"]
 LAUNCHES = {
-    2: [*(case for case in ENGINE_CASES if case not in FOUR), "memory-lora-fp8", *DIRECT_CASES],
-    4: [*FOUR, "memory-lora-fp8"],
+    2: [*(case for case in ENGINE_CASES if case not in FOUR), "memory-lora-fp8", *FP8_CASES, *DIRECT_CASES],
+    4: [*FOUR, "memory-lora-fp8", "fp8-lora-drop"],
 }
+# FP8 against unpatched fp32, this tiny model's two SGD steps: the loss and the LoRA gradients (measured: ...)
+FP8_LOSS, FP8_GRADS = 2e-2, 0.2
 # Floors under the measured bounds: what one rounding of the loss and of an update can move in each precision
 FLOORS = {"fp32": {"loss": 1e-6, "params": 1e-5}, "bf16": {"loss": 1e-4, "params": 1e-2}}
 
@@ -74,15 +78,55 @@ def direct_problems(name: str, data: dict) -> list[str]:
 
 def memory_problems(world: int, case: dict) -> list[str]:
     """Each rank holds what ``static_memory.per_rank`` computes for rank 0 (the chunks are even here), part by
-    part, the FP8 copies whole on every rank (fusepatch's behaviour today), not the sharded ideal."""
+    part: the FP8 copies sharded like the weights (each rank its rows), with the bf16 rows of the dropped bases
+    gone (``fp8+drop``), less than a whole copy on every rank."""
     problems = []
-    current, ideal = case["computed"]["current"], case["computed"]["sharded"]
-    for rank, held in enumerate(case["held"]):
-        for part in ("parameters", "gradients", "optimizer_states", "projections_fp8"):
-            if held[part] != current[part]:
-                problems.append(f"memory rank {rank}/{world}: {part} {held[part]} bytes, computed {current[part]}")
-    if not ideal["projections_fp8"] < current["projections_fp8"]:
-        problems.append(f"memory: the sharded ideal keeps no less FP8 than today's whole copies: {case['computed']}")
+    for precision in ("fp8", "fp8+drop"):
+        computed, whole = case["computed"][precision], case["computed"]["whole"]
+        for rank, held in enumerate(case["held"][precision]):
+            for part in ("parameters", "gradients", "optimizer_states", "projections_fp8"):
+                if held[part] != computed[part]:
+                    problems.append(
+                        f"memory {precision} rank {rank}/{world}: {part} {held[part]} bytes, computed {computed[part]}"
+                    )
+        if not computed["projections_fp8"] < whole["projections_fp8"]:
+            problems.append(f"memory {precision}: the sharded copies are no less than whole ones: {case['computed']}")
+    return problems
+
+
+def fp8_problems(name: str, world: int, case: dict) -> list[str]:
+    """FSDP2 keeping FP8 bases sharded: loss and every LoRA gradient equal the unsharded model patched alike (the
+    same bits at world size 2, where the reduction adds the same two terms; at 4 within one rounding), and the
+    unpatched model's within FP8's error; rewrites of the bases seen (``keep``) or refused (``drop``); and each
+    rank holds its rows' FP8 copies between steps (a 1/world share of the whole copies, exactly), and at every FP8
+    call at most that plus one decoder layer's gathered copies."""
+    problems = []
+    sharded, patched, plain = (case["losses"][k] for k in ("sharded", "patched", "unpatched"))
+    for step in range(2):
+        exact = world == 2 or step == 0
+        worst = max(abs(a - b) / abs(b) for a, b in zip(sharded[step], patched[step]))
+        if (sharded[step] != patched[step]) if exact else worst > 1e-6:
+            problems.append(f"{name}: step {step} losses {sharded[step]} != unsharded patched {patched[step]}")
+        grads = case["grads"]["patched"][step]
+        if not (grads["equal"] if world == 2 else grads["worst"] < 1e-5):
+            problems.append(f"{name}: step {step} gradients differ from the unsharded patched model's: {grads}")
+        off = max(abs(a - b) / abs(b) for a, b in zip(sharded[step], plain[step]))
+        unpatched = case["grads"]["unpatched"][step]
+        if not (off < FP8_LOSS and unpatched["total"] < FP8_GRADS and unpatched["count"] == grads["count"] > 0):
+            problems.append(f"{name}: step {step} off the unpatched model by more than FP8's: {off:.3g}, {unpatched}")
+    bases = case["bases"]
+    if case["rewrites_refused"] != (2 * bases if name.endswith("drop") else 0):
+        problems.append(f"{name}: {case['rewrites_refused']} of {bases} x 2 rewrites of the bases refused")
+    share = case["whole"] // world
+    for rank, held in enumerate(case["ranks"]):
+        for step, between in enumerate(held["between"]):
+            if between != {"kept": share, "gathered": 0}:
+                problems.append(f"{name}: rank {rank} holds {between} after step {step}, not {share} bytes kept")
+        if not (held["calls"] > 0 and held["peak"] <= share + case["layer_most"]):
+            problems.append(
+                f"{name}: rank {rank} held {held['peak']} bytes of FP8 copies at an FP8 call, more than its share "
+                f"{share} of {case['whole']} plus one layer's {case['layer_most']} ({held['calls']} calls)"
+            )
     return problems
 
 
@@ -101,6 +145,8 @@ def test_fsdp2_engines_as_users_run_them_match_unsharded_unpatched(tmp_path, wor
     for name, case in data["cases"].items():
         if name.startswith("memory"):
             problems += memory_problems(world, case)
+        elif name in FP8_CASES:
+            problems += fp8_problems(name, world, case)
         elif name in DIRECT_CASES:
             problems += direct_problems(name, case)
         else:
