@@ -54,7 +54,8 @@ class PatchReport:
     transformers_calls: tuple[str, ...] = ()
     # frozen FP8 projections whose weight apply(drop_frozen_weights=True) dropped (kept in FP8 only)
     dropped_weights: int = 0
-    # how the fused paths meet a sharding engine: DeepSpeed ZeRO-3 detected, and what its patched modules gather
+    # how the fused paths meet a sharding engine: DeepSpeed ZeRO-3 detected, and what its patched modules gather;
+    # where frozen FP8 projections keep their copies under FSDP2 and ZeRO-3
     sharding: tuple[str, ...] = ()
 
     @property

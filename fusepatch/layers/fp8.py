@@ -355,3 +355,50 @@ def say_restored(count: int) -> None:
         "rounded to FP8 (about 3%% off the original values); reload the checkpoint for the exact weights",
         count,
     )
+
+
+def sharding_lines(states: list) -> tuple[str, ...]:
+    """What the report says of the frozen FP8 projections' copies under a sharding engine: under FSDP2, kept as
+    each rank's rows and gathered in FP8 (how many so far, how many without their bf16 rows), and those quantized
+    at each call instead, by reason; under ZeRO-3, quantized at each call, nothing kept or dropped. Nothing for a
+    model no engine shards."""
+    shared = kept = dropped = zero3 = 0
+    per_call: dict[str, int] = {}
+    for state in states:
+        module = state.owner
+        if state.row.precision != "fp8" or "weight" not in module.__dict__.get("_parameters", {}):
+            continue
+        weight = module.weight
+        if deepspeed.partitioned(weight):
+            zero3 += not weight.requires_grad
+            continue
+        param = fsdp2.param_of(module)
+        if param is None or weight.requires_grad or fsdp2.why_not_kept(param) == "single":
+            continue
+        shared += 1
+        shard = fsdp2.kept_shard(param)
+        kept += shard is not None
+        dropped += isinstance(shard, fsdp2.DroppedShard)
+        why = getattr(param, "fusepatch_not_kept", None)
+        if why is not None:
+            per_call[why] = per_call.get(why, 0) + 1
+    lines = []
+    if shared > sum(per_call.values()):
+        lines.append(
+            f"FSDP2: {shared - sum(per_call.values())} frozen FP8 projections keep their FP8 copy sharded like their weight (each rank its own "
+            "rows and their scales), gathered in FP8 for their unit's forward and backward and freed after; made at "
+            f"each one's first FP8 call: {kept} so far, {dropped} of them without their bf16 rows "
+            "(drop_frozen_weights=True)"
+        )
+    for why, count in per_call.items():
+        lines.append(
+            f"FSDP2: {count} frozen FP8 projections quantize the weight FSDP2 gathered at each call, forward and "
+            f"backward, keeping no copy: {fsdp2.NOT_KEPT[why]}"
+        )
+    if zero3:
+        lines.append(
+            f"DeepSpeed ZeRO-3: {zero3} frozen FP8 projections quantize the weight ZeRO-3 gathered at each call, "
+            "forward and again for the backward, keeping no copy (one kept would be whole on every rank); "
+            "drop_frozen_weights=True drops none of them (the partitions are DeepSpeed's)"
+        )
+    return tuple(lines)

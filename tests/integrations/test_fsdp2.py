@@ -31,10 +31,11 @@ FOUR = ["accelerate-lora-bf16", "trainer-full-fp32"]
 FP8_CASES = ["fp8-lora-keep", "fp8-lora-drop"]
 LAUNCHES = {
     2: [*(case for case in ENGINE_CASES if case not in FOUR), "memory-lora-fp8", *FP8_CASES, *DIRECT_CASES],
-    4: [*FOUR, "memory-lora-fp8", "fp8-lora-drop"],
+    4: [*FOUR, "memory-lora-fp8"],
 }
-# FP8 against unpatched fp32, this tiny model's two SGD steps: the loss and the LoRA gradients (measured: ...)
-FP8_LOSS, FP8_GRADS = 2e-2, 0.2
+# FP8 against unpatched, this tiny bf16 model's two SGD steps: the loss (measured 9.2e-4) and every LoRA gradient
+# as one vector (measured 0.111, 0.074), relative
+FP8_LOSS, FP8_GRADS = 1e-2, 0.2
 # Floors under the measured bounds: what one rounding of the loss and of an update can move in each precision
 FLOORS = {"fp32": {"loss": 1e-6, "params": 1e-5}, "bf16": {"loss": 1e-4, "params": 1e-2}}
 
@@ -95,28 +96,35 @@ def memory_problems(world: int, case: dict) -> list[str]:
 
 
 def fp8_problems(name: str, world: int, case: dict) -> list[str]:
-    """FSDP2 keeping FP8 bases sharded: loss and every LoRA gradient equal the unsharded model patched alike (the
-    same bits at world size 2, where the reduction adds the same two terms; at 4 within one rounding), and the
-    unpatched model's within FP8's error; rewrites of the bases seen (``keep``) or refused (``drop``); and each
-    rank holds its rows' FP8 copies between steps (a 1/world share of the whole copies, exactly), and at every FP8
-    call at most that plus one decoder layer's gathered copies."""
+    """FSDP2 keeping FP8 bases sharded (world size 2): each rank's loss and every LoRA gradient, both steps, are the
+    unsharded model's patched alike, bit for bit (the per-row arithmetic is the same, and the reduction adds the
+    same two terms), and the unpatched model's within FP8's error (``keep``); rewrites of the bases seen (``keep``)
+    or refused (``drop``); the report says so; each rank holds its rows' FP8 copies between steps (a 1/world share
+    of the whole copies, exactly) and at every FP8 call at most that plus one decoder layer's gathered copies; and
+    ``revert`` gives the bases back as the unsharded model's revert does."""
     problems = []
-    sharded, patched, plain = (case["losses"][k] for k in ("sharded", "patched", "unpatched"))
+    sharded, patched = case["losses"]["sharded"], case["losses"]["patched"]
     for step in range(2):
-        exact = world == 2 or step == 0
-        worst = max(abs(a - b) / abs(b) for a, b in zip(sharded[step], patched[step]))
-        if (sharded[step] != patched[step]) if exact else worst > 1e-6:
+        if sharded[step] != patched[step]:
             problems.append(f"{name}: step {step} losses {sharded[step]} != unsharded patched {patched[step]}")
         grads = case["grads"]["patched"][step]
-        if not (grads["equal"] if world == 2 else grads["worst"] < 1e-5):
+        if not (grads["equal"] and grads["count"] > 0):
             problems.append(f"{name}: step {step} gradients differ from the unsharded patched model's: {grads}")
-        off = max(abs(a - b) / abs(b) for a, b in zip(sharded[step], plain[step]))
-        unpatched = case["grads"]["unpatched"][step]
-        if not (off < FP8_LOSS and unpatched["total"] < FP8_GRADS and unpatched["count"] == grads["count"] > 0):
+        if "unpatched" not in case["grads"]:
+            continue
+        plain, unpatched = case["losses"]["unpatched"][step], case["grads"]["unpatched"][step]
+        off = max(abs(a - b) / abs(b) for a, b in zip(sharded[step], plain))
+        if not (off < FP8_LOSS and unpatched["total"] < FP8_GRADS and unpatched["count"] == grads["count"]):
             problems.append(f"{name}: step {step} off the unpatched model by more than FP8's: {off:.3g}, {unpatched}")
     bases = case["bases"]
     if case["rewrites_refused"] != (2 * bases if name.endswith("drop") else 0):
         problems.append(f"{name}: {case['rewrites_refused']} of {bases} x 2 rewrites of the bases refused")
+    said = f"FSDP2: {bases} frozen FP8 projections keep their FP8 copy sharded"
+    said_kept = f"{bases} so far, {bases if name.endswith('drop') else 0} of them without their bf16 rows"
+    if not any(said in line and said_kept in line for line in case["sharding"]):
+        problems.append(f"{name}: the report does not say {said!r} ... {said_kept!r}: {case['sharding']}")
+    if not (case["reverted_equal"] and case["reverted_loss_equal"]):
+        problems.append(f"{name}: reverted, the bases or the loss differ from the unsharded model's reverted")
     share = case["whole"] // world
     for rank, held in enumerate(case["ranks"]):
         for step, between in enumerate(held["between"]):

@@ -12,7 +12,7 @@ import torch
 from fusepatch.engine.features.base import Feature, Patched
 from fusepatch.engine.plan import Plan, Request
 from fusepatch.engine.reporting import PatchReport
-from fusepatch.layers.fp8 import is_dropped, keep_what_variants_read, restore_dropped, say_restored
+from fusepatch.layers.fp8 import is_dropped, keep_what_variants_read, restore_dropped, say_restored, sharding_lines
 
 
 class Fp8(Feature):
@@ -40,7 +40,8 @@ class Fp8(Feature):
         return kept
 
     def report(self, report: PatchReport, states: list) -> PatchReport:
-        return dataclasses.replace(report, dropped_weights=sum(is_dropped(s.owner) for s in states))
+        dropped = sum(is_dropped(s.owner) for s in states)
+        return dataclasses.replace(report, dropped_weights=dropped, sharding=report.sharding + sharding_lines(states))
 
     def revert(self, model: torch.nn.Module, patched: Patched) -> None:
         rounded = sum(restore_dropped(module) for module, _ in patched)

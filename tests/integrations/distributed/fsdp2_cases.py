@@ -401,8 +401,9 @@ def fp8_case(name: str, rank: int, world: int) -> dict | None:
     model, two SGD steps on one row a rank; against the unsharded model patched alike (each row its own forward and
     backward, ``loss / world``: the same per-row arithmetic, so the same bits where the reduction adds the same
     terms) and unpatched. ``keep``: the bases keep their values and are rewritten in place between the steps;
-    ``drop``: ``drop_frozen_weights=True``, and a write to a base must raise. At every FP8 call and after each step,
-    the FP8 bytes this rank holds."""
+    ``drop``: ``drop_frozen_weights=True``, and a write to a base must raise (against the patched model only: the
+    first step is ``keep``'s). At every FP8 call and after each step, the FP8 bytes this rank holds; then the
+    report's lines and ``revert``."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
     import pytest
     from helpers import cpu_candidates
@@ -422,7 +423,8 @@ def fp8_case(name: str, rank: int, world: int) -> dict | None:
 
     measuring: list = [None]
     cpu_candidates(pytest.MonkeyPatch(), {"fp8_linear": measured})
-    for label in ("sharded", "patched", "unpatched"):
+    labels = ("sharded", "patched") if drop else ("sharded", "patched", "unpatched")  # keep's covers both's start
+    for label in labels:
         model = build(True, torch.bfloat16, **FP8_SIZES)
         if label == "sharded":
             for layer in model.get_base_model().model.layers:
@@ -438,7 +440,7 @@ def fp8_case(name: str, rank: int, world: int) -> dict | None:
     for step, ids in enumerate(steps):
         if step == 1:  # the frozen bases rewritten in place (a reference model's sync writes so)
             refused = 0
-            for model in [models["sharded"], models["patched"]] + ([] if drop else [models["unpatched"]]):
+            for model in models.values():
                 for pname, p in model.named_parameters():
                     if fp8_base(pname):
                         try:
@@ -461,7 +463,7 @@ def fp8_case(name: str, rank: int, world: int) -> dict | None:
         }
         out["losses"].setdefault("sharded", []).append(losses)
         got = {"sharded": grads}
-        for label in ("patched", "unpatched"):
+        for label in labels[1:]:
             row_losses = []
             for r in range(world):
                 row = ids[r : r + 1]
@@ -470,7 +472,7 @@ def fp8_case(name: str, rank: int, world: int) -> dict | None:
                 row_losses.append(row_loss.item())
             out["losses"].setdefault(label, []).append(row_losses)
             got[label] = {n: p.grad.clone() for n, p in models[label].named_parameters() if p.requires_grad}
-        for label in ("patched", "unpatched"):
+        for label in labels[1:]:
             worst, equal = 0.0, True
             for n, want in got[label].items():
                 have = got["sharded"][n]
@@ -486,6 +488,18 @@ def fp8_case(name: str, rank: int, world: int) -> dict | None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         out["between"].append(fp8_bytes(models["sharded"]))
+    out["sharding"] = list(fusepatch.report(models["sharded"]).sharding)
+    # revert: the bases back (rounded where dropped) as the unsharded model's revert gives them, and FSDP2 gathers
+    # and computes with them as before
+    fusepatch.revert(models["sharded"])
+    fusepatch.revert(models["patched"])
+    bases = {n: p for n, p in models["patched"].named_parameters() if fp8_base(n)}
+    back = {n: p.full_tensor() for n, p in models["sharded"].named_parameters() if fp8_base(n)}
+    out["reverted_equal"] = all(torch.equal(back[n], p) for n, p in bases.items()) and len(back) == len(bases)
+    row = steps[0][rank : rank + 1]
+    with torch.no_grad():
+        after = [models[k](input_ids=row, labels=row, use_cache=False).loss.item() for k in ("sharded", "patched")]
+    out["reverted_loss_equal"] = after[0] == after[1]
     out["calls"] = len(calls)
     out["peak"] = max((c["kept"] + c["gathered"] for c in calls), default=0)
     out["whole"], out["layer_most"] = whole, layer_most
