@@ -95,20 +95,22 @@ def memory_problems(world: int, case: dict) -> list[str]:
     return problems
 
 
-def fp8_problems(name: str, world: int, case: dict) -> list[str]:
+def fp8_problems(name: str, world: int, case: dict, exact: bool = True) -> list[str]:
     """FSDP2 keeping FP8 bases sharded (world size 2): each rank's loss and every LoRA gradient, both steps, are the
     unsharded model's patched alike, bit for bit (the per-row arithmetic is the same, and the reduction adds the
     same two terms), and the unpatched model's within FP8's error (``keep``); rewrites of the bases seen (``keep``)
     or refused (``drop``); the report says so; each rank holds its rows' FP8 copies between steps (a 1/world share
     of the whole copies, exactly) and at every FP8 call at most that plus one decoder layer's gathered copies; and
-    ``revert`` gives the bases back as the unsharded model's revert does."""
+    ``revert`` gives the bases back as the unsharded model's revert does. Not ``exact`` (the GPU's kernels, whose
+    run-to-run order may differ): the losses within ``1e-3`` and the gradients within ``2e-2``, relative."""
     problems = []
     sharded, patched = case["losses"]["sharded"], case["losses"]["patched"]
     for step in range(2):
-        if sharded[step] != patched[step]:
+        off = max(abs(a - b) / abs(b) for a, b in zip(sharded[step], patched[step]))
+        if sharded[step] != patched[step] if exact else off > 1e-3:
             problems.append(f"{name}: step {step} losses {sharded[step]} != unsharded patched {patched[step]}")
         grads = case["grads"]["patched"][step]
-        if not (grads["equal"] and grads["count"] > 0):
+        if not ((grads["equal"] if exact else grads["total"] < 2e-2) and grads["count"] > 0):
             problems.append(f"{name}: step {step} gradients differ from the unsharded patched model's: {grads}")
         if "unpatched" not in case["grads"]:
             continue
@@ -123,7 +125,7 @@ def fp8_problems(name: str, world: int, case: dict) -> list[str]:
     said_kept = f"{bases} so far, {bases if name.endswith('drop') else 0} of them without their bf16 rows"
     if not any(said in line and said_kept in line for line in case["sharding"]):
         problems.append(f"{name}: the report does not say {said!r} ... {said_kept!r}: {case['sharding']}")
-    if not (case["reverted_equal"] and case["reverted_loss_equal"]):
+    if not (case["reverted_equal"] and (case["reverted_loss_equal"] or not exact)):
         problems.append(f"{name}: reverted, the bases or the loss differ from the unsharded model's reverted")
     share = case["whole"] // world
     for rank, held in enumerate(case["ranks"]):

@@ -32,6 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 LR = 1e-3
 LENGTH = 24
 LAYER = "Qwen3_5DecoderLayer"
+DEVICE = "cpu"  # main's --device: the fp8 cases run on the GPU's kernels with cuda
 
 
 def _module(path: str, name: str):
@@ -416,16 +417,23 @@ def fp8_case(name: str, rank: int, world: int) -> dict | None:
     models: dict[str, torch.nn.Module] = {}
     calls: list[dict] = []
 
-    def measured(*args, **kwargs):
+    from fusepatch.ops.fp8_linear import scaled_mm
+
+    project = scaled_mm._project
+
+    def measured(*args, **kwargs):  # every FP8 forward GEMM, on the GPU's kernels or the CPU stand-in
         if measuring[0] is not None:
             calls.append(fp8_bytes(measuring[0]))
-        return fp8_linear(*args, **kwargs)
+        return project(*args, **kwargs)
 
     measuring: list = [None]
-    cpu_candidates(pytest.MonkeyPatch(), {"fp8_linear": measured})
+    patch = pytest.MonkeyPatch()
+    patch.setattr(scaled_mm, "_project", measured)
+    if DEVICE == "cpu":
+        cpu_candidates(patch, {"fp8_linear": fp8_linear})
     labels = ("sharded", "patched") if drop else ("sharded", "patched", "unpatched")  # keep's covers both's start
     for label in labels:
-        model = build(True, torch.bfloat16, **FP8_SIZES)
+        model = build(True, torch.bfloat16, **FP8_SIZES).to(DEVICE)
         if label == "sharded":
             for layer in model.get_base_model().model.layers:
                 fully_shard(layer)
@@ -434,7 +442,7 @@ def fp8_case(name: str, rank: int, world: int) -> dict | None:
             fusepatch.apply(model, precision="fp8", drop_frozen_weights=drop, verbose=False)
         models[label] = model
     whole, layer_most = fp8_whole_bytes(models["patched"])
-    steps = batches(world, 2, models["patched"].config.vocab_size, seed=11)
+    steps = [ids.to(DEVICE) for ids in batches(world, 2, models["patched"].config.vocab_size, seed=11)]
     optimizers = {k: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for k, m in models.items()}
     out: dict = {"losses": {}, "grads": {}, "between": [], "rewrites_refused": None}
     for step, ids in enumerate(steps):
@@ -513,8 +521,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", required=True, help="comma-separated case names")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cpu", help="cuda: NCCL, a GPU a rank, the GPU's kernels (fp8 cases)")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results, seconds = {}, {}
     names = args.cases.split(",")
