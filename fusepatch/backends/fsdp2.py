@@ -63,20 +63,24 @@ def _param_groups(state: Any) -> list:
 
 
 _index: dict[int, tuple[weakref.ref, Any]] = {}  # id(module) -> (the module, its weight's FSDPParam)
-_indexed = [-1]  # how many module states the index was built from
+_indexed: list[int] = [0]  # the module states the index was built from (a hash of their ids)
 
 
 def param_of(module: torch.nn.Module, name: str = "weight") -> Any | None:
     """The ``FSDPParam`` that shards ``module``'s parameter ``name``; None where FSDP2 shards nothing of it. One
-    dictionary lookup where no module of the process is sharded."""
+    dictionary lookup where no module of the process is sharded, or where this one is; else a look at the states'
+    ids (tens), and the index built again where they changed (a model sharded since)."""
     states = sys.modules.get(STATES)
     mapping = getattr(states, "_module_state_mapping", None)
     if not mapping:
         return None
     found = _index.get(id(module))
-    if found is None and len(mapping) != _indexed[0]:
-        _rebuild(mapping)
-        found = _index.get(id(module))
+    if found is None or found[0]() is not module:
+        built = hash(tuple(id(key) for key in list(mapping.keys())))
+        if built != _indexed[0] or found is not None:  # states changed, or this module's entry is a freed one's
+            _rebuild(mapping)
+            _indexed[0] = built
+            found = _index.get(id(module))
     if found is None or found[0]() is not module:
         return None
     param = found[1]
@@ -92,7 +96,6 @@ def _rebuild(mapping) -> None:
                 module = param._module_info.module
                 if param._module_info.param_name == "weight":
                     _index[id(module)] = (weakref.ref(module), param)
-    _indexed[0] = len(mapping)
 
 
 METHODS = ("_init_extensions", "_setattr_on_modules")  # of FSDPParam

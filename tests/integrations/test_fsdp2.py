@@ -296,3 +296,12 @@ def test_fsdp2_rewritten_frozen_weights_are_requantized(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     data = json.loads(out.read_text())
     assert data["calls"] == 6 * 28 and data["stale"] == 0 and data["equal"], data  # 5 sharded calls, 1 reference
+
+
+def test_fsdp2_names_fusepatch_reads_are_in_this_torch():
+    """backends/fsdp2.py's table and the FSDPParam methods it calls are in the installed torch (a torch that lacks
+    them keeps no FP8 copy sharded, said once as drift); and the table was checked on a torch of this release."""
+    from fusepatch.backends import fsdp2
+
+    assert fsdp2.NAMES.missing() == [] and not fsdp2._torch_lacks()
+    assert fsdp2.NAMES.is_checked(), (fsdp2.NAMES.installed(), fsdp2.NAMES.checked)
