@@ -90,7 +90,7 @@ def _sharded_once_prepared(module: torch.nn.Linear, param, dispatch, device: str
     with the gathered weight quantized now (the same bits: rows are quantized alone). Where that cannot be
     (``fsdp2.why_not_kept``), or nothing is kept now, the weight is quantized at each call, nothing kept."""
     weight = module.weight
-    why = fsdp2.why_not_kept(param)
+    why = "read" if module._fusepatch.weight_read else fsdp2.why_not_kept(param)
     whole = None if why else dispatch.prepared(weight, device, dtype, once=True)
     if whole is None or whole.restore is None:
         if why is not None:
@@ -123,6 +123,11 @@ def _sharded_once_prepared(module: torch.nn.Linear, param, dispatch, device: str
     )
 
 
+# why a frozen FP8 projection FSDP2 shards quantizes the gathered weight at each call instead of keeping its rows
+NOT_KEPT = {
+    **fsdp2.NOT_KEPT,
+    "read": "their peft LoRA adapters are DoRA (or another variant), which reads the base weight's values every step",
+}
 SHARD_UNPREPARED = (
     "fusepatch: FSDP2 gathered a frozen FP8 projection's rows where no FP8 copy can be made (inside torch.compile); "
     "fix: leave the FSDP2 units' forwards uncompiled, or fusepatch.revert(model)"
@@ -153,13 +158,17 @@ LOST_UNDER_VARIANTS = (
 
 
 def keep_what_variants_read(model: torch.nn.Module) -> None:
-    """``apply(..., drop_frozen_weights=True)``: the FP8 projections under peft's DoRA (a LoRA variant) keep their
-    weight, which the variant reads at every step; said with their count, and those a step already dropped (the
-    adapters came after ``apply``) with the fix."""
+    """The FP8 projections under peft's DoRA (a LoRA variant) keep their weight's values where the forward sees
+    them, since the variant reads them at every step: marked ``weight_read`` (under FSDP2 their gathered weight stays
+    bf16, quantized at each call); with ``drop_frozen_weights=True`` not dropped, said with their count, and those a
+    step already dropped (the adapters came after ``apply``) with the fix."""
     kept = lost = 0
     for base in variant_bases(model):
         state = base.__dict__.get("_fusepatch")
-        if state is None or not state.drop_frozen:
+        if state is None:
+            continue
+        state.weight_read = True
+        if not state.drop_frozen:
             continue
         state.drop_frozen = False
         if is_dropped(base):
@@ -393,7 +402,7 @@ def sharding_lines(states: list) -> tuple[str, ...]:
     for why, count in per_call.items():
         lines.append(
             f"FSDP2: {count} frozen FP8 projections quantize the weight FSDP2 gathered at each call, forward and "
-            f"backward, keeping no copy: {fsdp2.NOT_KEPT[why]}"
+            f"backward, keeping no copy: {NOT_KEPT[why]}"
         )
     if zero3:
         lines.append(

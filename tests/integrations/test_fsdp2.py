@@ -27,8 +27,9 @@ DIRECT_CASES = ["fully_shard-shard_first", "fully_shard-checkpointing_projection
 # every engine x mode x precision case runs once, at one world size or the other: at 4 the fewest that still cover
 # each engine, mode and precision there, at 2 the rest (CI's time); the memory check at both
 FOUR = ["accelerate-lora-bf16", "trainer-full-fp32"]
-# LoRA over FP8 bases kept sharded by FSDP2 (fully_shard per layer), with their values and dropped
-FP8_CASES = ["fp8-lora-keep", "fp8-lora-drop"]
+# LoRA over FP8 bases kept sharded by FSDP2 (fully_shard per layer), with their values and dropped; DoRA's bases,
+# which the adapters read, quantized at each call
+FP8_CASES = ["fp8-lora-keep", "fp8-lora-drop", "fp8-dora-keep"]
 LAUNCHES = {
     2: [*(case for case in ENGINE_CASES if case not in FOUR), "memory-lora-fp8", *FP8_CASES, *DIRECT_CASES],
     4: [*FOUR, "memory-lora-fp8"],
@@ -121,18 +122,21 @@ def fp8_problems(name: str, world: int, case: dict, exact: bool = True) -> list[
     bases = case["bases"]
     if case["rewrites_refused"] != (2 * bases if name.endswith("drop") else 0):
         problems.append(f"{name}: {case['rewrites_refused']} of {bases} x 2 rewrites of the bases refused")
-    said = f"FSDP2: {bases} frozen FP8 projections keep their FP8 copy sharded"
-    said_kept = f"{bases} so far, {bases if name.endswith('drop') else 0} of them without their bf16 rows"
+    if "dora" in name:
+        said, said_kept = f"FSDP2: {bases} frozen FP8 projections quantize the weight FSDP2 gathered", "are DoRA"
+    else:
+        said = f"FSDP2: {bases} frozen FP8 projections keep their FP8 copy sharded"
+        said_kept = f"{bases} so far, {bases if name.endswith('drop') else 0} of them without their bf16 rows"
     if not any(said in line and said_kept in line for line in case["sharding"]):
         problems.append(f"{name}: the report does not say {said!r} ... {said_kept!r}: {case['sharding']}")
     if not (case["reverted_equal"] and (case["reverted_loss_equal"] or not exact)):
         problems.append(f"{name}: reverted, the bases or the loss differ from the unsharded model's reverted")
-    share = case["whole"] // world
+    share = 0 if "dora" in name else case["whole"] // world  # DoRA's bases: nothing kept
     for rank, held in enumerate(case["ranks"]):
         for step, between in enumerate(held["between"]):
             if between != {"kept": share, "gathered": 0}:
                 problems.append(f"{name}: rank {rank} holds {between} after step {step}, not {share} bytes kept")
-        if not (held["calls"] > 0 and held["peak"] <= share + case["layer_most"]):
+        if not (held["calls"] > 0 and held["peak"] <= share + (0 if "dora" in name else case["layer_most"])):
             problems.append(
                 f"{name}: rank {rank} held {held['peak']} bytes of FP8 copies at an FP8 call, more than its share "
                 f"{share} of {case['whole']} plus one layer's {case['layer_most']} ({held['calls']} calls)"

@@ -17,13 +17,13 @@ from fusepatch.layers.fp8 import is_dropped, keep_what_variants_read, restore_dr
 
 class Fp8(Feature):
     name = "fp8"
-    slots = {"drop_frozen": False}  # read by the projection's forward at its first FP8 call
+    # read by the projection's forward at its first FP8 call; weight_read: its LoRA variant reads the base weight
+    slots = {"drop_frozen": False, "weight_read": False}
 
     def bind(self, plan: Plan, request: Request, patched: Patched) -> str:
         for _, state in patched:
             state.drop_frozen = request.drop_frozen_weights and state.row.precision == "fp8"
-        if request.drop_frozen_weights:
-            keep_what_variants_read(plan.model)
+        keep_what_variants_read(plan.model)
         return ""
 
     def kept(self, plan: Plan, request: Request, states: list) -> list[str]:

@@ -45,8 +45,9 @@ def _module(path: str, name: str):
 EXAMPLE = _module(os.path.join(REPO, "examples", "sft_ultrachat.py"), "sft_ultrachat")
 
 
-def build(lora: bool, dtype: torch.dtype = torch.float32, **sizes) -> torch.nn.Module:
-    """The tiny Qwen3.5 every run of a case starts from (peft LoRA on every linear for ``lora``), same values."""
+def build(lora: bool, dtype: torch.dtype = torch.float32, dora: bool = False, **sizes) -> torch.nn.Module:
+    """The tiny Qwen3.5 every run of a case starts from (peft LoRA on every linear for ``lora``, DoRA for ``dora``),
+    same values."""
     from fusepatch.tools.tiny import tiny_model
 
     model = tiny_model("qwen3_5_text", seed=0, **sizes).to(dtype)
@@ -54,7 +55,7 @@ def build(lora: bool, dtype: torch.dtype = torch.float32, **sizes) -> torch.nn.M
         import peft
 
         torch.manual_seed(1)  # lora_A's initialisation
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, use_dora=dora)
         model = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
     return model
 
@@ -403,7 +404,8 @@ def fp8_case(name: str, rank: int, world: int) -> dict | None:
     backward, ``loss / world``: the same per-row arithmetic, so the same bits where the reduction adds the same
     terms) and unpatched. ``keep``: the bases keep their values and are rewritten in place between the steps;
     ``drop``: ``drop_frozen_weights=True``, and a write to a base must raise (against the patched model only: the
-    first step is ``keep``'s). At every FP8 call and after each step, the FP8 bytes this rank holds; then the
+    first step is ``keep``'s). ``dora``: DoRA adapters, which read their bases' values: nothing kept sharded, each
+    call quantizes the gathered weight. At every FP8 call and after each step, the FP8 bytes this rank holds; then the
     report's lines and ``revert``."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
     import pytest
@@ -413,7 +415,7 @@ def fp8_case(name: str, rank: int, world: int) -> dict | None:
     import fusepatch
     from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear
 
-    drop = name.endswith("drop")
+    drop, dora = name.endswith("drop"), "dora" in name
     models: dict[str, torch.nn.Module] = {}
     calls: list[dict] = []
 
@@ -431,9 +433,10 @@ def fp8_case(name: str, rank: int, world: int) -> dict | None:
     patch.setattr(scaled_mm, "_project", measured)
     if DEVICE == "cpu":
         cpu_candidates(patch, {"fp8_linear": fp8_linear})
-    labels = ("sharded", "patched") if drop else ("sharded", "patched", "unpatched")  # keep's covers both's start
+    # keep's unpatched run covers drop's first step; DoRA's is peft's own arithmetic
+    labels = ("sharded", "patched") if drop or dora else ("sharded", "patched", "unpatched")
     for label in labels:
-        model = build(True, torch.bfloat16, **FP8_SIZES).to(DEVICE)
+        model = build(True, torch.bfloat16, dora, **FP8_SIZES).to(DEVICE)
         if label == "sharded":
             for layer in model.get_base_model().model.layers:
                 fully_shard(layer)
