@@ -236,8 +236,8 @@ _SAME = (torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.
 REFUSED_GATHERED = (
     'fusepatch: under FSDP2 with precision="fp8" a frozen projection\'s weight is gathered as its FP8 copy only '
     "(each rank keeps its rows in FP8), which its own forward computes with; code that reads its values inside the "
-    "forward (peft's DoRA reads its base weight) cannot; fix: fusepatch.revert(model), or train without "
-    'precision="fp8" for those layers'
+    "forward cannot; fix: for peft's DoRA (or another LoRA variant), call get_peft_model before "
+    "fusepatch.apply (their bases are then gathered with their values); else fusepatch.revert(model)"
 )
 
 
