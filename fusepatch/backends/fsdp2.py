@@ -12,16 +12,18 @@ bit), and the unsharded parameter (:class:`GatheredWeight`) holds the gathered h
 weight does (``carry`` marks it for the dispatcher). FSDP2 frees and refills those buffers as it does a bf16
 weight's: a backward reads the same storage its forward saved.
 
-The local shard keeps its values (``values``: the weight can still be read, written, saved) and its handle is
-checked against them at every gather (``current``: the dispatcher's fingerprint rule), or is all that is left
-(``drop``: :class:`DroppedShard`, which refuses every read and write of values, as a dropped weight does).
+The local shard either keeps its values (it is them: the weight can still be read, written, saved) and its handle
+is checked against them before every gather (``current``: the dispatcher's fingerprint rule), or the handle is all
+that is left (``drop``: :class:`DroppedShard`, which refuses every read and write of values, as a dropped weight
+does).
 
 What is read here is torch's, not promised to stay: the table below, and of ``FSDPParam`` the attributes
-``sharded_param``, ``_sharded_param_data``, ``fsdp_placement``, ``post_forward_mesh_info``, ``offload_to_cpu``,
-``is_dtensor``, ``mesh_info``, ``padded_sharded_param_size``, ``sharded_state``, ``all_gather_outputs``, ``_unsharded_param``,
-``_unsharded_inner_tensors``, ``_module_info``, ``_init_extensions`` and ``_setattr_on_modules``; of an FSDP2 state
-``_fsdp_param_groups`` and their ``fsdp_params``. A torch without them keeps nothing sharded: each call quantizes
-the weight FSDP2 gathered (said once as drift).
+``sharded_param``, ``_sharded_param_data``, ``fsdp_placement``, ``post_forward_mesh_info``, ``mesh_info``,
+``offload_to_cpu``, ``is_dtensor``, ``padded_sharded_param_size``, ``all_gather_outputs``, ``_unsharded_param``,
+``_unsharded_inner_tensors``, ``_module_info`` and the methods ``METHODS``; of an FSDP2 state
+``_fsdp_param_groups`` and their ``fsdp_params``. Checked on torch 2.13 (whose one-rank path gathers only one tensor
+a parameter: nothing is kept sharded at one rank). A torch without the table's names keeps nothing sharded: each
+call quantizes the weight FSDP2 gathered (said once as drift).
 """
 
 from __future__ import annotations

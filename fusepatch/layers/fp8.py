@@ -60,6 +60,8 @@ def fp8_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             raise RuntimeError(DROPPED)
     elif weight.requires_grad or isinstance(weight, fsdp2.GatheredWeight) or deepspeed.partitioned(weight):
         pass  # trained; gathered by FSDP2 from its FP8 rows; gathered by ZeRO-3 at each call (nothing kept)
+    elif getattr(weight, PER_CALL, False):
+        pass  # gathered by FSDP2 where its rows cannot be kept in FP8: quantized at each call
     elif (param := fsdp2.param_of(self)) is not None and fsdp2.why_not_kept(param) != "single":
         weight = _sharded_once_prepared(self, param, fp8_linear, x.device.type, dtype_name(cast or x.dtype))
     elif state.drop_frozen:
