@@ -101,20 +101,18 @@ def _rebuild(mapping) -> None:
 
 
 METHODS = ("_init_extensions", "_setattr_on_modules")  # of FSDPParam
-_lacks: list[bool] = []
 
 
 def _torch_lacks() -> bool:
-    """Whether this torch lacks a name read here (said once as drift; checked once per process)."""
-    if not _lacks:
-        gone = NAMES.missing()
-        fsdp_param = getattr(sys.modules.get(PARAM), "FSDPParam", None)
-        for name in METHODS:
-            if fsdp_param is not None and not hasattr(fsdp_param, name):
-                NAMES.drift(f"{PARAM}.FSDPParam.{name} is missing", NOT_KEPT_FALLBACK)
-                gone.append(name)
-        _lacks.append(bool(gone))
-    return _lacks[0]
+    """Whether this torch lacks a name read here (said once as drift). Asked at a projection's first FP8 call
+    (and by the report): a few attribute lookups."""
+    gone = NAMES.missing()
+    fsdp_param = getattr(sys.modules.get(PARAM), "FSDPParam", None)
+    for name in METHODS:
+        if fsdp_param is not None and not hasattr(fsdp_param, name):
+            NAMES.drift(f"{PARAM}.FSDPParam.{name} is missing", NOT_KEPT_FALLBACK)
+            gone.append(name)
+    return bool(gone)
 
 
 NOT_KEPT_FALLBACK = "frozen FP8 projections quantize the weight FSDP2 gathered at each call, keeping no copy"

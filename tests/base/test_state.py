@@ -54,6 +54,7 @@ ALLOWED = {
     "fusepatch/layers/decoder.py": {"_CHECKPOINTS_IN_FORWARD"},
     "fusepatch/kernels/scale.py": {"_SMS"},
     "fusepatch/ops/gated_delta_rule/reference.py": {"_first_solve", "_solved_once"},
+    "fusepatch/backends/fsdp2.py": {"_index"},  # FSDP2's parameters by module: a cache of torch's state
 }
 
 

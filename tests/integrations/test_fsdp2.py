@@ -1,7 +1,9 @@
 """FSDP2 (fully_shard) on CPU (gloo): the patched, sharded model trains like the unpatched, unsharded one, through
 accelerate's FSDP2 plugin and the Trainer's ``fsdp`` arguments at world sizes 2 and 4 (each world size one launch of
 many cases), with ``fully_shard`` called directly in either order with patching, with and without activation
-checkpointing; and what each rank holds is what ``benchmarks/studies/static_memory.py`` computes."""
+checkpointing; LoRA over FP8 bases kept sharded (each rank its rows in FP8, gathered in FP8) with and without
+``drop_frozen_weights``, and DoRA's bases quantized at each call, bit for bit the unsharded model patched alike;
+and what each rank holds is what ``benchmarks/studies/static_memory.py`` computes."""
 
 from __future__ import annotations
 
