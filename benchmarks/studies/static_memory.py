@@ -21,11 +21,16 @@ Trainer and accelerate run them in bf16 (``per_rank``), for rank 0, the one hold
 - ZeRO-3 (DeepSpeed, bf16): every parameter flattened and split into N parts of ``ceil(numel / N)`` values in the
   model's dtype; a trainable one adds its gradient part in that dtype and the fp32 master copy and AdamW states of
   its part.
-- The FP8 copies of frozen projections: ``current`` is what fusepatch keeps today, a whole copy of every frozen
-  projection on every rank (quantized from the gathered weight inside the forward, kept between steps in the
-  module's cache); ``sharded`` is the ideal where each rank keeps the copy of its own rows. With
-  ``drop_frozen_weights=True`` fusepatch drops nothing under either engine today (the shards are the engine's), so
-  ``fp8+drop`` keeps the bf16 shards in ``current``; ``sharded`` counts them dropped.
+- The FP8 copies of frozen projections (``fp8_copy``): ``sharded`` is what fusepatch keeps under FSDP2, each rank
+  the copy of its own rows (``ceil(rows / N)`` rows, one byte a value and one fp32 scale a row), gathered in FP8 for
+  a unit's forward and backward and freed after; with ``drop_frozen_weights=True`` (``fp8+drop``) the rank's bf16
+  rows of those weights are dropped. ``per-call`` is what fusepatch keeps under ZeRO-3: nothing (each call
+  quantizes the weight ZeRO-3 gathered, forward and again for the backward), and nothing is dropped (the
+  partitions are DeepSpeed's). ``whole`` is a whole copy of every frozen projection on every rank: what a copy kept
+  from the gathered weight costs (fusepatch kept that under both engines before 2026-12-05).
+
+The gathered weights of the unit computing (a decoder layer's, in FP8 for the frozen projections) come on top of
+the static count, as the activations do.
 """
 
 from __future__ import annotations
@@ -88,15 +93,18 @@ def static_memory(model: torch.nn.Module, precision: str) -> dict:
 
 
 ENGINES = ("fsdp2", "zero3")
-FP8_COPIES = ("current", "sharded")
+FP8_COPIES = ("whole", "sharded", "per-call")
+KEPT = {"fsdp2": "sharded", "zero3": "per-call"}  # what fusepatch keeps under each engine
 
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def per_rank(model: torch.nn.Module, precision: str, *, engine: str, world: int, fp8_copy: str = "current") -> dict:
-    """Bytes by part that rank 0 of ``world`` processes holds of ``model`` under ``engine`` (module docstring)."""
+def per_rank(model: torch.nn.Module, precision: str, *, engine: str, world: int, fp8_copy: str | None = None) -> dict:
+    """Bytes by part that rank 0 of ``world`` processes holds of ``model`` under ``engine`` (module docstring);
+    ``fp8_copy`` default: what fusepatch keeps under ``engine``."""
+    fp8_copy = fp8_copy or KEPT.get(engine, "")
     if engine not in ENGINES or fp8_copy not in FP8_COPIES:
         raise ValueError(f"engine must be one of {ENGINES} and fp8_copy one of {FP8_COPIES}")
     parts = dict.fromkeys(("parameters", "gradients", "optimizer_states", "projections_fp8"), 0)
@@ -104,7 +112,9 @@ def per_rank(model: torch.nn.Module, precision: str, *, engine: str, world: int,
     for name, module in model.named_modules():
         if _projection(name, module) and not module.weight.requires_grad:
             frozen_projections[id(module.weight)] = module.weight
-    dropped = precision == "fp8+drop" and fp8_copy == "sharded"
+    # only FSDP2's rows are dropped, and not at one rank (torch's one-rank path gathers one tensor a parameter:
+    # fusepatch keeps the whole copy there, as without FSDP2)
+    dropped = precision == "fp8+drop" and fp8_copy == "sharded" and world > 1
     for parameter in model.parameters():
         shape = tuple(parameter.shape)
         if engine == "fsdp2":
@@ -122,7 +132,7 @@ def per_rank(model: torch.nn.Module, precision: str, *, engine: str, world: int,
             continue
         if id(parameter) in frozen_projections and precision.startswith("fp8"):
             rows, cols = shape
-            kept_rows = rows if fp8_copy == "current" else _ceil(rows, world)
+            kept_rows = {"whole": rows, "sharded": _ceil(rows, world), "per-call": 0}[fp8_copy]
             parts["projections_fp8"] += kept_rows * (cols + 4)  # one byte a value, one fp32 scale a row
             if dropped:
                 continue
@@ -151,6 +161,16 @@ def build(shape: str, layers: int | None, lora: int) -> torch.nn.Module:
     return model
 
 
+def _copies(engine: str, precision: str) -> tuple[str, ...]:
+    """The FP8 copies a table shows: for FP8, a whole copy a rank beside what fusepatch keeps; nothing is dropped
+    under ZeRO-3 (its ``fp8+drop`` is its ``fp8``)."""
+    if precision == "bf16":
+        return ("-",)
+    if precision == "fp8":
+        return ("whole", KEPT[engine])
+    return (KEPT[engine],) if engine == "fsdp2" else ()
+
+
 def per_rank_rows(model: torch.nn.Module, args: argparse.Namespace, layers: int) -> list[dict]:
     """``per_rank`` for every process count, engine, precision and (FP8) copy: the rows, and a table printed."""
     rows = []
@@ -163,9 +183,9 @@ def per_rank_rows(model: torch.nn.Module, args: argparse.Namespace, layers: int)
     for world in args.world:
         for engine in ENGINES:
             for precision in PRECISIONS:
-                for copy in FP8_COPIES if precision != "bf16" else ("-",):
+                for copy in _copies(engine, precision):
                     held = per_rank(
-                        model, precision, engine=engine, world=world, fp8_copy=copy if copy != "-" else "current"
+                        model, precision, engine=engine, world=world, fp8_copy=None if copy == "-" else copy
                     )
                     rows.append(
                         {

@@ -56,7 +56,8 @@ class PatchReport:
     dropped_weights: int = 0
     # what a feature of apply says of the model beyond the kernels (``Feature.report``), one line each
     notes: tuple[str, ...] = ()
-    # how the fused paths meet a sharding engine: DeepSpeed ZeRO-3 detected, and what its patched modules gather
+    # how the fused paths meet a sharding engine: DeepSpeed ZeRO-3 detected, and what its patched modules gather;
+    # where a feature keeps what it prepared of sharded weights
     sharding: tuple[str, ...] = ()
 
     @property

@@ -12,14 +12,14 @@ import copy
 
 import torch
 
-from fusepatch.backends import deepspeed
+from fusepatch.backends import deepspeed, fsdp2
 from fusepatch.base.dtypes import dtype_name
 from fusepatch.base.log import logger
 from fusepatch.base.state import current as process_state
 from fusepatch.layers.support.hooks import autocast_dtype
 from fusepatch.layers.support.lora import variant_bases
 from fusepatch.ops.fp8_linear import MULTIPLE
-from fusepatch.ops.prepared import HELD, Held, held_by
+from fusepatch.ops.prepared import HELD, PER_CALL, Held, held_by
 
 # the decoder's projections that train in FP8: attention q/k/v/o, the Gated DeltaNet's input and output
 # projections, the MLPs' (and the MoE shared expert's) gate/up/down. Left as they are: the embeddings, the norms,
@@ -58,7 +58,13 @@ def fp8_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if isinstance(weight, DroppedWeight):
         if weight.requires_grad:  # set to train after it was dropped: there is nothing to train
             raise RuntimeError(DROPPED)
-    elif state.drop_frozen and not weight.requires_grad:
+    elif weight.requires_grad or isinstance(weight, fsdp2.GatheredWeight) or deepspeed.partitioned(weight):
+        pass  # trained; gathered by FSDP2 from its FP8 rows; gathered by ZeRO-3 at each call (nothing kept)
+    elif getattr(weight, PER_CALL, False):
+        pass  # gathered by FSDP2 where its rows cannot be kept in FP8: quantized at each call
+    elif (param := fsdp2.param_of(self)) is not None and fsdp2.why_not_kept(param) != "single":
+        weight = _sharded_once_prepared(self, param, fp8_linear, x.device.type, dtype_name(cast or x.dtype))
+    elif state.drop_frozen:
         weight = _dropped_once_prepared(self, fp8_linear, x.device.type, dtype_name(cast or x.dtype))
     if cast is not None:  # autocast would run the projection in its dtype: quantize from that input
         with torch.autocast(x.device.type, enabled=False):
@@ -78,6 +84,56 @@ def _dropped_once_prepared(module: torch.nn.Linear, dispatch, device: str, dtype
         return module.weight
     module.weight = DroppedWeight.of(module.weight, held)
     return module.weight
+
+
+def _sharded_once_prepared(module: torch.nn.Linear, param, dispatch, device: str, dtype: str) -> torch.Tensor:
+    """A frozen weight FSDP2 shards, at its first FP8 call (gathered now): from now on each rank keeps its own rows
+    in FP8 (and, with ``drop_frozen_weights``, nothing else of them), and FSDP2 gathers those; this call computes
+    with the gathered weight quantized now (the same bits: rows are quantized alone). Where that cannot be
+    (``fsdp2.why_not_kept``), or nothing is kept now, the weight is quantized at each call, nothing kept."""
+    weight = module.weight
+    why = "read" if module._fusepatch.weight_read else fsdp2.why_not_kept(param)
+    whole = None if why else dispatch.prepared(weight, device, dtype, once=True)
+    if whole is None or whole.restore is None:
+        if why is not None:
+            param.fusepatch_not_kept = why  # the report's count
+            setattr(weight, PER_CALL, True)  # the same unsharded parameter at every gather
+        return weight
+    drop = module._fusepatch.drop_frozen
+    shard = dispatch.prepared(param.sharded_param._local_tensor, device, dtype, once=True).handle if drop else None
+
+    candidate, restore = whole.candidate, whole.restore  # not ``whole``: its whole copy goes with this call
+
+    def carry(gathered: torch.Tensor, handle) -> None:
+        setattr(gathered, HELD, Held(candidate, handle, restore))
+
+    def current(kept: torch.Tensor):  # each gather: the rows' copy checked against their values (ops/prepared.py)
+        with torch.inference_mode(False):
+            held = dispatch.prepared(kept, device, dtype)
+        if held is None:
+            raise RuntimeError(SHARD_UNPREPARED)
+        return held.handle
+
+    return fsdp2.keep_sharded(
+        param,
+        whole.handle,
+        shard,
+        carry=carry,
+        current=None if drop else current,
+        restore=restore,
+        refusal=DROPPED,
+    )
+
+
+# why a frozen FP8 projection FSDP2 shards quantizes the gathered weight at each call instead of keeping its rows
+NOT_KEPT = {
+    **fsdp2.NOT_KEPT,
+    "read": "their peft LoRA adapters are DoRA (or another variant), which reads the base weight's values every step",
+}
+SHARD_UNPREPARED = (
+    "fusepatch: FSDP2 gathered a frozen FP8 projection's rows where no FP8 copy can be made (inside torch.compile); "
+    "fix: leave the FSDP2 units' forwards uncompiled, or fusepatch.revert(model)"
+)
 
 
 DROPPED = (
@@ -104,13 +160,17 @@ LOST_UNDER_VARIANTS = (
 
 
 def keep_what_variants_read(model: torch.nn.Module) -> None:
-    """``apply(..., drop_frozen_weights=True)``: the FP8 projections under peft's DoRA (a LoRA variant) keep their
-    weight, which the variant reads at every step; said with their count, and those a step already dropped (the
-    adapters came after ``apply``) with the fix."""
+    """The FP8 projections under peft's DoRA (a LoRA variant) keep their weight's values where the forward sees
+    them, since the variant reads them at every step: marked ``weight_read`` (under FSDP2 their gathered weight stays
+    bf16, quantized at each call); with ``drop_frozen_weights=True`` not dropped, said with their count, and those a
+    step already dropped (the adapters came after ``apply``) with the fix."""
     kept = lost = 0
     for base in variant_bases(model):
         state = base.__dict__.get("_fusepatch")
-        if state is None or not state.drop_frozen:
+        if state is None:
+            continue
+        state.weight_read = True
+        if not state.drop_frozen:
             continue
         state.drop_frozen = False
         if is_dropped(base):
@@ -271,13 +331,25 @@ def _same_place(args: tuple, kwargs: dict) -> bool:
 
 
 def is_dropped(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s weight was dropped (``drop_frozen_weights``): its FP8 copy is all that is left of it."""
-    return isinstance(module.__dict__.get("_parameters", {}).get("weight"), DroppedWeight)
+    """Whether ``module``'s weight was dropped (``drop_frozen_weights``): its FP8 copy is all that is left of it
+    (under FSDP2: of this rank's rows)."""
+    if isinstance(module.__dict__.get("_parameters", {}).get("weight"), DroppedWeight):
+        return True
+    param = fsdp2.param_of(module)
+    return param is not None and isinstance(fsdp2.kept_shard(param), fsdp2.DroppedShard)
 
 
 def restore_dropped(module: torch.nn.Module) -> bool:
     """``revert``: a dropped weight back as a real parameter, from the FP8 copy it holds (rounded: FP8 keeps 3
-    mantissa bits); anything else as it is. Whether it restored one (``revert`` says how many, once)."""
+    mantissa bits); anything else as it is. Under FSDP2 the local rows likewise, and rows kept with their values
+    gathered as FSDP2 gathers them again. Whether it restored one rounded (``revert`` says how many, once)."""
+    param = fsdp2.param_of(module)
+    shard = fsdp2.kept_shard(param) if param is not None else None
+    if shard is not None:
+        dropped = isinstance(shard, fsdp2.DroppedShard)
+        values = shard.restore(shard.kept).to(shard.dtype) if dropped else shard.as_subclass(torch.Tensor)
+        fsdp2.release(param, values)
+        return dropped
     if not is_dropped(module):
         return False
     weight = module.weight
@@ -294,3 +366,50 @@ def say_restored(count: int) -> None:
         "rounded to FP8 (about 3%% off the original values); reload the checkpoint for the exact weights",
         count,
     )
+
+
+def sharding_lines(states: list) -> tuple[str, ...]:
+    """What the report says of the frozen FP8 projections' copies under a sharding engine: under FSDP2, kept as
+    each rank's rows and gathered in FP8 (how many so far, how many without their bf16 rows), and those quantized
+    at each call instead, by reason; under ZeRO-3, quantized at each call, nothing kept or dropped. Nothing for a
+    model no engine shards."""
+    shared = kept = dropped = zero3 = 0
+    per_call: dict[str, int] = {}
+    for state in states:
+        module = state.owner
+        if state.row.precision != "fp8" or "weight" not in module.__dict__.get("_parameters", {}):
+            continue
+        weight = module.weight
+        if deepspeed.partitioned(weight):
+            zero3 += not weight.requires_grad
+            continue
+        param = fsdp2.param_of(module)
+        if param is None or weight.requires_grad or fsdp2.why_not_kept(param) == "single":
+            continue
+        shared += 1
+        shard = fsdp2.kept_shard(param)
+        kept += shard is not None
+        dropped += isinstance(shard, fsdp2.DroppedShard)
+        why = getattr(param, "fusepatch_not_kept", None)
+        if why is not None:
+            per_call[why] = per_call.get(why, 0) + 1
+    lines = []
+    if shared > sum(per_call.values()):
+        lines.append(
+            f"FSDP2: {shared - sum(per_call.values())} frozen FP8 projections keep their FP8 copy sharded like their weight (each rank its own "
+            "rows and their scales), gathered in FP8 for their unit's forward and backward and freed after; made at "
+            f"each one's first FP8 call: {kept} so far, {dropped} of them without their bf16 rows "
+            "(drop_frozen_weights=True)"
+        )
+    for why, count in per_call.items():
+        lines.append(
+            f"FSDP2: {count} frozen FP8 projections quantize the weight FSDP2 gathered at each call, forward and "
+            f"backward, keeping no copy: {NOT_KEPT[why]}"
+        )
+    if zero3:
+        lines.append(
+            f"DeepSpeed ZeRO-3: {zero3} frozen FP8 projections quantize the weight ZeRO-3 gathered at each call, "
+            "forward and again for the backward, keeping no copy (one kept would be whole on every rank); "
+            "drop_frozen_weights=True drops none of them (the partitions are DeepSpeed's)"
+        )
+    return tuple(lines)

@@ -13,7 +13,13 @@ so a CUDA graph that captured the check runs it at every replay; elsewhere compa
 later training step) nothing is kept.
 
 A weight dropped once prepared (``apply(drop_frozen_weights=True)``) carries its handle itself (``Held``, as the
-attribute ``HELD``): nothing can write it, nothing is checked, and it copies and pickles with its module.
+attribute ``HELD``): nothing can write it, nothing is checked, and it copies and pickles with its module. So does
+the weight FSDP2 gathers from a frozen projection's sharded copy (``backends/fsdp2.py``): the handle of the rows it
+gathered, each rank's own rows checked here as a weight of their own before each gather.
+
+A weight an engine gathers for each call and frees after (DeepSpeed ZeRO-3's partitioned parameters; FSDP2's
+where its copy cannot stay sharded, marked ``PER_CALL``) gets no handle: one kept between calls would be a whole
+copy on every rank; its kernel quantizes it at each call.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from fusepatch.backends import deepspeed
 from fusepatch.base.op import Candidate
 from fusepatch.kernels.fingerprint_spec import (
     MIX_A,
@@ -39,6 +46,7 @@ from fusepatch.kernels.fingerprint_spec import (
 )
 
 HELD = "fusepatch_prepared"  # the attribute of a weight that is only its handle (``Held``)
+PER_CALL = "fusepatch_per_call"  # the attribute of a weight an engine gathers anew for each call: nothing kept
 
 _generations = itertools.count(1)  # process-wide: a handle let go and one made after never share a number
 
@@ -157,7 +165,7 @@ class PreparedWeights:
     def handle(self, candidate: Candidate, weight: torch.Tensor) -> Any | None:
         """``candidate``'s handle of ``weight`` for this call, holding the weight's values now; None where nothing
         is prepared: a candidate that prepares nothing, a weight that trains, inside ``torch.compile``, under
-        ``torch.inference_mode``."""
+        ``torch.inference_mode``, a weight an engine gathers for each call."""
         held = self.held(candidate, weight)
         return None if held is None else held.handle
 
@@ -177,6 +185,8 @@ class PreparedWeights:
             return None
         if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
             return None
+        if deepspeed.partitioned(weight) or getattr(weight, PER_CALL, False):
+            return None  # gathered anew at each call: a copy kept would be whole on every rank
         if once:
             return Held(candidate.name, candidate.prepare(weight.detach()), candidate.restore)
         key = _key(weight)

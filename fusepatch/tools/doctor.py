@@ -134,7 +134,8 @@ LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MAS
 ENGINE_PACKAGES = ("accelerate", "deepspeed")
 
 # What fusepatch does under each engine, the reason with each difference (what the code does: layer_graphs' rules,
-# the FP8 copy made from the gathered weight, the compute dtype read from FSDP2's MixedPrecisionPolicy)
+# where a frozen FP8 copy lives (layers/fp8.py, backends/fsdp2.py), the compute dtype read from FSDP2's
+# MixedPrecisionPolicy)
 UNDER_ENGINES = {
     "fsdp2": (
         "patch before or after fully_shard (accelerate's FSDP2 plugin, the Trainer's fsdp arguments, torchrun); the "
@@ -142,14 +143,17 @@ UNDER_ENGINES = {
         "kernels are chosen and self-tested for the MixedPrecisionPolicy's param_dtype (the compute dtype), not the "
         "fp32 shards' dtype",
         "cuda_graphs=True steps aside: " + GRAPH_FIXES["sharded"],
-        'precision="fp8": each frozen projection (LoRA\'s bases) keeps a whole FP8 copy on every rank, quantized '
-        "from the gathered weight (not sharded); drop_frozen_weights=True drops nothing (the shards are FSDP2's)",
+        'precision="fp8": each frozen projection (LoRA\'s bases) keeps its FP8 copy sharded like its weight (each '
+        "rank its own rows and their scales), gathered in FP8 for its unit's forward and backward and freed after; "
+        "drop_frozen_weights=True drops the rank's bf16 rows of those weights; at one rank, or sharded unevenly "
+        "(or another way torch's FP8 gather cannot take), each call quantizes the gathered weight, keeping no copy",
     ),
     "deepspeed": (
         "cuda_graphs=True steps aside: ZeRO-3 gathers parameters in hooks on every module, and a layer whose "
         "modules have hooks is not captured (a graph would run them once, at capture)",
-        'precision="fp8": a frozen projection\'s FP8 copy is quantized from the weight its forward sees, which '
-        "ZeRO-3 has gathered: whole on every rank",
+        'precision="fp8": a frozen projection quantizes the weight ZeRO-3 gathered at each call, forward and again '
+        "for the backward, keeping no copy (one kept would be whole on every rank); drop_frozen_weights=True drops "
+        "nothing (the partitions are DeepSpeed's)",
     ),
 }
 

@@ -56,6 +56,7 @@ ALLOWED = {
     # FP8 rows of the tensors in flight (a frame's, a gradient's), gone with their call or their tensor
     "fusepatch/kernels/fp8_rows.py": {"_LOCAL", "_GRADIENTS", "_GRADIENTS_LOCK"},
     "fusepatch/ops/gated_delta_rule/reference.py": {"_first_solve", "_solved_once"},
+    "fusepatch/backends/fsdp2.py": {"_index"},  # FSDP2's parameters by module: a cache of torch's state
 }
 
 

@@ -46,31 +46,30 @@ def test_per_rank_counts_fsdp2_rows_and_zero3_parts():
     assert one["parameters"] == whole["embedding_and_head"] + whole["projections"] + whole["other"]
 
 
-def test_per_rank_fp8_copies_whole_today_and_sharded_ideal():
-    """LoRA: the frozen projections' FP8 copies (one byte a value, one fp32 scale a row) are whole on every rank
-    today, the same at every N as the unsharded count; the sharded ideal keeps ``ceil(rows / N)`` rows of each,
-    and with dropped bases also leaves out the bases' bf16 chunks (which today stay)."""
+def test_per_rank_fp8_copies_sharded_under_fsdp2_none_under_zero3():
+    """LoRA: the frozen projections' FP8 copies (one byte a value, one fp32 scale a row): under FSDP2 each rank keeps
+    ``ceil(rows / N)`` rows of each, and with dropped bases leaves out its bf16 rows of them (not at one rank);
+    under ZeRO-3 none is kept and nothing dropped; a whole copy a rank (``whole``) is the unsharded count."""
     model = build("tiny", None, lora=4)
     frozen = [m.weight for name, m in model.named_modules() if _projection(name, m) and not m.weight.requires_grad]
     assert frozen
     whole_copy = static_memory(model, "fp8")["bytes"]["projections_fp8"]
-    for engine in ("fsdp2", "zero3"):
-        for world in (1, 2, 4, 8):
-            current = per_rank(model, "fp8", engine=engine, world=world, fp8_copy="current")["bytes"]
-            ideal = per_rank(model, "fp8", engine=engine, world=world, fp8_copy="sharded")["bytes"]
-            assert current["projections_fp8"] == whole_copy
-            assert ideal["projections_fp8"] == sum(_ceil(w.shape[0], world) * (w.shape[1] + 4) for w in frozen)
-            assert (ideal["projections_fp8"] < whole_copy) == (world > 1)
+    for world in (1, 2, 4, 8):
+        for engine in ("fsdp2", "zero3"):
+            whole = per_rank(model, "fp8", engine=engine, world=world, fp8_copy="whole")["bytes"]
+            kept = per_rank(model, "fp8", engine=engine, world=world)["bytes"]
             bf16 = per_rank(model, "bf16", engine=engine, world=world)["bytes"]
-            assert current["parameters"] == ideal["parameters"] == bf16["parameters"]
-            kept = per_rank(model, "fp8+drop", engine=engine, world=world, fp8_copy="current")["bytes"]
-            dropped = per_rank(model, "fp8+drop", engine=engine, world=world, fp8_copy="sharded")["bytes"]
-            assert kept == current  # drop_frozen_weights=True drops nothing under either engine today
-            chunk = sum(
-                (_ceil(w.shape[0], world) * w.shape[1] if engine == "fsdp2" else _ceil(w.numel(), world)) * 2
-                for w in frozen
-            )
-            assert dropped["parameters"] == bf16["parameters"] - chunk
+            assert whole["projections_fp8"] == whole_copy
+            assert whole["parameters"] == kept["parameters"] == bf16["parameters"]
+        sharded = per_rank(model, "fp8", engine="fsdp2", world=world)["bytes"]
+        assert sharded["projections_fp8"] == sum(_ceil(w.shape[0], world) * (w.shape[1] + 4) for w in frozen)
+        assert (sharded["projections_fp8"] < whole_copy) == (world > 1)
+        dropped = per_rank(model, "fp8+drop", engine="fsdp2", world=world)["bytes"]
+        rows = sum(_ceil(w.shape[0], world) * w.shape[1] * 2 for w in frozen) if world > 1 else 0
+        assert dropped["parameters"] == sharded["parameters"] - rows
+        zero3 = per_rank(model, "fp8", engine="zero3", world=world)["bytes"]
+        assert zero3 == per_rank(model, "bf16", engine="zero3", world=world)["bytes"]
+        assert per_rank(model, "fp8+drop", engine="zero3", world=world)["bytes"] == zero3
 
 
 def test_world_rows_are_printed_and_recorded(tmp_path, monkeypatch, capsys):
@@ -80,6 +79,10 @@ def test_world_rows_are_printed_and_recorded(tmp_path, monkeypatch, capsys):
     assert main() == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     per = [r for r in rows if r["kind"] == "static-memory-per-rank"]
-    assert len(per) == 2 * 2 * 5  # N, engine, and bf16 plus two copies each of fp8 and fp8+drop
-    assert {(r["world"], r["engine"], r["precision"], r["fp8_copy"]) for r in per} >= {(2, "fsdp2", "fp8", "current")}
+    # per N: FSDP2's bf16, fp8 whole and sharded, fp8+drop sharded; ZeRO-3's bf16, fp8 whole and per call
+    assert len(per) == 2 * (4 + 3)
+    assert {(r["world"], r["engine"], r["precision"], r["fp8_copy"]) for r in per} >= {
+        (2, "fsdp2", "fp8+drop", "sharded"),
+        (2, "zero3", "fp8", "per-call"),
+    }
     assert "per rank (rank 0)" in capsys.readouterr().out

@@ -1,10 +1,13 @@
 """FSDP2 (fully_shard) on CPU (gloo): the patched, sharded model trains like the unpatched, unsharded one, through
 accelerate's FSDP2 plugin and the Trainer's ``fsdp`` arguments at world sizes 2 and 4 (each world size one launch of
 many cases), with ``fully_shard`` called directly in either order with patching, with and without activation
-checkpointing; and what each rank holds is what ``benchmarks/studies/static_memory.py`` computes."""
+checkpointing; LoRA over FP8 bases kept sharded (each rank its rows in FP8, gathered in FP8) with and without
+``drop_frozen_weights``, and DoRA's bases quantized at each call, bit for bit the unsharded model patched alike;
+and what each rank holds is what ``benchmarks/studies/static_memory.py`` computes."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -13,6 +16,17 @@ import pytest
 from helpers import FP8_FSDP2_WORKER, torchrun
 
 CASES_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "fsdp2_cases.py")
+CHECKS = os.path.join(os.path.dirname(CASES_WORKER), "fp8_checks.py")
+
+
+def fp8_checks():
+    """``distributed/fp8_checks.py`` (loaded by its path: the GPU test shares it)."""
+    spec = importlib.util.spec_from_file_location("fp8_checks", CHECKS)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
 pytestmark = pytest.mark.slow
 
 ENGINE_CASES = [
@@ -27,8 +41,11 @@ DIRECT_CASES = ["fully_shard-shard_first", "fully_shard-checkpointing_projection
 # every engine x mode x precision case runs once, at one world size or the other: at 4 the fewest that still cover
 # each engine, mode and precision there, at 2 the rest (CI's time); the memory check at both
 FOUR = ["accelerate-lora-bf16", "trainer-full-fp32"]
+# LoRA over FP8 bases kept sharded by FSDP2 (fully_shard per layer), with their values and dropped; DoRA's bases,
+# which the adapters read, quantized at each call
+FP8_CASES = ["fp8-lora-keep", "fp8-lora-drop", "fp8-dora-keep"]
 LAUNCHES = {
-    2: [*(case for case in ENGINE_CASES if case not in FOUR), "memory-lora-fp8", *DIRECT_CASES],
+    2: [*(case for case in ENGINE_CASES if case not in FOUR), "memory-lora-fp8", *FP8_CASES, *DIRECT_CASES],
     4: [*FOUR, "memory-lora-fp8"],
 }
 # Floors under the measured bounds: what one rounding of the loss and of an update can move in each precision
@@ -74,15 +91,19 @@ def direct_problems(name: str, data: dict) -> list[str]:
 
 def memory_problems(world: int, case: dict) -> list[str]:
     """Each rank holds what ``static_memory.per_rank`` computes for rank 0 (the chunks are even here), part by
-    part, the FP8 copies whole on every rank (fusepatch's behaviour today), not the sharded ideal."""
+    part: the FP8 copies sharded like the weights (each rank its rows), with the bf16 rows of the dropped bases
+    gone (``fp8+drop``), less than a whole copy on every rank."""
     problems = []
-    current, ideal = case["computed"]["current"], case["computed"]["sharded"]
-    for rank, held in enumerate(case["held"]):
-        for part in ("parameters", "gradients", "optimizer_states", "projections_fp8"):
-            if held[part] != current[part]:
-                problems.append(f"memory rank {rank}/{world}: {part} {held[part]} bytes, computed {current[part]}")
-    if not ideal["projections_fp8"] < current["projections_fp8"]:
-        problems.append(f"memory: the sharded ideal keeps no less FP8 than today's whole copies: {case['computed']}")
+    for precision in ("fp8", "fp8+drop"):
+        computed, whole = case["computed"][precision], case["computed"]["whole"]
+        for rank, held in enumerate(case["held"][precision]):
+            for part in ("parameters", "gradients", "optimizer_states", "projections_fp8"):
+                if held[part] != computed[part]:
+                    problems.append(
+                        f"memory {precision} rank {rank}/{world}: {part} {held[part]} bytes, computed {computed[part]}"
+                    )
+        if not computed["projections_fp8"] < whole["projections_fp8"]:
+            problems.append(f"memory {precision}: the sharded copies are no less than whole ones: {case['computed']}")
     return problems
 
 
@@ -101,6 +122,8 @@ def test_fsdp2_engines_as_users_run_them_match_unsharded_unpatched(tmp_path, wor
     for name, case in data["cases"].items():
         if name.startswith("memory"):
             problems += memory_problems(world, case)
+        elif name in FP8_CASES:
+            problems += fp8_checks().fp8_problems(name, world, case)
         elif name in DIRECT_CASES:
             problems += direct_problems(name, case)
         else:
@@ -240,3 +263,12 @@ def test_fsdp2_rewritten_frozen_weights_are_requantized(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     data = json.loads(out.read_text())
     assert data["calls"] == 6 * 28 and data["stale"] == 0 and data["equal"], data  # 5 sharded calls, 1 reference
+
+
+def test_fsdp2_names_fusepatch_reads_are_in_this_torch():
+    """backends/fsdp2.py's table and the FSDPParam methods it calls are in the installed torch (a torch that lacks
+    them keeps no FP8 copy sharded, said once as drift); and the table was checked on a torch of this release."""
+    from fusepatch.backends import fsdp2
+
+    assert fsdp2.NAMES.missing() == [] and not fsdp2._torch_lacks()
+    assert fsdp2.NAMES.is_checked(), (fsdp2.NAMES.installed(), fsdp2.NAMES.checked)

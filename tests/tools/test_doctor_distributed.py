@@ -27,7 +27,8 @@ def test_distributed_reports_backends_launch_variables_fsdp2_and_engines():
     assert info["launch"] == {"WORLD_SIZE": "4", "RANK": "3"}  # the launcher's variables only, as set
     assert info["packages"] == {"accelerate": _installed("accelerate"), "deepspeed": _installed("deepspeed")}
     assert any(FIXES["sharded"] in line for line in info["under"]["fsdp2"])  # the graphs' own reason and fix
-    assert any("whole FP8 copy on every rank" in line for line in info["under"]["fsdp2"])
+    assert any("FP8 copy sharded like its weight" in line for line in info["under"]["fsdp2"])
+    assert any("keeping no copy" in line for line in info["under"]["deepspeed"])
     text = "\n".join(distributed_lines(info))
     assert "backends: nccl " in text and "gloo yes" in text and "this process: WORLD_SIZE=4 RANK=3" in text
     assert "under FSDP2:" in text and "under DeepSpeed ZeRO-3:" in text

@@ -12,20 +12,20 @@ import torch
 from fusepatch.engine.features.base import Feature, Patched
 from fusepatch.engine.plan import Plan, Request
 from fusepatch.engine.reporting import PatchReport
-from fusepatch.layers.fp8 import is_dropped, keep_what_variants_read, restore_dropped, say_restored
+from fusepatch.layers.fp8 import is_dropped, keep_what_variants_read, restore_dropped, say_restored, sharding_lines
 
 ROUNDED = "fusepatch.revert(model) puts back rounded copies"
 
 
 class Fp8(Feature):
     name = "fp8"
-    slots = {"drop_frozen": False}  # read by the projection's forward at its first FP8 call
+    # read by the projection's forward at its first FP8 call; weight_read: its LoRA variant reads the base weight
+    slots = {"drop_frozen": False, "weight_read": False}
 
     def bind(self, plan: Plan, request: Request, patched: Patched) -> str:
         for _, state in patched:
             state.drop_frozen = request.drop_frozen_weights and state.row.precision == "fp8"
-        if request.drop_frozen_weights:
-            keep_what_variants_read(plan.model)
+        keep_what_variants_read(plan.model)
         return ""
 
     def kept(self, plan: Plan, request: Request, states: list) -> list[str]:
@@ -43,10 +43,11 @@ class Fp8(Feature):
 
     def report(self, report: PatchReport, states: list) -> PatchReport:
         dropped = sum(is_dropped(s.owner) for s in states)
+        sharding = report.sharding + sharding_lines(states)
         if not dropped:
-            return report
+            return dataclasses.replace(report, sharding=sharding)
         note = f"{dropped} frozen weights kept in FP8 only (drop_frozen_weights=True; {ROUNDED})"
-        return dataclasses.replace(report, dropped_weights=dropped, notes=(*report.notes, note))
+        return dataclasses.replace(report, dropped_weights=dropped, notes=(*report.notes, note), sharding=sharding)
 
     def revert(self, model: torch.nn.Module, patched: Patched) -> None:
         rounded = sum(restore_dropped(module) for module, _ in patched)

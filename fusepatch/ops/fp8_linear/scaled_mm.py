@@ -175,15 +175,41 @@ class _FP8FrozenLinear(torch.autograd.Function):
         if grad is None:
             return None, None, None, None, None
         q, inverse = ctx.saved_tensors
-        dx = db = None
-        if ctx.needs_input_grad[0]:
-            quantize = _quantizers(grad.device)
-            g, g_inverse = quantize.rows(grad, inverse)
-            ones = inverse.new_ones((q.shape[1], 1))
-            dx = _scaled_mm(g, g_inverse, quantize.transpose(q), ones, grad.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[3]:
-            db = grad.sum(0)
+        dx = _frozen_input_grad(grad, q, inverse) if ctx.needs_input_grad[0] else None
+        db = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
         return dx, None, None, db, None
+
+
+class _FP8FrozenPerCall(torch.autograd.Function):
+    """A frozen weight of which no copy is kept (an engine gathers it for each call and frees it after: DeepSpeed
+    ZeRO-3, FSDP2 where its copy cannot stay sharded; ``torch.compile``; ``inference_mode``): quantized for the
+    forward and again for the backward from the weight itself, which the engine gathers again for the backward (as
+    it does for a bf16 GEMM's saved weight), so no FP8 copy lives from a forward to its backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, carried):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(weight)
+        ctx.has_bias = bias is not None
+        return _project(x, *quantize_weight(weight), bias, carried)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None):
+        if grad is None:
+            return None, None, None, None
+        (weight,) = ctx.saved_tensors
+        dx = _frozen_input_grad(grad, *quantize_weight(weight)) if ctx.needs_input_grad[0] else None
+        db = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, None, db, None
+
+
+def _frozen_input_grad(grad: torch.Tensor, q: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``dx = grad @ W`` for ``W = diag(s) q``: the rowwise scales ``s`` move into the gradient before it is quantized
+    (exact: powers of two), and ``q`` is only transposed."""
+    quantize = _quantizers(grad.device)
+    g, g_inverse = quantize.rows(grad, inverse)
+    ones = inverse.new_ones((q.shape[1], 1))
+    return _scaled_mm(g, g_inverse, quantize.transpose(q), ones, grad.dtype)
 
 
 def _aligned(weight: torch.Tensor) -> None:
@@ -203,14 +229,15 @@ def fp8_linear(
     """``F.linear(x, weight, bias)`` with its forward and backward GEMMs in FP8; output and input gradient in
     ``x``'s dtype, weight and bias gradients in theirs. ``weight``'s two dimensions must be multiples of 16.
     ``prepared``: the weight's ``prepare``, for a weight that takes no gradient, given by the dispatcher (which
-    keeps it current); the weight itself is then not read (a dropped weight has no values)."""
+    keeps it current); the weight itself is then not read (a dropped weight has no values). A frozen weight without
+    it is quantized for the forward and again for the backward, no copy kept between them."""
     _aligned(weight)
     flat = x.reshape(-1, x.shape[-1])  # the functions see 2-D tensors: their outputs are no views of their own
     carried = _carried(x, flat)
-    if prepared is not None or not weight.requires_grad:
-        if prepared is None:
-            prepared = quantize_weight(weight)
+    if prepared is not None:
         out = _FP8FrozenLinear.apply(flat, prepared.q, prepared.inverse, bias, carried)
+    elif not weight.requires_grad:
+        out = _FP8FrozenPerCall.apply(flat, weight, bias, carried)
     else:
         out = _FP8Linear.apply(flat, weight, bias, carried)
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -208,8 +208,9 @@ def engine_case(
     batches = (padded_batches if batching == "padded" else packed_batches)(vocab, world)
     initial = {n: p.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
 
-    # FP8: bf16 autocast on both sides, the reference patched alike (FP8's own error is the same on both)
-    fp8 = {"precision": precision, "compute_dtype": "bf16"} if precision else {}
+    # FP8: bf16 autocast on both sides, the reference patched alike (FP8's own error is the same on both); asked to
+    # drop the frozen weights, which under ZeRO-3 drops none (the partitions are DeepSpeed's)
+    fp8 = {"precision": precision, "compute_dtype": "bf16", "drop_frozen_weights": True} if precision else {}
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(precision))
     if precision:
         fusepatch.apply(reference, verbose=False, **fp8)
@@ -240,8 +241,10 @@ def engine_case(
     fused = sorted({op for op, *_ in seen})
     model_params = full_parameters(engine, stage)
     after = fusepatch.report(engine.module)
+    kept = fp8_kept(engine.module)
     engine.destroy()
     result = {"fused": fused, "patched": report.patched, "sharding": list(after.sharding)}
+    result.update(fp8_kept=kept, dropped=after.dropped_weights)
     if rank == 0:
         with autocast:
             expected = reference_steps(reference, batches)
@@ -249,6 +252,16 @@ def engine_case(
         result["loss_diff"] = max(abs(a - b) for got, want in zip(losses, expected) for a, b in zip(got, want))
         result.update(compare(model_params, reference, initial))
     return result
+
+
+def fp8_kept(model) -> int:
+    """Bytes of the FP8 copies the FP8 projections' dispatchers keep (between steps: what a rank holds)."""
+    dispatches = {}
+    for module in model.modules():
+        state = module.__dict__.get("_fusepatch")
+        if state is not None and "fp8_linear" in state.ops:
+            dispatches[id(state.ops["fp8_linear"])] = state.ops["fp8_linear"]
+    return sum(t.numel() * t.element_size() for d in dispatches.values() for h in d.all_held() for t in h.handle)
 
 
 class Rows(torch.utils.data.Dataset):
@@ -345,7 +358,8 @@ CASES = {
     if stage == 3 or (tuning == "full") == (batching == "padded")
 }
 CASES["trainer-zero3"] = (trainer_case, (3,))
-# FP8 projections over ZeRO-3's partitioned LoRA bases: each gathered by its own module's hooks, its copy prepared
+# FP8 projections over ZeRO-3's partitioned LoRA bases: each gathered by its own module's hooks and quantized for
+# the call, nothing kept
 CASES["zero3-lora-padded-fp8"] = (
     lambda seen: engine_case("qwen3_5_text", 3, "lora", "padded", False, seen, precision="fp8"),
     (),

@@ -32,6 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 LR = 1e-3
 LENGTH = 24
 LAYER = "Qwen3_5DecoderLayer"
+DEVICE = "cpu"  # main's --device: the fp8 cases run on the GPU's kernels with cuda
 
 
 def _module(path: str, name: str):
@@ -44,8 +45,9 @@ def _module(path: str, name: str):
 EXAMPLE = _module(os.path.join(REPO, "examples", "sft_ultrachat.py"), "sft_ultrachat")
 
 
-def build(lora: bool, dtype: torch.dtype = torch.float32, **sizes) -> torch.nn.Module:
-    """The tiny Qwen3.5 every run of a case starts from (peft LoRA on every linear for ``lora``), same values."""
+def build(lora: bool, dtype: torch.dtype = torch.float32, dora: bool = False, **sizes) -> torch.nn.Module:
+    """The tiny Qwen3.5 every run of a case starts from (peft LoRA on every linear for ``lora``, DoRA for ``dora``),
+    same values."""
     from fusepatch.tools.tiny import tiny_model
 
     model = tiny_model("qwen3_5_text", seed=0, **sizes).to(dtype)
@@ -53,7 +55,7 @@ def build(lora: bool, dtype: torch.dtype = torch.float32, **sizes) -> torch.nn.M
         import peft
 
         torch.manual_seed(1)  # lora_A's initialisation
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, use_dora=dora)
         model = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
     return model
 
@@ -131,7 +133,7 @@ def plugin():
 def through_accelerate(model, steps, rank: int, bf16: bool, memory=None) -> tuple[list[float], dict]:
     """accelerate's FSDP2 plugin on ``model``: ``prepare(model, optimizer)``, then the loop accelerate's docs show
     (``autocast``, ``backward``, ``clip_grad_norm_``). ``memory(model, optimizer)`` runs after each step, before
-    ``zero_grad``."""
+    ``zero_grad``; then no parameters are gathered (a dropped weight has none to gather)."""
     from accelerate import Accelerator
 
     reset_accelerate()
@@ -153,7 +155,7 @@ def through_accelerate(model, steps, rank: int, bf16: bool, memory=None) -> tupl
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
-    return losses, full_parameters(model)
+    return losses, full_parameters(model) if memory is None else {}
 
 
 def through_trainer(model, rows: torch.Tensor, bf16: bool, lora: bool, checkpointing: bool) -> tuple[list, dict]:
@@ -236,6 +238,8 @@ def run_case(name: str, rank: int, world: int) -> dict | None:
     engine, mode, precision = name.split("-")
     if engine == "memory":
         return memory_case(rank, world)
+    if engine == "fp8":
+        return fp8_case(name, rank, world)
     lora, bf16 = mode == "lora", precision == "bf16"
     vocab = build(False).config.vocab_size
     if engine == "accelerate":
@@ -281,13 +285,14 @@ def run_case(name: str, rank: int, world: int) -> dict | None:
 
 
 def local_bytes(tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
+    local = getattr(tensor, "_local_tensor", tensor)  # a dropped shard holds no values (a meta tensor)
+    return 0 if local.is_meta else local.numel() * local.element_size()
 
 
 def memory_case(rank: int, world: int) -> dict:
     """A bf16 LoRA model, FP8 frozen bases (the CPU stand-in of the FP8 op), accelerate's FSDP2 with
-    ``mixed_precision="bf16"``: after the last step each rank's bytes by part, gathered to rank 0."""
+    ``mixed_precision="bf16"``, with and without ``drop_frozen_weights``: after the last step each rank's bytes by
+    part, gathered to rank 0."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
     import pytest
     from helpers import cpu_candidates
@@ -296,10 +301,6 @@ def memory_case(rank: int, world: int) -> dict:
     from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear
 
     cpu_candidates(pytest.MonkeyPatch(), {"fp8_linear": fp8_linear})
-    sizes = {"hidden_size": 128, "intermediate_size": 256}
-    model = build(True, torch.bfloat16, **sizes)
-    fusepatch.apply(model, precision="fp8", verbose=False)
-    steps = batches(world, 1, model.config.vocab_size, seed=7)  # after one step every part is there
 
     def held(model, optimizer) -> dict:
         parts = dict.fromkeys(("parameters", "trainable", "gradients", "optimizer_states", "projections_fp8"), 0)
@@ -310,41 +311,226 @@ def memory_case(rank: int, world: int) -> dict:
                 parts["gradients"] += local_bytes(p.grad) if p.grad is not None else 0
         for state in optimizer.state.values():
             parts["optimizer_states"] += sum(local_bytes(v) for k, v in state.items() if k != "step")
-        dispatches = {}  # one dispatcher serves every projection of a row: each counted once
-        for module in model.modules():
-            state = module.__dict__.get("_fusepatch")
-            if state is not None and "fp8_linear" in state.ops:
-                dispatches[id(state.ops["fp8_linear"])] = state.ops["fp8_linear"]
-        for dispatch in dispatches.values():
-            for held in dispatch.all_held():
-                parts["projections_fp8"] += held.handle.q.nbytes + held.handle.inverse.nbytes
+        parts["projections_fp8"] = fp8_bytes(model)["kept"]
         return parts
 
-    after: list[dict] = []
-    through_accelerate(model, steps, rank, bf16=True, memory=lambda m, o: after.append(held(m, o)))
-    mine = after[-1]
-    every = [None] * world
-    dist.all_gather_object(every, mine)
+    every = {}
+    for precision in ("fp8", "fp8+drop"):
+        model = build(True, torch.bfloat16, **FP8_SIZES)
+        fusepatch.apply(model, precision="fp8", drop_frozen_weights=precision == "fp8+drop", verbose=False)
+        steps = batches(world, 1, model.config.vocab_size, seed=7)  # after one step every part is there
+        after: list[dict] = []
+        through_accelerate(model, steps, rank, bf16=True, memory=lambda m, o, after=after: after.append(held(m, o)))
+        every[precision] = [None] * world
+        dist.all_gather_object(every[precision], after[-1])
     if rank != 0:
         return None
     studies = os.path.join(REPO, "benchmarks", "studies")
     sys.path.insert(0, studies)
     from static_memory import per_rank
 
-    meta = copy.deepcopy(build(True, torch.bfloat16, **sizes)).to("meta")
-    computed = {
-        copy_: per_rank(meta, "fp8", engine="fsdp2", world=world, fp8_copy=copy_)["bytes"]
-        for copy_ in ("current", "sharded")
-    }
+    meta = copy.deepcopy(build(True, torch.bfloat16, **FP8_SIZES)).to("meta")
+    computed = {precision: per_rank(meta, precision, engine="fsdp2", world=world)["bytes"] for precision in every}
+    computed["whole"] = per_rank(meta, "fp8", engine="fsdp2", world=world, fp8_copy="whole")["bytes"]
     return {"held": every, "computed": computed}
+
+
+FP8_SIZES = {"hidden_size": 128, "intermediate_size": 256}
+
+
+def fp8_bytes(model: torch.nn.Module) -> dict:
+    """What this rank holds of FP8 copies now: every handle a dispatcher keeps and every sharded copy FSDP2 keeps
+    (each storage once), and FSDP2's gathered FP8 buffers that are allocated (a unit's, between its gather and its
+    reshard)."""
+    seen, kept, gathered = set(), 0, 0
+
+    def add(tensors) -> int:
+        total = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen and storage.nbytes():
+                seen.add(storage.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    dispatches = {}
+    for module in model.modules():
+        state = module.__dict__.get("_fusepatch")
+        if state is not None and "fp8_linear" in state.ops:
+            dispatches[id(state.ops["fp8_linear"])] = state.ops["fp8_linear"]
+    for dispatch in dispatches.values():
+        for held in dispatch.all_held():
+            kept += add(held.handle)
+    try:
+        from fusepatch.backends import fsdp2
+    except ImportError:  # a fusepatch that keeps nothing sharded
+        return {"kept": kept, "gathered": gathered}
+    for p in model.parameters():  # a dropped shard's copy (one with values is a dispatcher's, counted above)
+        local = getattr(p, "_local_tensor", None)
+        if isinstance(local, fsdp2.DroppedShard):
+            kept += add(local.kept)
+    for module in model.modules():
+        param = fsdp2.param_of(module)
+        if param is not None and fsdp2.kept_shard(param) is not None:
+            gathered += add(param.all_gather_outputs)
+    return {"kept": kept, "gathered": gathered}
+
+
+def fp8_base(name: str) -> bool:
+    """Whether ``name`` is the base weight of a projection ``precision="fp8"`` trains in FP8."""
+    from fusepatch.layers.fp8 import PROJECTIONS
+
+    return any(f".{projection}.base_layer.weight" in name for projection in PROJECTIONS)
+
+
+def fp8_whole_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """The FP8 copies of every frozen projection whole (one byte a value, one fp32 scale a row), and the most one
+    decoder layer's take."""
+    from fusepatch.layers.fp8 import PROJECTIONS
+    from fusepatch.layers.support.lora import held_as
+
+    per_layer: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and held_as(name) in PROJECTIONS and not module.weight.requires_grad:
+            rows, cols = module.weight.shape
+            layer = name.split(".layers.")[1].split(".")[0]
+            per_layer[layer] = per_layer.get(layer, 0) + rows * (cols + 4)
+    return sum(per_layer.values()), max(per_layer.values())
+
+
+def fp8_case(name: str, rank: int, world: int) -> dict | None:
+    """LoRA over FP8 frozen bases (the CPU stand-in of the FP8 op), bf16, ``fully_shard`` per decoder layer and the
+    model, two SGD steps on one row a rank; against the unsharded model patched alike (each row its own forward and
+    backward, ``loss / world``: the same per-row arithmetic, so the same bits where the reduction adds the same
+    terms) and unpatched. ``keep``: the bases keep their values and are rewritten in place between the steps;
+    ``drop``: ``drop_frozen_weights=True``, and a write to a base must raise (against the patched model only: the
+    first step is ``keep``'s). ``dora``: DoRA adapters, which read their bases' values: nothing kept sharded, each
+    call quantizes the gathered weight. At every FP8 call and after each step, the FP8 bytes this rank holds; then the
+    report's lines and ``revert``."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    import pytest
+    from helpers import cpu_candidates
+    from torch.distributed.fsdp import fully_shard
+
+    import fusepatch
+    from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear
+
+    drop, dora = name.endswith("drop"), "dora" in name
+    models: dict[str, torch.nn.Module] = {}
+    calls: list[dict] = []
+
+    from fusepatch.ops.fp8_linear import scaled_mm
+
+    project = scaled_mm._project
+
+    def measured(*args, **kwargs):  # every FP8 forward GEMM, on the GPU's kernels or the CPU stand-in
+        if measuring[0] is not None:
+            calls.append(fp8_bytes(measuring[0]))
+        return project(*args, **kwargs)
+
+    measuring: list = [None]
+    patch = pytest.MonkeyPatch()
+    patch.setattr(scaled_mm, "_project", measured)
+    if DEVICE == "cpu":
+        cpu_candidates(patch, {"fp8_linear": fp8_linear})
+    # keep's unpatched run covers drop's first step; DoRA's is peft's own arithmetic
+    labels = ("sharded", "patched") if drop or dora else ("sharded", "patched", "unpatched")
+    for label in labels:
+        model = build(True, torch.bfloat16, dora, **FP8_SIZES).to(DEVICE)
+        if label == "sharded":
+            for layer in model.get_base_model().model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+        if label != "unpatched":
+            fusepatch.apply(model, precision="fp8", drop_frozen_weights=drop, verbose=False)
+        models[label] = model
+    whole, layer_most = fp8_whole_bytes(models["patched"])
+    steps = [ids.to(DEVICE) for ids in batches(world, 2, models["patched"].config.vocab_size, seed=11)]
+    optimizers = {k: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for k, m in models.items()}
+    out: dict = {"losses": {}, "grads": {}, "between": [], "rewrites_refused": None}
+    for step, ids in enumerate(steps):
+        if step == 1:  # the frozen bases rewritten in place (a reference model's sync writes so)
+            refused = 0
+            for model in models.values():
+                for pname, p in model.named_parameters():
+                    if fp8_base(pname):
+                        try:
+                            with torch.no_grad():
+                                p.mul_(0.75)
+                        except RuntimeError:
+                            refused += 1
+            out["rewrites_refused"] = refused
+            out["bases"] = sum(fp8_base(n) for n, _ in models["patched"].named_parameters())
+        measuring[0] = models["sharded"]
+        loss = models["sharded"](input_ids=ids[rank : rank + 1], labels=ids[rank : rank + 1], use_cache=False).loss
+        loss.backward()
+        measuring[0] = None
+        losses = [None] * world
+        dist.all_gather_object(losses, loss.item())
+        grads = {
+            n.replace("_orig_mod.", ""): p.grad.full_tensor()
+            for n, p in models["sharded"].named_parameters()
+            if p.requires_grad
+        }
+        out["losses"].setdefault("sharded", []).append(losses)
+        got = {"sharded": grads}
+        for label in labels[1:]:
+            row_losses = []
+            for r in range(world):
+                row = ids[r : r + 1]
+                row_loss = models[label](input_ids=row, labels=row, use_cache=False).loss
+                (row_loss / world).backward()
+                row_losses.append(row_loss.item())
+            out["losses"].setdefault(label, []).append(row_losses)
+            got[label] = {n: p.grad.clone() for n, p in models[label].named_parameters() if p.requires_grad}
+        for label in labels[1:]:
+            worst, equal = 0.0, True
+            for n, want in got[label].items():
+                have = got["sharded"][n]
+                equal = equal and torch.equal(have, want)
+                worst = max(worst, ((have - want).norm() / want.norm().clamp_min(1e-30)).item())
+            have = torch.cat([got["sharded"][n].float().reshape(-1) for n in got[label]])
+            want = torch.cat([g.float().reshape(-1) for g in got[label].values()])
+            total = ((have - want).norm() / want.norm()).item()  # every gradient as one vector
+            out["grads"].setdefault(label, []).append(
+                {"equal": equal, "worst": worst, "total": total, "count": len(got[label])}
+            )
+        for optimizer in optimizers.values():
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        out["between"].append(fp8_bytes(models["sharded"]))
+    out["sharding"] = list(fusepatch.report(models["sharded"]).sharding)
+    # revert: the bases back (rounded where dropped) as the unsharded model's revert gives them, and FSDP2 gathers
+    # and computes with them as before
+    fusepatch.revert(models["sharded"])
+    fusepatch.revert(models["patched"])
+    bases = {n: p for n, p in models["patched"].named_parameters() if fp8_base(n)}
+    back = {n: p.full_tensor() for n, p in models["sharded"].named_parameters() if fp8_base(n)}
+    out["reverted_equal"] = all(torch.equal(back[n], p) for n, p in bases.items()) and len(back) == len(bases)
+    row = steps[0][rank : rank + 1]
+    with torch.no_grad():
+        after = [models[k](input_ids=row, labels=row, use_cache=False).loss.item() for k in ("sharded", "patched")]
+    out["reverted_loss_equal"] = after[0] == after[1]
+    out["calls"] = len(calls)
+    out["peak"] = max((c["kept"] + c["gathered"] for c in calls), default=0)
+    out["whole"], out["layer_most"] = whole, layer_most
+    every = [None] * world
+    dist.all_gather_object(every, {"peak": out["peak"], "between": out["between"], "calls": out["calls"]})
+    out["ranks"] = every
+    return out if rank == 0 else None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", required=True, help="comma-separated case names")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cpu", help="cuda: NCCL, a GPU a rank, the GPU's kernels (fp8 cases)")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results, seconds = {}, {}
     names = args.cases.split(",")
