@@ -438,10 +438,12 @@ def test_the_engine_holds_the_pipeline_and_features_hold_the_rest():
     assert not layers, f"engine/patch.py imports {layers}"
 
 
-# FP8's own places: its op folder, its kernels, its layer and its feature module
-FP8_HOMES = ("ops/fp8_linear/", "kernels/fp8", "layers/fp8.py", "engine/features/fp8.py")
+# FP8's own places: its op folder, its kernels (kernels/: its quantization, and the producers that write their
+# output's FP8 rows in the same pass), its layer and its feature module
+FP8_HOMES = ("ops/fp8_linear/", "kernels/", "layers/fp8.py", "engine/features/fp8.py")
 # the others that may name it: the option's values, the feature and op tables, the rows, apply's docstring, the
-# demo's switch and doctor's advice; a ninth is a sign FP8 leaks past its op again
+# demo's switch, and the decoder and shared projections that hand producers' FP8 rows on; a ninth is a sign FP8
+# leaks past its op again
 FP8_NAMED_AT_MOST = 8
 
 

@@ -1,5 +1,5 @@
 """FSDP2 (torch's ``fully_shard``): a frozen weight kept between steps only as each rank's rows of what a kernel
-prepared of it (an FP8 projection's quantized rows and their scales), and all-gathered as that.
+prepared of it (a low-precision projection's quantized rows and their scales), and all-gathered as that.
 
 FSDP2 splits each parameter along its rows, keeps each rank's rows (the local shard of a DTensor), and gathers the
 whole parameter before its unit's forward and backward, freeing it after (reshard). torch's extension for
@@ -104,7 +104,7 @@ METHODS = ("_init_extensions", "_setattr_on_modules")  # of FSDPParam
 
 
 def _torch_lacks() -> bool:
-    """Whether this torch lacks a name read here (said once as drift). Asked at a projection's first FP8 call
+    """Whether this torch lacks a name read here (said once as drift). Asked at a projection's first prepared call
     (and by the report): a few attribute lookups."""
     gone = NAMES.missing()
     fsdp_param = getattr(sys.modules.get(PARAM), "FSDPParam", None)
@@ -115,7 +115,7 @@ def _torch_lacks() -> bool:
     return bool(gone)
 
 
-NOT_KEPT_FALLBACK = "frozen FP8 projections quantize the weight FSDP2 gathered at each call, keeping no copy"
+NOT_KEPT_FALLBACK = "frozen projections prepare the weight FSDP2 gathered at each call, keeping no copy"
 
 
 def why_not_kept(param: Any) -> str | None:
@@ -192,7 +192,7 @@ class DroppedShard(PreparedShard):
         raise RuntimeError(self.refusal)
 
 
-_REFUSED = "fusepatch: this weight is kept by FSDP2 as its FP8 rows only; fix: fusepatch.revert(model)"
+_REFUSED = "fusepatch: this weight is kept by FSDP2 as its prepared rows only; fix: fusepatch.revert(model)"
 
 
 def _meta_subclass(cls: type, like: torch.Tensor) -> torch.Tensor:
@@ -229,14 +229,14 @@ class GatheredWeight(torch.Tensor):
         raise RuntimeError(REFUSED_GATHERED)
 
     def __repr__(self, **kwargs) -> str:
-        return f"GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}: gathered by FSDP2 in FP8)"
+        return f"GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}: gathered by FSDP2 as its prepared rows)"
 
 
 _SAME = (torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.as_strided.default)
 REFUSED_GATHERED = (
-    'fusepatch: under FSDP2 with precision="fp8" a frozen projection\'s weight is gathered as its FP8 copy only '
-    "(each rank keeps its rows in FP8), which its own forward computes with; code that reads its values inside the "
-    "forward cannot; fix: for peft's DoRA (or another LoRA variant), call get_peft_model before "
+    "fusepatch: under FSDP2 with apply(precision=...) a frozen projection's weight is gathered as its copy in that "
+    "precision only (each rank keeps its rows so), which its own forward computes with; code that reads its values "
+    "inside the forward cannot; fix: for peft's DoRA (or another LoRA variant), call get_peft_model before "
     "fusepatch.apply (their bases are then gathered with their values); else fusepatch.revert(model)"
 )
 

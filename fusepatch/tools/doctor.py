@@ -15,10 +15,10 @@ from fusepatch.base.known_issues import KNOWN_ISSUES
 from fusepatch.base.op import Op
 from fusepatch.base.release import __version__
 from fusepatch.base.versions import SUPPORT, version_in
+from fusepatch.engine.features import FEATURES
 from fusepatch.engine.registry import all_ops, all_rows
 from fusepatch.engine.resolve import PREFERABLE, candidate_names, evaluate, first_verdict, ordered, preferred_sources
 from fusepatch.engine.selftest import COMPILED_S
-from fusepatch.layers.layer_graphs import FIXES as GRAPH_FIXES
 
 logger = logging.getLogger("fusepatch")
 
@@ -133,29 +133,26 @@ def variables() -> dict:
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 ENGINE_PACKAGES = ("accelerate", "deepspeed")
 
-# What fusepatch does under each engine, the reason with each difference (what the code does: layer_graphs' rules,
-# where a frozen FP8 copy lives (layers/fp8.py, backends/fsdp2.py), the compute dtype read from FSDP2's
-# MixedPrecisionPolicy)
+# What fusepatch does under each engine, the reason with each difference: the engine's own lines here (the compute
+# dtype read from FSDP2's MixedPrecisionPolicy), then each feature's (``Feature.under``: the CUDA graphs' rules,
+# where a frozen projection's prepared copy lives)
 UNDER_ENGINES = {
     "fsdp2": (
         "patch before or after fully_shard (accelerate's FSDP2 plugin, the Trainer's fsdp arguments, torchrun); the "
         "module tree and instance forwards are what FSDP2's hooks see",
         "kernels are chosen and self-tested for the MixedPrecisionPolicy's param_dtype (the compute dtype), not the "
         "fp32 shards' dtype",
-        "cuda_graphs=True steps aside: " + GRAPH_FIXES["sharded"],
-        'precision="fp8": each frozen projection (LoRA\'s bases) keeps its FP8 copy sharded like its weight (each '
-        "rank its own rows and their scales), gathered in FP8 for its unit's forward and backward and freed after; "
-        "drop_frozen_weights=True drops the rank's bf16 rows of those weights; at one rank, or sharded unevenly "
-        "(or another way torch's FP8 gather cannot take), each call quantizes the gathered weight, keeping no copy",
     ),
-    "deepspeed": (
-        "cuda_graphs=True steps aside: ZeRO-3 gathers parameters in hooks on every module, and a layer whose "
-        "modules have hooks is not captured (a graph would run them once, at capture)",
-        'precision="fp8": a frozen projection quantizes the weight ZeRO-3 gathered at each call, forward and again '
-        "for the backward, keeping no copy (one kept would be whole on every rank); drop_frozen_weights=True drops "
-        "nothing (the partitions are DeepSpeed's)",
-    ),
+    "deepspeed": (),
 }
+
+
+def under_engines() -> dict[str, list[str]]:
+    """Per engine, what fusepatch does under it: its own lines, then every feature's."""
+    return {
+        engine: [*lines, *(line for feature in FEATURES for line in feature.under.get(engine, ()))]
+        for engine, lines in UNDER_ENGINES.items()
+    }
 
 
 def distributed(environ: dict | None = None) -> dict:
@@ -191,7 +188,7 @@ def distributed(environ: dict | None = None) -> dict:
         except metadata.PackageNotFoundError:
             packages[name] = None
     info["packages"] = packages
-    info["under"] = {engine: list(lines) for engine, lines in UNDER_ENGINES.items()}
+    info["under"] = under_engines()
     return info
 
 

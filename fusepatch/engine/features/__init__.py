@@ -5,6 +5,8 @@ A feature (``base.Feature``; each hook optional) has:
 
 - ``slots``: the attributes it owns on each patched module's ``PatchState``, with their defaults (set when a
   module is patched, and when a state pickled without them is loaded; a DataParallel replica copies them).
+- ``under``: per sharding engine (``"fsdp2"``, ``"deepspeed"``), what the feature does differently under it and
+  why (``doctor``'s distributed section).
 - ``plan(plan, request) -> Plan``: what it adds to the plan (LoRA's adapters), or does first (bindings' sweep).
 - ``owners(found) -> {row: choices}``: rows another library computes in this model, left unpatched, each with
   the choices its ops report (a trainer's own fused head).

@@ -20,6 +20,7 @@ class Feature:
 
     name: str = ""
     slots: Mapping[str, Any] = {}
+    under: Mapping[str, tuple[str, ...]] = {}
 
     def plan(self, plan: Plan, request: Request) -> Plan:
         return plan

@@ -59,6 +59,13 @@ def install(model: torch.nn.Module) -> None:
 
 class CudaGraphs(Feature):
     name = "cuda_graphs"
+    under = {
+        "fsdp2": ("cuda_graphs=True steps aside: " + layer_graphs.FIXES["sharded"],),
+        "deepspeed": (
+            "cuda_graphs=True steps aside: ZeRO-3 gathers parameters in hooks on every module, and a layer whose "
+            "modules have hooks is not captured (a graph would run them once, at capture)",
+        ),
+    }
 
     def bind(self, plan: Plan, request: Request, patched: Patched) -> str:
         """For a model patched before: that this call graphs the layers patched before (none are yet)."""

@@ -20,6 +20,19 @@ ROUNDED = "fusepatch.revert(model) puts back rounded copies"
 class Fp8(Feature):
     name = "fp8"
     # read by the projection's forward at its first FP8 call; weight_read: its LoRA variant reads the base weight
+    under = {
+        "fsdp2": (
+            'precision="fp8": each frozen projection (LoRA\'s bases) keeps its FP8 copy sharded like its weight (each '
+            "rank its own rows and their scales), gathered in FP8 for its unit's forward and backward and freed after; "
+            "drop_frozen_weights=True drops the rank's bf16 rows of those weights; at one rank, or sharded unevenly "
+            "(or another way torch's FP8 gather cannot take), each call quantizes the gathered weight, keeping no copy",
+        ),
+        "deepspeed": (
+            'precision="fp8": a frozen projection quantizes the weight ZeRO-3 gathered at each call, forward and again '
+            "for the backward, keeping no copy (one kept would be whole on every rank); drop_frozen_weights=True drops "
+            "nothing (the partitions are DeepSpeed's)",
+        ),
+    }
     slots = {"drop_frozen": False, "weight_read": False}
 
     def bind(self, plan: Plan, request: Request, patched: Patched) -> str:
