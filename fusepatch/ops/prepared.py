@@ -34,16 +34,7 @@ import torch
 
 from fusepatch.backends import deepspeed
 from fusepatch.base.op import Candidate
-from fusepatch.kernels.fingerprint_spec import (
-    MIX_A,
-    MIX_B,
-    OFFSET_B,
-    POSITION_A,
-    POSITION_B,
-    STALE,
-    STATE_WORDS,
-    words,
-)
+from fusepatch.kernels.fingerprint_spec import STALE, STATE_WORDS, fingerprint_reference
 
 HELD = "fusepatch_prepared"  # the attribute of a weight that is only its handle (``Held``)
 PER_CALL = "fusepatch_per_call"  # the attribute of a weight an engine gathers anew for each call: nothing kept
@@ -63,38 +54,6 @@ class Held(NamedTuple):
 def held_by(weight: Any) -> Held | None:
     """The handle a weight carries in place of its values (a dropped weight), or None."""
     return getattr(weight, HELD, None) if isinstance(weight, torch.Tensor) else None
-
-
-_LOW = 0xFFFFFFFF
-_CHUNK = 1 << 20  # words per pass of the twin: its int64 temporaries stay a few MB
-
-
-def _times(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """``x * constant`` mod 2**32 for int64 ``x`` in [0, 2**32), without leaving int64's range."""
-    return (x * (constant & 0xFFFF) + (((x * (constant >> 16)) & 0xFFFF) << 16)) & _LOW
-
-
-def _mixed(x: torch.Tensor, mix: tuple[int, ...]) -> torch.Tensor:
-    first, times, second, again, last = mix
-    x = x ^ (x >> first)
-    x = _times(x, times)
-    x = x ^ (x >> second)
-    x = _times(x, again)
-    return x ^ (x >> last)
-
-
-def fingerprint_reference(x: torch.Tensor) -> torch.Tensor:
-    """``kernels/fingerprint.fingerprint``'s fingerprint of ``x`` in PyTorch: int64 ``[2]``, its two lanes (each in
-    [0, 2**32); ``fingerprint_spec`` says how they are made)."""
-    values = words(x).reshape(-1)
-    total = torch.zeros(2, dtype=torch.int64, device=x.device)
-    for start in range(0, values.numel(), _CHUNK):
-        word = values[start : start + _CHUNK].to(torch.int64) & _LOW
-        position = torch.arange(start, start + word.numel(), dtype=torch.int64, device=x.device) & _LOW
-        a = _mixed(word ^ _times(position, POSITION_A), MIX_A)
-        b = _mixed(word ^ ((_times(position, POSITION_B) + OFFSET_B) & _LOW), MIX_B)
-        total = (total + torch.stack((a.sum(), b.sum()))) & _LOW
-    return total
 
 
 def fingerprint_weight(weight: torch.Tensor) -> torch.Tensor:

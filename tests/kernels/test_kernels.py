@@ -651,7 +651,7 @@ FP8_CHECK_SCRIPT = textwrap.dedent(
     from fusepatch.kernels.fingerprint_spec import DONE, HELD, STALE, STATE_WORDS, SUMS
     from fusepatch.kernels.fp8 import quantize_rows, requantize_rows
     from fusepatch.ops.fp8_linear.scaled_mm import quantize_rows_reference
-    from fusepatch.ops.prepared import fingerprint_reference
+    from fusepatch.kernels.fingerprint_spec import fingerprint_reference
     torch.manual_seed(0)
 
     def held(state):  # the fingerprint the state holds, as the twin gives it
