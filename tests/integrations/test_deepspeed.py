@@ -1,10 +1,10 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 with world size 2 on CPU (DeepSpeed's CPU accelerator, gloo): the patched model
 trains as the unsharded, unpatched one (the loss of each of two SGD steps, and every trainable parameter after
-them), full fine-tuning and LoRA, on padded and packed batches, through ``deepspeed.initialize`` and through the
-Trainer's ``deepspeed=`` config (accelerate's DeepSpeed plugin), with the layers on the paths a GPU takes; and
-``precision="fp8"`` applied after ZeRO-3 partitioned a LoRA model (as ``FusePatchCallback`` applies), against the
-unsharded model patched alike. Every case
-runs in one launch of two processes (tests/integrations/distributed/deepspeed_worker.py)."""
+them), full fine-tuning and LoRA, on padded and packed batches, through ``deepspeed.initialize``, the Trainer's
+``deepspeed=`` config and accelerate's ``Accelerator(deepspeed_plugin=...)`` (LoRA, ZeRO-3), with the layers on the
+paths a GPU takes; and ``precision="fp8"`` applied after ZeRO-3 partitioned a LoRA model (as ``FusePatchCallback``
+applies), against the unsharded model patched alike. Every case runs in one launch of two processes
+(tests/integrations/distributed/deepspeed_worker.py)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_deepspeed_zero_world_size_2_trains_as_unsharded_unpatched(tmp_path):
     result = torchrun(WORKER, "--out", str(out), "--tests", str(TESTS), timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     cases = json.loads(out.read_text())
-    assert len(cases) == 8, sorted(cases)
+    assert len(cases) == 9, sorted(cases)
     wrong = {name: why for name, case in cases.items() if (why := _wrong(name, case))}
     assert not wrong, "\n\n".join(f"{name}: {why}" for name, why in wrong.items())
 

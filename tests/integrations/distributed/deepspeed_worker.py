@@ -196,8 +196,17 @@ def compare(model_params: dict, reference, initial: dict) -> dict:
 
 
 def engine_case(
-    model_type: str, stage: int, tuning: str, batching: str, checkpointing: bool, seen: list, precision=None
+    model_type: str,
+    stage: int,
+    tuning: str,
+    batching: str,
+    checkpointing: bool,
+    seen: list,
+    precision=None,
+    accelerate: bool = False,
 ) -> dict:
+    """``deepspeed.initialize`` on the patched model (``accelerate``: ``Accelerator(deepspeed_plugin=...)`` and
+    ``prepare``, whose ``backward`` steps the engine), two steps, against the reference."""
     import deepspeed
 
     import fusepatch
@@ -220,11 +229,18 @@ def engine_case(
 
     report = patch(model) if precision is None else None
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(
-        model=model,
-        optimizer=torch.optim.SGD(params, lr=LR),
-        config=ds_config(int(os.environ.get("STAGE", stage)), batches[rank]["input_ids"].shape[0]),
-    )
+    config = ds_config(int(os.environ.get("STAGE", stage)), batches[rank]["input_ids"].shape[0])
+    if accelerate:
+        accelerator = accelerated(config)
+        engine, _ = accelerator.prepare(model, torch.optim.SGD(params, lr=LR))
+        step = accelerator.backward  # DeepSpeed's backward and its optimizer step
+    else:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(params, lr=LR), config=config)
+
+        def step(loss):
+            engine.backward(loss)
+            engine.step()
+
     if precision is not None:  # after ZeRO-3 partitioned the weights, as FusePatchCallback applies at train start
         report = patch(engine.module)
     mine = {k: v for k, v in batches[rank].items() if k != "documents"}
@@ -233,8 +249,7 @@ def engine_case(
     for _ in range(STEPS):
         with autocast:
             loss = engine(**mine, use_cache=False).loss
-        engine.backward(loss)
-        engine.step()
+        step(loss)
         gathered = [torch.zeros(()) for _ in range(world)]
         dist.all_gather(gathered, loss.detach().float())
         losses.append([g.item() for g in gathered])
@@ -243,6 +258,8 @@ def engine_case(
     after = fusepatch.report(engine.module)
     kept = fp8_kept(engine.module)
     engine.destroy()
+    if accelerate:
+        released()
     result = {"fused": fused, "patched": report.patched, "sharding": list(after.sharding)}
     result.update(fp8_kept=kept, dropped=after.dropped_weights)
     if rank == 0:
@@ -252,6 +269,28 @@ def engine_case(
         result["loss_diff"] = max(abs(a - b) for got, want in zip(losses, expected) for a, b in zip(got, want))
         result.update(compare(model_params, reference, initial))
     return result
+
+
+def accelerated(config: dict):
+    """An ``Accelerator`` with DeepSpeed's plugin for ``config`` on the CPU, its process state made anew (a case
+    before may have made one: the Trainer's)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin
+
+    AcceleratorState._reset_state(True)
+    return Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))  # (cpu=True would leave it out)
+
+
+def released() -> None:
+    """What an ``Accelerator`` with DeepSpeed's plugin leaves set for the process, let go: transformers' DeepSpeed
+    config (later models would be built partitioned), the plugin's variable and accelerate's process state."""
+    from accelerate.state import AcceleratorState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    AcceleratorState._reset_state(True)
 
 
 def fp8_kept(model) -> int:
@@ -358,6 +397,11 @@ CASES = {
     if stage == 3 or (tuning == "full") == (batching == "padded")
 }
 CASES["trainer-zero3"] = (trainer_case, (3,))
+# accelerate's own API: Accelerator(deepspeed_plugin=...), prepare, backward
+CASES["accelerate-zero3-lora-padded"] = (
+    lambda seen: engine_case("qwen3_5_text", 3, "lora", "padded", False, seen, accelerate=True),
+    (),
+)
 # FP8 projections over ZeRO-3's partitioned LoRA bases: each gathered by its own module's hooks and quantized for
 # the call, nothing kept
 CASES["zero3-lora-padded-fp8"] = (
