@@ -40,18 +40,23 @@ LISTED = {
 CANDIDATES = ("fla-saved-states-grouped", "fla-saved-states", "fla", "fla-gate-outside")
 
 
-def measured(name: str, stage, fault, index: int, packed: bool, seed: int):
-    """(verdict, errors, bounds, wrapper, seconds) of the self-test of ``name`` with ``stage`` spoiled."""
+def measured(name: str, stage, fault, index: int, packed: bool, seed: int, cases: tuple[str, ...] = ()):
+    """(verdict, errors, bounds, wrapper, seconds) of the self-test of ``name`` with ``stage`` spoiled; ``cases``:
+    only those of the op's cases (a fault they refuse, the whole self-test refuses: its verdict is every case's)."""
+    import dataclasses
+
     from fusepatch.engine import selftest
     from fusepatch.ops import OPS
 
     op = OPS[OP]
+    if cases:
+        kept = tuple(case for case in op.selftest.cases if case.name in cases)
+        op = dataclasses.replace(op, selftest=dataclasses.replace(op.selftest, cases=kept))
     candidate = next(c for c in op.candidates if c.name == name)
     start = time.perf_counter()
     with injected(stage, fault, index) as wrapper:
         fn = candidate.load()
-        found = selftest.measure(op, fn, "cpu", "bfloat16", packed=packed, seed=seed)
-    errors, limits = found
+        errors, limits = selftest.measure(op, fn, "cpu", "bfloat16", packed=packed, seed=seed)
     verdict = selftest.judge(op, errors, limits, "cpu", "bfloat16")
     return verdict, errors, limits, wrapper, time.perf_counter() - start
 
@@ -66,6 +71,8 @@ def main(argv=None) -> int:
     parser.add_argument("--packed", nargs="*", default=["0", "1"])
     parser.add_argument("--all", action="store_true", help="every output of every stage, not only LISTED")
     parser.add_argument("--record", help="append a JSON line per run here")
+    parser.add_argument("--clean", choices=("both", "only", "none"), default="both", help="the unfaulted runs")
+    parser.add_argument("--fault-cases", nargs="*", default=[], help="run the faults with these cases only")
     args = parser.parse_args(argv)
     bad = []
 
@@ -78,7 +85,7 @@ def main(argv=None) -> int:
     for name in args.candidates:
         stages = [s for s in COMPOSITES[OP, name] if args.all or s.name in LISTED]
         for packed in (p == "1" for p in args.packed):
-            for seed in args.seeds:  # the unfaulted candidate, on each seed
+            for seed in args.seeds if args.clean != "none" else ():  # the unfaulted candidate, on each seed
                 verdict, errors, limits, _, seconds = measured(name, stages[0], None, 0, packed, seed)
                 found = worst(errors, limits)
                 out({"candidate": name, "fault": None, "packed": packed, "seed": seed, "refused": not verdict.ok,
@@ -86,7 +93,7 @@ def main(argv=None) -> int:
                      "errors": errors, "bounds": limits})  # fmt: skip
                 if not verdict.ok:
                     bad.append(f"{name} packed={packed} seed={seed} refused unfaulted: {verdict.reason}")
-            for stage in stages:
+            for stage in stages if args.clean != "only" else ():
                 outputs = LISTED.get(stage.name, ()) if not args.all else None
                 index = 0
                 while True:
@@ -97,14 +104,15 @@ def main(argv=None) -> int:
                         continue
                     for fault in args.faults:
                         seed = args.seeds[0]
-                        verdict, errors, limits, wrapper, seconds = measured(name, stage, fault, index, packed, seed)
+                        found = measured(name, stage, fault, index, packed, seed, tuple(args.fault_cases))
+                        verdict, errors, limits, wrapper, seconds = found
                         if wrapper.calls == 0 or index >= wrapper.outputs:
                             break
                         if not wrapper.applied:
                             continue
                         found = worst(errors, limits)
                         out({"candidate": name, "stage": stage.label, "output": index, "fault": fault,
-                             "packed": packed, "seed": seed, "refused": not verdict.ok, "worst": found,
+                             "packed": packed, "seed": seed, "cases": args.fault_cases or "all", "refused": not verdict.ok, "worst": found,
                              "error": errors[found], "bound": limits[found], "seconds": round(seconds, 1),
                              "errors": errors, "bounds": limits})  # fmt: skip
                         if verdict.ok:

@@ -91,9 +91,10 @@ DECAY_FLOORS = {"grad[5]": 8e-3, "grad[6]": 8e-3}
 # x1.02 overshoots the erasure of a large state) and the WY backward's key and decay gradients carry most of the
 # result, where random inputs left them a small share. "decay": the final state's gradient along the state itself
 # (``Case.along``), so the A_log / dt_bias gradients sum terms of one sign: exact to the op's floor instead of the
-# 0.05 their cancelling random sums need, and a factor on them shows. It compares those and the start state's
-# gradient only: with this cotangent fla's k gradient was 5.8% off fp32 (Triton's CPU interpreter, bf16) where the
-# bf16 reference was 0.3% off; not yet explained, so this case leaves it to the others.
+# 0.05 their cancelling random sums need, and a factor on them shows. It compares those two only: with this
+# cotangent fla's k gradient was 5.8% off fp32 (Triton's CPU interpreter, bf16) where the bf16 reference was 0.3%
+# off, not yet explained; and where a strong decay leaves the final state nothing of the start state, the start
+# state's gradient is all rounding (40% off in one draw, its bf16 reference 3.5%).
 CASES = (
     Case(),
     Case("no-state", {"state": False, "final": False}),
@@ -106,7 +107,7 @@ CASES = (
         cotangents=(0.0, 1.0),
         along=True,
         floors={half: DECAY_FLOORS for half in ("bfloat16", "float16")},
-        only=("grad[5]", "grad[6]", "grad[7]"),
+        only=("grad[5]", "grad[6]"),
     ),
 )
 
