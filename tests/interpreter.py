@@ -3,7 +3,8 @@
 The interpreter (Triton 3.9) holds a bf16 tensor as its uint16 bits and hands those bits to numpy: ``tl.dot``,
 negation, element-wise arithmetic of two bf16 tensors and ``tl.sum`` of one computed on the integers (fla's
 ``fwd_intra`` gave 1e11), and it rounds fp32 -> bf16 by truncation where a GPU rounds to nearest even. Here each of
-those computes in fp32 and rounds to nearest even, as the GPU does. Autotuning keeps its first config (the
+those computes in fp32 and rounds to nearest even, as the GPU does; an fp32 ``tl.dot`` in TF32 (Triton's default,
+and fla's triangular solve on Hopper) reads its operands rounded to TF32, as tensor cores do. Autotuning keeps its first config (the
 interpreter has no benchmarker). Import and call :func:`install` before fla is imported."""
 
 from __future__ import annotations
@@ -27,8 +28,16 @@ def _bfloat16(values) -> np.ndarray:
     return bits.reshape(array.shape)
 
 
+def _tf32(values: np.ndarray) -> np.ndarray:
+    """fp32 values rounded to TF32 (10 mantissa bits, to nearest even), as a GPU's tensor cores read them."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x0FFF) + ((bits >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+    return rounded.view(np.float32)
+
+
 def install() -> None:
     import triton.language as tl
+    from triton._C.libtriton import ir
     import triton.runtime.autotuner as autotuner
     from triton.runtime import interpreter as it
 
@@ -42,6 +51,8 @@ def install() -> None:
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if bf16 in (a.dtype.scalar, b.dtype.scalar):
             a, b = handle(_float32(a), tl.float32), handle(_float32(b), tl.float32)
+        elif input_precision == ir.INPUT_PRECISION.TF32 and a.dtype.scalar == b.dtype.scalar == tl.float32:
+            a, b = handle(_tf32(a.data), tl.float32), handle(_tf32(b.data), tl.float32)
         return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     cast = builder.cast_impl
