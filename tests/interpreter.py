@@ -37,8 +37,8 @@ def _tf32(values: np.ndarray) -> np.ndarray:
 
 def install() -> None:
     import triton.language as tl
-    from triton._C.libtriton import ir
     import triton.runtime.autotuner as autotuner
+    from triton._C.libtriton import ir
     from triton.runtime import interpreter as it
 
     if getattr(it, "_fusepatch_bf16", False):

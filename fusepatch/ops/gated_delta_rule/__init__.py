@@ -77,6 +77,9 @@ def _selftest_inputs(
     return (q, k, v, a, b, A_log, dt_bias), kwargs
 
 
+# the gate input's gradient in "erase" (below) carries a bias along the reference of up to 0.9 of its bound
+# (interpreter, bf16): twice the floor; a factor on the WY backward's decay gradient shows there 3.6x its bound
+ERASE_FLOORS = {"grad[3]": 1.6e-2}
 # the decay parameters' gradients where they sum terms of one sign ("decay" below): the op's floor, not 0.05
 DECAY_FLOORS = {"grad[5]": 8e-3, "grad[6]": 8e-3}
 # The self-test's calls. Its kernels run eleven stages (fla's and fusepatch's, forward and backward); on the first
@@ -100,7 +103,12 @@ CASES = (
     Case("no-state", {"state": False, "final": False}),
     Case("state-only", {}, cotangents=(0.0, 1.0)),
     Case("one-chunk", {"length": 40}),
-    Case("erase", {"length": 64, "start": 4.0, "shift": 4.0, "decay": -3.0, "split": False}, cotangents=(0.0, 1.0)),
+    Case(
+        "erase",
+        {"length": 64, "start": 4.0, "shift": 4.0, "decay": -3.0, "split": False},
+        cotangents=(0.0, 1.0),
+        floors={"bfloat16": ERASE_FLOORS},
+    ),
     Case(
         "decay",
         {},
