@@ -54,11 +54,20 @@ class Case:
     switch terms off (no start state, a zero output gradient, a single chunk) leave each stage dominant somewhere.
 
     ``options`` go to ``make_inputs`` as keywords; ``cotangents`` weigh each compared output's random gradient
-    (0 switches that output's backward path off, so the rest is seen alone); ``name`` prefixes its quantities."""
+    (0 switches that output's backward path off, so the rest is seen alone); ``name`` prefixes its quantities.
+    ``along``: each output's gradient is the fp32 reference output itself (times its weight), not random: the loss
+    is then half the squared norm, and a gradient that sums many tokens' terms (a decay parameter's) sums terms
+    of one sign instead of random ones that cancel to a small, noisy total. ``floors``: per dtype, this case's own
+    floor of a quantity (``{"bfloat16": {"grad[5]": 8e-3}}``), in place of the op's ``looser`` one, where its
+    inputs make that quantity exact enough to hold tighter. ``only``: the quantities this case compares (``"grad[5]"``;
+    empty: all), where its inputs, chosen for those, leave the others noisier than the op's floors."""
 
     name: str = ""
     options: Mapping[str, Any] = field(default_factory=dict)
     cotangents: tuple[float, ...] | None = None
+    along: bool = False
+    floors: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    only: tuple[str, ...] = ()
 
 
 # How each quantity is compared, besides its relative error (norm of the difference over the reference's norm):

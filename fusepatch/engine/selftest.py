@@ -58,9 +58,10 @@ def _forward_backward(
     outputs: int = 1,
     generator: torch.Generator | None = None,
     weights: tuple[float, ...] | None = None,
+    along: bool = False,
 ):
     """The first ``outputs`` outputs (each compared on its own, so a per-document check stays per document) and the
-    inputs' gradients for one random cotangent per output."""
+    inputs' gradients for one random cotangent per output (``along``: the output itself, ``Case.along``)."""
     out = fn(*args, **kwargs)
     outs = list(out[:outputs]) if isinstance(out, tuple) else [out]
     leaves = _leaves(args, kwargs)
@@ -68,7 +69,10 @@ def _forward_backward(
         # from the self-test's own generator: the global one (CPU or CUDA) belongs to the user, and a self-test
         # drawing from it changed every random draw after `apply` (seeded data, dropout, LoRA init) from what
         # the same program gives without fusepatch
-        cotangents = [torch.randn(o.shape, generator=generator, dtype=torch.float32).to(o.device) for o in outs]
+        if along:
+            cotangents = [o.detach().float() for o in outs]
+        else:
+            cotangents = [torch.randn(o.shape, generator=generator, dtype=torch.float32).to(o.device) for o in outs]
         if weights is not None:  # a case that switches an output's backward path off (``Case.cotangents``)
             cotangents = [c * weight for c, weight in zip(cotangents, weights)]
     grads = ()
@@ -151,14 +155,20 @@ def bounds(op: Op, dtype: str, reference_errors: dict[str, float]) -> dict[str, 
     """Each quantity's bound: ``ratio`` times the error the reference itself makes in ``dtype`` on the same inputs,
     plus the op's floor for that quantity (``SelfTest``), times the statistic's multiplier for a tile or scale
     error (``op.STATISTICS``; at least 1 for a quantity with a ``looser`` floor). A case's quantity
-    (``case/grad[0]``) has its plain name's floor."""
+    (``case/grad[0]``) has its plain name's floor, or the case's own (``Case.floors``)."""
     spec = op.selftest
     floor = spec.tolerance.get(dtype, 1e-2)
     looser = spec.looser.get(dtype, {})
+    cases = {case.name: case for case in spec.cases}
     limits = {}
     for name, ref in reference_errors.items():
-        quantity, _, statistic = name.rpartition("/")[2].partition(":")
+        case, _, plain = name.rpartition("/")
+        quantity, _, statistic = plain.partition(":")
         factor = spec.statistics.get(statistic, 1.0) if statistic else 1.0
+        own = cases[case].floors.get(dtype, {}) if case in cases else {}
+        if quantity in own:
+            limits[name] = spec.ratio * ref + own[quantity] * factor
+            continue
         if quantity in looser:  # a quantity measured noisier: no statistic of it is held tighter than its floor
             factor = max(factor, 1.0)
         limits[name] = spec.ratio * ref + looser.get(quantity, floor) * factor
@@ -242,7 +252,7 @@ def _compare_case(op, fn, device, dtype, case, generator, packed, dims):
     ref_kwargs = {k: _upcast(v, ref_dtype) for k, v in kwargs.items()}
     count = spec.outputs
     ref_out, ref_grads, cotangent = _forward_backward(
-        op.reference, ref_args, ref_kwargs, None, count, generator, case.cotangents
+        op.reference, ref_args, ref_kwargs, None, count, generator, case.cotangents, case.along
     )
     low_args = tuple(_detached(a) for a in args)
     low_kwargs = {k: _detached(v) for k, v in kwargs.items()}
@@ -255,7 +265,11 @@ def _compare_case(op, fn, device, dtype, case, generator, packed, dims):
         where = f" ({case.name})" if case.name else ""
         return reject(f"self-test{where}: output shapes {shapes} != reference {ref_shapes}")
     errors = _errors(out, grads, ref_out, ref_grads, documents, case.name)
-    return errors, bounds(op, dtype, _errors(low_out, low_grads, ref_out, ref_grads, documents, case.name))
+    limits = bounds(op, dtype, _errors(low_out, low_grads, ref_out, ref_grads, documents, case.name))
+    if case.only:  # a case for some quantities alone (``Case.only``)
+        kept = {name for name in errors if name.rpartition("/")[2].partition(":")[0] in case.only}
+        errors, limits = {n: e for n, e in errors.items() if n in kept}, {n: b for n, b in limits.items() if n in kept}
+    return errors, limits
 
 
 def run(

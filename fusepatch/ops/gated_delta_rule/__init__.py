@@ -32,47 +32,91 @@ def _load_fla_saved_states(grouped: bool = False):
     return fla_saved_states.load(grouped)
 
 
-def _selftest_inputs(device, dtype, generator, packed=True, dims=None, length=150, state=True, final=True):
+def _selftest_inputs(
+    device,
+    dtype,
+    generator,
+    packed=True,
+    dims=None,
+    length=150,
+    state=True,
+    final=True,
+    start=0.5,
+    shift=0.0,
+    decay=0.0,
+    split=True,
+):
     # Odd length, grouped value heads; packed: a row of four documents, one of a single token (an error at a
     # document's first token is that whole document's error). Head sizes: the layer's when known. ``length``,
-    # ``state`` and ``final``: the cases below.
+    # ``state``, ``final``, ``start`` (the start states' scale), ``shift`` (added to b: beta near 1), ``decay``
+    # (added to A_log: a weaker decay) and ``split`` (False: packed as one document): the cases below.
     dims = dims or {}
     hk, hv, dk, dv = (dims.get(k, d) for k, d in (("hk", 2), ("hv", 4), ("dk", 64), ("dv", 64)))
     q = rand((1, length, hk, dk), device, dtype, generator)
     k = rand((1, length, hk, dk), device, dtype, generator)
     v = rand((1, length, hv, dv), device, dtype, generator)
     a = rand((1, length, hv), device, dtype, generator)
-    b = rand((1, length, hv), device, dtype, generator)
+    b = (torch.randn((1, length, hv), generator=generator) + shift).to(device=device, dtype=dtype).requires_grad_(True)
     # A_log and dt_bias are parameters: in the model's dtype, as a bf16 model holds them.
-    A_log = (torch.rand(hv, generator=generator) * 2 - 1).to(device=device, dtype=dtype).requires_grad_(True)
+    A_log = (torch.rand(hv, generator=generator) * 2 - 1 + decay).to(device=device, dtype=dtype).requires_grad_(True)
     dt_bias = rand((hv,), device, dtype, generator, scale=0.5)
     # documents of 64 (one whole chunk), 1, and the rest split in two (a chunk boundary inside a document)
     rest = length - 65
     cuts = [0, 64, 65, 65 + rest // 3, length] if length > 67 else [0, length // 3, length // 3 + 1, length]
+    cuts = cuts if split else [0, length]
     cu = torch.tensor(cuts, dtype=torch.int32, device=device) if packed else None
     kwargs = {"cu_seqlens": cu}
     if state:
         # A cache's states, as training with use_cache=True and a continuation from that cache call it: each row
         # (document) starts from a state of its own; its gradient is compared too. fp32, as caches keep them.
         rows = len(cuts) - 1 if packed else 1
-        start = torch.randn((rows, hv, dk, dv), generator=generator, dtype=torch.float32).mul_(0.5)
-        kwargs["initial_state"] = start.to(device).requires_grad_(True)
+        states = torch.randn((rows, hv, dk, dv), generator=generator, dtype=torch.float32).mul_(start)
+        kwargs["initial_state"] = states.to(device).requires_grad_(True)
     if final:  # each row's last state, compared too (outputs=2)
         kwargs["output_final_state"] = True
     return (q, k, v, a, b, A_log, dt_bias), kwargs
 
 
+# the gate input's gradient in "erase" (below) carries a bias along the reference of up to 0.9 of its bound
+# (interpreter, bf16): twice the floor; a factor on the WY backward's decay gradient shows there 3.6x its bound
+ERASE_FLOORS = {"grad[3]": 1.6e-2}
+# the decay parameters' gradients where they sum terms of one sign ("decay" below): the op's floor, not 0.05
+DECAY_FLOORS = {"grad[5]": 8e-3, "grad[6]": 8e-3}
 # The self-test's calls. Its kernels run eleven stages (fla's and fusepatch's, forward and backward); on the first
 # call alone the start state's and final state's terms diluted a 3% error of one backward stage below the bound.
 # "no-state": training's own call (no start state, no final state), so every gradient is the output's alone;
 # "state-only": the output's gradient zero, the final state's alone, the backward's path through the chunk
 # states (bwd_dhu) seen without the local terms; "one-chunk": a single chunk (40 tokens), the intra-chunk
 # stages (fwd_intra, wy_repr_bwd, dv_local) without the scan across chunks.
+# Two more for faults those four diluted (a factor of 1.02 on one stage's output, seen passing on the H200):
+# "erase": one chunk, packed as one document, beta near 1, a weak decay and start states 8x as large, the final
+# state's gradient alone: each token's update erases what the state holds along its key, so the WY keys (w, their
+# x1.02 overshoots the erasure of a large state) and the WY backward's key and decay gradients carry most of the
+# result, where random inputs left them a small share. "decay": the final state's gradient along the state itself
+# (``Case.along``), so the A_log / dt_bias gradients sum terms of one sign: exact to the op's floor instead of the
+# 0.05 their cancelling random sums need, and a factor on them shows. It compares those two only: with this
+# cotangent fla's k gradient was 5.8% off fp32 (Triton's CPU interpreter, bf16) where the bf16 reference was 0.3%
+# off, not yet explained; and where a strong decay leaves the final state nothing of the start state, the start
+# state's gradient is all rounding (40% off in one draw, its bf16 reference 3.5%).
 CASES = (
     Case(),
     Case("no-state", {"state": False, "final": False}),
     Case("state-only", {}, cotangents=(0.0, 1.0)),
     Case("one-chunk", {"length": 40}),
+    Case(
+        "erase",
+        {"length": 64, "start": 4.0, "shift": 4.0, "decay": -3.0, "split": False},
+        cotangents=(0.0, 1.0),
+        floors={"bfloat16": ERASE_FLOORS},
+    ),
+    Case(
+        "decay",
+        {},
+        cotangents=(0.0, 1.0),
+        along=True,
+        floors={half: DECAY_FLOORS for half in ("bfloat16", "float16")},
+        only=("grad[5]", "grad[6]"),
+    ),
 )
 
 

@@ -1,0 +1,29 @@
+"""The delta rule's stage faults that the H200 saw pass are refused, on the CPU in Triton's interpreter
+(tests/stage_faults_interpreter.py). Minutes long and needs fla-core, which CI does not install: it runs only with
+``FUSEPATCH_INTERPRETER_STAGES=1`` (fla-core on the path), skipped otherwise at no cost."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+HARNESS = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "stage_faults_interpreter.py"
+)
+
+
+@pytest.mark.skipif(os.environ.get("FUSEPATCH_INTERPRETER_STAGES") != "1", reason="set FUSEPATCH_INTERPRETER_STAGES=1")
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla-core is not installed")
+def test_the_listed_stage_faults_are_refused_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run(
+        [sys.executable, HARNESS, "--candidates", "fla-saved-states", "--faults", "x1.02"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
