@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_run.sh tilelang            # install tilelang (.whl-tl1/); with a causal-conv1d sdist in
 #                                                      #   .src/, build it in the background (fusepatch build)
 #   bash benchmarks/gpu_run.sh tests               # needs .whl-tl2/ and .whl/: deps, fla, all GPU tests, doctor
-#                                                      #   (TESTS=files, K=filter, TAG=log name suffix, DOCTOR=0: no doctor)
+#                                                      #   (TESTS=files, K=filter, TAG=log name suffix, DOCTOR=0: no doctor,
+#                                                      #   DIST=loadgroup: xdist's grouping)
 #   bash benchmarks/gpu_run.sh built               # the built causal-conv1d wheel: install it, test it, doctor
 #   bash benchmarks/gpu_run.sh bench 27b [layers]  # the benchmark table for one shape (benchmarks/run_all.py)
 #   CONFIGS=fusepatch bash benchmarks/gpu_run.sh probe 27b  # where a synced step's forward waits for the host
@@ -91,7 +92,7 @@ case "$phase" in
       # it; nothing of a finished group may outlive it. (Without setsid the group runs as before, and the kill
       # below finds nothing.)
       FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR=/tmp/errors $(command -v setsid) timeout ${TEST_TIMEOUT:-230} nice -n ${NICE:-0} python3 -m pytest \
-        $files ${K:+-k "$K"} -n ${WORKERS:-8} -v -rfE --tb=short --durations=20 --timeout ${PER_TEST:-220} -p no:cacheprovider \
+        $files ${K:+-k "$K"} -n ${WORKERS:-8} ${DIST:+--dist $DIST} -v -rfE --tb=short --durations=20 --timeout ${PER_TEST:-220} -p no:cacheprovider \
         > "$OUT/gpu-tests${TAG:+-$TAG}-$i.log" 2>&1 &
       sid=$!; wait $sid; echo "exit $? (TEST_TIMEOUT=${TEST_TIMEOUT:-230}: 124 is the group cut off)" >> "$OUT/gpu-tests${TAG:+-$TAG}-$i.log"
       left=$(ps -o stat= -s $sid 2>/dev/null | grep -vc '^Z')  # live ones: a dead child waits for its reaper as Z
@@ -330,7 +331,7 @@ EOF
     rm -rf /tmp/seq && mkdir -p /tmp/seq/out && cp -r . /tmp/seq/tree  # a copy: the working tree may change while the sequence runs
     : > /tmp/seq/progress  # before the runner starts: `poll` tells a started sequence from none by this file
     steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
-    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT|FAST_ACCUM|BENCH_LAYERS)=" > /tmp/seq/env || true
+    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|DIST|DOCTOR|TAG|K|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT|FAST_ACCUM|BENCH_LAYERS)=" > /tmp/seq/env || true
     # Lanes: "A B / C D + E" runs A then B on GPU 0 beside C then D on GPU 1 (CUDA_VISIBLE_DEVICES), then E on
     # every GPU once both lanes are done ("+ F / G": a next stage with lanes again). A step is
     # PHASE[-ARG][@K=V:K=V]: its own environment (sft@NPROC=all:LAYERS=24).
