@@ -140,13 +140,14 @@ EOF
     # VARY=F: every timed step its own length in [seq*(1-F), seq] (train_step.py --vary-seq), its own files;
     # DOCS=K: K documents packed in every row (--packed-docs: transformers' block mask, fusepatch's varlen route)
     # PROMPT=F: the first F of every row's labels -100 (--prompt: chat SFT's masked prompt)
-    # SFT=1: packed chat-SFT rows (--sft, DOC_TOKENS mean document length); LORA=R: peft LoRA of rank R (--lora)
+    # SFT=1: packed chat-SFT rows (--sft, DOC_TOKENS mean document length); LORA=R: peft LoRA of rank R (--lora);
+    # CKPT=1: activation checkpointing on every configuration (--checkpointing)
     name=bench-$shape${layers:+-layers$layers}${VARY:+-vary$VARY}${DOCS:+-docs$DOCS}${PROMPT:+-prompt$PROMPT}${SFT:+-sft}${LORA:+-lora$LORA}${TAG:+-$TAG}  # TAG: a second table of one shape in a sequence
     # what else runs on the host as the benchmark starts (each row also records its own host_load)
     { echo "host at start: $(cut -d' ' -f1-3 /proc/loadavg) (load 1/5/15 min, $(nproc) cores)"; ps -eo pcpu,etimes,args --sort=-pcpu | head -6 | cut -c1-150; } > "$OUT/$name-host.txt" 2>&1
     timeout ${RUN_TIMEOUT:-3000} python3 benchmarks/run_all.py --shape "$shape" ${layers:+--layers $layers} --site-fla /tmp/site-fla --site-tl /tmp/site-tl \
       --workdir "/tmp/$name" --out "$OUT/$name.json" --timeout ${BENCH_TIMEOUT:-400} ${VARY:+--vary-seq $VARY} ${DOCS:+--packed-docs $DOCS} ${PROMPT:+--prompt $PROMPT} \
-      ${SFT:+--sft --doc-tokens ${DOC_TOKENS:-1024}} ${LORA:+--lora $LORA} \
+      ${SFT:+--sft --doc-tokens ${DOC_TOKENS:-1024}} ${LORA:+--lora $LORA} ${CKPT:+--checkpointing} \
       --configs "${CONFIGS:-hf-fast,fusepatch,liger,eager,fusepatch-no-tilelang,hf-fast-no-tilelang}" 2>&1 | tee "$OUT/$name.md"
     tar czf "$OUT/$name-logs.tgz" -C /tmp "$name" ;;
   depthfit)
@@ -331,7 +332,7 @@ EOF
     rm -rf /tmp/seq && mkdir -p /tmp/seq/out && cp -r . /tmp/seq/tree  # a copy: the working tree may change while the sequence runs
     : > /tmp/seq/progress  # before the runner starts: `poll` tells a started sequence from none by this file
     steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
-    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|DIST|DOCTOR|TAG|K|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT|FAST_ACCUM|BENCH_LAYERS)=" > /tmp/seq/env || true
+    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|DIST|CKPT|LORA|DOCTOR|TAG|K|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT|FAST_ACCUM|BENCH_LAYERS)=" > /tmp/seq/env || true
     # Lanes: "A B / C D + E" runs A then B on GPU 0 beside C then D on GPU 1 (CUDA_VISIBLE_DEVICES), then E on
     # every GPU once both lanes are done ("+ F / G": a next stage with lanes again). A step is
     # PHASE[-ARG][@K=V:K=V]: its own environment (sft@NPROC=all:LAYERS=24).
