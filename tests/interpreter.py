@@ -103,3 +103,28 @@ def install() -> None:
         init(self, fn, arg_names, configs[:1], *args, **kwargs)
 
     autotuner.Autotuner.__init__ = first_config
+    it.FunctionRewriter.ast_transformer = _loop_counters()()
+
+
+def _loop_counters():
+    """The interpreter's kernel rewriter, whose ``for i in range(n)`` counters are tensors, as compiled Triton's
+    are (fla's kernels call ``i_t.to(tl.int64)`` on one): the loop's body starts with ``i = i``, which the
+    rewriter's assignment rule makes a tensor."""
+    import ast
+
+    import triton.runtime.interpreter as it
+
+    class LoopCounters(it.ASTTransformer):
+        def visit_For(self, node):
+            node = self.generic_visit(node)
+            call = node.iter
+            plain = isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "range"
+            if plain and isinstance(node.target, ast.Name):
+                name = node.target.id
+                again = ast.Assign(
+                    targets=[ast.Name(id=name, ctx=ast.Store())], value=ast.Name(id=name, ctx=ast.Load())
+                )
+                node.body.insert(0, ast.copy_location(self.visit_Assign(again), node.body[0]))
+            return node
+
+    return LoopCounters

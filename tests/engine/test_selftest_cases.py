@@ -86,3 +86,26 @@ def test_a_factor_on_a_summed_gradient_is_refused_by_a_case_with_its_own_floor()
     )
     verdict, errors = selftest.compare(tight, _w_grad_off, "cpu", "float32", packed=False, seed=0)
     assert not verdict.ok and "w/grad[1]" in verdict.reason, errors
+
+
+def test_a_cases_inputs_do_not_depend_on_the_cases_before_it():
+    """A case draws from a generator of its own: alone or after others, the same inputs and the same errors (a fault
+    one case refuses when run alone is refused by the whole self-test, tests/stage_faults_interpreter.py)."""
+    drawn = {}
+
+    def inputs(device, dtype, generator, packed=False, dims=None, tag=""):
+        pair = _inputs(device, dtype, generator)
+        drawn.setdefault(tag, []).append(pair[0][0].detach().clone())
+        return pair
+
+    def op_of(*cases: Case) -> Op:
+        op = _op(*cases)
+        return dataclasses.replace(op, selftest=dataclasses.replace(op.selftest, make_inputs=inputs))
+
+    late = Case("late", {"tag": "late"})
+    together = selftest.measure(
+        op_of(Case(), Case("first", {"tag": "first"}), late), _w_grad_off, "cpu", "float32", seed=5
+    )
+    alone = selftest.measure(op_of(late), _w_grad_off, "cpu", "float32", seed=5)
+    assert torch.equal(drawn["late"][0], drawn["late"][1])
+    assert {n: e for n, e in together[0].items() if n.startswith("late/")} == alone[0]
