@@ -126,28 +126,42 @@ def frame(share: bool = False) -> Iterator[Frame]:
         current.records.clear()
 
 
+def _innermost() -> Frame | None:
+    """The frame calls now belong to; None outside one, while tracing, and under ``torch.inference_mode``."""
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        return None
+    frames = _frames()
+    return frames[-1] if frames else None
+
+
 def emitting() -> bool:
     """Whether a producer called now should write FP8 rows of its output (and ``record`` them)."""
-    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
-        return False
-    frames = _frames()
-    return bool(frames) and frames[-1].emit
+    current = _innermost()
+    return current is not None and current.emit
 
 
 def emitting_gradients() -> bool:
     """Whether a producer called now should write, in its backward, the FP8 rows of the gradients it returns."""
-    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
-        return False
-    frames = _frames()
-    return bool(frames) and frames[-1].emit_gradients
+    current = _innermost()
+    return current is not None and current.emit_gradients
 
 
 def sharing() -> bool:
     """Whether a projection that quantized its input now should ``record`` the rows for the next one."""
-    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
-        return False
-    frames = _frames()
-    return bool(frames) and frames[-1].share
+    current = _innermost()
+    return current is not None and current.share
+
+
+def fits(dtype: torch.dtype, dim: int) -> bool:
+    """Whether an FP8 projection could read rows of this dtype and width (bf16 or fp16, a multiple of 16)."""
+    return dtype in (torch.bfloat16, torch.float16) and dim > 0 and dim % 16 == 0
+
+
+def buffers(like: torch.Tensor) -> Rows:
+    """Empty FP8 rows for a tensor of ``like``'s shape, for a producer's kernel to write."""
+    dim = like.shape[-1]
+    q = torch.empty((like.numel() // dim, dim), device=like.device, dtype=torch.float8_e4m3fn)
+    return Rows(q, torch.empty((q.shape[0], 1), device=like.device, dtype=torch.float32))
 
 
 def record(x: torch.Tensor, rows: Rows) -> Carried | None:

@@ -299,7 +299,7 @@ class _AddRMSNorm(torch.autograd.Function):
         ctx.save_for_backward(h, weight, rstd)
         ctx.shape, ctx.dtypes = x.shape, (x.dtype, residual.dtype)
         # dh is the gradient of x, the projection's output that x is (o_proj, out_proj): its FP8 rows where asked
-        ctx.fp8_gradients = x.dtype == h.dtype and _fits_fp8(h.dtype, dim) and fp8_rows.emitting_gradients()
+        ctx.fp8_gradients = x.dtype == h.dtype and fp8_rows.fits(h.dtype, dim) and fp8_rows.emitting_gradients()
         return y.view(x.shape), h.view(x.shape)
 
     @staticmethod
@@ -307,7 +307,7 @@ class _AddRMSNorm(torch.autograd.Function):
         h, weight, rstd = ctx.saved_tensors
         grad = grad_out.reshape(h.shape).contiguous()
         dres = None if grad_h is None else grad_h.reshape(h.shape).contiguous()
-        rows = _rows_buffers(h) if ctx.fp8_gradients else None
+        rows = fp8_rows.buffers(h) if ctx.fp8_gradients else None
         dh, _, dw = _norm_backward(h, weight, rstd, h, grad, ctx.flags, dres=dres, fp8=rows)
         if rows is not None:
             fp8_rows.record_gradient(dh, rows)  # what autograd hands the projection are views of dh
@@ -316,26 +316,15 @@ class _AddRMSNorm(torch.autograd.Function):
         return dh.to(x_dtype), dh.to(residual_dtype), dw, None, None, None
 
 
-def _fits_fp8(dtype: torch.dtype, dim: int) -> bool:
-    """Whether an FP8 projection could read rows of this dtype and width (bf16 or fp16, a multiple of 16)."""
-    return dtype in (torch.bfloat16, torch.float16) and dim > 0 and dim % 16 == 0
-
-
-def _rows_buffers(like: torch.Tensor) -> fp8_rows.Rows:
-    dim = like.shape[-1]
-    q = torch.empty((like.numel() // dim, dim), device=like.device, dtype=torch.float8_e4m3fn)
-    return fp8_rows.Rows(q, torch.empty((q.shape[0], 1), device=like.device, dtype=torch.float32))
-
-
 def _fp8_buffers(x: torch.Tensor, weight: torch.Tensor, zero_centered: bool, residual=None) -> fp8_rows.Rows | None:
     """Where a frame asks for them (``kernels/fp8_rows.emitting``) and an FP8 projection could read the output:
     buffers for its FP8 rows; None otherwise (no extra stores)."""
     if not fp8_rows.emitting():
         return None
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    if not _fits_fp8(_out_dtype(zero_centered, False, dtype, weight.dtype), x.shape[-1]):
+    if not fp8_rows.fits(_out_dtype(zero_centered, False, dtype, weight.dtype), x.shape[-1]):
         return None
-    return _rows_buffers(x)
+    return fp8_rows.buffers(x)
 
 
 def _with_rows(y: torch.Tensor, rows: fp8_rows.Rows | None) -> torch.Tensor:

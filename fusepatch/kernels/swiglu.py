@@ -181,7 +181,7 @@ class _SwiGLU(torch.autograd.Function):
         elif n:
             _swiglu_fwd[_grid(n)](gate, up, out, n, BLOCK=BLOCK, num_warps=WARPS)
         ctx.save_for_backward(gate, up)  # two saved tensors where eager keeps three (gate, silu(gate), up)
-        ctx.fp8_gradients = _fp8_buffers(gate, fp8_rows.emitting_gradients()) is not None
+        ctx.fp8_gradients = fp8_rows.emitting_gradients() and _fits(gate)
         return out
 
     @staticmethod
@@ -226,10 +226,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def _fp8_buffers(gate: torch.Tensor, wanted: bool = True) -> fp8_rows.Rows | None:
     """FP8 rows' buffers of a tensor of ``gate``'s shape where ``wanted`` (a frame asks for them) and an FP8
-    projection could read them (bf16 or fp16, a width that is a multiple of 16); None otherwise."""
-    dim = gate.shape[-1] if gate.dim() else 0
-    if not wanted or gate.dtype not in (torch.bfloat16, torch.float16) or dim == 0 or dim % 16:
-        return None
-    rows = gate.numel() // dim
-    q = torch.empty((rows, dim), device=gate.device, dtype=torch.float8_e4m3fn)
-    return fp8_rows.Rows(q, torch.empty((rows, 1), device=gate.device, dtype=torch.float32))
+    projection could read them; None otherwise."""
+    return fp8_rows.buffers(gate) if wanted and _fits(gate) else None
+
+
+def _fits(gate: torch.Tensor) -> bool:
+    return gate.dim() > 0 and fp8_rows.fits(gate.dtype, gate.shape[-1])
