@@ -270,9 +270,7 @@ def keep_sharded(
     param._init_extensions()
     # the buffers FSDP2 gathers into from now on, filled now from ``whole``: this call computes with views of them,
     # FSDP2 frees them at the reshard and refills them for the backward
-    outputs = [torch.empty(t.numel(), dtype=t.dtype, device=t.device) for t in whole]
-    for buffer, tensor in zip(outputs, whole):
-        buffer.copy_(tensor.reshape(-1))
+    outputs = [tensor.reshape(-1).clone() for tensor in whole]
     handle = type(whole)(*(buffer.view(tensor.shape) for buffer, tensor in zip(outputs, whole)))
     param.all_gather_outputs = outputs
     param._unsharded_inner_tensors = []

@@ -394,9 +394,10 @@ def sharding_lines(states: list) -> tuple[str, ...]:
         if why is not None:
             per_call[why] = per_call.get(why, 0) + 1
     lines = []
-    if shared > sum(per_call.values()):
+    sharded = shared - sum(per_call.values())
+    if sharded:
         lines.append(
-            f"FSDP2: {shared - sum(per_call.values())} frozen FP8 projections keep their FP8 copy sharded like their weight (each rank its own "
+            f"FSDP2: {sharded} frozen FP8 projections keep their FP8 copy sharded like their weight (each rank its own "
             "rows and their scales), gathered in FP8 for their unit's forward and backward and freed after; made at "
             f"each one's first FP8 call: {kept} so far, {dropped} of them without their bf16 rows "
             "(drop_frozen_weights=True)"
