@@ -167,11 +167,12 @@ def bounds(op: Op, dtype: str, reference_errors: dict[str, float]) -> dict[str, 
         factor = spec.statistics.get(statistic, 1.0) if statistic else 1.0
         own = cases[case].floors.get(dtype, {}) if case in cases else {}
         if quantity in own:
-            limits[name] = spec.ratio * ref + own[quantity] * factor
-            continue
-        if quantity in looser:  # a quantity measured noisier: no statistic of it is held tighter than its floor
-            factor = max(factor, 1.0)
-        limits[name] = spec.ratio * ref + looser.get(quantity, floor) * factor
+            chosen = own[quantity]
+        else:
+            if quantity in looser:  # a quantity measured noisier: no statistic of it is held tighter than its floor
+                factor = max(factor, 1.0)
+            chosen = looser.get(quantity, floor)
+        limits[name] = spec.ratio * ref + chosen * factor
     return limits
 
 
