@@ -9,12 +9,14 @@ arithmetic the GPU's), for the faults the H200 runs saw pass (``LISTED``) or eve
     TRITON_INTERPRET=1 PYTHONPATH=<fla-core>:. python tests/stage_faults_interpreter.py --seeds 11 12 13 \\
         --record /tmp/stage-faults-cpu.jsonl
 
-prints one line a run (clean runs on each seed, then each fault) and exits 1 where a clean run was refused or a
-fault passed."""
+prints one line a run (clean runs on each seed, then each fault on the first seed, or on each of ``--fault-seeds``;
+``--outputs prepare_wy_repr_bwd:3``: that stage output alone) and exits 1 where a clean run was refused or a fault
+passed."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -73,6 +75,10 @@ def main(argv=None) -> int:
     parser.add_argument("--record", help="append a JSON line per run here")
     parser.add_argument("--clean", choices=("both", "only", "none"), default="both", help="the unfaulted runs")
     parser.add_argument("--fault-cases", nargs="*", default=[], help="run the faults with these cases only")
+    parser.add_argument(
+        "--fault-seeds", nargs="*", type=int, default=[], help="the faults' seeds (the first of --seeds)"
+    )
+    parser.add_argument("--outputs", nargs="*", default=[], help="only these stage outputs (name:index)")
     args = parser.parse_args(argv)
     bad = []
 
@@ -83,7 +89,12 @@ def main(argv=None) -> int:
                 file.write(json.dumps(row) + "\n")
 
     for name in args.candidates:
-        stages = [s for s in COMPOSITES[OP, name] if args.all or s.name in LISTED]
+        chosen = {}
+        for item in args.outputs:
+            stage_name, _, number = item.rpartition(":")
+            chosen[stage_name] = (*chosen.get(stage_name, ()), int(number))
+        listed = chosen or LISTED
+        stages = [s for s in COMPOSITES[OP, name] if (args.all and not chosen) or s.name in listed]
         for packed in (p == "1" for p in args.packed):
             for seed in args.seeds if args.clean != "none" else ():  # the unfaulted candidate, on each seed
                 verdict, errors, limits, _, seconds = measured(name, stages[0], None, 0, packed, seed)
@@ -94,7 +105,7 @@ def main(argv=None) -> int:
                 if not verdict.ok:
                     bad.append(f"{name} packed={packed} seed={seed} refused unfaulted: {verdict.reason}")
             for stage in stages if args.clean != "only" else ():
-                outputs = LISTED.get(stage.name, ()) if not args.all else None
+                outputs = listed.get(stage.name, ()) if chosen or not args.all else None
                 index = 0
                 while True:
                     if outputs is not None and index >= max(outputs, default=-1) + 1:
@@ -102,8 +113,7 @@ def main(argv=None) -> int:
                     if outputs is not None and index not in outputs:
                         index += 1
                         continue
-                    for fault in args.faults:
-                        seed = args.seeds[0]
+                    for fault, seed in itertools.product(args.faults, args.fault_seeds or args.seeds[:1]):
                         found = measured(name, stage, fault, index, packed, seed, tuple(args.fault_cases))
                         verdict, errors, limits, wrapper, seconds = found
                         if wrapper.calls == 0 or index >= wrapper.outputs:

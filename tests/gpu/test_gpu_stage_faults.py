@@ -66,15 +66,18 @@ def _measured(op_name, candidate, stage, fault, index, packed, dims, seed):
     return selftest.judge(op, errors, limits, "cuda", "bfloat16"), errors, limits, wrapper
 
 
-# Faults seen passing ((candidate, stage name) -> why), kept visible as xfail. The "erase" and "decay" cases refuse
-# the factors on the WY keys, the WY backward's key gradient and the decay parameters' gradients that the H200 runs
-# of 2026-12-05 saw pass (benchmarks/records/2026-12-05-stage-faults-h200.jsonl); a factor on the WY backward's
-# decay gradient (prepare_wy_repr_bwd's output 3) still passed in Triton's interpreter in 3 of 4 runs once each case
-# drew its own inputs (tests/stage_faults_interpreter.py; benchmarks/records/2026-12-05-stage-faults-interpreter-cpu.jsonl)
-WY_DECAY = "a factor on prepare_wy_repr_bwd's decay gradient (output 3): 0.44 to 0.99 of its bound in erase"
-SEEN_PASSING: dict[tuple[str, str], str] = {
-    (name, "prepare_wy_repr_bwd"): WY_DECAY
-    for name in ("fla-saved-states-grouped", "fla-saved-states", "fla", "fla-gate-outside")
+# Outputs whose factor x1.02 lies below what the self-test can see, with the factors asserted instead ((stage name,
+# output) -> (factors, why)); x1.02 and x0.98 are still run and recorded there, not asserted. The WY backward's
+# decay gradient (prepare_wy_repr_bwd's output 3) is a part of the gate input's gradient smaller than the whole
+# even in "erase", its best case, where fla's own bf16 error against fp32 is up to 0.9 of the bound: a factor of
+# 1.02 moves that gradient by about 1%, passing in 7 of 12 runs, and x1.05 / x0.95 were refused in each (Triton's
+# interpreter, three seeds, packed and not: tests/stage_faults_interpreter.py;
+# benchmarks/records/2026-12-05-stage-faults-interpreter-cpu.jsonl)
+RESOLUTION: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {
+    ("prepare_wy_repr_bwd", 3): (
+        ("x1.05", "x0.95"),
+        "the WY backward's decay gradient: a part of the gate gradient, under fla's bf16 error there",
+    ),
 }
 
 
@@ -86,8 +89,6 @@ def _params() -> list:
         for number, stage in enumerate(stages):
             group = f"{op}/{name}" + (f"/{number % 2}" if op == "gated_delta_rule" else "")
             marks = [pytest.mark.xdist_group(group)]
-            if (name, stage.name) in SEEN_PASSING:
-                marks.append(pytest.mark.xfail(reason=f"seen passing: {SEEN_PASSING[name, stage.name]}", strict=False))
             params.append(pytest.param(op, name, stage, marks=marks, id=f"{name}-{stage.label}"))
     return params
 
@@ -95,7 +96,7 @@ def _params() -> list:
 @pytest.mark.parametrize("op_name,name,stage", _params())
 def test_a_fault_inside_one_stage_is_refused(op_name, name, stage):
     """Each fault of ``FAULTS`` in each output the stage gives is refused, packed and not (and, for the default
-    delta rule, at the 27B layer's head sizes). An output nothing reads (an unused final state, a bias gradient
+    delta rule, at the 27B layer's head sizes); an output of ``RESOLUTION`` its own factors instead of x1.02/x0.98. An output nothing reads (an unused final state, a bias gradient
     without a bias) changes no error by a NaN: recorded as unread, not a pass."""
     from fusepatch.engine.selftest import worst
 
@@ -121,7 +122,10 @@ def test_a_fault_inside_one_stage_is_refused(op_name, name, stage):
         sweep = SWEEP if not packed and name == "fla-saved-states-grouped" else ()  # the default candidate's
         faults = ("nan", "x1.02", "zero_tile") if dims else ("nan", *FAULTS[:2], "zero_tile", *sweep)
         for index in range(probe.outputs):
-            for fault in faults:
+            factors, _ = RESOLUTION.get((stage.name, index), (FAULTS[:2], ""))
+            asserted = (*factors, *FAULTS[2:])
+            coarser = tuple(f for f in asserted if f not in faults)
+            for fault in (*faults, *coarser):
                 verdict, errors, limits, wrapper = _measured(op_name, candidate, stage, fault, index, packed, dims, 11)
                 if not wrapper.applied:
                     continue
@@ -133,6 +137,6 @@ def test_a_fault_inside_one_stage_is_refused(op_name, name, stage):
                          "bound": limits.get(found), "errors": errors, "bounds": limits})  # fmt: skip
                 if unread:  # nothing reads this output: no other fault of it can show either
                     break
-                if verdict.ok and fault in FAULTS:
+                if verdict.ok and fault in asserted:
                     passed.append(f"output {index} {fault} packed={packed} dims={dims}: {found} {errors[found]:.2e}")
     assert not passed, f"{op_name}/{name}: faults in {stage.label} passed the self-test: {passed}"
