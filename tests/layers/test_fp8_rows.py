@@ -189,3 +189,26 @@ def test_a_record_names_one_tensor_in_one_state():
     with fp8_rows.frame():
         fp8_rows.record(y, rows)
     assert fp8_rows.carried(y) is None  # gone with its frame
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_frames_are_opened_only_where_an_fp8_projection_reads_them(model_type, stand_ins, monkeypatch):
+    """A frame costs the host microseconds a layer: a bf16 model's layers open none (the decoder's, nor the
+    shared-input projections'), an FP8 model's open them and carry rows."""
+    opened: list[bool] = []
+    real = fp8_rows.frame
+
+    def counted(share: bool = False):
+        opened.append(share)
+        return real(share)
+
+    monkeypatch.setattr(fp8_rows, "frame", counted)
+    model = tiny_model(model_type, hidden_size=64, intermediate_size=128, **SIZES[model_type]).to(torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    report = fusepatch.apply(model, verbose=False)
+    assert any(layer.patched for layer in report.layers)
+    model(input_ids=ids, use_cache=False).logits.float().sum().backward()
+    assert opened == []
+    model, ids, seen = _fp8_model(model_type, monkeypatch, **SIZES[model_type])
+    _step(model, ids, monkeypatch, seen, rows=True)
+    assert False in opened and True in opened  # the decoder's frames and the shared-input projections'
