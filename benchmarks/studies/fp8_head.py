@@ -1,0 +1,184 @@
+"""The LM head's GEMMs in FP8: how far its loss and gradients move from fp32, against the bf16 head's.
+
+    python benchmarks/studies/fp8_head.py --shape 27b --logit-std 1.4 --peak 0 0.1 --out fp8-head.jsonl
+
+The head computes ``logits = h @ W.T`` and, in the backward, ``dh = g @ W`` and ``dW = g.T @ h`` with
+``g = (softmax(logits) - onehot(labels)) / tokens``. Configurations, each on the same bf16 values of ``h`` and
+``W``:
+
+- ``bf16``: the fused loss as it runs today (bf16 operands, fp32 accumulation, each GEMM's output rounded to bf16,
+  ``g`` rounded to bf16);
+- ``fp8-forward``: the logits' GEMM on float8_e4m3fn operands with rowwise power-of-two scales along the hidden
+  dimension (``quantize_rows_reference``: the GPU kernels' bits), the backward as bf16;
+- ``fp8``: all three GEMMs so, each operand quantized along that GEMM's reduction dimension, as ``fp8_linear``
+  quantizes a projection's.
+
+The reference is the same math in fp32 (fp64 sums) on those bf16 values. Quantities: the loss, the logits'
+gradient ``g``, ``dh`` and ``dW`` (each ``||x - x_ref|| / ||x_ref||``). The inputs: ``h``, rows of unit RMS (a
+final norm's output); ``W`` normal with the spread that gives the logits the standard deviation ``--logit-std``
+(transformers' initialisation, 0.02, gives about 1.4 at hidden 5120; a trained head's logits spread further);
+labels drawn from the fp32 head's own distribution, as a trained model's targets are likely under it; ``--peak``:
+each ``h`` leans towards one token's row of ``W`` (0: none, near-uniform predictions, a loss near log V; 0.1 at
+hidden 5120: confident ones, as a trained model's). The GEMMs
+are computed in fp32 on the dequantized values (what ``torch._scaled_mm`` computes, up to its accumulation order),
+by chunks of the vocabulary, so the whole 27B head runs on a CPU.
+
+One JSON line per (logit spread, configuration) goes to ``--out`` (date, device, versions, command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))  # the harness: benchmarks/
+sys.path.insert(1, ROOT)
+
+from provenance import code, command, today, versions  # noqa: E402
+
+from fusepatch.kernels.fp8_range import FP8_MAX, FP8_TINY  # noqa: E402
+from fusepatch.ops.fp8_linear.scaled_mm import FP8, quantize_rows_reference  # noqa: E402
+
+SHAPES = {"27b": (5120, 248320), "2b": (2048, 248320)}  # hidden, vocabulary (Qwen3.5)
+CONFIGS = ("bf16", "fp8-forward", "fp8")
+CHUNK = 16384  # vocabulary rows per chunk
+
+
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.bfloat16().float()
+
+
+def rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` through FP8 along its rows, dequantized: the values a rowwise-scaled FP8 GEMM reads."""
+    q, inverse = quantize_rows_reference(x)
+    return q.float() * inverse
+
+
+def columns_scale(peak: torch.Tensor) -> torch.Tensor:
+    """The rowwise rule's power-of-two scale for a peak (``kernels/fp8``), for a row split over chunks."""
+    return torch.exp2(torch.floor(torch.log2(FP8_MAX / peak.clamp_min(FP8_TINY))))
+
+
+def through(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() / scale
+
+
+def run(hidden: int, vocab: int, tokens: int, logit_std: float, peak: float, seed: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    std = logit_std / math.sqrt(hidden)
+    W = bf16(torch.randn(vocab, hidden, generator=generator) * std)
+    h = torch.randn(tokens, hidden, generator=generator)
+    if peak:  # each row leans towards one token's row of W: a confident prediction, as a trained model makes
+        chosen = W[torch.randint(0, vocab, (tokens,), generator=generator)]
+        h += peak * math.sqrt(hidden) * chosen / chosen.norm(dim=1, keepdim=True)
+    h = bf16(h / h.pow(2).mean(1, keepdim=True).sqrt())
+    chunks = [(s, min(s + CHUNK, vocab)) for s in range(0, vocab, CHUNK)]
+
+    # the reference: fp32 logits, labels from their own distribution, g, dh
+    logits = torch.cat([h @ W[s:e].t() for s, e in chunks], 1)
+    labels = torch.multinomial(torch.softmax(logits.double(), 1).float(), 1, generator=generator).squeeze(1)
+
+    def loss_and_g(z: torch.Tensor, round_g: bool) -> tuple[float, torch.Tensor]:
+        z = z.double()
+        lse = torch.logsumexp(z, 1)
+        loss = float((lse - z.gather(1, labels[:, None]).squeeze(1)).mean())
+        g = torch.softmax(z, 1)
+        g[torch.arange(tokens), labels] -= 1
+        g = (g / tokens).float()
+        return loss, bf16(g) if round_g else g
+
+    loss_ref, g_ref = loss_and_g(logits, False)
+    dh_ref = sum(g_ref[:, s:e].double() @ W[s:e].double() for s, e in chunks).float()
+    found = []
+    for config in CONFIGS:
+        start = time.perf_counter()
+        fp8_fwd, fp8_bwd = config != "bf16", config == "fp8"
+        hq = rows(h) if fp8_fwd else h
+        z = torch.cat([bf16(hq @ (rows(W[s:e]) if fp8_fwd else W[s:e]).t()) for s, e in chunks], 1)
+        loss, g = loss_and_g(z, True)
+        if fp8_bwd:
+            gq = rows(g)  # dh: g along the vocabulary, per token; W along the vocabulary, per hidden feature
+            scale = columns_scale(torch.stack([W[s:e].abs().amax(0) for s, e in chunks]).amax(0))
+            dh = bf16(sum(gq[:, s:e] @ through(W[s:e], scale) for s, e in chunks))
+            hT = rows(h.t().contiguous())  # dW: g.T and h.T along the tokens
+        else:
+            dh = bf16(sum(g[:, s:e] @ W[s:e] for s, e in chunks))
+        diff = norm = 0.0
+        for s, e in chunks:
+            reference = g_ref[:, s:e].t().double() @ h.double()
+            if fp8_bwd:
+                got = bf16(rows(g[:, s:e].t().contiguous()) @ hT.t())
+            else:
+                got = bf16(g[:, s:e].t() @ h)
+            diff += float((got.double() - reference).pow(2).sum())
+            norm += float(reference.pow(2).sum())
+
+        def error(a: torch.Tensor, b: torch.Tensor) -> float:
+            return float((a.double() - b.double()).norm() / b.double().norm())
+
+        found.append(
+            {
+                "config": config,
+                "logit_std": logit_std,
+                "peak": peak,
+                "measured_logit_std": round(float(logits.std()), 3),
+                "seed": seed,
+                "loss": loss,
+                "loss_ref": loss_ref,
+                "errors": {
+                    "loss": abs(loss - loss_ref) / abs(loss_ref),
+                    "logits": error(z, logits),
+                    "g": error(g, g_ref),
+                    "dh": error(dh, dh_ref),
+                    "dW": math.sqrt(diff / norm),
+                },
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+        )
+        print(json.dumps({k: v for k, v in found[-1].items()}), flush=True)
+    return found
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="27b")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--logit-std", type=float, nargs="*", default=[1.4, 4.0])
+    parser.add_argument("--peak", type=float, nargs="*", default=[0.0, 0.1], help="how far h leans to one token")
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0])
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(os.cpu_count() or 1)
+    hidden, vocab = SHAPES[args.shape]
+    base = {
+        "benchmark": "fp8_head",
+        "date": today(),
+        "gpu": "cpu (the GEMMs in fp32 on the dequantized FP8 values)",
+        "versions": versions(("torch",)),
+        "code": code(),
+        "command": command("benchmarks/studies/fp8_head.py", argv),
+        "shape": args.shape,
+        "hidden": hidden,
+        "vocab": vocab,
+        "tokens": args.tokens,
+    }
+    for seed in args.seeds:
+        for spread, peak in itertools.product(args.logit_std, args.peak):
+            for row in run(hidden, vocab, args.tokens, spread, peak, seed):
+                if args.out:
+                    with open(args.out, "a") as file:
+                        file.write(json.dumps({**base, **row}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
