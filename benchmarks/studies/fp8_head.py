@@ -1,6 +1,7 @@
 """The LM head's GEMMs in FP8: how far its loss and gradients move from fp32, against the bf16 head's.
 
-    python benchmarks/studies/fp8_head.py --shape 27b --logit-std 1.4 --peak 0 0.1 --out fp8-head.jsonl
+    python benchmarks/studies/fp8_head.py --shape 27b --tokens 128 --logit-std 1.4 --peak 0 0.12 0.19 --out fp8-head.jsonl
+    python benchmarks/studies/fp8_head.py --shape 2b --tokens 256 --logit-std 1.4 --peak 0 0.3 0.6 --out fp8-head.jsonl
 
 The head computes ``logits = h @ W.T`` and, in the backward, ``dh = g @ W`` and ``dW = g.T @ h`` with
 ``g = (softmax(logits) - onehot(labels)) / tokens``. Configurations, each on the same bf16 values of ``h`` and
@@ -13,13 +14,14 @@ The head computes ``logits = h @ W.T`` and, in the backward, ``dh = g @ W`` and 
 - ``fp8``: all three GEMMs so, each operand quantized along that GEMM's reduction dimension, as ``fp8_linear``
   quantizes a projection's.
 
-The reference is the same math in fp32 (fp64 sums) on those bf16 values. Quantities: the loss, the logits'
+The reference is the same math on those bf16 values in fp32 (the logits) and fp64 (the loss, ``dh``, ``dW``). Quantities: the loss, the logits'
 gradient ``g``, ``dh`` and ``dW`` (each ``||x - x_ref|| / ||x_ref||``). The inputs: ``h``, rows of unit RMS (a
 final norm's output); ``W`` normal with the spread that gives the logits the standard deviation ``--logit-std``
 (transformers' initialisation, 0.02, gives about 1.4 at hidden 5120; a trained head's logits spread further);
 labels drawn from the fp32 head's own distribution, as a trained model's targets are likely under it; ``--peak``:
-each ``h`` leans towards one token's row of ``W`` (0: none, near-uniform predictions, a loss near log V; 0.1 at
-hidden 5120: confident ones, as a trained model's). The GEMMs
+how far each ``h`` leans towards one token's row of ``W`` (0: not at all, near-uniform predictions, a loss near
+log V; confident ones, as a trained model's, from about 0.19 at hidden 5120 and 0.3 at 2048, a loss under 1: the
+record's ``loss_ref`` says which each row is). The GEMMs
 are computed in fp32 on the dequantized values (what ``torch._scaled_mm`` computes, up to its accumulation order),
 by chunks of the vocabulary, so the whole 27B head runs on a CPU.
 

@@ -38,7 +38,6 @@ from fusepatch.base.dtypes import dtype_name
 from fusepatch.kernels import fp8_rows
 from fusepatch.layers.simple import _eps, swiglu_mlp_plus
 from fusepatch.layers.support.packing import packed_kwargs
-from fusepatch.layers.support.projections import feeds_fp8
 from fusepatch.layers.support.signature import CACHE_NAMES, forward_parameters
 
 ADD_NORM_OPS = ("add_rms_norm", "add_rms_norm_zero_centered")
@@ -98,18 +97,19 @@ def _mixer(self, hidden_states: torch.Tensor, named: dict, extra: dict) -> torch
 def _fused_forward(self, *args, **kwargs) -> torch.Tensor:
     hidden_states, named, extra = _bind(self, args, kwargs)
     residual = hidden_states
-    fed = feeds_fp8(hidden_states, _mixer_inputs(self))
+    fed = _feeds_fp8(hidden_states, _mixer_inputs(self))
     with _frame(fed) as frame:  # the FP8 rows of the input norm's output, for the mixer's projections
         with frame.emitting(fed):
             hidden_states = self.input_layernorm(hidden_states)
         hidden_states = _mixer(self, hidden_states, named, extra)
     norm = self.post_attention_layernorm
     mlp = self.mlp
-    # (the residual's device and dtype are the add's output's: what the projections are asked about)
-    fed = feeds_fp8(residual, (getattr(mlp, "gate_proj", None),))
-    mixed = feeds_fp8(residual, _mixer_outputs(self), trained=True)  # the mixer's output projection
-    fed_down = feeds_fp8(residual, (getattr(mlp, "down_proj", None),))
-    trained = feeds_fp8(residual, (getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)), trained=True)
+    # (asked on the residual before the add: where transformers' add below promotes the sum's dtype, the rows are
+    # still only a hint, which a projection checks against the tensor it gets)
+    fed = _feeds_fp8(residual, (getattr(mlp, "gate_proj", None),))
+    mixed = _feeds_fp8(residual, _mixer_outputs(self), trained=True)  # the mixer's output projection
+    fed_down = _feeds_fp8(residual, (getattr(mlp, "down_proj", None),))
+    trained = _feeds_fp8(residual, (getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)), trained=True)
     with _frame(fed or mixed or fed_down or trained) as frame:  # the norm's and the SwiGLU's rows, for the MLP's
         # _run chose this forward because the op is fused for the layer input's device and dtype: the same dtype
         # here means the same choice.
@@ -143,7 +143,7 @@ _NO_FRAME = contextlib.nullcontext(_NoFrame())
 
 def _frame(wanted: bool):
     """A ``kernels/fp8_rows`` frame where a producer inside is asked to write FP8 rows, else nothing (a bf16 model's
-    layers open none: a frame costs the host a few microseconds a layer)."""
+    decoder layers open none: a frame and its ``emitting`` cost the host about two microseconds each)."""
     return fp8_rows.frame() if wanted else _NO_FRAME
 
 
@@ -166,6 +166,23 @@ def _mixer_outputs(self) -> tuple:
     mixer = _mixer_module(self)
     found = next((p for p in (getattr(mixer, n, None) for n in ("o_proj", "out_proj")) if p is not None), None)
     return (found,)
+
+
+def _feeds_fp8(x: torch.Tensor, projections: tuple, trained: bool = False) -> bool:
+    """Whether one of ``projections`` (peft's LoRA linears: their base) computes with FP8 GEMMs for ``x``'s device
+    and dtype (``trained``: all of them, with a trained weight, whose input gradient reads its output gradient's
+    rows unscaled): its producer then writes the FP8 rows it would quantize (a hint only: a projection that is not
+    FP8 never reads them, and one that is checks them)."""
+    if torch.compiler.is_compiling():
+        return False
+    found = []
+    for projection in projections:
+        base = getattr(projection, "base_layer", projection)
+        state = getattr(base, "__dict__", {}).get("_fusepatch")
+        dispatch = None if state is None else getattr(state, "ops", {}).get("fp8_linear")
+        fp8 = dispatch is not None and dispatch.choice(x.device.type, dtype_name(x.dtype)).fused
+        found.append(fp8 and (not trained or (projection is base and bool(base.weight.requires_grad))))
+    return all(found) if trained else any(found)
 
 
 def _add_norm_op(self) -> str:

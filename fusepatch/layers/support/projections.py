@@ -27,30 +27,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusepatch.base.dtypes import dtype_name
 from fusepatch.kernels import fp8_rows
 from fusepatch.layers.support import lora
 from fusepatch.layers.support.hooks import autocast_dtype as _autocast_dtype
 from fusepatch.layers.support.hooks import hooked, in_dtype
 
 DEVICES = ("cuda",)  # where the fused paths run (the tests add "cpu" to run them in a model)
-
-
-def feeds_fp8(x: torch.Tensor, projections: tuple, trained: bool = False) -> bool:
-    """Whether one of ``projections`` (peft's LoRA linears: their base) computes with FP8 GEMMs for ``x``'s device
-    and dtype (``trained``: all of them, with a trained weight, whose input gradient reads its output gradient's
-    rows unscaled): its producer then writes the FP8 rows it would quantize (a hint only: a projection that is not
-    FP8 never reads them, and one that is checks them)."""
-    if torch.compiler.is_compiling():
-        return False
-    found = []
-    for projection in projections:
-        base = getattr(projection, "base_layer", projection)
-        state = getattr(base, "__dict__", {}).get("_fusepatch")
-        dispatch = None if state is None else getattr(state, "ops", {}).get("fp8_linear")
-        fp8 = dispatch is not None and dispatch.choice(x.device.type, dtype_name(x.dtype)).fused
-        found.append(fp8 and (not trained or (projection is base and bool(base.weight.requires_grad))))
-    return all(found) if trained else any(found)
 
 
 def plain_linears(x: torch.Tensor, linears: tuple[torch.nn.Module, ...], autocast: bool = False) -> bool:
@@ -150,7 +132,7 @@ def project(x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tensor, .
     casts' backward returns the weight gradients in fp32. FP8 projections among them (``apply(precision="fp8")``,
     also as LoRA bases) quantize ``x`` once: the first records its FP8 rows in this call's frame, the others find
     them (``kernels/fp8_rows``); other modules ignore the frame."""
-    if len(linears) < 2 or not feeds_fp8(x, linears):  # (False while compiling)
+    if len(linears) < 2 or torch.compiler.is_compiling():
         return _project(x, linears)
     with fp8_rows.frame(share=True):
         return _project(x, linears)
