@@ -61,6 +61,15 @@ def store_fp8_rows(values, mask, q, inverse, row_ok, FP8_MAX: tl.constexpr, TINY
 
 
 @triton.jit
+def row_scale(amax, nan, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
+    """A row's scale from its running peaks and NaN flags (vectors a loop over the row filled): the largest power of
+    two that keeps the row in range; NaN for a row holding a NaN, as in the PyTorch twin."""
+    peak = tl.maximum(tl.max(amax, axis=0), TINY)
+    peak = tl.where(tl.max(nan, axis=0) > 0, float("nan"), peak)
+    return tl.exp2(tl.floor(tl.log2(FP8_MAX / peak)))
+
+
+@triton.jit
 def _quantize_rows(
     x,
     q,
@@ -92,9 +101,7 @@ def _quantize_rows(
                 values = values * tl.load(factor + cols, mask=cols < columns, other=0.0)
             amax = tl.maximum(amax, tl.abs(values))
             nan = nan | (values != values).to(tl.int32)
-        peak = tl.maximum(tl.max(amax, axis=0), TINY)
-        peak = tl.where(tl.max(nan, axis=0) > 0, float("nan"), peak)  # a NaN row stays NaN, as in its twin
-        scale = tl.exp2(tl.floor(tl.log2(FP8_MAX / peak)))  # the largest power of two that keeps the row in range
+        scale = row_scale(amax, nan, FP8_MAX, TINY)
         for offset in range(0, columns, BLOCK):
             cols = offset + tl.arange(0, BLOCK)
             mask = cols < columns

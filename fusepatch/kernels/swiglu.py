@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from fusepatch.kernels import fp8_rows
-from fusepatch.kernels.fp8 import FP8_MAX, FP8_TINY, clamped
+from fusepatch.kernels.fp8 import FP8_MAX, FP8_TINY, clamped, row_scale
 
 BLOCK = 2048
 WARPS = 8
@@ -75,7 +75,7 @@ def _swiglu_fwd_rows(
         values = rounded.to(tl.float32)
         amax = tl.maximum(amax, tl.abs(values))
         nan = nan | (values != values).to(tl.int32)
-    scale = _row_scale(amax, nan, FP8_MAX, TINY)
+    scale = row_scale(amax, nan, FP8_MAX, TINY)
     tl.debug_barrier()  # the product this program stored, read back below by other threads of it
     for offset in range(0, columns, BLOCK):
         cols = offset + tl.arange(0, BLOCK)
@@ -95,14 +95,6 @@ def _swiglu_bwd(gate, up, grad_out, grad_gate, grad_up, n, BLOCK: tl.constexpr):
     dg, du = swiglu_grads(g, u, dy)
     tl.store(grad_gate + offsets, dg.to(grad_gate.dtype.element_ty), mask=mask)
     tl.store(grad_up + offsets, du.to(grad_up.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _row_scale(amax, nan, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
-    """A row's power-of-two scale from its running peaks and NaN flags (``_quantize_rows``' math)."""
-    peak = tl.maximum(tl.max(amax, axis=0), TINY)
-    peak = tl.where(tl.max(nan, axis=0) > 0, float("nan"), peak)
-    return tl.exp2(tl.floor(tl.log2(FP8_MAX / peak)))
 
 
 @triton.jit
@@ -145,8 +137,8 @@ def _swiglu_bwd_rows(
         amax_u = tl.maximum(amax_u, tl.abs(du))
         nan_g = nan_g | (dg != dg).to(tl.int32)
         nan_u = nan_u | (du != du).to(tl.int32)
-    scale_g = _row_scale(amax_g, nan_g, FP8_MAX, TINY)
-    scale_u = _row_scale(amax_u, nan_u, FP8_MAX, TINY)
+    scale_g = row_scale(amax_g, nan_g, FP8_MAX, TINY)
+    scale_u = row_scale(amax_u, nan_u, FP8_MAX, TINY)
     tl.debug_barrier()  # the gradients this program stored, read back below by other threads of it
     for offset in range(0, columns, BLOCK):
         cols = offset + tl.arange(0, BLOCK)
