@@ -24,6 +24,7 @@
 #   bash benchmarks/gpu_run.sh norm                # the RMSNorm candidates alone (benchmarks/studies/norm_bench.py)
 #   bash benchmarks/gpu_run.sh moe                 # the MoE experts op alone, per candidate (benchmarks/studies/moe_bench.py;
 #                                                      #   FP8=1: its GEMMs bf16 against FP8)
+#   COMMIT=<hash> bash benchmarks/gpu_run.sh selftestcost  # what the self-test costs each op (selftest_cost.py)
 #   bash benchmarks/gpu_run.sh dqkwg               # fla's TileLang dqkwg kernel at other tilings (dqkwg_bench.py)
 #   bash benchmarks/gpu_run.sh gemm 27b            # the step's GEMMs alone, each layout (benchmarks/studies/gemm_bench.py;
 #                                                      #   FP8=1: the FP8 projections' GEMMs)
@@ -73,6 +74,9 @@ case "$phase" in
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     ls .whl-ex/*.whl >/dev/null 2>&1 && pipi /tmp/site-ex .whl-ex/*.whl
     export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl:/tmp/site-ex"
+    # Triton's autotuning results on disk: a worker reuses what another one timed (the delta rule's kernels
+    # autotune for minutes). Tests only: a benchmark autotunes for itself, not from timings under compile load.
+    export TRITON_CACHE_AUTOTUNING=1
     # pytest-xdist: the tests are dominated by Triton/TileLang compiling (CPU), so workers compile in parallel.
     # The op files first: they fill the compile caches (same head sizes) that the model files then reuse.
     # -v, a log per group and the errors each test measured: partial results survive a group cut off at its limit.
@@ -115,6 +119,8 @@ for path in glob.glob("/tmp/errors/model-errors-*.json"):
     merged.update(json.load(open(path)))
 json.dump(merged, open(os.path.join(os.environ.get("OUT", "/tmp/out"), "model-errors.json"), "w"), indent=1)
 EOF
+    # test_gpu_stage_faults.py's rows (a file per worker): every stage, fault, error and bound, for the record
+    cat /tmp/errors/stage-faults-*.jsonl > "$OUT/stage-faults${TAG:+-$TAG}.jsonl" 2>/dev/null || rm -f "$OUT/stage-faults${TAG:+-$TAG}.jsonl"
     # DOCTOR=0: the tests alone (the doctor self-tests every op, TileLang's compile included: about two minutes)
     [ "${DOCTOR:-1}" = 1 ] && timeout ${DOCTOR_TIMEOUT:-120} python3 -m fusepatch -v doctor --model-type qwen3_5 > "$OUT/doctor.txt" 2>&1
     # the stack where fla's guard bites: no tilelang importable
@@ -267,6 +273,12 @@ EOF
     # (FP8=1: the expert GEMMs bf16 against FP8, and the quantization FP8 adds)
     PYTHONPATH="$PWD" timeout ${MOE_TIMEOUT:-150} python3 benchmarks/studies/moe_bench.py ${FP8:+--fp8} \
       --json-out "$OUT/moe-op${TAG:+-$TAG}.json" 2>&1 | tee "$OUT/moe-op${TAG:+-$TAG}.md" ;;
+  selftestcost)
+    # what the self-test costs each op (benchmarks/studies/selftest_cost.py); COMMIT: the code's commit
+    need_tilelang
+    pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
+    PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${COST_TIMEOUT:-300} python3 benchmarks/studies/selftest_cost.py \
+      --commit "${COMMIT:-unknown}" --out "$OUT/selftest-cost.jsonl" 2>&1 | tee "$OUT/selftest-cost.md" ;;
   dqkwg)
     # fla's TileLang q/k/w/g-gradient kernel at other tilings, alone at the 27B shape (benchmarks/studies/dqkwg_bench.py)
     need_tilelang
@@ -332,7 +344,7 @@ EOF
     rm -rf /tmp/seq && mkdir -p /tmp/seq/out && cp -r . /tmp/seq/tree  # a copy: the working tree may change while the sequence runs
     : > /tmp/seq/progress  # before the runner starts: `poll` tells a started sequence from none by this file
     steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
-    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|DIST|CKPT|LORA|DOCTOR|TAG|K|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT|FAST_ACCUM|BENCH_LAYERS)=" > /tmp/seq/env || true
+    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|DIST|CKPT|LORA|DOCTOR|TAG|K|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT|FAST_ACCUM|BENCH_LAYERS|COMMIT)=" > /tmp/seq/env || true
     # Lanes: "A B / C D + E" runs A then B on GPU 0 beside C then D on GPU 1 (CUDA_VISIBLE_DEVICES), then E on
     # every GPU once both lanes are done ("+ F / G": a next stage with lanes again). A step is
     # PHASE[-ARG][@K=V:K=V]: its own environment (sft@NPROC=all:LAYERS=24).

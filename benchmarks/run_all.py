@@ -54,13 +54,15 @@ FLAGS = {
 }
 
 
-def parse_label(label: str) -> tuple[str, dict[str, str], list[str]]:
+def parse_label(label: str) -> tuple[str, dict[str, str], list[str], str]:
     """``fusepatch+FUSEPATCH_CE_LOGITS_MIB=1024``, ``hf-fast+compile``: a configuration plus environment settings
-    or options (``FLAGS``) for its process, so that variants are measured in the same run as their baselines."""
+    or options (``FLAGS``) for its process, so that variants are measured in the same run as their baselines.
+    ``+code=REV`` imports fusepatch from ``.code/REV/`` (an older commit's package, ``git archive REV fusepatch``)
+    in place of the working tree's: a before/after pair from one run. Returns (base, env, flags, package root)."""
     base, *settings = label.split("+")
     if base not in CONFIGS:
         raise ValueError(f"unknown configuration {base!r} in {label!r}; known: {', '.join(CONFIGS)}")
-    env, flags = {}, []
+    env, flags, root = {}, [], ROOT
     for setting in settings:
         if setting in FLAGS:
             flags += FLAGS[setting]
@@ -68,14 +70,19 @@ def parse_label(label: str) -> tuple[str, dict[str, str], list[str]]:
         name, sep, value = setting.partition("=")
         if not sep or not name:
             raise ValueError(f"{label!r}: expected NAME=VALUE or one of {', '.join(FLAGS)} after '+', got {setting!r}")
+        if name == "code":
+            root = os.path.join(ROOT, ".code", value)
+            if not os.path.isdir(os.path.join(root, "fusepatch")):
+                raise ValueError(f"{label!r}: no {root}/fusepatch; make it with `git archive {value} fusepatch`")
+            continue
         env[name] = value
-    return base, env, flags
+    return base, env, flags, root
 
 
 def run_one(label: str, args) -> dict:
-    base, overrides, flags = parse_label(label)
+    base, overrides, flags, root = parse_label(label)
     config, fla, tilelang = CONFIGS[base]
-    paths = [ROOT] + ([args.site_fla] if fla else []) + ([args.site_tl] if tilelang else [])
+    paths = [root] + ([args.site_fla] if fla else []) + ([args.site_tl] if tilelang else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), FLA_FLASH_QLA="0", **overrides)
     stem = f"{args.shape}-{re.sub(r'[^A-Za-z0-9.+=_-]', '_', label)}"  # a label may hold '/' (FUSEPATCH_SKIP)
     out = os.path.join(args.workdir, f"{stem}.json")

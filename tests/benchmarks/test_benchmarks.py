@@ -15,17 +15,29 @@ import run_all  # noqa: E402
 
 
 def test_labels_carry_environment_settings_for_variants():
-    assert run_all.parse_label("hf-fast") == ("hf-fast", {}, [])
+    assert run_all.parse_label("hf-fast") == ("hf-fast", {}, [], run_all.ROOT)
     assert run_all.parse_label("fusepatch+FUSEPATCH_CE_LOGITS_MIB=1024+X=a=b") == (
         "fusepatch",
         {"FUSEPATCH_CE_LOGITS_MIB": "1024", "X": "a=b"},
         [],
+        run_all.ROOT,
     )
-    assert run_all.parse_label("hf-fast+compile") == ("hf-fast", {}, ["--compile"])
+    assert run_all.parse_label("hf-fast+compile") == ("hf-fast", {}, ["--compile"], run_all.ROOT)
     with pytest.raises(ValueError, match="unknown configuration 'fusepach'"):
         run_all.parse_label("fusepach")
     with pytest.raises(ValueError, match="expected NAME=VALUE"):
         run_all.parse_label("fusepatch+1024")
+
+
+def test_a_label_can_import_an_older_commits_package(tmp_path, monkeypatch):
+    """``+code=REV``: the package comes from ``.code/REV/`` (a before/after pair in one run); a missing folder says
+    how to make it instead of silently measuring the working tree's package."""
+    monkeypatch.setattr(run_all, "ROOT", str(tmp_path))
+    with pytest.raises(ValueError, match="git archive abc123 fusepatch"):
+        run_all.parse_label("fusepatch+code=abc123")
+    (tmp_path / ".code" / "abc123" / "fusepatch").mkdir(parents=True)
+    base, env, flags, root = run_all.parse_label("fusepatch+fp8+code=abc123")
+    assert (base, env, flags, root) == ("fusepatch", {}, ["--precision", "fp8"], str(tmp_path / ".code" / "abc123"))
 
 
 def _train_step_on_cpu(tmp_path, config: str, *flags: str) -> dict:
