@@ -119,6 +119,8 @@ for path in glob.glob("/tmp/errors/model-errors-*.json"):
     merged.update(json.load(open(path)))
 json.dump(merged, open(os.path.join(os.environ.get("OUT", "/tmp/out"), "model-errors.json"), "w"), indent=1)
 EOF
+    # every failure's traceback, written as it happened (tests/gpu/conftest.py): a group cut off keeps them
+    cat /tmp/errors/failures-*.txt > "$OUT/gpu-failures${TAG:+-$TAG}.txt" 2>/dev/null || rm -f "$OUT/gpu-failures${TAG:+-$TAG}.txt"
     # test_gpu_stage_faults.py's rows (a file per worker): every stage, fault, error and bound, for the record
     cat /tmp/errors/stage-faults-*.jsonl > "$OUT/stage-faults${TAG:+-$TAG}.jsonl" 2>/dev/null || rm -f "$OUT/stage-faults${TAG:+-$TAG}.jsonl"
     # DOCTOR=0: the tests alone (the doctor self-tests every op, TileLang's compile included: about two minutes)

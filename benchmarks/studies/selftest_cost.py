@@ -46,6 +46,7 @@ def main() -> int:
     from fusepatch.ops import OPS
 
     common = {
+        "benchmark": "selftest_cost",
         "date": today(),
         "command": command(__file__),
         "commit": args.commit,

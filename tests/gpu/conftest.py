@@ -8,6 +8,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers import MINI  # noqa: E402,F401  (the GPU tests import it from here)
 
 
+def pytest_runtest_logreport(report):
+    """Each failure's traceback as it happens (FUSEPATCH_GPU_REPORT_DIR, a file per pytest-xdist worker): pytest
+    prints them only at the end of the session, which a run cut off at its time limit never reaches."""
+    folder = os.environ.get("FUSEPATCH_GPU_REPORT_DIR")
+    if not folder or not report.failed or getattr(report, "node", None) is not None:  # (xdist's controller copy)
+        return
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"failures-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.txt")
+    with open(path, "a") as file:
+        file.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 def require(verdict, what: str):
     """Skip when a kernel package is absent, unless FUSEPATCH_GPU_REQUIRE=1 (the H200 run), where it fails."""
     if verdict.ok:
