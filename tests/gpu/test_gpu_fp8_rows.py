@@ -18,11 +18,36 @@ pytestmark = pytest.mark.gpu
 
 
 def _same_bits(rows, y: torch.Tensor) -> None:
+    """``rows`` are ``quantize_rows_reference``'s bits of ``y``; where not, the message says which rows differ and
+    how (their scales, a differing value and both codes)."""
+    from fusepatch.kernels.fp8 import quantize_rows
     from fusepatch.ops.fp8_linear.scaled_mm import quantize_rows_reference
 
-    want_q, want_inverse = quantize_rows_reference(y.reshape(-1, y.shape[-1]))
-    assert torch.equal(rows.inverse.nan_to_num(-1.0, -2.0), want_inverse.nan_to_num(-1.0, -2.0))
-    assert torch.equal(rows.q.view(torch.uint8), want_q.view(torch.uint8))
+    flat = y.reshape(-1, y.shape[-1])
+    want_q, want_inverse = quantize_rows_reference(flat)
+    scales = rows.inverse.nan_to_num(-1.0, -2.0) != want_inverse.nan_to_num(-1.0, -2.0)
+    codes = rows.q.view(torch.uint8) != want_q.view(torch.uint8)
+    if scales.any() or codes.any():
+        bad = (scales.flatten() | codes.any(1)).nonzero().flatten()
+        i = int(bad[0])
+        j = int(codes[i].nonzero().flatten()[0]) if codes[i].any() else 0
+        kernel_q = quantize_rows(flat.contiguous())[0].view(torch.uint8)  # the standalone kernel, for comparison
+        raise AssertionError(
+            f"{len(bad)} of {flat.shape[0]} rows differ ({int(scales.sum())} scales, {int(codes.sum())} codes); "
+            f"row {i}: peak {flat[i].float().abs().max().item()!r}, inverse {rows.inverse[i].item()!r} against "
+            f"{want_inverse[i].item()!r}; column {j}: value {flat[i, j].item()!r}, code {int(rows.q.view(torch.uint8)[i, j])} "
+            f"against {int(want_q.view(torch.uint8)[i, j])} (quantize_rows: {int(kernel_q[i, j])}; "
+            f"{int((kernel_q != want_q.view(torch.uint8)).sum())} of its codes differ)"
+        )
+
+
+def _differ(what: str, got: torch.Tensor, want: torch.Tensor) -> str:
+    differ = got.nan_to_num() != want.nan_to_num()
+    return (
+        f"{what}: {int(differ.sum())} of {got.numel()} values differ from the plain kernel's (rows: "
+        + str(differ.reshape(-1, got.shape[-1]).any(1).nonzero().flatten()[:8].tolist())
+        + ")"
+    )
 
 
 def _inputs(shape, dtype):
@@ -52,7 +77,7 @@ def test_norm_kernels_write_the_reference_rows(shape, dtype):
             y = out[0] if isinstance(out, tuple) else out
             _same_bits(fp8_rows.carried(y).rows, y)
         plain = plain[0] if isinstance(plain, tuple) else plain
-        assert torch.equal(y.nan_to_num(), plain.nan_to_num()), norm  # the output as without the rows
+        assert torch.equal(y.nan_to_num(), plain.nan_to_num()), _differ(norm.__name__, y, plain)  # as without rows
 
 
 @pytest.mark.parametrize("shape", [(2, 301, 17408), (9, 2064), (3, 64)], ids=["intermediate", "odd", "narrow"])
@@ -91,7 +116,7 @@ def test_add_norm_backward_writes_the_reference_rows(shape):
         with frame.emitting(False, gradients=True):
             outs = add_rms_norm_zero_centered(x, residual, weight, 1e-6)
     grad, _ = torch.autograd.grad(outs, (x, residual), (dy, dh))
-    assert torch.equal(grad.nan_to_num(), plain[0].nan_to_num())
+    assert torch.equal(grad.nan_to_num(), plain[0].nan_to_num()), _differ("the input gradient", grad, plain[0])
     flat = grad.reshape(-1, shape[-1])
     _same_bits(fp8_rows.carried_gradient(flat), flat)
 
