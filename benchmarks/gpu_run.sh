@@ -25,6 +25,7 @@
 #   bash benchmarks/gpu_run.sh moe                 # the MoE experts op alone, per candidate (benchmarks/studies/moe_bench.py;
 #                                                      #   FP8=1: its GEMMs bf16 against FP8)
 #   COMMIT=<hash> bash benchmarks/gpu_run.sh selftestcost  # what the self-test costs each op (selftest_cost.py)
+#   COMMIT=<hash> bash benchmarks/gpu_run.sh selftestsweep  # clean self-tests over many seeds (selftest_sweep.py)
 #   bash benchmarks/gpu_run.sh dqkwg               # fla's TileLang dqkwg kernel at other tilings (dqkwg_bench.py)
 #   bash benchmarks/gpu_run.sh gemm 27b            # the step's GEMMs alone, each layout (benchmarks/studies/gemm_bench.py;
 #                                                      #   FP8=1: the FP8 projections' GEMMs)
@@ -281,6 +282,15 @@ EOF
     pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
     PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${COST_TIMEOUT:-300} python3 benchmarks/studies/selftest_cost.py \
       --commit "${COMMIT:-unknown}" --out "$OUT/selftest-cost.jsonl" 2>&1 | tee "$OUT/selftest-cost.md" ;;
+  selftestsweep)
+    # unfaulted kernels' self-test errors over many seeds, packed and not (benchmarks/studies/selftest_sweep.py):
+    # what the floors are set from; SEEDS (default 64), OP (default gated_delta_rule)
+    need_tilelang
+    pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
+    PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${SWEEP_TIMEOUT:-500} python3 benchmarks/studies/selftest_sweep.py \
+      --op "${OP:-gated_delta_rule}" --seeds "${SEEDS:-64}" --dims --commit "${COMMIT:-unknown}" \
+      --out "$OUT/selftest-sweep.jsonl" > "$OUT/selftest-sweep.log" 2>&1
+    grep -c REFUSED "$OUT/selftest-sweep.log"; tail -3 "$OUT/selftest-sweep.log" ;;
   dqkwg)
     # fla's TileLang q/k/w/g-gradient kernel at other tilings, alone at the 27B shape (benchmarks/studies/dqkwg_bench.py)
     need_tilelang
@@ -346,7 +356,7 @@ EOF
     rm -rf /tmp/seq && mkdir -p /tmp/seq/out && cp -r . /tmp/seq/tree  # a copy: the working tree may change while the sequence runs
     : > /tmp/seq/progress  # before the runner starts: `poll` tells a started sequence from none by this file
     steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
-    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|DIST|CKPT|LORA|DOCTOR|TAG|K|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT|FAST_ACCUM|BENCH_LAYERS|COMMIT)=" > /tmp/seq/env || true
+    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|DIST|CKPT|LORA|DOCTOR|TAG|K|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT|FAST_ACCUM|BENCH_LAYERS|COMMIT|SEEDS|OP)=" > /tmp/seq/env || true
     # Lanes: "A B / C D + E" runs A then B on GPU 0 beside C then D on GPU 1 (CUDA_VISIBLE_DEVICES), then E on
     # every GPU once both lanes are done ("+ F / G": a next stage with lanes again). A step is
     # PHASE[-ARG][@K=V:K=V]: its own environment (sft@NPROC=all:LAYERS=24).

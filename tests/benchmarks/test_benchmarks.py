@@ -1126,3 +1126,13 @@ def test_depth_fit_bisects_to_the_deepest_depth_that_fits_and_stops_on_other_err
     assert depth_fit.outcome({"config": "x"}) == "fits"
     assert depth_fit.outcome({"error": "exit 1: torch.OutOfMemoryError: CUDA out of memory."}) == "oom"
     assert depth_fit.outcome({"error": "exit 1: ImportError: no fla"}) == "error"
+
+
+def test_the_sweep_names_the_quantity_nearest_its_bound():
+    """``selftest_sweep.worst``: the largest error over bound, a NaN error beyond every bound, unbounded ignored."""
+    import math
+
+    from selftest_sweep import worst
+
+    assert worst({"a": 1.0, "b": 3.0, "c": 9.0}, {"a": 2.0, "b": 4.0}) == ("b", 0.75)
+    assert worst({"a": 1.0, "b": float("nan")}, {"a": 2.0, "b": 4.0}) == ("b", math.inf)
