@@ -83,6 +83,15 @@ def _selftest_inputs(
 ERASE_FLOORS = {"grad[3]": 1.6e-2}
 # the decay parameters' gradients where they sum terms of one sign ("decay" below): the op's floor, not 0.05
 DECAY_FLOORS = {"grad[5]": 8e-3, "grad[6]": 8e-3}
+# The gate's and beta's input gradients (grad[3], grad[4]) in the four random cases: twice the op's floor, three
+# times for the gate's in "one-chunk". Each is compared document by document for packed inputs, and a short
+# document's gate gradient is a few numbers: with the op's floor the unfaulted fla-saved-states reached 1.6x its
+# bound there (one-chunk, packed; refused in 2 of 32 runs, 16 seeds packed and not; Triton's interpreter, bf16),
+# and an unfaulted kernel refused sends training to a slower candidate. With these floors those gradients stay
+# within 0.70 of their bounds on the same seeds, and every stage fault the GPU run refused (seed 11) is still
+# refused (docs/kernels.md, "Floors from unfaulted kernels").
+GATE_FLOORS = {"grad[3]": 1.6e-2, "grad[4]": 1.6e-2}
+ONE_CHUNK_FLOORS = {"grad[3]": 2.4e-2, "grad[4]": 1.6e-2}
 # The self-test's calls. Its kernels run eleven stages (fla's and fusepatch's, forward and backward); on the first
 # call alone the start state's and final state's terms diluted a 3% error of one backward stage below the bound.
 # "no-state": training's own call (no start state, no final state), so every gradient is the output's alone;
@@ -100,10 +109,10 @@ DECAY_FLOORS = {"grad[5]": 8e-3, "grad[6]": 8e-3}
 # off, not yet explained; and where a strong decay leaves the final state nothing of the start state, the start
 # state's gradient is all rounding (40% off in one draw, its bf16 reference 3.5%).
 CASES = (
-    Case(),
-    Case("no-state", {"state": False, "final": False}),
-    Case("state-only", {}, cotangents=(0.0, 1.0)),
-    Case("one-chunk", {"length": 40}),
+    Case(floors={"bfloat16": GATE_FLOORS}),
+    Case("no-state", {"state": False, "final": False}, floors={"bfloat16": GATE_FLOORS}),
+    Case("state-only", {}, cotangents=(0.0, 1.0), floors={"bfloat16": GATE_FLOORS}),
+    Case("one-chunk", {"length": 40}, floors={"bfloat16": ONE_CHUNK_FLOORS}),
     Case(
         "erase",
         {"length": 64, "start": 4.0, "shift": 4.0, "decay": -3.0, "split": False},

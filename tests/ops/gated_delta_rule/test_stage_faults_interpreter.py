@@ -1,6 +1,7 @@
-"""The delta rule's stage faults that the H200 saw pass are refused, on the CPU in Triton's interpreter
-(tests/stage_faults_interpreter.py). Minutes long and needs fla-core, which CI does not install: it runs only with
-``FUSEPATCH_INTERPRETER_STAGES=1`` (fla-core on the path), skipped otherwise at no cost."""
+"""The delta rule's stage faults that the H200 saw pass are refused, and the unfaulted kernels pass at the seeds
+where they were once refused, on the CPU in Triton's interpreter (tests/stage_faults_interpreter.py). Minutes long
+and needs fla-core, which CI does not install: it runs only with ``FUSEPATCH_INTERPRETER_STAGES=1`` (fla-core on the
+path), skipped otherwise at no cost."""
 
 from __future__ import annotations
 
@@ -22,6 +23,23 @@ def test_the_listed_stage_faults_are_refused_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run(
         [sys.executable, HARNESS, "--candidates", "fla-saved-states", "--faults", "x1.02"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+
+
+@pytest.mark.skipif(os.environ.get("FUSEPATCH_INTERPRETER_STAGES") != "1", reason="set FUSEPATCH_INTERPRETER_STAGES=1")
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla-core is not installed")
+def test_the_unfaulted_kernels_pass_where_the_gate_gradient_was_noisiest():
+    """Seeds 3 and 8, packed: with the op's floor on the gate's gradient, the unfaulted fla-saved-states was refused
+    there (one-chunk's gate gradient at 1.05 and 1.6 times its bound); its own floors (``GATE_FLOORS``,
+    ``ONE_CHUNK_FLOORS`` in ops/gated_delta_rule) accept it."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run(
+        [sys.executable, HARNESS, "--candidates", "fla-saved-states", "--seeds", "3", "8", "--packed", "1"]
+        + ["--clean", "only"],
         env=env,
         capture_output=True,
         text=True,
