@@ -59,8 +59,9 @@ class Case:
     is then half the squared norm, and a gradient that sums many tokens' terms (a decay parameter's) sums terms
     of one sign instead of random ones that cancel to a small, noisy total. ``floors``: per dtype, this case's own
     floor of a quantity (``{"bfloat16": {"grad[5]": 8e-3}}``), in place of the op's (or its ``looser`` one), where
-    its inputs were measured to make that quantity more exact, or noisier, than the op's floor. ``only``: the quantities this case compares (``"grad[5]"``;
-    empty: all), where its inputs, chosen for those, leave the others noisier than the op's floors."""
+    its inputs were measured to make that quantity more exact, or noisier, than the op's floor. ``only``: the
+    quantities this case compares (``"grad[5]"``; empty: all), where its inputs, chosen for those, leave the others
+    noisier than the op's floors."""
 
     name: str = ""
     options: Mapping[str, Any] = field(default_factory=dict)

@@ -48,6 +48,34 @@ def test_bounds_follow_the_reference_error():
     assert got["grad[5]"] == pytest.approx(op.selftest.ratio * 0.003 + op.selftest.looser["bfloat16"]["grad[5]"])
 
 
+def test_the_gate_and_beta_gradients_have_their_own_floors_per_case():
+    """bf16: the gate's and beta's gradients at twice the op's floor in the random cases (the unnamed one included),
+    the gate's three times in one-chunk, each statistic's multiplier applied; fp16 and the other quantities keep
+    the op's floors, the decay parameters' their own."""
+    op = OPS["gated_delta_rule"]
+    names = ["grad[3]", "grad[3]:scale", "grad[3]:tile", "no-state/grad[4]", "one-chunk/grad[3]", "one-chunk/grad[4]"]
+    names += ["erase/grad[4]", "erase/grad[3]", "state-only/output", "grad[5]", "decay/grad[5]:scale"]
+    got = selftest.bounds(op, "bfloat16", dict.fromkeys(names, 0.0))
+    assert got == pytest.approx(
+        {
+            "grad[3]": 0.016,
+            "grad[3]:scale": 0.008,
+            "grad[3]:tile": 0.032,
+            "no-state/grad[4]": 0.016,
+            "one-chunk/grad[3]": 0.024,
+            "one-chunk/grad[4]": 0.016,
+            "erase/grad[4]": 0.008,
+            "erase/grad[3]": 0.016,
+            "state-only/output": 0.008,
+            "grad[5]": 0.05,
+            "decay/grad[5]:scale": 0.004,
+        }
+    )
+    assert selftest.bounds(op, "float16", {"grad[3]": 0.0, "one-chunk/grad[3]": 0.0}) == pytest.approx(
+        {"grad[3]": 0.002, "one-chunk/grad[3]": 0.002}
+    )
+
+
 def test_a_factor_shows_along_the_reference_through_noise_that_hides_it():
     """``scale_error``: a 2% factor is 0.02 along the reference, where rounding-like noise four times its size has
     almost no component (``relative_error`` cannot tell the two apart)."""
