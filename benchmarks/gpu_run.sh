@@ -75,9 +75,14 @@ case "$phase" in
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     ls .whl-ex/*.whl >/dev/null 2>&1 && pipi /tmp/site-ex .whl-ex/*.whl
     export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl:/tmp/site-ex"
-    # Triton's autotuning results on disk: a worker reuses what another one timed (the delta rule's kernels
-    # autotune for minutes). Tests only: a benchmark autotunes for itself, not from timings under compile load.
-    export TRITON_CACHE_AUTOTUNING=1
+    # The tests compile into a cache of their own, with Triton's autotuning results on disk: a worker reuses what
+    # another one timed (the delta rule's kernels autotune for minutes). Apart from the benchmarks' cache, since
+    # fla keeps its autotuning results there too: a benchmark autotunes for itself, not from timings made under the
+    # tests' compile load.
+    export TRITON_CACHE_DIR=/tmp/cache/triton-tests TRITON_CACHE_AUTOTUNING=1
+    # What the tests write (errors, stage-fault rows, failures), a folder per TAG, emptied first: a second tests
+    # step on the same machine, or a lane beside it, keeps its own (lanes side by side need different TAGs)
+    errors=/tmp/errors/${TAG:-run}; rm -rf "$errors"; mkdir -p "$errors"
     # pytest-xdist: the tests are dominated by Triton/TileLang compiling (CPU), so workers compile in parallel.
     # The op files first: they fill the compile caches (same head sizes) that the model files then reuse.
     # -v, a log per group and the errors each test measured: partial results survive a group cut off at its limit.
@@ -96,7 +101,7 @@ case "$phase" in
       # hung after its last test, say) can leave workers or compilers behind, which slow the benchmarks after
       # it; nothing of a finished group may outlive it. (Without setsid the group runs as before, and the kill
       # below finds nothing.)
-      FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR=/tmp/errors $(command -v setsid) timeout ${TEST_TIMEOUT:-230} nice -n ${NICE:-0} python3 -m pytest \
+      FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR="$errors" $(command -v setsid) timeout ${TEST_TIMEOUT:-230} nice -n ${NICE:-0} python3 -m pytest \
         $files ${K:+-k "$K"} -n ${WORKERS:-8} ${DIST:+--dist $DIST} -v -rfE --tb=short --durations=20 --timeout ${PER_TEST:-220} -p no:cacheprovider \
         > "$OUT/gpu-tests${TAG:+-$TAG}-$i.log" 2>&1 &
       sid=$!; wait $sid; echo "exit $? (TEST_TIMEOUT=${TEST_TIMEOUT:-230}: 124 is the group cut off)" >> "$OUT/gpu-tests${TAG:+-$TAG}-$i.log"
@@ -108,22 +113,22 @@ case "$phase" in
     # IEEE=1: fp32 through fla is tf32 on this GPU by default; the same fp32 cases with full-precision dots tell a
     # precision limit (passes here) from a wrong kernel (fails here too).
     if [ "${IEEE:-0}" = 1 ]; then
-      TRITON_F32_DEFAULT=ieee FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR=/tmp/errors timeout ${IEEE_TIMEOUT:-150} \
+      TRITON_F32_DEFAULT=ieee FUSEPATCH_GPU_REQUIRE=1 FUSEPATCH_GPU_REPORT_DIR="$errors" timeout ${IEEE_TIMEOUT:-150} \
         python3 -m pytest tests/gpu/test_gdn_ops.py -k "float32" -n 2 -v --tb=short --timeout 140 -p no:cacheprovider \
         > "$OUT/gpu-tests-ieee.log" 2>&1
       grep -E "PASSED|FAILED|passed|failed" "$OUT/gpu-tests-ieee.log" | grep -v "^tests/" | sed 's/^/[ieee] /' | tail -6
     fi
-    python3 - <<'EOF'
+    ERRORS="$errors" python3 - <<'EOF'
 import glob, json, os
 merged = {}
-for path in glob.glob("/tmp/errors/model-errors-*.json"):
+for path in glob.glob(os.path.join(os.environ["ERRORS"], "model-errors-*.json")):
     merged.update(json.load(open(path)))
-json.dump(merged, open(os.path.join(os.environ.get("OUT", "/tmp/out"), "model-errors.json"), "w"), indent=1)
+json.dump(merged, open(os.path.join(os.environ.get("OUT", "/tmp/out"), f"model-errors{os.environ.get('TAG') and '-' + os.environ['TAG'] or ''}.json"), "w"), indent=1)
 EOF
     # every failure's traceback, written as it happened (tests/gpu/conftest.py): a group cut off keeps them
-    cat /tmp/errors/failures-*.txt > "$OUT/gpu-failures${TAG:+-$TAG}.txt" 2>/dev/null || rm -f "$OUT/gpu-failures${TAG:+-$TAG}.txt"
+    cat "$errors"/failures-*.txt > "$OUT/gpu-failures${TAG:+-$TAG}.txt" 2>/dev/null || rm -f "$OUT/gpu-failures${TAG:+-$TAG}.txt"
     # test_gpu_stage_faults.py's rows (a file per worker): every stage, fault, error and bound, for the record
-    cat /tmp/errors/stage-faults-*.jsonl > "$OUT/stage-faults${TAG:+-$TAG}.jsonl" 2>/dev/null || rm -f "$OUT/stage-faults${TAG:+-$TAG}.jsonl"
+    cat "$errors"/stage-faults-*.jsonl > "$OUT/stage-faults${TAG:+-$TAG}.jsonl" 2>/dev/null || rm -f "$OUT/stage-faults${TAG:+-$TAG}.jsonl"
     # DOCTOR=0: the tests alone (the doctor self-tests every op, TileLang's compile included: about two minutes)
     [ "${DOCTOR:-1}" = 1 ] && timeout ${DOCTOR_TIMEOUT:-120} python3 -m fusepatch -v doctor --model-type qwen3_5 > "$OUT/doctor.txt" 2>&1
     # the stack where fla's guard bites: no tilelang importable
@@ -284,11 +289,11 @@ EOF
       --commit "${COMMIT:-unknown}" --out "$OUT/selftest-cost.jsonl" 2>&1 | tee "$OUT/selftest-cost.md" ;;
   selftestsweep)
     # unfaulted kernels' self-test errors over many seeds, packed and not (benchmarks/studies/selftest_sweep.py):
-    # what the floors are set from; SEEDS (default 64), OP (default gated_delta_rule)
+    # what the floors are set from; SEEDS (default 16), OP (default gated_delta_rule)
     need_tilelang
     pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
-    PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${SWEEP_TIMEOUT:-500} python3 benchmarks/studies/selftest_sweep.py \
-      --op "${OP:-gated_delta_rule}" --seeds "${SEEDS:-64}" --dims --commit "${COMMIT:-unknown}" \
+    PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl" timeout ${SWEEP_TIMEOUT:-900} python3 benchmarks/studies/selftest_sweep.py \
+      --op "${OP:-gated_delta_rule}" --seeds "${SEEDS:-16}" --dims --commit "${COMMIT:-unknown}" \
       --out "$OUT/selftest-sweep.jsonl" > "$OUT/selftest-sweep.log" 2>&1
     grep -c REFUSED "$OUT/selftest-sweep.log"; tail -3 "$OUT/selftest-sweep.log" ;;
   dqkwg)
