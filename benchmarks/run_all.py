@@ -57,8 +57,9 @@ FLAGS = {
 def parse_label(label: str) -> tuple[str, dict[str, str], list[str], str]:
     """``fusepatch+FUSEPATCH_CE_LOGITS_MIB=1024``, ``hf-fast+compile``: a configuration plus environment settings
     or options (``FLAGS``) for its process, so that variants are measured in the same run as their baselines.
-    ``+code=REV`` imports fusepatch from ``.code/REV/`` (an older commit's package, ``git archive REV fusepatch``)
-    in place of the working tree's: a before/after pair from one run. Returns (base, env, flags, package root)."""
+    ``+code=REV`` imports fusepatch from ``.code/REV/`` in place of the working tree's (an older commit's package:
+    ``mkdir -p .code/REV && git archive REV fusepatch | tar -x -C .code/REV``): a before/after pair from one run.
+    Returns (base, env, flags, package root)."""
     base, *settings = label.split("+")
     if base not in CONFIGS:
         raise ValueError(f"unknown configuration {base!r} in {label!r}; known: {', '.join(CONFIGS)}")
@@ -73,7 +74,10 @@ def parse_label(label: str) -> tuple[str, dict[str, str], list[str], str]:
         if name == "code":
             root = os.path.join(ROOT, ".code", value)
             if not os.path.isdir(os.path.join(root, "fusepatch")):
-                raise ValueError(f"{label!r}: no {root}/fusepatch; make it with `git archive {value} fusepatch`")
+                raise ValueError(
+                    f"{label!r}: no {root}/fusepatch; make it with "
+                    f"`mkdir -p .code/{value} && git archive {value} fusepatch | tar -x -C .code/{value}`"
+                )
             continue
         env[name] = value
     return base, env, flags, root

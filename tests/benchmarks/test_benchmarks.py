@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 import time
 
@@ -33,7 +34,7 @@ def test_a_label_can_import_an_older_commits_package(tmp_path, monkeypatch):
     """``+code=REV``: the package comes from ``.code/REV/`` (a before/after pair in one run); a missing folder says
     how to make it instead of silently measuring the working tree's package."""
     monkeypatch.setattr(run_all, "ROOT", str(tmp_path))
-    with pytest.raises(ValueError, match="git archive abc123 fusepatch"):
+    with pytest.raises(ValueError, match=re.escape("git archive abc123 fusepatch | tar -x -C .code/abc123")):
         run_all.parse_label("fusepatch+code=abc123")
     (tmp_path / ".code" / "abc123" / "fusepatch").mkdir(parents=True)
     base, env, flags, root = run_all.parse_label("fusepatch+fp8+code=abc123")
@@ -1136,3 +1137,5 @@ def test_the_sweep_names_the_quantity_nearest_its_bound():
 
     assert worst({"a": 1.0, "b": 3.0, "c": 9.0}, {"a": 2.0, "b": 4.0}) == ("b", 0.75)
     assert worst({"a": 1.0, "b": float("nan")}, {"a": 2.0, "b": 4.0}) == ("b", math.inf)
+    assert worst({"a": 1.0, "b": float("inf")}, {"a": 2.0}) == ("b", math.inf)  # unbounded, yet not finite
+    assert worst({"a": 1.0}, {}) == (None, 0.0)
