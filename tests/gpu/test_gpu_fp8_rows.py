@@ -25,23 +25,33 @@ def _same_bits(rows, y: torch.Tensor) -> None:
 
     flat = y.reshape(-1, y.shape[-1])
     want_q, want_inverse = quantize_rows_reference(flat)
+    assert rows.q.shape == want_q.shape and rows.inverse.shape == want_inverse.shape, (rows.q.shape, want_q.shape)
     scales = rows.inverse.nan_to_num(-1.0, -2.0) != want_inverse.nan_to_num(-1.0, -2.0)
     codes = rows.q.view(torch.uint8) != want_q.view(torch.uint8)
     if scales.any() or codes.any():
         bad = (scales.flatten() | codes.any(1)).nonzero().flatten()
         i = int(bad[0])
-        j = int(codes[i].nonzero().flatten()[0]) if codes[i].any() else 0
-        kernel_q = quantize_rows(flat.contiguous())[0].view(torch.uint8)  # the standalone kernel, for comparison
-        raise AssertionError(
+        message = (
             f"{len(bad)} of {flat.shape[0]} rows differ ({int(scales.sum())} scales, {int(codes.sum())} codes); "
             f"row {i}: peak {flat[i].float().abs().max().item()!r}, inverse {rows.inverse[i].item()!r} against "
-            f"{want_inverse[i].item()!r}; column {j}: value {flat[i, j].item()!r}, code {int(rows.q.view(torch.uint8)[i, j])} "
-            f"against {int(want_q.view(torch.uint8)[i, j])} (quantize_rows: {int(kernel_q[i, j])}; "
-            f"{int((kernel_q != want_q.view(torch.uint8)).sum())} of its codes differ)"
+            f"{want_inverse[i].item()!r}; "
         )
+        if codes[i].any():
+            j = int(codes[i].nonzero().flatten()[0])
+            kernel_q = quantize_rows(flat.contiguous())[0].view(torch.uint8)  # the standalone kernel, beside it
+            message += (
+                f"column {j}: value {flat[i, j].item()!r}, code {int(rows.q.view(torch.uint8)[i, j])} against "
+                f"{int(want_q.view(torch.uint8)[i, j])} (quantize_rows: {int(kernel_q[i, j])}; "
+                f"{int((kernel_q != want_q.view(torch.uint8)).sum())} of its codes differ)"
+            )
+        else:
+            message += "no code of that row differs"
+        raise AssertionError(message)
 
 
 def _differ(what: str, got: torch.Tensor, want: torch.Tensor) -> str:
+    if got.shape != want.shape:
+        return f"{what}: shape {tuple(got.shape)} against {tuple(want.shape)}"
     differ = got.nan_to_num() != want.nan_to_num()
     return (
         f"{what}: {int(differ.sum())} of {got.numel()} values differ from the plain kernel's (rows: "
