@@ -92,6 +92,9 @@ DECAY_FLOORS = {"grad[5]": 8e-3, "grad[6]": 8e-3}
 # refused (docs/kernels.md, "Floors from unfaulted kernels").
 GATE_FLOORS = {"grad[3]": 1.6e-2, "grad[4]": 1.6e-2}
 ONE_CHUNK_FLOORS = {"grad[3]": 2.4e-2, "grad[4]": 1.6e-2}
+# "no-state", packed: the output, compared document by document without a start state, reached 0.98 of the op's
+# floor-based bound on one seed of 16 (three fla candidates alike, the rest at most 0.49): twice the floor there
+NO_STATE_FLOORS = {**GATE_FLOORS, "output": 1.6e-2}
 # The self-test's calls. Its kernels run eleven stages (fla's and fusepatch's, forward and backward); on the first
 # call alone the start state's and final state's terms diluted a 3% error of one backward stage below the bound.
 # "no-state": training's own call (no start state, no final state), so every gradient is the output's alone;
@@ -110,7 +113,7 @@ ONE_CHUNK_FLOORS = {"grad[3]": 2.4e-2, "grad[4]": 1.6e-2}
 # state's gradient is all rounding (40% off in one draw, its bf16 reference 3.5%).
 CASES = (
     Case(floors={"bfloat16": GATE_FLOORS}),
-    Case("no-state", {"state": False, "final": False}, floors={"bfloat16": GATE_FLOORS}),
+    Case("no-state", {"state": False, "final": False}, floors={"bfloat16": NO_STATE_FLOORS}),
     Case("state-only", {}, cotangents=(0.0, 1.0), floors={"bfloat16": GATE_FLOORS}),
     Case("one-chunk", {"length": 40}, floors={"bfloat16": ONE_CHUNK_FLOORS}),
     Case(
