@@ -50,12 +50,12 @@ def test_bounds_follow_the_reference_error():
 
 def test_the_gate_and_beta_gradients_have_their_own_floors_per_case():
     """bf16: the gate's and beta's gradients at twice the op's floor in the random cases (the unnamed one included),
-    the gate's three times in one-chunk, no-state's output twice, each statistic's multiplier applied; fp16 and the
+    the gate's three times in one-chunk, every no-state quantity twice, each statistic's multiplier applied; fp16 and the
     other quantities keep the op's floors, the decay parameters' their own."""
     op = OPS["gated_delta_rule"]
     names = ["grad[3]", "grad[3]:scale", "grad[3]:tile", "no-state/grad[4]", "one-chunk/grad[3]", "one-chunk/grad[4]"]
     names += ["erase/grad[4]", "erase/grad[3]", "state-only/output", "no-state/output", "output", "grad[5]"]
-    names += ["decay/grad[5]:scale"]
+    names += ["decay/grad[5]:scale", "no-state/grad[2]", "state-only/grad[2]"]
     got = selftest.bounds(op, "bfloat16", dict.fromkeys(names, 0.0))
     assert got == pytest.approx(
         {
@@ -69,6 +69,8 @@ def test_the_gate_and_beta_gradients_have_their_own_floors_per_case():
             "erase/grad[3]": 0.016,
             "state-only/output": 0.008,
             "no-state/output": 0.016,
+            "no-state/grad[2]": 0.016,
+            "state-only/grad[2]": 0.008,
             "output": 0.008,
             "grad[5]": 0.05,
             "decay/grad[5]:scale": 0.004,

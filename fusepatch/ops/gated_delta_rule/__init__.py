@@ -92,9 +92,10 @@ DECAY_FLOORS = {"grad[5]": 8e-3, "grad[6]": 8e-3}
 # refused (docs/kernels.md, "Floors from unfaulted kernels").
 GATE_FLOORS = {"grad[3]": 1.6e-2, "grad[4]": 1.6e-2}
 ONE_CHUNK_FLOORS = {"grad[3]": 2.4e-2, "grad[4]": 1.6e-2}
-# "no-state", packed: the output, compared document by document without a start state, reached 0.98 of the op's
-# floor-based bound on one seed of 16 (three fla candidates alike, the rest at most 0.49): twice the floor there
-NO_STATE_FLOORS = {**GATE_FLOORS, "output": 1.6e-2}
+# "no-state", packed: without a start state, each document's output and gradients are its own tokens' alone, and
+# on one seed of 16 the output reached 0.98 of its bound and the v gradient, once that was moved, 0.96 (three fla
+# candidates alike; the other seeds' outputs at most 0.49): twice the floor for all of them there
+NO_STATE_FLOORS = {q: 1.6e-2 for q in ("output", "grad[0]", "grad[1]", "grad[2]", "grad[3]", "grad[4]")}
 # The self-test's calls. Its kernels run eleven stages (fla's and fusepatch's, forward and backward); on the first
 # call alone the start state's and final state's terms diluted a 3% error of one backward stage below the bound.
 # "no-state": training's own call (no start state, no final state), so every gradient is the output's alone;
