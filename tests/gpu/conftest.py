@@ -10,7 +10,7 @@ from helpers import MINI  # noqa: E402,F401  (the GPU tests import it from here)
 
 def pytest_runtest_logreport(report):
     """Each failure's traceback as it happens (FUSEPATCH_GPU_REPORT_DIR, a file per pytest-xdist worker): pytest
-    prints them only at the end of the session, which a run cut off at its time limit never reaches."""
+    prints them only when the whole run ends, which a run cut off at its time limit never reaches."""
     folder = os.environ.get("FUSEPATCH_GPU_REPORT_DIR")
     if not folder or not report.failed or getattr(report, "node", None) is not None:  # (xdist's controller copy)
         return
