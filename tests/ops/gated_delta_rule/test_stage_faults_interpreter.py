@@ -20,14 +20,20 @@ HARNESS = os.path.join(
 @pytest.mark.skipif(os.environ.get("FUSEPATCH_INTERPRETER_STAGES") != "1", reason="set FUSEPATCH_INTERPRETER_STAGES=1")
 @pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla-core is not installed")
 def test_the_listed_stage_faults_are_refused_in_the_interpreter():
+    """``x1.02`` on each listed stage output, and the WY decay gradient (below that resolution, ``RESOLUTION`` in
+    tests/gpu/test_gpu_stage_faults.py) at ``x1.05``."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run(
-        [sys.executable, HARNESS, "--candidates", "fla-saved-states", "--faults", "x1.02"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    fine = ["chunk_gated_delta_rule_fwd_intra:0", "recompute_w_u_fwd:0", "prepare_wy_repr_bwd:0"]
+    fine += ["gdn_gate_bwd:1", "gdn_gate_bwd:2"]
+    for faults, outputs in (("x1.02", fine), ("x1.05", ["prepare_wy_repr_bwd:3"])):
+        run = subprocess.run(
+            [sys.executable, HARNESS, "--candidates", "fla-saved-states", "--clean", "none", "--faults", faults]
+            + ["--outputs", *outputs],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
 
 
 @pytest.mark.skipif(os.environ.get("FUSEPATCH_INTERPRETER_STAGES") != "1", reason="set FUSEPATCH_INTERPRETER_STAGES=1")
