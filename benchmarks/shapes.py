@@ -93,6 +93,13 @@ SHAPES: dict[str, dict] = {
 }
 
 
+def selftest_dims(shape: str) -> dict[str, dict[str, int]]:
+    """The self-test's layer sizes (``SelfTest.dims_from``) for a shape's Gated DeltaNet layers, per op."""
+    spec = SHAPES[shape]
+    heads = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    return {"gated_delta_rule": dict(zip(("hk", "hv", "dk", "dv"), (spec[name] for name in heads)))}
+
+
 def build_config(shape: str, layers: int | None = None):
     from transformers import AutoConfig
 

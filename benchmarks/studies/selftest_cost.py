@@ -21,8 +21,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harness: benchmarks/
 from provenance import command, gpu_name, today, versions  # noqa: E402
+from shapes import selftest_dims  # noqa: E402
 
-DIMS = {"gated_delta_rule": {"hk": 16, "hv": 48, "dk": 128, "dv": 128}}
+DIMS = selftest_dims("27b")
 
 
 def _seconds(measure, op, fn, packed: bool, dims) -> float:
