@@ -88,12 +88,12 @@ def main(argv=None) -> int:
             with open(args.record, "a") as file:
                 file.write(json.dumps(row) + "\n")
 
+    chosen = {}
+    for item in args.outputs:
+        stage_name, _, number = item.rpartition(":")
+        chosen[stage_name] = (*chosen.get(stage_name, ()), int(number))
+    listed = chosen or LISTED
     for name in args.candidates:
-        chosen = {}
-        for item in args.outputs:
-            stage_name, _, number = item.rpartition(":")
-            chosen[stage_name] = (*chosen.get(stage_name, ()), int(number))
-        listed = chosen or LISTED
         stages = [s for s in COMPOSITES[OP, name] if (args.all and not chosen) or s.name in listed]
         for packed in (p == "1" for p in args.packed):
             for seed in args.seeds if args.clean != "none" else ():  # the unfaulted candidate, on each seed
