@@ -118,12 +118,12 @@ case "$phase" in
         > "$OUT/gpu-tests-ieee.log" 2>&1
       grep -E "PASSED|FAILED|passed|failed" "$OUT/gpu-tests-ieee.log" | grep -v "^tests/" | sed 's/^/[ieee] /' | tail -6
     fi
-    ERRORS="$errors" python3 - <<'EOF'
+    ERRORS="$errors" MERGED="$OUT/model-errors${TAG:+-$TAG}.json" python3 - <<'EOF'
 import glob, json, os
 merged = {}
 for path in glob.glob(os.path.join(os.environ["ERRORS"], "model-errors-*.json")):
     merged.update(json.load(open(path)))
-json.dump(merged, open(os.path.join(os.environ.get("OUT", "/tmp/out"), f"model-errors{os.environ.get('TAG') and '-' + os.environ['TAG'] or ''}.json"), "w"), indent=1)
+json.dump(merged, open(os.environ["MERGED"], "w"), indent=1)
 EOF
     # every failure's traceback, written as it happened (tests/gpu/conftest.py): a group cut off keeps them
     cat "$errors"/failures-*.txt > "$OUT/gpu-failures${TAG:+-$TAG}.txt" 2>/dev/null || rm -f "$OUT/gpu-failures${TAG:+-$TAG}.txt"
