@@ -47,8 +47,8 @@ sys.path.insert(1, ROOT)
 
 from provenance import code, command, today, versions  # noqa: E402
 
-from fusepatch.kernels.fp8_range import FP8_MAX, FP8_TINY  # noqa: E402
-from fusepatch.ops.fp8_linear.scaled_mm import FP8, quantize_rows_reference  # noqa: E402
+from fusepatch.kernels.fp8_range import FP8_MAX  # noqa: E402
+from fusepatch.ops.fp8_linear.scaled_mm import FP8, quantize_rows_reference, row_scale_reference  # noqa: E402
 
 SHAPES = {"27b": (5120, 248320), "2b": (2048, 248320)}  # hidden, vocabulary (Qwen3.5)
 CONFIGS = ("bf16", "fp8-forward", "fp8")
@@ -63,11 +63,6 @@ def rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` through FP8 along its rows, dequantized: the values a rowwise-scaled FP8 GEMM reads."""
     q, inverse = quantize_rows_reference(x)
     return q.float() * inverse
-
-
-def columns_scale(peak: torch.Tensor) -> torch.Tensor:
-    """The rowwise rule's power-of-two scale for a peak (``kernels/fp8``), for a row split over chunks."""
-    return torch.exp2(torch.floor(torch.log2(FP8_MAX / peak.clamp_min(FP8_TINY))))
 
 
 def through(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -109,7 +104,7 @@ def run(hidden: int, vocab: int, tokens: int, logit_std: float, peak: float, see
         loss, g = loss_and_g(z, True)
         if fp8_bwd:
             gq = rows(g)  # dh: g along the vocabulary, per token; W along the vocabulary, per hidden feature
-            scale = columns_scale(torch.stack([W[s:e].abs().amax(0) for s, e in chunks]).amax(0))
+            scale = row_scale_reference(torch.stack([W[s:e].abs().amax(0) for s, e in chunks]).amax(0))
             dh = bf16(sum(gq[:, s:e] @ through(W[s:e], scale) for s, e in chunks))
             hT = rows(h.t().contiguous())  # dW: g.T and h.T along the tokens
         else:

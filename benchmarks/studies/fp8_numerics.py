@@ -42,8 +42,8 @@ sys.path.insert(2, HERE)
 from fidelity import model_and_batch, step  # noqa: E402
 from provenance import code, command, today, versions  # noqa: E402
 
-from fusepatch.kernels.fp8_range import FP8_TINY  # noqa: E402
 from fusepatch.layers.fp8 import PROJECTIONS, aligned  # noqa: E402
+from fusepatch.ops.fp8_linear.scaled_mm import row_scale_reference  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 BF16 = None  # a GEMM left in bf16
@@ -79,8 +79,7 @@ def through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     fp32: for float8_e4m3fn the values of ``quantize_rows_reference``."""
     top = torch.finfo(dtype).max
     values = x.float()
-    peak = values.abs().amax(dim=1, keepdim=True).clamp_min(FP8_TINY)
-    scale = torch.exp2(torch.floor(torch.log2(top / peak)))
+    scale = row_scale_reference(values.abs().amax(dim=1, keepdim=True), top)
     return (values * scale).clamp(-top, top).to(dtype).float() / scale
 
 

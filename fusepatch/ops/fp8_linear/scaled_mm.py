@@ -26,6 +26,12 @@ from fusepatch.kernels.fp8_range import FP8_MAX, FP8_TINY, MULTIPLE, padded
 FP8 = torch.float8_e4m3fn
 
 
+def row_scale_reference(peak: torch.Tensor, top: float = FP8_MAX) -> torch.Tensor:
+    """``kernels/fp8.row_scale`` in PyTorch: the largest power of two that keeps a row of this peak within ``top``
+    (a zero row's peak floored at ``FP8_TINY``; NaN for a NaN peak)."""
+    return torch.exp2(torch.floor(torch.log2(top / peak.clamp_min(FP8_TINY))))
+
+
 def quantize_rows_reference(x: torch.Tensor, factor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernels/fp8.quantize_rows`` in PyTorch: the same power-of-two scales and the same bits."""
     values = x.float() if factor is None else x.float() * factor.reshape(1, -1).float()
@@ -33,7 +39,7 @@ def quantize_rows_reference(x: torch.Tensor, factor: torch.Tensor | None = None)
         peak = values.new_full((values.shape[0], 1), FP8_TINY)
     else:
         peak = values.abs().amax(dim=1, keepdim=True).clamp_min(FP8_TINY)
-    scale = torch.exp2(torch.floor(torch.log2(FP8_MAX / peak)))
+    scale = row_scale_reference(peak)
     q = (values * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale.reciprocal()
 
