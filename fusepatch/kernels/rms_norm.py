@@ -32,7 +32,11 @@ from fusepatch.kernels.fp8 import FP8_MAX, FP8_TINY, store_fp8_rows
 from fusepatch.kernels.rows import as_rows
 
 
-@triton.jit(do_not_specialize=["rows"])
+# ``emit_fp8`` is a runtime argument, not a constexpr: one compiled kernel serves both, so the output a projection
+# reads is bit for bit the same with its FP8 rows written or not. Two variants compiled apart gave a few outputs
+# that differed by a rounding (on an H100: 12 of 3.1 million at the 27B width), as the compiler ordered their
+# arithmetic each its own way.
+@triton.jit(do_not_specialize=["rows", "emit_fp8"])
 def _rms_norm_fwd(
     x,
     a,
@@ -46,6 +50,7 @@ def _rms_norm_fwd(
     rows,
     x_stride,
     eps,
+    emit_fp8,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -53,7 +58,6 @@ def _rms_norm_fwd(
     GATED: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,
     ADD: tl.constexpr,
-    FP8: tl.constexpr = False,
     FP8_MAX: tl.constexpr = FP8_MAX,
     TINY: tl.constexpr = FP8_TINY,
 ):
@@ -85,11 +89,11 @@ def _rms_norm_fwd(
         zv = tl.load(z + offsets, mask=mask, other=0.0).to(tl.float32)
         out = out * zv * tl.sigmoid(zv)
     tl.store(y + offsets, out.to(y.dtype.element_ty), mask=mask)
-    if FP8:  # the FP8 rows of the rounded output, for the FP8 projections it feeds (``kernels/fp8_rows``)
+    if emit_fp8 != 0:  # the FP8 rows of the rounded output, for the FP8 projections it feeds (``kernels/fp8_rows``)
         store_fp8_rows(out.to(y.dtype.element_ty).to(tl.float32), mask, q + offsets, inverse + r, row_ok, FP8_MAX, TINY)
 
 
-@triton.jit(do_not_specialize=["rows"])
+@triton.jit(do_not_specialize=["rows", "emit_fp8"])  # emit_fp8 a runtime argument, as in the forward
 def _rms_norm_bwd(
     x,
     w,
@@ -104,6 +108,7 @@ def _rms_norm_bwd(
     inverse,
     rows,
     x_stride,
+    emit_fp8,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -112,7 +117,6 @@ def _rms_norm_bwd(
     GATED: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,
     HAS_DRES: tl.constexpr,
-    FP8: tl.constexpr = False,
     FP8_MAX: tl.constexpr = FP8_MAX,
     TINY: tl.constexpr = FP8_TINY,
 ):
@@ -152,7 +156,9 @@ def _rms_norm_bwd(
         if HAS_DRES:  # x was also returned (the next residual): its gradient adds to the norm's
             gx += tl.load(dres + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx + offsets, gx.to(dx.dtype.element_ty), mask=mask)
-        if FP8:  # the FP8 rows of dx, for the FP8 projection whose output gradient it is (``kernels/fp8_rows``)
+        if (
+            emit_fp8 != 0
+        ):  # the FP8 rows of dx, for the FP8 projection whose output gradient it is (``kernels/fp8_rows``)
             rounded = gx.to(dx.dtype.element_ty).to(tl.float32)
             store_fp8_rows(rounded, mask, q + offsets, inverse + r, row_ok, FP8_MAX, TINY)
     tl.store(dw_partial + pid * D + c, tl.sum(acc, axis=0), mask=col_ok)
@@ -193,12 +199,12 @@ def _norm_forward(flat, weight, eps, flags, z, y, add=None, fp8=None):
             rows,
             flat.stride(0),
             eps,
+            int(fp8 is not None),
             D=dim,
             BLOCK_D=block_d,
             BLOCK_ROWS=block_rows,
             num_warps=warps,
             ADD=add is not None,
-            FP8=fp8 is not None,
             **flags,
         )
     return rstd
@@ -227,13 +233,13 @@ def _norm_backward(flat, weight, rstd, z, grad, flags, dres=None, fp8=None):
             *(fp8 if fp8 is not None else (dx, rstd)),
             rows,
             flat.stride(0),
+            int(fp8 is not None),
             D=dim,
             BLOCK_D=block_d,
             BLOCK_ROWS=block_rows,
             STEPS=BWD_STEPS,
             num_warps=warps,
             HAS_DRES=dres is not None,
-            FP8=fp8 is not None,
             **flags,
         )
     return dx, (dz if flags["GATED"] else None), partial.sum(0).to(weight.dtype)
@@ -265,13 +271,15 @@ class _RMSNorm(torch.autograd.Function):
         weight = weight.contiguous()
         z = flat if gate is None else gate.reshape(-1, dim).contiguous()
         ctx.flags = _flags(zero_centered, gate is not None, x.dtype, weight.dtype)
+        # allocated in x's shape, not viewed into it: a view made inside an autograd function could not be written
+        # in place afterwards (a forward hook's ``out.mul_(...)``), where transformers' output can
         y = torch.empty(
-            flat.shape, dtype=_out_dtype(zero_centered, gate is not None, x.dtype, weight.dtype), device=x.device
+            x.shape, dtype=_out_dtype(zero_centered, gate is not None, x.dtype, weight.dtype), device=x.device
         )
-        rstd = _norm_forward(flat, weight, eps, ctx.flags, z, y, fp8=fp8)
+        rstd = _norm_forward(flat, weight, eps, ctx.flags, z, y.view(flat.shape), fp8=fp8)
         ctx.save_for_backward(flat, weight, rstd, z)
         ctx.shape = x.shape
-        return y.view(x.shape)
+        return y
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -292,19 +300,22 @@ class _AddRMSNorm(torch.autograd.Function):
         a = x.reshape(-1, dim).contiguous()
         res = residual.reshape(-1, dim).contiguous()
         weight = weight.contiguous()
-        h = torch.empty(a.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+        # both outputs in x's shape, not views (as in ``_RMSNorm``): either may be written in place afterwards
+        h = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
         ctx.flags = _flags(zero_centered, False, h.dtype, weight.dtype)
-        y = torch.empty(a.shape, dtype=_out_dtype(zero_centered, False, h.dtype, weight.dtype), device=x.device)
-        rstd = _norm_forward(h, weight, eps, ctx.flags, h, y, add=(a, res), fp8=fp8)
+        y = torch.empty(x.shape, dtype=_out_dtype(zero_centered, False, h.dtype, weight.dtype), device=x.device)
+        flat_h = h.view(a.shape)
+        rstd = _norm_forward(flat_h, weight, eps, ctx.flags, flat_h, y.view(a.shape), add=(a, res), fp8=fp8)
         ctx.save_for_backward(h, weight, rstd)
         ctx.shape, ctx.dtypes = x.shape, (x.dtype, residual.dtype)
         # dh is the gradient of x, the projection's output that x is (o_proj, out_proj): its FP8 rows where asked
         ctx.fp8_gradients = x.dtype == h.dtype and fp8_rows.fits(h.dtype, dim) and fp8_rows.emitting_gradients()
-        return y.view(x.shape), h.view(x.shape)
+        return y, h
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, grad_h: torch.Tensor | None):
         h, weight, rstd = ctx.saved_tensors
+        h = h.view(-1, h.shape[-1])
         grad = grad_out.reshape(h.shape).contiguous()
         dres = None if grad_h is None else grad_h.reshape(h.shape).contiguous()
         rows = fp8_rows.buffers(h) if ctx.fp8_gradients else None

@@ -213,6 +213,31 @@ RMS_NORM_SCRIPT = textwrap.dedent(
         dq, dgate = torch.chunk(dfull, 2, dim=-1)
         errors = [relative_error(out, ref), relative_error(dq, ref_dq), relative_error(dw, ref_dw)]
         assert max(errors) < 1e-5 and not dgate.any(), errors
+    # the normed output written in place afterwards (a forward hook's ``out.mul_(1.5)``), as transformers' output
+    # can be: no autograd error, and the gradients of the edited output (the add forms' sum is saved for the
+    # backward, and stays unwritten)
+    z, res = torch.randn(3, 5, 64), torch.randn(3, 5, 64)
+    edited = {
+        "plain": (rms_norm, rms_norm_reference),
+        "zero-centered": (rms_norm_zero_centered, rms_norm_zero_centered_reference),
+        "gated": (lambda x, w, e: gated_rms_norm(x, z, w, e), lambda x, w, e: gated_rms_norm_reference(x, z, w, e)),
+        "add": (lambda x, w, e: add_rms_norm(x, res, w, e)[0], lambda x, w, e: add_rms_norm_reference(x, res, w, e)[0]),
+        "add, zero-centered": (
+            lambda x, w, e: add_rms_norm_zero_centered(x, res, w, e)[0],
+            lambda x, w, e: add_rms_norm_zero_centered_reference(x, res, w, e)[0],
+        ),
+    }
+    for form, (fn, reference) in edited.items():
+        x = torch.randn(3, 5, 64, requires_grad=True)
+        w = (1 + 0.1 * torch.randn(64)).requires_grad_(True)
+        out = fn(x, w, 1e-6)
+        assert not out._is_view()
+        out.mul_(1.5)
+        got = torch.autograd.grad(out.square().sum(), (x, w))
+        ref = reference(x, w, 1e-6)
+        ref.mul_(1.5)
+        want = torch.autograd.grad(ref.square().sum(), (x, w))
+        assert max(relative_error(a, b) for a, b in zip(got, want)) < 1e-5, form
     print("ok")
     """
 )
