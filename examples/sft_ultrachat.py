@@ -328,11 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     metrics = {k: v for entry in trainer.state.log_history for k, v in entry.items() if k.startswith("fusepatch/")}
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     sharded = any(type(m).__name__.startswith("FSDP") for m in trainer.model.modules())
+    partitioned = any(hasattr(p, "ds_id") for p in trainer.model.parameters())  # DeepSpeed ZeRO-3's parameters
     rank = training_args.process_index
     # One write per line: under torchrun every rank prints into the same stream, and print's separate write of
     # the newline let two ranks' lines run together (seen in a two-GPU log).
     lines = [
-        f"world size {training_args.world_size}, FSDP2-sharded layers: {sharded}",
+        f"world size {training_args.world_size}, FSDP2-sharded layers: {sharded}, "
+        f"ZeRO-3-partitioned parameters: {partitioned}",
         "losses: " + " ".join(f"{x:.3f}" for x in losses),
         "fusepatch metrics: " + json.dumps(metrics),
         f"steady state (rank {rank}): " + json.dumps(callback.steady_state()),

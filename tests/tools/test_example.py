@@ -90,6 +90,25 @@ def test_example_under_torchrun_with_fsdp2(tmp_path):
     assert "Qwen3_5GatedDeltaNet x3" in result.stderr or "Qwen3_5GatedDeltaNet x3" in result.stdout
 
 
+@pytest.mark.parametrize("name", ["accelerate_fsdp2.yaml", "accelerate_zero3.yaml"])
+def test_the_accelerate_configs_are_what_accelerate_reads(name):
+    """Both launch configs load as ``accelerate launch --config_file`` loads them (unknown keys fail there) and say
+    what the examples' README says: FSDP2 per Qwen3.5 decoder layer, or DeepSpeed ZeRO-3, in bf16. (A two-process
+    CPU run of the ZeRO-3 one takes a minute: examples/README.md gives its command.)"""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(os.path.join(os.path.dirname(EXAMPLE), name))
+    assert config.mixed_precision == "bf16" and config.num_processes == 8
+    if name == "accelerate_fsdp2.yaml":
+        import transformers
+
+        layer = config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"]
+        assert config.distributed_type == "FSDP" and config.fsdp_config["fsdp_version"] == 2
+        assert hasattr(transformers.models.qwen3_5.modeling_qwen3_5, layer)
+    else:
+        assert config.distributed_type == "DEEPSPEED" and config.deepspeed_config["zero_stage"] == 3
+
+
 def test_fsdp_in_one_process_says_why_it_runs_unsharded_and_how_to_shard(monkeypatch, capsys):
     sft = _module()
     monkeypatch.delenv("WORLD_SIZE", raising=False)
