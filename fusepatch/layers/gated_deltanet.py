@@ -22,6 +22,7 @@ import torch
 from fusepatch.backends import deepspeed
 from fusepatch.base.state import current as process_state
 from fusepatch.layers.support import dispatch_guard, linear_cache
+from fusepatch.layers.support.hooks import hooked
 from fusepatch.layers.support.projections import apply_linear, project
 
 logger = logging.getLogger("fusepatch")
@@ -236,9 +237,11 @@ def gated_deltanet_forward(
         if cu_seqlens is not None:  # each row's state is its last document's
             final = final.index_select(0, _last_documents(cu_seqlens, batch, length))
         linear_cache.store_recurrent_state(cache, self.layer_idx, final)
-    core = ops["gated_rms_norm"](
-        core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight, self.norm.variance_epsilon
-    )
+    core, z = core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim)
+    if hooked(self.norm):  # its hooks run as transformers runs them: the module called, with its own forward
+        core = self.norm(core, z)
+    else:
+        core = ops["gated_rms_norm"](core, z, self.norm.weight, self.norm.variance_epsilon)
     return apply_linear(self.out_proj, core.reshape(batch, length, -1))
 
 

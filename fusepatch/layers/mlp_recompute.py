@@ -43,7 +43,9 @@ class _RecomputedDown(torch.autograd.Function):
             out = torch.addmm(residual.reshape(-1, residual.shape[-1]), flat, weight.t())
         ctx.swiglu, ctx.has_residual = swiglu, residual is not None
         ctx.save_for_backward(gate, up, weight)
-        return out.view(*act.shape[:-1], weight.shape[0])
+        # a tensor of its own for autograd, not a view made here, which could not be written in place afterwards
+        # (a hook on the layer or the MLP may, as on transformers' output)
+        return out.view(*act.shape[:-1], weight.shape[0]).detach()
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -24,8 +24,11 @@ def rms_norm_zero_centered_forward(self, hidden_states: torch.Tensor) -> torch.T
 def swiglu_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """The MLP ``down(swiglu(gate(x), up(x)))``; with ``residual`` (the decoder layer calls it so, see
     ``swiglu_mlp_plus``) ``residual + mlp(x)``, the add done by the down projection's GEMM where it can."""
-    if getattr(getattr(self, "config", None), "hidden_act", "silu") not in ("silu", "swish"):
-        out = self._fusepatch.original(x)  # SwiGLU kernels assume SiLU
+    # SwiGLU kernels assume SiLU; a hook on act_fn runs only where the module computes its activation itself
+    if getattr(getattr(self, "config", None), "hidden_act", "silu") not in ("silu", "swish") or _hooked_part(
+        self, "act_fn"
+    ):
+        out = self._fusepatch.original(x)
         return out if residual is None else residual + out
     swiglu = self._fusepatch.ops["swiglu"]
     gate, up = project(x, self.gate_proj, self.up_proj)
@@ -34,6 +37,12 @@ def swiglu_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = No
         return out
     act = swiglu(gate, up)
     return apply_linear(self.down_proj, act) if residual is None else linear_plus(self.down_proj, act, residual)
+
+
+def _hooked_part(module: torch.nn.Module, name: str) -> bool:
+    """Whether ``module``'s part ``name`` is a module with a hook that calling around it would skip."""
+    part = getattr(module, name, None)
+    return isinstance(part, torch.nn.Module) and hooked(part)
 
 
 def swiglu_mlp_plus(mlp: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
@@ -57,6 +66,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         and not getattr(self, "is_transposed", False)
         and not getattr(self, "has_bias", False)
         and getattr(getattr(self, "config", None), "hidden_act", "silu") in ("silu", "swish")
+        and not _hooked_part(self, "act_fn")  # the fused op computes the activation itself
     )
     if standard and dispatch.choice(hidden_states.device.type, dtype_name(hidden_states.dtype)).fused:
         return dispatch(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)

@@ -165,7 +165,7 @@ def part(module: torch.nn.Module, x: torch.Tensor, cast: bool) -> Part | Unfused
         a, b = module.lora_A[name], module.lora_B[name]
         if type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear or a.bias is not None or b.bias is not None:
             return Unfused(f"adapter {name!r} has a LoRA bias or A/B modules other than nn.Linear")
-        if hooked(a) or hooked(b):
+        if hooked(a) or hooked(b) or hooked(module.lora_dropout[name]):  # the fused GEMMs call none of them
             return None
         dropout = _dropout(module.lora_dropout[name])
         if isinstance(dropout, Unfused):
@@ -255,7 +255,9 @@ class _LoraLinears(torch.autograd.Function):
         droppeds = [ad[4] for ad in adapters if ad[4] is not None]
         bases = [None if g else w for w, g in zip(weights, given)]
         ctx.save_for_backward(*inputs, joined, h, *bases, *[t for ad in adapters for t in ad[2:4]], *own, *droppeds)
-        return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outs)
+        # tensors of their own for autograd, not views made here, which could not be written in place afterwards
+        # (a hook on the layer, its attention or MLP may, as on transformers' outputs)
+        return tuple(out.view(*x.shape[:-1], out.shape[-1]).detach() for out in outs)
 
     @staticmethod
     def backward(ctx, *grads):

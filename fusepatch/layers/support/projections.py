@@ -83,14 +83,20 @@ class _SharedInputLinears(torch.autograd.Function):
             joined = torch.cat([weights[i] for i in narrow])
             sizes = [weights[i].shape[0] for i in narrow]
             for i, out in zip(narrow, F.linear(x, joined).split(sizes, dim=-1)):
-                outs[i] = out
-        ctx.save_for_backward(x, joined, *weights)
+                # a copy, not a view made here: a view made inside an autograd function cannot be written in
+                # place afterwards (a hook's ``mul_``), where a module's output can (narrow: a few values a row)
+                outs[i] = out.clone()
+        # x only where a weight's gradient needs it: eager keeps no input of a frozen projection either, so an
+        # in-place write to x later (a hook on the next module) is no error there or here
+        ctx.x_meta = (x.shape, x.dtype, x.device)
+        ctx.save_for_backward(x if any(ctx.needs_input_grad[3 : 3 + count]) else None, joined, *weights)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
         x, joined, *weights = ctx.saved_tensors
-        flat = x.reshape(-1, x.shape[-1])
+        shape, dtype, device = ctx.x_meta
+        flat = None if x is None else x.reshape(-1, shape[-1])
         wants_x, wants = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
         dx = None
         dweights: list[torch.Tensor | None] = [None] * ctx.count
@@ -98,7 +104,9 @@ class _SharedInputLinears(torch.autograd.Function):
         jobs = [(grad, weight, (i,)) for i, (grad, weight) in enumerate(zip(grads, weights)) if i not in ctx.narrow]
         if ctx.narrow and any(grads[i] is not None for i in ctx.narrow):
             parts = [
-                grads[i] if grads[i] is not None else flat.new_zeros(*x.shape[:-1], weights[i].shape[0])
+                grads[i]
+                if grads[i] is not None
+                else torch.zeros(*shape[:-1], weights[i].shape[0], dtype=dtype, device=device)
                 for i in ctx.narrow
             ]
             jobs.append((torch.cat(parts, dim=-1), joined, ctx.narrow))
@@ -118,9 +126,9 @@ class _SharedInputLinears(torch.autograd.Function):
             if len(owners) == 1 and ctx.has_bias[owners[0]] and wants[ctx.count + owners[0]]:
                 dbiases[owners[0]] = grad.sum(0)
         if dx is not None:
-            dx = dx.view(x.shape)
+            dx = dx.view(shape)
         elif wants_x:
-            dx = torch.zeros_like(x)
+            dx = torch.zeros(shape, dtype=dtype, device=device)
         return dx, None, None, *dweights, *dbiases
 
 

@@ -1,0 +1,112 @@
+"""A user's hook inside a patched layer, writing its tensor in place (``out.mul_(1.5)``), trains as in the unpatched
+model: on a module whose work a fused path does itself (the post-attention norm, an MLP's ``act_fn``, the Gated
+DeltaNet's output norm, ``lm_head`` under the fused loss) the path steps aside so that the hook runs; and the
+outputs of fusepatch's own autograd functions (the MLP's recomputed down projection, fused LoRA, the narrow
+projections' shared GEMM) are tensors a later hook may write in place. The fused paths run on the CPU with the ops'
+references as candidates, as the GPU runs them with kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import cpu_candidates, lm_batch
+
+import fusepatch
+from fusepatch.engine import selftest
+from fusepatch.layers import gated_deltanet
+from fusepatch.layers.support import projections
+from fusepatch.ops import OPS
+from fusepatch.ops.linear_cross_entropy import linear_cross_entropy_chunked
+from fusepatch.tools.tiny import FAMILIES, tiny_model
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    cpu_candidates(monkeypatch, {name: op.reference for name, op in OPS.items() if name != "fp8_linear"})
+    cpu_candidates(monkeypatch, {"linear_cross_entropy": linear_cross_entropy_chunked}, name="torch-chunked")
+    monkeypatch.setattr(projections, "DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(gated_deltanet, "COPY_DEVICES", ("cpu", "cuda"))
+    yield
+    selftest.clear_cache()
+
+
+def _model(family: str, patched: bool, lora: bool):
+    over = {"num_hidden_layers": 2}
+    if "layer_types" in FAMILIES[family]:
+        over["layer_types"] = ["linear_attention", "full_attention"]
+    model = tiny_model(family, seed=0, **over)
+    if lora:
+        import peft
+
+        torch.manual_seed(0)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        model = peft.get_peft_model(model, config)
+    if patched:
+        fusepatch.apply(model, verbose=False)
+    return model.train()
+
+
+def _step(model, batch, name: str, pre: bool):
+    """Loss, gradients and how often the hook ran, with ``mul_(1.5)`` on the module's output (or first input)."""
+    calls = []
+
+    def edit(tensors):
+        first = next(t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point())
+        calls.append(1)
+        first.mul_(1.5)
+
+    module = model.get_submodule(name)
+    if pre:
+        handle = module.register_forward_pre_hook(lambda m, args: edit(args))
+    else:
+        handle = module.register_forward_hook(lambda m, args, out: edit(out if isinstance(out, tuple) else (out,)))
+    try:
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+    finally:
+        handle.remove()
+    grads = {n.removeprefix("base_model.model."): p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, len(calls)
+
+
+CASES = [  # (family, LoRA, FUSEPATCH_MLP_RECOMPUTE, module, a pre-hook)
+    ("qwen3", False, False, "model.layers.0.post_attention_layernorm", False),
+    ("qwen3", False, False, "model.layers.0.mlp.act_fn", False),
+    ("qwen3", False, False, "lm_head", False),
+    ("qwen3_5_text", False, False, "model.layers.0.linear_attn.norm", False),
+    ("qwen3", False, True, "model.layers.0", False),
+    ("qwen3", False, True, "model.norm", True),
+    ("qwen3_5_text", True, False, "model.layers.1.self_attn", False),
+    ("qwen3_5_text", True, False, "model.layers.0.mlp", False),
+    ("qwen3_5_text", False, False, "model.layers.1.self_attn.k_norm", True),
+    ("qwen3_5_moe_text", False, False, "model.layers.0.mlp.gate", True),
+]
+
+
+@pytest.mark.parametrize(("family", "lora", "recompute", "name", "pre"), CASES, ids=[f"{c[0]}-{c[3]}" for c in CASES])
+def test_a_hook_writing_in_place_inside_a_patched_layer_trains_as_unpatched(
+    fused_on_cpu, monkeypatch, family, lora, recompute, name, pre
+):
+    if recompute:
+        monkeypatch.setenv("FUSEPATCH_MLP_RECOMPUTE", "1")
+    if family == "qwen3_5_moe_text":  # a frozen shared expert: its gate/up GEMM keeps no input
+        frozen = "shared_expert."
+    else:
+        frozen = None
+    results = []
+    for patched in (False, True):
+        model = _model(family, patched, lora)
+        if frozen:
+            for parameter_name, parameter in model.named_parameters():
+                parameter.requires_grad_(frozen not in parameter_name)
+        torch.manual_seed(1)
+        batch = lm_batch(model, batch=2, length=13)
+        prefix = "base_model.model." if lora else ""
+        results.append(_step(model, batch, prefix + name, pre))
+    (loss, grads, calls), (got_loss, got_grads, got_calls) = results
+    assert got_calls == calls == 1
+    torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == grads.keys()
+    for key, grad in grads.items():
+        torch.testing.assert_close(got_grads[key], grad, rtol=1e-4, atol=1e-5, msg=key)
