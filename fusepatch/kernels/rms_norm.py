@@ -89,7 +89,8 @@ def _rms_norm_fwd(
         zv = tl.load(z + offsets, mask=mask, other=0.0).to(tl.float32)
         out = out * zv * tl.sigmoid(zv)
     tl.store(y + offsets, out.to(y.dtype.element_ty), mask=mask)
-    if emit_fp8 != 0:  # the FP8 rows of the rounded output, for the FP8 projections it feeds (``kernels/fp8_rows``)
+    # the FP8 rows of the rounded output, for the FP8 projections it feeds (``kernels/fp8_rows``)
+    if emit_fp8 != 0:
         store_fp8_rows(out.to(y.dtype.element_ty).to(tl.float32), mask, q + offsets, inverse + r, row_ok, FP8_MAX, TINY)
 
 
@@ -156,9 +157,8 @@ def _rms_norm_bwd(
         if HAS_DRES:  # x was also returned (the next residual): its gradient adds to the norm's
             gx += tl.load(dres + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx + offsets, gx.to(dx.dtype.element_ty), mask=mask)
-        if (
-            emit_fp8 != 0
-        ):  # the FP8 rows of dx, for the FP8 projection whose output gradient it is (``kernels/fp8_rows``)
+        # the FP8 rows of dx, for the FP8 projection whose output gradient it is (``kernels/fp8_rows``)
+        if emit_fp8 != 0:
             rounded = gx.to(dx.dtype.element_ty).to(tl.float32)
             store_fp8_rows(rounded, mask, q + offsets, inverse + r, row_ok, FP8_MAX, TINY)
     tl.store(dw_partial + pid * D + c, tl.sum(acc, axis=0), mask=col_ok)
