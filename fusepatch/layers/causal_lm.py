@@ -191,7 +191,7 @@ def _fuses_loss(self, dispatch, labels, logits_to_keep, device_type: str) -> boo
         and isinstance(logits_to_keep, int)
         and logits_to_keep == 0
         and getattr(self.lm_head, "bias", None) is None
-        and not hooked(self.lm_head)
+        and not hooked(self.lm_head, gathering=True)
         and dispatch.choice(device_type, dtype_name(_loss_dtype(self.lm_head.weight, self))).fused
     )
 

@@ -114,7 +114,7 @@ def _fused_forward(self, *args, **kwargs) -> torch.Tensor:
     with _frame(fed or mixed or fed_down or trained) as frame:  # the norm's and the SwiGLU's rows, for the MLP's
         # _run chose this forward because the op is fused for the layer input's device and dtype: the same dtype
         # here means the same choice. A hook on the norm runs only where the norm module is called.
-        if hidden_states.dtype == residual.dtype and not hooked(norm):
+        if hidden_states.dtype == residual.dtype and not hooked(norm, gathering=True):
             dispatch = self._fusepatch.ops[_add_norm_op(self)]
             deepspeed.gather(self, norm.weight)  # the norm's own forward (ZeRO-3 would gather it for) is not called
             with frame.emitting(fed, gradients=mixed):

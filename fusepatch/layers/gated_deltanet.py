@@ -238,7 +238,9 @@ def gated_deltanet_forward(
             final = final.index_select(0, _last_documents(cu_seqlens, batch, length))
         linear_cache.store_recurrent_state(cache, self.layer_idx, final)
     core, z = core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim)
-    if hooked(self.norm):  # its hooks run as transformers runs them: the module called, with its own forward
+    if hooked(
+        self.norm, gathering=True
+    ):  # its hooks run as transformers runs them: the module called, with its own forward
         core = self.norm(core, z)
     else:
         core = ops["gated_rms_norm"](core, z, self.norm.weight, self.norm.variance_epsilon)

@@ -42,7 +42,7 @@ def swiglu_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = No
 def _hooked_part(module: torch.nn.Module, name: str) -> bool:
     """Whether ``module``'s part ``name`` is a module with a hook that calling around it would skip."""
     part = getattr(module, name, None)
-    return isinstance(part, torch.nn.Module) and hooked(part)
+    return isinstance(part, torch.nn.Module) and hooked(part, gathering=True)  # an activation has no parameters
 
 
 def swiglu_mlp_plus(mlp: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:

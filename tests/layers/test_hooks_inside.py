@@ -110,3 +110,20 @@ def test_a_hook_writing_in_place_inside_a_patched_layer_trains_as_unpatched(
     assert got_grads.keys() == grads.keys()
     for key, grad in grads.items():
         torch.testing.assert_close(got_grads[key], grad, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_zero3s_own_hooks_do_not_turn_a_gathering_path_aside():
+    """ZeRO-3 hooks every module to gather and free its parameters; a fused path that gathers them itself
+    (``backends.deepspeed.gather``) asks ``hooked(..., gathering=True)``, which passes over DeepSpeed's hooks but
+    not a user's."""
+    from fusepatch.layers.support.hooks import hooked
+
+    def gather_hook(module, args):  # stands for ZeRO-3's pre-forward hook (deepspeed.runtime.zero.parameter_offload)
+        return None
+
+    gather_hook.__module__ = "deepspeed.runtime.zero.parameter_offload"
+    norm = torch.nn.LayerNorm(4)
+    norm.register_forward_pre_hook(gather_hook)
+    assert hooked(norm) and not hooked(norm, gathering=True)
+    norm.register_forward_hook(lambda module, args, out: out.mul_(2))
+    assert hooked(norm, gathering=True)

@@ -7,17 +7,24 @@ import torch
 from torch.nn.modules import module as _module
 
 
-def _active(hooks) -> bool:
+def _active(hooks, gathering: bool = False) -> bool:
     """Whether ``hooks`` (a module's or the global hook dict) holds one that must see the module's call. The
     profiler labels of ``fusepatch.diagnostics.profile.label_layers`` are marked passive: skipping them only moves the ops
-    into the enclosing label, and honouring them would make the profiled step differ from the timed ones."""
-    return any(not getattr(hook, "_fusepatch_passive", False) for hook in (hooks or {}).values())
+    into the enclosing label, and honouring them would make the profiled step differ from the timed ones. With
+    ``gathering``, so are DeepSpeed's own hooks (ZeRO-3's, which gather and free the module's parameters)."""
+    return any(
+        not getattr(hook, "_fusepatch_passive", False)
+        and not (gathering and str(getattr(hook, "__module__", "")).startswith("deepspeed."))
+        for hook in (hooks or {}).values()
+    )
 
 
-def hooked(module: torch.nn.Module) -> bool:
+def hooked(module: torch.nn.Module, gathering: bool = False) -> bool:
     """Whether calling ``module``'s parts directly would skip a hook (its own or a global one). Asked for every
     projection of every forward, so the usual case, no hook anywhere, is answered from the dicts' truth alone:
-    a generator over all eight hook dicts made ``plain_linears`` a visible share of a host-bound forward."""
+    a generator over all eight hook dicts made ``plain_linears`` a visible share of a host-bound forward.
+    ``gathering``: the caller reads the module's parameters through ``backends.deepspeed.gather`` (or the module
+    has none), so ZeRO-3's hooks, which every module has under it, need not run; a user's hook still counts."""
     every = (
         module._forward_hooks,
         module._forward_pre_hooks,
@@ -28,7 +35,7 @@ def hooked(module: torch.nn.Module) -> bool:
         _module._global_backward_hooks,
         getattr(_module, "_global_backward_pre_hooks", None),
     )
-    return any(every) and any(_active(hooks) for hooks in every)
+    return any(every) and any(_active(hooks, gathering) for hooks in every)
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
