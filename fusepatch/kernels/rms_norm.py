@@ -32,8 +32,9 @@ from fusepatch.kernels.fp8 import FP8_MAX, FP8_TINY, store_fp8_rows
 from fusepatch.kernels.rows import as_rows
 
 
-# ``emit_fp8`` is a runtime argument, not a constexpr: one compiled kernel serves both, so the output a projection
-# reads is bit for bit the same with its FP8 rows written or not. Two variants compiled apart gave a few outputs
+# ``emit_fp8`` is a runtime argument, not a constexpr, and the rows' buffers have their dtypes either way
+# (``_unused_rows``): one compiled kernel serves both, so the output a projection reads is bit for bit the same with
+# its FP8 rows written or not. Two variants compiled apart gave a few outputs
 # that differed by a rounding (on an H100: 12 of 3.1 million at the 27B width), as the compiler ordered their
 # arithmetic each its own way.
 @triton.jit(do_not_specialize=["rows", "emit_fp8"])
@@ -178,6 +179,12 @@ def _blocks(dim: int) -> tuple[int, int, int]:
 BWD_STEPS = 8
 
 
+def _unused_rows(out: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-ins for the FP8 rows' buffers where none are written, of the real buffers' dtypes (FP8 codes, fp32
+    scales): Triton builds a kernel per argument dtype, and one kernel must serve both (``emit_fp8``)."""
+    return out.view(torch.float8_e4m3fn), rstd
+
+
 def _norm_forward(flat, weight, eps, flags, z, y, add=None, fp8=None):
     """Launch the forward kernel over ``flat`` ``[rows, D]`` (rows any stride apart, columns contiguous); with
     ``add = (a, res)`` it first writes ``res + a`` into ``flat`` (contiguous); with ``fp8 = (q, inverse)`` it also
@@ -195,7 +202,7 @@ def _norm_forward(flat, weight, eps, flags, z, y, add=None, fp8=None):
             z,
             y,
             rstd,
-            *(fp8 if fp8 is not None else (y, rstd)),
+            *(fp8 if fp8 is not None else _unused_rows(y, rstd)),
             rows,
             flat.stride(0),
             eps,
@@ -230,7 +237,7 @@ def _norm_backward(flat, weight, rstd, z, grad, flags, dres=None, fp8=None):
             dx,
             dz,
             partial,
-            *(fp8 if fp8 is not None else (dx, rstd)),
+            *(fp8 if fp8 is not None else _unused_rows(dx, rstd)),
             rows,
             flat.stride(0),
             int(fp8 is not None),

@@ -73,6 +73,7 @@ def _inputs(shape, dtype):
 @pytest.mark.parametrize("shape", [(2, 301, 5120), (7, 1024), (5, 64)], ids=["hidden", "narrow", "rows-a-program"])
 def test_norm_kernels_write_the_reference_rows(shape, dtype):
     from fusepatch.kernels import fp8_rows
+    from fusepatch.kernels import rms_norm as module
     from fusepatch.kernels.rms_norm import add_rms_norm, add_rms_norm_zero_centered, rms_norm, rms_norm_zero_centered
 
     x, residual = _inputs(shape, dtype), torch.randn(shape, device="cuda").to(dtype)
@@ -81,11 +82,14 @@ def test_norm_kernels_write_the_reference_rows(shape, dtype):
     cases += [(f, (x, residual, weight, 1e-6)) for f in (add_rms_norm, add_rms_norm_zero_centered)]
     for norm, args in cases:
         plain = norm(*args)
+        built = len(module._rms_norm_fwd.device_caches[torch.cuda.current_device()][0])
         with fp8_rows.frame() as frame:
             with frame.emitting():
                 out = norm(*args)
             y = out[0] if isinstance(out, tuple) else out
             _same_bits(fp8_rows.carried(y).rows, y)
+        # the same compiled kernel with rows as without (the rows flag a runtime argument): the same arithmetic
+        assert len(module._rms_norm_fwd.device_caches[torch.cuda.current_device()][0]) == built
         plain = plain[0] if isinstance(plain, tuple) else plain
         assert torch.equal(y.nan_to_num(), plain.nan_to_num()), _differ(norm.__name__, y, plain)  # as without rows
 
@@ -115,6 +119,7 @@ def test_swiglu_kernels_write_the_reference_rows_forward_and_backward(shape):
 @pytest.mark.parametrize("shape", [(2, 301, 5120), (7, 1024)], ids=["hidden", "narrow"])
 def test_add_norm_backward_writes_the_reference_rows(shape):
     from fusepatch.kernels import fp8_rows
+    from fusepatch.kernels import rms_norm as module
     from fusepatch.kernels.rms_norm import add_rms_norm_zero_centered
 
     x = torch.randn(shape, device="cuda").to(torch.bfloat16).requires_grad_(True)
@@ -122,10 +127,12 @@ def test_add_norm_backward_writes_the_reference_rows(shape):
     weight = (torch.randn(shape[-1], device="cuda") * 0.1).to(torch.bfloat16)
     dy, dh = _inputs(shape, torch.bfloat16), torch.randn(shape, device="cuda").to(torch.bfloat16)
     plain = torch.autograd.grad(add_rms_norm_zero_centered(x, residual, weight, 1e-6), (x, residual), (dy, dh))
+    built = len(module._rms_norm_bwd.device_caches[torch.cuda.current_device()][0])
     with fp8_rows.frame() as frame:
         with frame.emitting(False, gradients=True):
             outs = add_rms_norm_zero_centered(x, residual, weight, 1e-6)
     grad, _ = torch.autograd.grad(outs, (x, residual), (dy, dh))
+    assert len(module._rms_norm_bwd.device_caches[torch.cuda.current_device()][0]) == built  # one kernel for both
     assert torch.equal(grad.nan_to_num(), plain[0].nan_to_num()), _differ("the input gradient", grad, plain[0])
     flat = grad.reshape(-1, shape[-1])
     _same_bits(fp8_rows.carried_gradient(flat), flat)

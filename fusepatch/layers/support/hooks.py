@@ -11,7 +11,8 @@ def _active(hooks, gathering: bool = False) -> bool:
     """Whether ``hooks`` (a module's or the global hook dict) holds one that must see the module's call. The
     profiler labels of ``fusepatch.diagnostics.profile.label_layers`` are marked passive: skipping them only moves the ops
     into the enclosing label, and honouring them would make the profiled step differ from the timed ones. With
-    ``gathering``, so are DeepSpeed's own hooks (ZeRO-3's, which gather and free the module's parameters)."""
+    ``gathering``, so are DeepSpeed's hooks: ZeRO-3's gather and free the module's parameters (defined in
+    ``deepspeed.runtime.zero``, most wrapped by ``deepspeed.utils.nvtx``, whose wrapper names its own module)."""
     return any(
         not getattr(hook, "_fusepatch_passive", False)
         and not (gathering and str(getattr(hook, "__module__", "")).startswith("deepspeed."))

@@ -70,7 +70,7 @@ def narrow_group(linears) -> tuple[int, ...]:
 class _SharedInputLinears(torch.autograd.Function):
     """``F.linear(x, w_i, b_i)`` for every i; the backward accumulates ``dx`` through ``addmm_``. The projections
     named in ``narrow`` run as one GEMM over their concatenated weights, forward and backward; their outputs are
-    views of its output."""
+    copies of its columns."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, count: int, narrow: tuple[int, ...], *params: torch.Tensor | None):
