@@ -103,3 +103,33 @@ def test_producers_write_the_fp8_rows_quantize_rows_gives_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_norm_launches_one_kernel_with_rows_or_without(monkeypatch):
+    """Triton builds a kernel per argument dtype and constexpr: the norms' launches with FP8 rows and without pass
+    the same (the rows flag a runtime argument, stand-in buffers of the rows' dtypes), so one compiled kernel
+    computes the output either way, forward and backward, and its bits cannot differ (they did on an H100 with two
+    kernels)."""
+    import torch
+
+    from fusepatch.kernels import fp8_rows
+    from fusepatch.kernels import rms_norm as module
+
+    launches = []
+
+    class Grab:  # stands for a Triton kernel: records each launch's argument dtypes and keyword constexprs
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(
+                ([str(a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args], kwargs)
+            )
+
+    monkeypatch.setattr(module, "_rms_norm_fwd", Grab())
+    monkeypatch.setattr(module, "_rms_norm_bwd", Grab())
+    x = torch.randn(6, 64, dtype=torch.bfloat16)
+    weight = torch.randn(64, dtype=torch.bfloat16)
+    flags = module._flags(True, False, x.dtype, weight.dtype)
+    for rows in (None, fp8_rows.buffers(x)):
+        rstd = module._norm_forward(x, weight, 1e-6, flags, x, torch.empty_like(x), fp8=rows)
+        module._norm_backward(x, weight, rstd, x, torch.randn_like(x), flags, fp8=rows)
+    plain_fwd, plain_bwd, rows_fwd, rows_bwd = launches
+    assert plain_fwd == rows_fwd and plain_bwd == rows_bwd, launches
