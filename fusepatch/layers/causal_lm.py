@@ -16,7 +16,7 @@ from fusepatch.backends import deepspeed
 from fusepatch.base.dtypes import autocast_dtype, dtype_name, fsdp_compute_dtype
 from fusepatch.base.row import Binding
 from fusepatch.layers.support import bindings
-from fusepatch.layers.support.hooks import hooked
+from fusepatch.layers.support.hooks import may_bypass
 from fusepatch.layers.support.labelled_rows import LabelledRows, check_fit
 from fusepatch.layers.support.packing import note_padding, traced_plain_call
 from fusepatch.layers.support.positions import FIND_PACKED, MASKING, plain_positions, skip_plain, wants_plain_positions
@@ -184,14 +184,14 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
 
 def _fuses_loss(self, dispatch, labels, logits_to_keep, device_type: str) -> bool:
     """Whether this call's loss goes through the fused op: labels given, every position's logits asked for (an
-    int ``logits_to_keep`` of 0), an lm_head without bias or hooks (the fused loss never calls it), and a fused
-    candidate for the device and dtype."""
+    int ``logits_to_keep`` of 0), an lm_head without bias, hooks or a forward set on it (the fused loss never calls
+    it), and a fused candidate for the device and dtype."""
     return (
         labels is not None
         and isinstance(logits_to_keep, int)
         and logits_to_keep == 0
         and getattr(self.lm_head, "bias", None) is None
-        and not hooked(self.lm_head, gathering=True)
+        and may_bypass(self.lm_head, gathering=True)
         and dispatch.choice(device_type, dtype_name(_loss_dtype(self.lm_head.weight, self))).fused
     )
 

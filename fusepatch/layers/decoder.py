@@ -37,7 +37,7 @@ from fusepatch.backends import deepspeed
 from fusepatch.base.dtypes import dtype_name
 from fusepatch.kernels import fp8_rows
 from fusepatch.layers.simple import _eps, swiglu_mlp_plus
-from fusepatch.layers.support.hooks import hooked
+from fusepatch.layers.support.hooks import may_bypass, same_family
 from fusepatch.layers.support.packing import packed_kwargs
 from fusepatch.layers.support.signature import CACHE_NAMES, forward_parameters
 
@@ -113,8 +113,9 @@ def _fused_forward(self, *args, **kwargs) -> torch.Tensor:
     trained = _feeds_fp8(residual, (getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)), trained=True)
     with _frame(fed or mixed or fed_down or trained) as frame:  # the norm's and the SwiGLU's rows, for the MLP's
         # _run chose this forward because the op is fused for the layer input's device and dtype: the same dtype
-        # here means the same choice. A hook on the norm runs only where the norm module is called.
-        if hidden_states.dtype == residual.dtype and not hooked(norm, gathering=True):
+        # here means the same choice. The norm module is called where its own work would not be the fused one's: a
+        # hook on it, a forward set on it, or another class swapped in.
+        if hidden_states.dtype == residual.dtype and may_bypass(norm, gathering=True) and same_family(norm, self):
             dispatch = self._fusepatch.ops[_add_norm_op(self)]
             deepspeed.gather(self, norm.weight)  # the norm's own forward (ZeRO-3 would gather it for) is not called
             with frame.emitting(fed, gradients=mixed):

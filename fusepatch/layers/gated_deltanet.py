@@ -22,7 +22,7 @@ import torch
 from fusepatch.backends import deepspeed
 from fusepatch.base.state import current as process_state
 from fusepatch.layers.support import dispatch_guard, linear_cache
-from fusepatch.layers.support.hooks import hooked
+from fusepatch.layers.support.hooks import may_bypass, same_family
 from fusepatch.layers.support.projections import apply_linear, project
 
 logger = logging.getLogger("fusepatch")
@@ -238,12 +238,10 @@ def gated_deltanet_forward(
             final = final.index_select(0, _last_documents(cu_seqlens, batch, length))
         linear_cache.store_recurrent_state(cache, self.layer_idx, final)
     core, z = core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim)
-    if hooked(
-        self.norm, gathering=True
-    ):  # its hooks run as transformers runs them: the module called, with its own forward
-        core = self.norm(core, z)
-    else:
+    if may_bypass(self.norm, gathering=True) and same_family(self.norm, self):
         core = ops["gated_rms_norm"](core, z, self.norm.weight, self.norm.variance_epsilon)
+    else:  # a hook, a forward set on it or another class: the module called, as transformers calls it
+        core = self.norm(core, z)
     return apply_linear(self.out_proj, core.reshape(batch, length, -1))
 
 

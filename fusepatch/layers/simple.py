@@ -6,7 +6,8 @@ import torch
 
 from fusepatch.base.dtypes import dtype_name
 from fusepatch.layers.mlp_recompute import recomputed_down
-from fusepatch.layers.support.projections import apply_linear, hooked, linear_plus, project
+from fusepatch.layers.support.hooks import may_bypass
+from fusepatch.layers.support.projections import apply_linear, linear_plus, project
 
 
 def _eps(self) -> float:
@@ -24,10 +25,7 @@ def rms_norm_zero_centered_forward(self, hidden_states: torch.Tensor) -> torch.T
 def swiglu_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """The MLP ``down(swiglu(gate(x), up(x)))``; with ``residual`` (the decoder layer calls it so, see
     ``swiglu_mlp_plus``) ``residual + mlp(x)``, the add done by the down projection's GEMM where it can."""
-    # SwiGLU kernels assume SiLU; a hook on act_fn runs only where the module computes its activation itself
-    if getattr(getattr(self, "config", None), "hidden_act", "silu") not in ("silu", "swish") or _hooked_part(
-        self, "act_fn"
-    ):
+    if not _silu_act(self):  # the SwiGLU kernels compute SiLU; anything else runs as transformers runs it
         out = self._fusepatch.original(x)
         return out if residual is None else residual + out
     swiglu = self._fusepatch.ops["swiglu"]
@@ -39,17 +37,27 @@ def swiglu_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = No
     return apply_linear(self.down_proj, act) if residual is None else linear_plus(self.down_proj, act, residual)
 
 
-def _hooked_part(module: torch.nn.Module, name: str) -> bool:
-    """Whether ``module``'s part ``name`` is a module with a hook that calling around it would skip."""
-    part = getattr(module, name, None)
-    return isinstance(part, torch.nn.Module) and hooked(part, gathering=True)  # an activation has no parameters
+# transformers' SiLU activations (``ACT2FN["silu"]``, ``ACT2FN["swish"]``), which the SwiGLU kernels compute
+_SILU = {("transformers.activations", "SiLUActivation"), ("torch.nn.modules.activation", "SiLU")}
+
+
+def _silu_act(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s activation is what the fused SwiGLU computes: SiLU by its config and by its ``act_fn``
+    (a SiLU module running its own forward, with no hook to see its call; a module swapped in after the model was
+    built, a forward set on it or a hook make the MLP compute as transformers does)."""
+    if getattr(getattr(module, "config", None), "hidden_act", "silu") not in ("silu", "swish"):
+        return False
+    act = getattr(module, "act_fn", None)
+    if not isinstance(act, torch.nn.Module):
+        return True  # no module to honour: the config decides, as before
+    return (type(act).__module__, type(act).__name__) in _SILU and may_bypass(act, gathering=True)
 
 
 def swiglu_mlp_plus(mlp: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
     """``residual + mlp(x)`` through ``swiglu_mlp_forward`` when ``mlp`` runs it (patched, no hooks to honour);
     None otherwise (the caller calls the module)."""
     state = getattr(mlp, "_fusepatch", None)
-    if state is None or state.row.forward is not swiglu_mlp_forward or hooked(mlp):
+    if state is None or state.row.forward is not swiglu_mlp_forward or not may_bypass(mlp):
         return None
     return swiglu_mlp_forward(mlp, x, residual)
 
@@ -65,8 +73,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         and self.gate_up_proj.ndim == 3
         and not getattr(self, "is_transposed", False)
         and not getattr(self, "has_bias", False)
-        and getattr(getattr(self, "config", None), "hidden_act", "silu") in ("silu", "swish")
-        and not _hooked_part(self, "act_fn")  # the fused op computes the activation itself
+        and _silu_act(self)  # the fused op computes the activation itself
     )
     if standard and dispatch.choice(hidden_states.device.type, dtype_name(hidden_states.dtype)).fused:
         return dispatch(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)

@@ -127,3 +127,88 @@ def test_zero3s_own_hooks_do_not_turn_a_gathering_path_aside():
     assert hooked(norm) and not hooked(norm, gathering=True)
     norm.register_forward_hook(lambda module, args, out: out.mul_(2))
     assert hooked(norm, gathering=True)
+
+
+class _LayerNorm(torch.nn.Module):
+    """Another norm than the model's, with the attributes an RMSNorm has (``weight``, ``variance_epsilon``)."""
+
+    def __init__(self, size: int, gated: bool = False) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((size,), 0.9))
+        self.variance_epsilon = 1e-6
+        self.gated = gated
+
+    def forward(self, x, gate=None):
+        out = torch.nn.functional.layer_norm(x, x.shape[-1:], self.weight, None, 1e-6)
+        return out * torch.sigmoid(gate) if self.gated else out
+
+
+def _wrap(module: torch.nn.Module) -> None:
+    """A forward set on the instance: the module's own, scaled."""
+    own = module.forward
+    module.forward = lambda *args, **kwargs: own(*args, **kwargs) * 1.5
+
+
+def _swap(path: str, make):
+    def change(model):
+        owner, _, name = path.rpartition(".")
+        parent = model.get_submodule(owner)
+        setattr(parent, name, make(getattr(parent, name)))
+
+    return change
+
+
+CHANGES = {  # (family, what is done to the model after apply)
+    "post-norm forward": ("qwen3", lambda m: _wrap(m.model.layers[0].post_attention_layernorm)),
+    "act_fn forward": ("qwen3", lambda m: _wrap(m.model.layers[0].mlp.act_fn)),
+    "mlp forward": ("qwen3", lambda m: _wrap(m.model.layers[0].mlp)),
+    "lm_head forward": ("qwen3", lambda m: _wrap(m.lm_head)),
+    "DeltaNet norm forward": ("qwen3_5_text", lambda m: _wrap(m.model.layers[0].linear_attn.norm)),
+    "act_fn GELU": ("qwen3", _swap("model.layers.0.mlp.act_fn", lambda old: torch.nn.GELU())),
+    "experts act_fn GELU": ("qwen3_moe", _swap("model.layers.0.mlp.experts.act_fn", lambda old: torch.nn.GELU())),
+    "post-norm LayerNorm": (
+        "qwen3",
+        _swap("model.layers.0.post_attention_layernorm", lambda old: _LayerNorm(old.weight.shape[0])),
+    ),
+    "post-norm Identity": ("qwen3", _swap("model.layers.0.post_attention_layernorm", lambda old: torch.nn.Identity())),
+    "DeltaNet norm another": (
+        "qwen3_5_text",
+        _swap("model.layers.0.linear_attn.norm", lambda old: _LayerNorm(old.weight.shape[0], gated=True)),
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_module_changed_after_apply_is_computed_as_changed(fused_on_cpu, change):
+    """A forward set on a module's instance, or a module swapped for another class, after ``apply``: where a fused
+    path would do that module's work itself, it calls the module instead, so the model computes what it holds."""
+    family, alter = CHANGES[change]
+    results = []
+    for patched in (False, True):
+        model = _model(family, patched, lora=False)
+        if patched and "experts" in change:
+            assert model.model.layers[0].mlp.experts.__dict__.get("_fusepatch") is not None
+        torch.manual_seed(0)  # the swapped-in modules' weights alike
+        alter(model)
+        torch.manual_seed(1)
+        batch = lm_batch(model, batch=2, length=13)
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss, grads), (got_loss, got_grads) = results
+    torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == grads.keys()
+    for key, grad in grads.items():
+        torch.testing.assert_close(got_grads[key], grad, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_a_sharded_layers_own_norm_is_of_its_family():
+    """FSDP2's ``fully_shard`` swaps a layer's class for one it makes (defined in torch, over the model's): the
+    layer's own norm still counts as its family's, another class does not."""
+    from fusepatch.layers.support.hooks import same_family
+
+    layer = tiny_model("qwen3", seed=0, num_hidden_layers=1).model.layers[0]
+    layer.__class__ = type(f"FSDP{type(layer).__name__}", (type(layer),), {"__module__": "torch.distributed.fsdp"})
+    assert same_family(layer.post_attention_layernorm, layer)
+    assert not same_family(torch.nn.Identity(), layer)

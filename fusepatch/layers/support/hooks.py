@@ -48,3 +48,27 @@ def in_dtype(linear: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Whether a linear's weight and bias (if any) are in ``dtype``: outside autocast, its GEMM then takes an input
     of that dtype as the module itself would."""
     return linear.weight.dtype == dtype and (linear.bias is None or linear.bias.dtype == dtype)
+
+
+def runs_own_forward(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` runs its class's forward, or the one ``apply`` gave it: no forward another hand set
+    on the instance (a wrapper set after ``apply`` would not run where a fused path does the module's work)."""
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return True
+    state = module.__dict__.get("_fusepatch")
+    return state is not None and getattr(forward, "__func__", None) is state.row.forward
+
+
+def may_bypass(module: torch.nn.Module, gathering: bool = False) -> bool:
+    """Whether a fused path may do ``module``'s work without calling it: its own forward and no hook that must see
+    the call (``gathering``: as for ``hooked``). That its class computes what the fused path does is the caller's to
+    check."""
+    return runs_own_forward(module) and not hooked(module, gathering)
+
+
+def same_family(part: torch.nn.Module, owner: torch.nn.Module) -> bool:
+    """Whether ``part``'s class comes from ``owner``'s modeling file (a Qwen decoder layer's own RMSNorm, not a module
+    swapped in after the model was built: another norm, or ``nn.Identity``). The owner's bases count: FSDP2's
+    ``fully_shard`` gives a module a class of its own made in torch, over the model's."""
+    return any(type(part).__module__ == base.__module__ for base in type(owner).__mro__)
