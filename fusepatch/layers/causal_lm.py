@@ -184,15 +184,41 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
 
 def _fuses_loss(self, dispatch, labels, logits_to_keep, device_type: str) -> bool:
     """Whether this call's loss goes through the fused op: labels given, every position's logits asked for (an
-    int ``logits_to_keep`` of 0), an lm_head without bias, hooks or a forward set on it (the fused loss never calls
-    it), and a fused candidate for the device and dtype."""
+    int ``logits_to_keep`` of 0), an lm_head that is a plain linear map of its ``weight`` (``_linear_head``) without
+    bias, hooks or a forward set on it (the fused loss never calls it), and a fused candidate for the device and
+    dtype."""
     return (
         labels is not None
         and isinstance(logits_to_keep, int)
         and logits_to_keep == 0
         and getattr(self.lm_head, "bias", None) is None
         and may_bypass(self.lm_head, gathering=True)
+        and _linear_head(self.lm_head)
         and dispatch.choice(device_type, dtype_name(_loss_dtype(self.lm_head.weight, self))).fused
+    )
+
+
+def _linear_head(head: torch.nn.Module) -> bool:
+    """Whether ``head(hidden)`` is ``F.linear(hidden, head.weight)``, what the fused loss computes in its stead: an
+    ``nn.Linear`` whose forward is Linear's, or peft's ``ModulesToSaveWrapper`` whose forward calls such a module
+    holding the ``weight`` the wrapper gives (the active trainable copy, or the original). Not peft's LoRA ``Linear``
+    (its forward adds the adapters' product) nor any other class: the head is then called, as transformers calls
+    it."""
+    if type(head).forward is torch.nn.Linear.forward:
+        return True
+    if type(head).__name__ != "ModulesToSaveWrapper" or not type(head).__module__.startswith("peft."):
+        return False
+    active = list(head.active_adapters)
+    # the module the wrapper's forward calls (peft's AuxiliaryTrainingWrapper.forward and _forward_wrapped)
+    if head.disable_adapters or not active or any(name not in head._adapters for name in active):
+        inner = head.original_module
+    else:
+        inner = head.modules_to_save[active[0]] if active[0] in head.modules_to_save else None
+    return (
+        inner is not None
+        and type(inner).forward is torch.nn.Linear.forward
+        and may_bypass(inner, gathering=True)
+        and inner.weight is head.weight
     )
 
 

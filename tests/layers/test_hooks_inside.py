@@ -212,3 +212,44 @@ def test_a_sharded_layers_own_norm_is_of_its_family():
     layer.__class__ = type(f"FSDP{type(layer).__name__}", (type(layer),), {"__module__": "torch.distributed.fsdp"})
     assert same_family(layer.post_attention_layernorm, layer)
     assert not same_family(torch.nn.Identity(), layer)
+
+
+HEADS = {  # peft over lm_head: (target_modules, modules_to_save, whether the fused loss still computes the loss)
+    "LoRA on lm_head and q_proj": (["q_proj", "lm_head"], None, False),
+    "LoRA on lm_head only": (["lm_head"], None, False),
+    "lm_head a module to save": (["q_proj"], ["lm_head"], True),
+}
+
+
+@pytest.mark.parametrize("case", list(HEADS))
+def test_an_lm_head_peft_wraps_trains_as_unpatched(fused_on_cpu, monkeypatch, case):
+    """The fused loss computes ``F.linear(hidden, lm_head.weight)``: over peft's LoRA on the head (whose forward
+    adds the adapters' product) it calls the head instead, as transformers does; over peft's trainable copy of the
+    head (``modules_to_save``) it still fuses, with the copy's weight."""
+    import peft
+
+    from fusepatch.layers import causal_lm
+
+    targets, save, fuses = HEADS[case]
+    fused = []
+    plain_loss = causal_lm._fused_loss
+    monkeypatch.setattr(causal_lm, "_fused_loss", lambda *args: fused.append(1) or plain_loss(*args))
+    results = []
+    for patched in (False, True):
+        model = tiny_model("qwen3", seed=0, num_hidden_layers=2)
+        torch.manual_seed(0)
+        config = peft.LoraConfig(r=4, target_modules=targets, modules_to_save=save, init_lora_weights=False)
+        model = peft.get_peft_model(model, config)
+        if patched:
+            fusepatch.apply(model, verbose=False)
+        torch.manual_seed(1)
+        batch = lm_batch(model, batch=2, length=13)
+        loss = model.train()(**batch).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss, grads), (got_loss, got_grads) = results
+    assert bool(fused) == fuses
+    torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == grads.keys()
+    for key, grad in grads.items():
+        torch.testing.assert_close(got_grads[key], grad, rtol=1e-4, atol=1e-5, msg=key)
