@@ -46,6 +46,25 @@ def _model(family: str, patched: bool, lora: bool):
     return model.train()
 
 
+def _loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One step's loss and gradients (by name, peft's prefix left out). Not ``helpers.loss_and_grads``: the fused
+    loss returns no logits in training."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {n.removeprefix("base_model.model."): p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def _assert_same(expected, got) -> None:
+    """Two ``_loss_and_grads`` results: the loss within 1e-5, every gradient within 1e-4 (fp32, relative)."""
+    (loss, grads), (got_loss, got_grads) = expected, got
+    torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == grads.keys()
+    for key, grad in grads.items():
+        torch.testing.assert_close(got_grads[key], grad, rtol=1e-4, atol=1e-5, msg=key)
+
+
 def _step(model, batch, name: str, pre: bool):
     """Loss, gradients and how often the hook ran, with ``mul_(1.5)`` on the module's output (or first input)."""
     calls = []
@@ -61,13 +80,9 @@ def _step(model, batch, name: str, pre: bool):
     else:
         handle = module.register_forward_hook(lambda m, args, out: edit(out if isinstance(out, tuple) else (out,)))
     try:
-        model.zero_grad(set_to_none=True)
-        loss = model(**batch).loss
-        loss.backward()
+        return (*_loss_and_grads(model, batch), len(calls))
     finally:
         handle.remove()
-    grads = {n.removeprefix("base_model.model."): p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads, len(calls)
 
 
 CASES = [  # (family, LoRA, FUSEPATCH_MLP_RECOMPUTE, module, a pre-hook)
@@ -104,12 +119,9 @@ def test_a_hook_writing_in_place_inside_a_patched_layer_trains_as_unpatched(
         batch = lm_batch(model, batch=2, length=13)
         prefix = "base_model.model." if lora else ""
         results.append(_step(model, batch, prefix + name, pre))
-    (loss, grads, calls), (got_loss, got_grads, got_calls) = results
+    (*expected, calls), (*got, got_calls) = results
     assert got_calls == calls == 1
-    torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6)
-    assert got_grads.keys() == grads.keys()
-    for key, grad in grads.items():
-        torch.testing.assert_close(got_grads[key], grad, rtol=1e-4, atol=1e-5, msg=key)
+    _assert_same(expected, got)
 
 
 def test_zero3s_own_hooks_do_not_turn_a_gathering_path_aside():
@@ -191,16 +203,8 @@ def test_a_module_changed_after_apply_is_computed_as_changed(fused_on_cpu, chang
         torch.manual_seed(0)  # the swapped-in modules' weights alike
         alter(model)
         torch.manual_seed(1)
-        batch = lm_batch(model, batch=2, length=13)
-        model.zero_grad(set_to_none=True)
-        loss = model(**batch).loss
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (loss, grads), (got_loss, got_grads) = results
-    torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6)
-    assert got_grads.keys() == grads.keys()
-    for key, grad in grads.items():
-        torch.testing.assert_close(got_grads[key], grad, rtol=1e-4, atol=1e-5, msg=key)
+        results.append(_loss_and_grads(model, lm_batch(model, batch=2, length=13)))
+    _assert_same(*results)
 
 
 def test_a_sharded_layers_own_norm_is_of_its_family():
@@ -243,13 +247,6 @@ def test_an_lm_head_peft_wraps_trains_as_unpatched(fused_on_cpu, monkeypatch, ca
         if patched:
             fusepatch.apply(model, verbose=False)
         torch.manual_seed(1)
-        batch = lm_batch(model, batch=2, length=13)
-        loss = model.train()(**batch).loss
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (loss, grads), (got_loss, got_grads) = results
+        results.append(_loss_and_grads(model.train(), lm_batch(model, batch=2, length=13)))
     assert bool(fused) == fuses
-    torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6)
-    assert got_grads.keys() == grads.keys()
-    for key, grad in grads.items():
-        torch.testing.assert_close(got_grads[key], grad, rtol=1e-4, atol=1e-5, msg=key)
+    _assert_same(*results)
