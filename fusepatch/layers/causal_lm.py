@@ -209,8 +209,11 @@ def _linear_head(head: torch.nn.Module) -> bool:
     if type(head).__name__ != "ModulesToSaveWrapper" or not type(head).__module__.startswith("peft."):
         return False
     active = list(head.active_adapters)
+    trained = getattr(head, "_adapters", None)  # peft's own attribute: where a peft lacks it, the head is called
+    if trained is None:
+        return False
     # the module the wrapper's forward calls (peft's AuxiliaryTrainingWrapper.forward and _forward_wrapped)
-    if head.disable_adapters or not active or any(name not in head._adapters for name in active):
+    if head.disable_adapters or not active or any(name not in trained for name in active):
         inner = head.original_module
     else:
         inner = head.modules_to_save[active[0]] if active[0] in head.modules_to_save else None
