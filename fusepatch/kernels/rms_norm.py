@@ -32,12 +32,11 @@ from fusepatch.kernels.fp8 import FP8_MAX, FP8_TINY, store_fp8_rows
 from fusepatch.kernels.rows import as_rows
 
 
-# ``emit_fp8`` is a runtime argument, not a constexpr, and the rows' buffers have their dtypes either way
-# (``_unused_rows``): one compiled kernel serves both, so the output a projection reads is bit for bit the same with
-# its FP8 rows written or not. Two variants compiled apart gave a few outputs
-# that differed by a rounding (on an H100: 12 of 3.1 million at the 27B width), as the compiler ordered their
-# arithmetic each its own way.
-@triton.jit(do_not_specialize=["rows", "emit_fp8"])
+# ``FP8`` is a constexpr: the kernel with rows is compiled apart from the plain one, which keeps no branch for
+# them. (As a runtime flag it slowed the plain backward kernel 3.3x on an H100.) The two compiles may order their
+# arithmetic differently, so an output can differ from the plain kernel's by one rounding in a few values (12 of
+# 3.1 million at the 27B width); the rows are always the quantization of the output this kernel wrote.
+@triton.jit(do_not_specialize=["rows"])
 def _rms_norm_fwd(
     x,
     a,
@@ -51,7 +50,6 @@ def _rms_norm_fwd(
     rows,
     x_stride,
     eps,
-    emit_fp8,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -59,6 +57,7 @@ def _rms_norm_fwd(
     GATED: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,
     ADD: tl.constexpr,
+    FP8: tl.constexpr = False,
     FP8_MAX: tl.constexpr = FP8_MAX,
     TINY: tl.constexpr = FP8_TINY,
 ):
@@ -90,12 +89,11 @@ def _rms_norm_fwd(
         zv = tl.load(z + offsets, mask=mask, other=0.0).to(tl.float32)
         out = out * zv * tl.sigmoid(zv)
     tl.store(y + offsets, out.to(y.dtype.element_ty), mask=mask)
-    # the FP8 rows of the rounded output, for the FP8 projections it feeds (``kernels/fp8_rows``)
-    if emit_fp8 != 0:
+    if FP8:  # the FP8 rows of the rounded output, for the FP8 projections it feeds (``kernels/fp8_rows``)
         store_fp8_rows(out.to(y.dtype.element_ty).to(tl.float32), mask, q + offsets, inverse + r, row_ok, FP8_MAX, TINY)
 
 
-@triton.jit(do_not_specialize=["rows", "emit_fp8"])  # emit_fp8 a runtime argument, as in the forward
+@triton.jit(do_not_specialize=["rows"])
 def _rms_norm_bwd(
     x,
     w,
@@ -110,7 +108,6 @@ def _rms_norm_bwd(
     inverse,
     rows,
     x_stride,
-    emit_fp8,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -119,6 +116,7 @@ def _rms_norm_bwd(
     GATED: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,
     HAS_DRES: tl.constexpr,
+    FP8: tl.constexpr = False,
     FP8_MAX: tl.constexpr = FP8_MAX,
     TINY: tl.constexpr = FP8_TINY,
 ):
@@ -158,8 +156,7 @@ def _rms_norm_bwd(
         if HAS_DRES:  # x was also returned (the next residual): its gradient adds to the norm's
             gx += tl.load(dres + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx + offsets, gx.to(dx.dtype.element_ty), mask=mask)
-        # the FP8 rows of dx, for the FP8 projection whose output gradient it is (``kernels/fp8_rows``)
-        if emit_fp8 != 0:
+        if FP8:  # the FP8 rows of dx, for the FP8 projection whose output gradient it is (``kernels/fp8_rows``)
             rounded = gx.to(dx.dtype.element_ty).to(tl.float32)
             store_fp8_rows(rounded, mask, q + offsets, inverse + r, row_ok, FP8_MAX, TINY)
     tl.store(dw_partial + pid * D + c, tl.sum(acc, axis=0), mask=col_ok)
@@ -179,12 +176,6 @@ def _blocks(dim: int) -> tuple[int, int, int]:
 BWD_STEPS = 8
 
 
-def _unused_rows(out: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stand-ins for the FP8 rows' buffers where none are written, of the real buffers' dtypes (FP8 codes, fp32
-    scales): Triton builds a kernel per argument dtype, and one kernel must serve both (``emit_fp8``)."""
-    return out.view(torch.float8_e4m3fn), rstd
-
-
 def _norm_forward(flat, weight, eps, flags, z, y, add=None, fp8=None):
     """Launch the forward kernel over ``flat`` ``[rows, D]`` (rows any stride apart, columns contiguous); with
     ``add = (a, res)`` it first writes ``res + a`` into ``flat`` (contiguous); with ``fp8 = (q, inverse)`` it also
@@ -202,16 +193,16 @@ def _norm_forward(flat, weight, eps, flags, z, y, add=None, fp8=None):
             z,
             y,
             rstd,
-            *(fp8 if fp8 is not None else _unused_rows(y, rstd)),
+            *(fp8 if fp8 is not None else (y, rstd)),
             rows,
             flat.stride(0),
             eps,
-            int(fp8 is not None),
             D=dim,
             BLOCK_D=block_d,
             BLOCK_ROWS=block_rows,
             num_warps=warps,
             ADD=add is not None,
+            FP8=fp8 is not None,
             **flags,
         )
     return rstd
@@ -237,16 +228,16 @@ def _norm_backward(flat, weight, rstd, z, grad, flags, dres=None, fp8=None):
             dx,
             dz,
             partial,
-            *(fp8 if fp8 is not None else _unused_rows(dx, rstd)),
+            *(fp8 if fp8 is not None else (dx, rstd)),
             rows,
             flat.stride(0),
-            int(fp8 is not None),
             D=dim,
             BLOCK_D=block_d,
             BLOCK_ROWS=block_rows,
             STEPS=BWD_STEPS,
             num_warps=warps,
             HAS_DRES=dres is not None,
+            FP8=fp8 is not None,
             **flags,
         )
     return dx, (dz if flags["GATED"] else None), partial.sum(0).to(weight.dtype)

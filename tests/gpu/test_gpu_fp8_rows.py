@@ -1,8 +1,9 @@
 """FP8 rows written by their producers (``kernels/fp8_rows``) on the GPU: the compiled RMSNorm, add-RMSNorm and
 SwiGLU kernels (forward; the SwiGLU's and the add-RMSNorm's backward gradients) give the bits ``quantize_rows_reference`` gives on
 their output, at the 27B layer widths; a mini Qwen3.5 trained with ``apply(precision="fp8")`` computes the same
-loss and gradients with the rows carried as with every input quantized by its projection, with fewer quantization
-launches; an activation written in place after its rows were made is quantized again."""
+loss and gradients with the rows carried as with every input quantized by its projection (but for the norms' few
+roundings, a small part of what FP8 itself changes), with fewer quantization launches; an activation written in
+place after its rows were made is quantized again."""
 
 from __future__ import annotations
 
@@ -60,6 +61,17 @@ def _differ(what: str, got: torch.Tensor, want: torch.Tensor) -> str:
     )
 
 
+def _one_rounding(what: str, got: torch.Tensor, want: torch.Tensor, most: float = 1e-4) -> None:
+    """``got`` is ``want`` but for one rounding in at most ``most`` of its values (one, in a small tensor): what the
+    norm's kernel compiled with FP8 rows and the one compiled without may differ by (``kernels/rms_norm.py``; on an
+    H100, 7 to 69 of 3.1 million values)."""
+    got, want = got.nan_to_num(), want.nan_to_num()
+    differ = got != want
+    steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()[differ]
+    few = int(differ.sum()) <= max(1, most * got.numel())
+    assert few and bool((steps <= 1).all()), _differ(what, got, want)
+
+
 def _inputs(shape, dtype):
     x = torch.randn(shape, device="cuda").to(dtype)
     flat = x.view(-1, shape[-1])
@@ -73,7 +85,6 @@ def _inputs(shape, dtype):
 @pytest.mark.parametrize("shape", [(2, 301, 5120), (7, 1024), (5, 64)], ids=["hidden", "narrow", "rows-a-program"])
 def test_norm_kernels_write_the_reference_rows(shape, dtype):
     from fusepatch.kernels import fp8_rows
-    from fusepatch.kernels import rms_norm as module
     from fusepatch.kernels.rms_norm import add_rms_norm, add_rms_norm_zero_centered, rms_norm, rms_norm_zero_centered
 
     x, residual = _inputs(shape, dtype), torch.randn(shape, device="cuda").to(dtype)
@@ -82,16 +93,13 @@ def test_norm_kernels_write_the_reference_rows(shape, dtype):
     cases += [(f, (x, residual, weight, 1e-6)) for f in (add_rms_norm, add_rms_norm_zero_centered)]
     for norm, args in cases:
         plain = norm(*args)
-        built = len(module._rms_norm_fwd.device_caches[torch.cuda.current_device()][0])
         with fp8_rows.frame() as frame:
             with frame.emitting():
                 out = norm(*args)
             y = out[0] if isinstance(out, tuple) else out
-            _same_bits(fp8_rows.carried(y).rows, y)
-        # the same compiled kernel with rows as without (the rows flag a runtime argument): the same arithmetic
-        assert len(module._rms_norm_fwd.device_caches[torch.cuda.current_device()][0]) == built
+            _same_bits(fp8_rows.carried(y).rows, y)  # the rows of the output this kernel wrote, bit for bit
         plain = plain[0] if isinstance(plain, tuple) else plain
-        assert torch.equal(y.nan_to_num(), plain.nan_to_num()), _differ(norm.__name__, y, plain)  # as without rows
+        _one_rounding(norm.__name__, y, plain)  # and that output the plain kernel's, but for a few roundings
 
 
 @pytest.mark.parametrize("shape", [(2, 301, 17408), (9, 2064), (3, 64)], ids=["intermediate", "odd", "narrow"])
@@ -119,7 +127,6 @@ def test_swiglu_kernels_write_the_reference_rows_forward_and_backward(shape):
 @pytest.mark.parametrize("shape", [(2, 301, 5120), (7, 1024)], ids=["hidden", "narrow"])
 def test_add_norm_backward_writes_the_reference_rows(shape):
     from fusepatch.kernels import fp8_rows
-    from fusepatch.kernels import rms_norm as module
     from fusepatch.kernels.rms_norm import add_rms_norm_zero_centered
 
     x = torch.randn(shape, device="cuda").to(torch.bfloat16).requires_grad_(True)
@@ -127,13 +134,11 @@ def test_add_norm_backward_writes_the_reference_rows(shape):
     weight = (torch.randn(shape[-1], device="cuda") * 0.1).to(torch.bfloat16)
     dy, dh = _inputs(shape, torch.bfloat16), torch.randn(shape, device="cuda").to(torch.bfloat16)
     plain = torch.autograd.grad(add_rms_norm_zero_centered(x, residual, weight, 1e-6), (x, residual), (dy, dh))
-    built = len(module._rms_norm_bwd.device_caches[torch.cuda.current_device()][0])
     with fp8_rows.frame() as frame:
         with frame.emitting(False, gradients=True):
             outs = add_rms_norm_zero_centered(x, residual, weight, 1e-6)
     grad, _ = torch.autograd.grad(outs, (x, residual), (dy, dh))
-    assert len(module._rms_norm_bwd.device_caches[torch.cuda.current_device()][0]) == built  # one kernel for both
-    assert torch.equal(grad.nan_to_num(), plain[0].nan_to_num()), _differ("the input gradient", grad, plain[0])
+    _one_rounding("the input gradient", grad, plain[0])
     flat = grad.reshape(-1, shape[-1])
     _same_bits(fp8_rows.carried_gradient(flat), flat)
 
@@ -157,29 +162,41 @@ def _fp8_step(model, ids, monkeypatch, *, carried: bool, hook=None):
     return loss.detach(), grads, len(launches)
 
 
+def _close(got, want, bf16, spread, grads=None) -> None:
+    """``got`` (loss, gradients) is ``want``'s within their run-to-run ``spread`` plus a tenth of what FP8 itself
+    changes (``bf16``: the same step without FP8): the norms' few roundings (``_one_rounding``) move the FP8 codes of
+    a few values, far less than FP8 moves them all; rows wrong, stale or from another tensor move them as much."""
+    (loss, grads), (want_loss, want_grads), (bf16_loss, bf16_grads) = got, want, bf16
+    assert (loss - want_loss).abs() <= (bf16_loss - want_loss).abs() / 10 + 1e-6, (loss, want_loss, bf16_loss)
+    assert grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        fp8_error = relative_error(bf16_grads[name], grad)
+        assert relative_error(grads[name], grad) <= 2 * spread[name] + fp8_error / 10 + 1e-6, name
+
+
 def test_a_model_computes_the_same_with_the_rows_carried(monkeypatch):
     import fusepatch
     from fusepatch.tools.tiny import tiny_model
 
     model = tiny_model("qwen3_5_text", seed=0, **MINI).to("cuda", torch.bfloat16).train()
+    bf16_model = copy.deepcopy(model)
     fusepatch.apply(model, precision="fp8", verbose=False)
+    fusepatch.apply(bf16_model, verbose=False)
     ids = torch.randint(0, model.config.vocab_size, (2, 256), device="cuda")
     loss, grads, each = _fp8_step(model, ids, monkeypatch, carried=False)
-    again_loss, again, _ = _fp8_step(model, ids, monkeypatch, carried=False)  # the path's own run-to-run spread
+    _, again, _ = _fp8_step(model, ids, monkeypatch, carried=False)  # the path's own run-to-run spread
+    spread = {name: relative_error(again[name], grad) for name, grad in grads.items()}
+    bf16_loss, bf16_grads, _ = _fp8_step(bf16_model, ids, monkeypatch, carried=False)
     fused_loss, fused, fewer = _fp8_step(model, ids, monkeypatch, carried=True)
-    assert torch.equal(fused_loss, loss), (fused_loss, loss)
-    assert grads.keys() == fused.keys()
-    for name, grad in grads.items():
-        spread = relative_error(again[name], grad)
-        assert relative_error(fused[name], grad) <= 2 * spread + 1e-6, name
+    _close((fused_loss, fused), (loss, grads), (bf16_loss, bf16_grads), spread)
     # per layer: the mixer's input, gate/up's input, down_proj's input, gate/up's and the mixer's output
     # projection's output gradients
     assert fewer <= each - 6 * model.config.num_hidden_layers, (fewer, each)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     recomputed_loss, recomputed, _ = _fp8_step(model, ids, monkeypatch, carried=True)
-    assert torch.equal(recomputed_loss, loss)
-    for name, grad in grads.items():
-        assert relative_error(recomputed[name], grad) <= 2 * relative_error(again[name], grad) + 1e-6, name
+    assert torch.equal(recomputed_loss, fused_loss)  # the same kernels as the carried step: the same bits
+    for name, grad in fused.items():
+        assert relative_error(recomputed[name], grad) <= 2 * spread[name] + 1e-6, name
 
 
 def test_an_activation_written_after_its_rows_were_made_is_quantized_again(monkeypatch):
@@ -187,11 +204,14 @@ def test_an_activation_written_after_its_rows_were_made_is_quantized_again(monke
     from fusepatch.tools.tiny import tiny_model
 
     base = tiny_model("qwen3", seed=0, **MINI, num_hidden_layers=1).to("cuda", torch.bfloat16).train()
+    bf16_model = copy.deepcopy(base)
     fusepatch.apply(base, precision="fp8", verbose=False)
+    fusepatch.apply(bf16_model, verbose=False)
     model = copy.deepcopy(base)
-    for each in (base, model):
+    for each in (base, model, bf16_model):
         each.model.layers[0].input_layernorm.register_forward_hook(lambda module, args, out: out.mul_(1.5))
     ids = torch.randint(0, base.config.vocab_size, (2, 128), device="cuda")
-    loss, _, _ = _fp8_step(base, ids, monkeypatch, carried=False)
-    fused_loss, _, _ = _fp8_step(model, ids, monkeypatch, carried=True)
-    assert torch.equal(fused_loss, loss), (fused_loss, loss)
+    loss, grads, _ = _fp8_step(base, ids, monkeypatch, carried=False)
+    bf16 = _fp8_step(bf16_model, ids, monkeypatch, carried=False)[:2]
+    fused_loss, fused, _ = _fp8_step(model, ids, monkeypatch, carried=True)
+    _close((fused_loss, fused), (loss, grads), bf16, dict.fromkeys(grads, 0.0))

@@ -105,11 +105,9 @@ def test_producers_write_the_fp8_rows_quantize_rows_gives_in_the_interpreter():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
-def test_a_norm_launches_one_kernel_with_rows_or_without(monkeypatch):
-    """Triton builds a kernel per argument dtype and constexpr: the norms' launches with FP8 rows and without pass
-    the same (the rows flag a runtime argument, stand-in buffers of the rows' dtypes), so one compiled kernel
-    computes the output either way, forward and backward, and its bits cannot differ (they did on an H100 with two
-    kernels)."""
+def test_a_norm_without_rows_launches_the_kernel_without_their_branch(monkeypatch):
+    """The rows flag is a constexpr, so the plain norm runs a kernel compiled without the rows' branch: as a runtime
+    flag it made the plain backward kernel 3.3x slower on an H100. With rows, the same launch but for the flag."""
     import torch
 
     from fusepatch.kernels import fp8_rows
@@ -117,11 +115,9 @@ def test_a_norm_launches_one_kernel_with_rows_or_without(monkeypatch):
 
     launches = []
 
-    class Grab:  # stands for a Triton kernel: records each launch's argument dtypes and keyword constexprs
+    class Grab:  # stands for a Triton kernel: records each launch's argument count and keyword constexprs
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(
-                ([str(a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args], kwargs)
-            )
+            return lambda *args, **kwargs: launches.append((len(args), kwargs))
 
     monkeypatch.setattr(module, "_rms_norm_fwd", Grab())
     monkeypatch.setattr(module, "_rms_norm_bwd", Grab())
@@ -131,5 +127,7 @@ def test_a_norm_launches_one_kernel_with_rows_or_without(monkeypatch):
     for rows in (None, fp8_rows.buffers(x)):
         rstd = module._norm_forward(x, weight, 1e-6, flags, x, torch.empty_like(x), fp8=rows)
         module._norm_backward(x, weight, rstd, x, torch.randn_like(x), flags, fp8=rows)
-    plain_fwd, plain_bwd, rows_fwd, rows_bwd = launches
-    assert plain_fwd == rows_fwd and plain_bwd == rows_bwd, launches
+    (plain_fwd, plain_fwd_kw), (plain_bwd, plain_bwd_kw), (rows_fwd, rows_fwd_kw), (rows_bwd, rows_bwd_kw) = launches
+    assert plain_fwd_kw.pop("FP8") is False and plain_bwd_kw.pop("FP8") is False, launches
+    assert rows_fwd_kw.pop("FP8") is True and rows_bwd_kw.pop("FP8") is True, launches
+    assert (plain_fwd, plain_fwd_kw, plain_bwd, plain_bwd_kw) == (rows_fwd, rows_fwd_kw, rows_bwd, rows_bwd_kw)
