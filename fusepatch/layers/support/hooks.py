@@ -52,12 +52,16 @@ def in_dtype(linear: torch.nn.Module, dtype: torch.dtype) -> bool:
 
 def runs_own_forward(module: torch.nn.Module) -> bool:
     """Whether calling ``module`` runs its class's forward, or the one ``apply`` gave it: no forward another hand set
-    on the instance (a wrapper set after ``apply`` would not run where a fused path does the module's work)."""
+    on the instance (a wrapper set after ``apply`` would not run where a fused path does the module's work). A wrapper
+    made with ``functools.update_wrapper`` (accelerate's hook) copies the binding's ``__func__`` and ``__self__``, and
+    is told by its ``__wrapped__``."""
     forward = module.__dict__.get("forward")
     if forward is None:
         return True
     state = module.__dict__.get("_fusepatch")
-    return state is not None and getattr(forward, "__func__", None) is state.row.forward
+    if state is None or getattr(forward, "__func__", None) is not state.row.forward:
+        return False
+    return getattr(forward, "__self__", None) is module and not hasattr(forward, "__wrapped__")
 
 
 def may_bypass(module: torch.nn.Module, gathering: bool = False) -> bool:
