@@ -10,6 +10,7 @@ import torch
 
 from fusepatch.base.dtypes import autocast_dtype, fsdp_compute_dtype
 from fusepatch.base.row import Row
+from fusepatch.engine import instance_forward
 from fusepatch.engine.registry import known_model_types
 from fusepatch.layers.support.lora import held_as
 
@@ -104,6 +105,7 @@ def matches(model: torch.nn.Module, rows: list[Row]) -> tuple[dict[Row, list[tor
         for row in rows:
             if row.matches(module, name):
                 why = row.fits(module) if row.fits is not None else None
+                why = why or instance_forward.refusal(module)
                 if why is None:
                     found[row].append(module)
                 else:

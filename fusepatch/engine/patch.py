@@ -24,7 +24,7 @@ from fusepatch.base.dtypes import dtype_name
 from fusepatch.base.env import capture
 from fusepatch.base.log import logger
 from fusepatch.base.row import Row
-from fusepatch.engine import discover, features
+from fusepatch.engine import discover, features, instance_forward
 from fusepatch.engine import outcome as messages
 from fusepatch.engine.features import FEATURES, RUNNERS, SLOTS
 from fusepatch.engine.plan import REPORT_REQUEST, Plan, Request, Resolved, checked
@@ -89,7 +89,7 @@ class PatchState:
     row: Row
     ops: dict[str, Any]  # op name -> its Dispatch
     owner: torch.nn.Module
-    instance_forward: Any  # what ``module.__dict__['forward']`` held, or _NO_INSTANCE_FORWARD
+    instance_forward: Any  # what the fused forward's seat held (``instance_forward.seat``), or _NO_INSTANCE_FORWARD
     original: Callable[..., Any] = dataclasses.field(init=False, repr=False)  # the forward before apply (bound)
     # calls that ran transformers' forward instead of the replacement, by reason (``report`` lists them)
     transformers_calls: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
@@ -174,10 +174,11 @@ def _bind(plan: Plan, resolved: Resolved, request: Request) -> tuple[list[tuple[
             if hasattr(module, "_fusepatch"):
                 already += 1
                 continue
-            instance_forward = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)
-            module._fusepatch = state = PatchState(row, resolved.dispatches[row], module, instance_forward)
+            seat = instance_forward.seat(module)  # "forward", or "_old_forward" inside an accelerate hook
+            held = module.__dict__.get(seat, _NO_INSTANCE_FORWARD)
+            module._fusepatch = state = PatchState(row, resolved.dispatches[row], module, held)
             state.choosing = messages.choices_of(request)
-            module.forward = _Bound(row.forward, module)
+            setattr(module, seat, _Bound(row.forward, module))
             patched.append((module, state))
     return patched, already
 
@@ -306,10 +307,7 @@ def revert(model: torch.nn.Module) -> int:
     for feature in FEATURES:
         feature.revert(model, patched)
     for module, state in patched:
-        if state.instance_forward is _NO_INSTANCE_FORWARD:
-            del module.forward
-        else:
-            module.forward = state.instance_forward
+        instance_forward.put_back(module, state.instance_forward, _Bound, _NO_INSTANCE_FORWARD)
         del module._fusepatch
     logger.info("fusepatch: reverted %d modules", len(patched))
     return len(patched)

@@ -1,0 +1,88 @@
+"""A forward set on a module's instance before ``apply``: composed with where fusepatch can, else left running.
+
+accelerate's hook (``add_hook_to_module``: ``device_map``, offload) calls whatever ``module._old_forward`` holds, so
+the fused forward goes there and the hook still runs around it. A module's own forward bound to it (what
+``remove_hook_from_module`` leaves) is its class's forward: patched as usual. accelerate's mixed-precision wrapper
+(``Accelerator.prepare``) calls the class's forward function itself: the fused forward replaces it, as before, and
+says so (``FusePatchCallback`` puts the Trainer's autocast back around it). Any other instance forward (a user's
+wrapper, ``torch.compile`` of the bound forward, transformers' debugging wrappers) calls the forward it closed over,
+which fusepatch cannot reach: that module is not patched and keeps running it, said at WARNING with the fix.
+``revert`` puts back what the fused forward took the place of, wherever it sits then (accelerate moves it to
+``forward`` when its hook is removed, and to ``_old_forward`` when a hook is added after ``apply``).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from fusepatch.backends import accelerate
+from fusepatch.base.log import logger
+
+FIX = "fix: set that forward after fusepatch.apply (it then wraps the fused forward), or do without it"
+
+
+def _named(forward: Any) -> str:
+    """A forward's name without its address, so that modules wrapped alike are listed together."""
+    return (
+        getattr(forward, "__qualname__", None)
+        or getattr(getattr(forward, "func", None), "__qualname__", None)
+        or type(forward).__name__
+    )
+
+
+def refusal(module: torch.nn.Module) -> str | None:
+    """Why a module a row matched is left as it is for a forward set on its instance; None: patch it."""
+    forward = module.__dict__.get("forward")
+    if forward is None or "_fusepatch" in module.__dict__:
+        return None
+    if accelerate.own_forward(module, forward) or accelerate.mixed_precision(module):
+        return None
+    if accelerate.hooked(module):
+        inner = module.__dict__[accelerate.HOOKED_FORWARD]
+        if accelerate.own_forward(module, inner):
+            return None
+        return (
+            f"accelerate's hook (add_hook_to_module) wraps a forward set on the instance before it ({_named(inner)}), "
+            f"which fusepatch cannot run its fused forward inside; {FIX}"
+        )
+    hint = ""
+    if accelerate.HOOK in module.__dict__:
+        hint = f" (an accelerate hook not as accelerate {', '.join(accelerate.NAMES.checked)} sets it)"
+    return (
+        f"a forward set on the instance before apply ({_named(forward)}{hint}) calls the forward it holds, which "
+        f"fusepatch cannot replace; {FIX}"
+    )
+
+
+def seat(module: torch.nn.Module) -> str:
+    """The attribute the fused forward goes in: accelerate's ``_old_forward`` under its hook, else ``forward``."""
+    if accelerate.hooked(module):
+        return accelerate.HOOKED_FORWARD
+    if accelerate.mixed_precision(module):
+        logger.info(
+            "fusepatch: %s: the fused forward replaces accelerate's mixed-precision wrapper (Accelerator.prepare), "
+            "so its calls run in autocast only where the caller sets one (FusePatchCallback does); revert restores "
+            "the wrapper; fix: call fusepatch.apply before accelerator.prepare",
+            type(module).__name__,
+        )
+    return "forward"
+
+
+def put_back(module: torch.nn.Module, before: Any, fused: type, unset: Any) -> None:
+    """Put ``before`` (``unset``: none was on the instance) where the fused forward (an instance of ``fused``) sits:
+    the instance's ``forward``, else accelerate's ``_old_forward``. Where neither holds it, another hand replaced
+    ``forward`` after ``apply`` (a wrapper of it): ``forward`` gets ``before``, as ``revert`` always did."""
+
+    def ours(value: Any) -> bool:
+        return isinstance(value, fused) and value.__self__ is module
+
+    if not ours(module.__dict__.get("forward")) and ours(module.__dict__.get(accelerate.HOOKED_FORWARD)):
+        own = types.MethodType(type(module).forward, module)
+        setattr(module, accelerate.HOOKED_FORWARD, own if before is unset else before)
+    elif before is unset:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = before
