@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -95,9 +96,13 @@ def compute(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) ->
     return "cpu", torch.float32, False
 
 
-def matches(model: torch.nn.Module, rows: list[Row]) -> tuple[dict[Row, list[torch.nn.Module]], dict[str, list[str]]]:
-    """The modules each row patches; and, by reason, the paths of those a row matched but leaves (``Row.fits``).
-    A module peft holds in a LoRA wrapper stands for the wrapper's name in its layer (``held_as``)."""
+def matches(
+    model: torch.nn.Module, rows: list[Row], owned: Callable[[dict], dict] = lambda found: {}
+) -> tuple[dict[Row, list[torch.nn.Module]], dict[str, list[str]]]:
+    """The modules each row patches; and, by reason, the paths of those a row matched but leaves (``Row.fits``, a
+    forward set on the instance: ``instance_forward.refusal``, unless ``owned`` says another library computes the
+    row there: a trainer's fused head, reported as such). A module peft holds in a LoRA wrapper stands for the
+    wrapper's name in its layer (``held_as``)."""
     found: dict[Row, list[torch.nn.Module]] = defaultdict(list)
     left: dict[str, list[str]] = defaultdict(list)
     for path, module in model.named_modules():
@@ -105,7 +110,8 @@ def matches(model: torch.nn.Module, rows: list[Row]) -> tuple[dict[Row, list[tor
         for row in rows:
             if row.matches(module, name):
                 why = row.fits(module) if row.fits is not None else None
-                why = why or instance_forward.refusal(module)
+                if why is None and (refused := instance_forward.refusal(module)) and not owned({row: [module]}):
+                    why = refused
                 if why is None:
                     found[row].append(module)
                 else:

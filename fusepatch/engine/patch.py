@@ -129,7 +129,7 @@ def _plan(model: torch.nn.Module, request: Request) -> Plan:
         message = "FUSEPATCH_DISABLE is set: nothing patched, the model runs as transformers ships it"
         return dataclasses.replace(plan, message=message)
     rows = rows_for(set(model_types), request.precision)
-    found, left = discover.matches(model, rows) if rows else ({}, {})
+    found, left = discover.matches(model, rows, features.owners) if rows else ({}, {})
     if not found:
         message = discover.no_rows(model, model_types)
         if request.strict:
