@@ -36,19 +36,21 @@ def _name(case: dict) -> str:
     return "-".join(axis for axis in AXES if case[axis]) or "plain"
 
 
-_BASES: dict[bool, tuple] = {}  # per LoRA: the model unpatched, its batch and its step (made once)
+_BASES: dict[tuple, tuple] = {}  # per LoRA and dtype: the model unpatched, its batch and its step (made once)
 
 
-def _base(lora: bool) -> tuple:
-    if lora not in _BASES:
-        model = tiny_model("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=1).train()
+def _base(lora: bool, dtype: torch.dtype = torch.float32) -> tuple:
+    """The unpatched model, its batch and its step. FP8 cases are in bf16: in fp32 the FP8 function's self-test
+    refuses it (FP8 is not within fp32's error), and the projections would run eager."""
+    if (lora, dtype) not in _BASES:
+        model = tiny_model("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=1).to(dtype).train()
         if lora:
             peft = pytest.importorskip("peft")
             config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
             model = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
         ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-        _BASES[lora] = model, ids, _step(copy.deepcopy(model), ids, checkpointing=False)
-    return _BASES[lora]
+        _BASES[lora, dtype] = model, ids, _step(copy.deepcopy(model), ids, checkpointing=False)
+    return _BASES[lora, dtype]
 
 
 def _step(model, ids, checkpointing: bool, steps: int = 1):
@@ -66,17 +68,17 @@ def _step(model, ids, checkpointing: bool, steps: int = 1):
 
 @pytest.mark.parametrize("case", CASES, ids=_name)
 def test_the_combination_computes_what_the_unpatched_model_does(case, monkeypatch, chunked_on_cpu, caplog):
-    if case["fp8"]:
-        cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    seen = cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear}) if case["fp8"] else []
     monkeypatch.setattr(projections, "DEVICES", (*projections.DEVICES, "cpu"))
     monkeypatch.setattr(layer_graphs, "DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(layer_graphs, "GRAPH", layer_graphs._Rerun)
     monkeypatch.setattr(layer_graphs, "WARM_CALLS", 1)
     monkeypatch.setenv("FUSEPATCH_MLP_RECOMPUTE", "1" if case["recompute"] else "0")
-    base, ids, want = _base(case["lora"])
+    base, ids, want = _base(case["lora"], torch.bfloat16 if case["fp8"] else torch.float32)
     model = copy.deepcopy(base)
     precision = "fp8" if case["fp8"] else None
     fusepatch.apply(model, precision=precision, cuda_graphs=case["graphs"], verbose=False)
+    self_tests = len(seen)
     steps = STEPS_WITH_GRAPHS if case["graphs"] and not case["checkpointing"] else 1  # refused at the first call
     with caplog.at_level(logging.INFO, logger="fusepatch"):
         logits, loss, grads = _step(model, ids, case["checkpointing"], steps)
@@ -87,9 +89,11 @@ def test_the_combination_computes_what_the_unpatched_model_does(case, monkeypatc
         assert "1 decoder layers captured" in said, said
     fp8 = [m for m in model.modules() if "fp8_linear" in getattr(m.__dict__.get("_fusepatch"), "ops", {})]
     assert bool(fp8) == case["fp8"]
+    assert (len(seen) > self_tests) == case["fp8"], "the FP8 function did not run"  # not its eager fallback
     bounds = FP8 if case["fp8"] else EXACT
     assert abs(loss - want[1]) / want[1] < bounds["loss"], (loss, want[1])
     assert relative_error(logits, want[0]) < bounds["logits"]
     assert grads.keys() == want[2].keys()
     errors = sorted(relative_error(g, want[2][n]) for n, g in grads.items())
     assert errors[len(errors) // 2] < bounds["median"] and errors[-1] < bounds["max"], errors
+
