@@ -97,3 +97,38 @@ def test_the_combination_computes_what_the_unpatched_model_does(case, monkeypatc
     errors = sorted(relative_error(g, want[2][n]) for n, g in grads.items())
     assert errors[len(errors) // 2] < bounds["median"] and errors[-1] < bounds["max"], errors
 
+
+def test_lora_adds_to_an_fp8_base_output_in_place(monkeypatch, chunked_on_cpu):
+    """Over an FP8 base, whose output its own function makes, LoRA's products go into that output through the GEMM's
+    ``beta`` in place: no out-of-place ``addmm`` or clone, which copies the whole output first (a device-to-device
+    copy of every projection's output, each forward and each recompute). The step matches the unpatched model."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fusepatch.layers.support import lora
+
+    ran = cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    monkeypatch.setattr(projections, "DEVICES", (*projections.DEVICES, "cpu"))
+    base, ids, want = _base(True, torch.bfloat16)
+    model = copy.deepcopy(base)
+    fusepatch.apply(model, precision="fp8", verbose=False)
+    self_tests, seen = len(ran), []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    forward = lora._LoraLinears.forward
+
+    def counted(ctx, *args):
+        with Ops():
+            return forward(ctx, *args)
+
+    monkeypatch.setattr(lora._LoraLinears, "forward", staticmethod(counted))
+    logits, loss, grads = _step(model, ids, checkpointing=True)
+    assert len(ran) > self_tests, "the FP8 function did not run"
+    assert "aten.addmm_.default" in seen, sorted(set(seen))
+    assert not {"aten.addmm.default", "aten.clone.default", "aten.copy_.default"} & set(seen), sorted(set(seen))
+    assert abs(loss - want[1]) / want[1] < FP8["loss"] and relative_error(logits, want[0]) < FP8["logits"]
+    errors = sorted(relative_error(g, want[2][n]) for n, g in grads.items())
+    assert errors[len(errors) // 2] < FP8["median"] and errors[-1] < FP8["max"], errors

@@ -28,8 +28,8 @@ as autocast would run them; the adapters' weights, and their gradients (through 
 fp32. Said once at INFO.
 
 A base projection with a forward ``apply`` gave it (a precision row's: ``apply(model, precision=...)``) is called as
-its module: its output, from its own GEMM, is what the adapters' products are added to (the first through the GEMM's
-``beta``, out of place), and its input gradient comes from its own backward.
+its module: its output, from its own GEMM, is what the adapters' products are added to, in place through the
+GEMM's ``beta`` (the output is that tensor, not a copy), and its input gradient comes from its own backward.
 """
 
 from __future__ import annotations
@@ -223,10 +223,16 @@ class _LoraLinears(torch.autograd.Function):
             outs = [torch.addmm(residual.reshape(-1, residual.shape[-1]), flat, weights[0].t())]
         else:
             outs = [
-                w.view(-1, w.shape[-1]) if given[i] else F.linear(flat, w, b)
+                (w.view(-1, w.shape[-1]) if w._base is None else w.reshape(-1, w.shape[-1]).clone())
+                if given[i]
+                else F.linear(flat, w, b)
                 for i, (w, b) in enumerate(zip(weights, biases))
             ]
-        owned = [not g for g in given]  # a given output is another node's: the first product is added out of place
+        # a given base output (a fresh tensor its own function made, that nothing else holds: ``_unviewed``) takes
+        # the adapters' products in place: the output is that tensor, marked dirty, not a copy of it (a full write
+        # and read of the projection's output per call). A view is copied first: written in place, its base's
+        # gradient would be copied whole in the backward instead.
+        dirty = [g and w._base is None for w, g in zip(weights, given)]
         # (projection, scaling, A, B, dropped input or None)
         adapters = [(i, scaling, *rest[3 * k : 3 * k + 3]) for k, (i, scaling, _) in enumerate(_adapter_plan(layout))]
         shared = [ad for ad in adapters if ad[4] is None]
@@ -237,7 +243,7 @@ class _LoraLinears(torch.autograd.Function):
             _scale_columns(h, [(ad[1], ad[2].shape[0]) for ad in shared])
             start = 0
             for i, _, _, b, _ in shared:
-                _accumulate(outs, owned, i, h[:, start : start + b.shape[1]], b.t())
+                outs[i].addmm_(h[:, start : start + b.shape[1]], b.t())
                 start += b.shape[1]
         own = []
         for i, scaling, a, b, dropped in adapters:
@@ -245,7 +251,7 @@ class _LoraLinears(torch.autograd.Function):
                 hd = dropped.reshape(-1, dropped.shape[-1]).mm(a.t())
                 if scaling != 1.0:
                     hd.mul_(scaling)
-                _accumulate(outs, owned, i, hd, b.t())
+                outs[i].addmm_(hd, b.t())
                 own.append(hd)
         ctx.layout, ctx.has_residual = layout, residual is not None
         ctx.recompute, ctx.x_dtype = (None, None) if recompute is None else (recompute[0], x.dtype)
@@ -255,9 +261,12 @@ class _LoraLinears(torch.autograd.Function):
         droppeds = [ad[4] for ad in adapters if ad[4] is not None]
         bases = [None if g else w for w, g in zip(weights, given)]
         ctx.save_for_backward(*inputs, joined, h, *bases, *[t for ad in adapters for t in ad[2:4]], *own, *droppeds)
-        # tensors of their own for autograd, not views made here, which could not be written in place afterwards
-        # (a hook on the layer, its attention or MLP may, as on transformers' outputs)
-        return tuple(out.view(*x.shape[:-1], out.shape[-1]).detach() for out in outs)
+        ctx.mark_dirty(*(w for w, d in zip(weights, dirty) if d))
+        # the others, tensors of their own for autograd, not views made here, which could not be written in place
+        # afterwards (a hook on the layer, its attention or MLP may, as on transformers' outputs)
+        return tuple(
+            w if d else out.view(*x.shape[:-1], out.shape[-1]).detach() for w, d, out in zip(weights, dirty, outs)
+        )
 
     @staticmethod
     def backward(ctx, *grads):
@@ -345,15 +354,6 @@ class _LoraLinears(torch.autograd.Function):
         return dx, dresidual, None, None, *dweights, *dbiases, *dtensors
 
 
-def _accumulate(outs: list, owned: list, i: int, m1: torch.Tensor, m2: torch.Tensor) -> None:
-    """``outs[i] += m1 @ m2`` through the GEMM; out of place the first time for an output this function does not
-    own (a given base output: another autograd node's)."""
-    if owned[i]:
-        outs[i].addmm_(m1, m2)
-    else:
-        outs[i], owned[i] = torch.addmm(outs[i], m1, m2), True
-
-
 def _adapter_plan(layout: tuple) -> list[tuple[int, float, bool]]:
     """Per adapter, in the order ``tensors`` holds them: its projection, its scaling, whether its input is dropped."""
     return [(i, scaling, dropped) for i, (_, plan, _) in enumerate(layout) for scaling, dropped in plan]
@@ -414,7 +414,7 @@ def project(
             droppeds.append([None if ad.dropout is None else ad.dropout(x) for ad in p.adapters])
         # a base with a forward apply gave it computes its output itself; the adapters are added to it, and
         # one without adapters is its own output (never an output of the function)
-        given = [None if p.called is None else p.called(x) for p in parts]
+        given = [None if p.called is None else _unviewed(p.called(x)) for p in parts]
         fused = [i for i, p in enumerate(parts) if p.called is None or p.adapters]
         parts, droppeds, given_fused = (
             [parts[i] for i in fused],
@@ -438,7 +438,16 @@ def project(
         outs = _LoraLinears.apply(x, residual, layout, recompute, *cast)
         for i, out in zip(fused, outs):
             given[i] = out
-        return tuple(given)
+        return tuple(g if g.dim() == x.dim() else g.view(*x.shape[:-1], g.shape[-1]) for g in given)
+
+
+def _unviewed(out: torch.Tensor) -> torch.Tensor:
+    """A base's output as the tensor its function made, where it is a reshaping view of it (``fp8_linear`` returns
+    its 2-D product viewed in the input's shape): that tensor can take the adapters' products in place."""
+    base = out._base
+    if base is None or base.numel() != out.numel() or not (base.is_contiguous() and out.is_contiguous()):
+        return out
+    return base if base.storage_offset() == out.storage_offset() else out
 
 
 def _say_cast(parts: list[Part], dtype: torch.dtype) -> None:
