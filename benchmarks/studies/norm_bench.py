@@ -65,6 +65,11 @@ def main() -> int:
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = []
+    # each row printed as it is measured: a run cut off at its time limit keeps what it measured (fla's kernels
+    # autotune for every new row count in the varying case, which can take minutes)
+    print(f"{torch.cuda.get_device_name(0)}; bf16, fwd+bwd; fixed: {args.tokens} tokens; varying: {lengths}")
+    print("| site | implementation | fixed: median ms | varying: total ms | varying: slowest call ms |")
+    print("| --- | --- | ---: | ---: | ---: |", flush=True)
     for site, (op, heads, dim) in SITES.items():
         weight = 0.1 * torch.randn(dim, device="cuda", dtype=torch.bfloat16) + (op == "gated_rms_norm")
         for name, fn in implementations(op).items():
@@ -72,22 +77,18 @@ def main() -> int:
                 call(fn, op, args.tokens, heads, dim, weight)
             fixed = [call(fn, op, args.tokens, heads, dim, weight) for _ in range(args.steps)]
             varying = [call(fn, op, t, heads, dim, weight) for t in lengths]
-            rows.append(
-                {
-                    "site": site,
-                    "impl": name,
-                    "fixed_median_ms": round(statistics.median(fixed) * 1000, 3),
-                    "varying_total_ms": round(sum(varying) * 1000, 1),
-                    "varying_max_ms": round(max(varying) * 1000, 1),
-                }
+            r = {
+                "site": site,
+                "impl": name,
+                "fixed_median_ms": round(statistics.median(fixed) * 1000, 3),
+                "varying_total_ms": round(sum(varying) * 1000, 1),
+                "varying_max_ms": round(max(varying) * 1000, 1),
+            }
+            rows.append(r)
+            print(
+                f"| {r['site']} | {r['impl']} | {r['fixed_median_ms']} | {r['varying_total_ms']} | {r['varying_max_ms']} |",
+                flush=True,
             )
-    print(f"{torch.cuda.get_device_name(0)}; bf16, fwd+bwd; fixed: {args.tokens} tokens; varying: {lengths}")
-    print("| site | implementation | fixed: median ms | varying: total ms | varying: slowest call ms |")
-    print("| --- | --- | ---: | ---: | ---: |")
-    for r in rows:
-        print(
-            f"| {r['site']} | {r['impl']} | {r['fixed_median_ms']} | {r['varying_total_ms']} | {r['varying_max_ms']} |"
-        )
     if args.json_out:
         with open(args.json_out, "w") as fh:
             json.dump(rows, fh, indent=2)
