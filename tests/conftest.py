@@ -98,3 +98,21 @@ def calls(monkeypatch):
 
     yield cpu_candidates(monkeypatch, {name: OPS[name].reference for name in ADD_OPS})
     selftest.clear_cache()
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """Every op's reference as a CPU candidate (FP8 aside), and the projections' and the Gated DeltaNet's fused
+    paths allowed on the CPU: the layers take the paths they take with GPU kernels."""
+    from fusepatch.engine import selftest
+    from fusepatch.layers import gated_deltanet
+    from fusepatch.layers.support import projections
+    from fusepatch.ops import OPS
+    from fusepatch.ops.linear_cross_entropy import linear_cross_entropy_chunked
+
+    cpu_candidates(monkeypatch, {name: op.reference for name, op in OPS.items() if name != "fp8_linear"})
+    cpu_candidates(monkeypatch, {"linear_cross_entropy": linear_cross_entropy_chunked}, name="torch-chunked")
+    monkeypatch.setattr(projections, "DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(gated_deltanet, "COPY_DEVICES", ("cpu", "cuda"))
+    yield
+    selftest.clear_cache()

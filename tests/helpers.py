@@ -115,6 +115,25 @@ def loss_and_grads(model, **batch):
     return out.loss.detach(), out.logits.detach(), grads(model)
 
 
+def step_loss_and_grads(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One step's loss and gradients (by name, peft's prefix left out). Not ``loss_and_grads``: the fused loss
+    returns no logits in training."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {n.removeprefix("base_model.model."): p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def assert_same_step(expected, got) -> None:
+    """Two ``step_loss_and_grads`` results: the loss within 1e-5, every gradient within 1e-4 (fp32, relative)."""
+    (loss, grads), (got_loss, got_grads) = expected, got
+    torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == grads.keys()
+    for key, grad in grads.items():
+        torch.testing.assert_close(got_grads[key], grad, rtol=1e-4, atol=1e-5, msg=key)
+
+
 def training_model(model_type: str, checkpointing: bool = False, **kwargs):
     """A tiny model of ``model_type`` in training mode, with transformers' non-reentrant activation checkpointing
     when ``checkpointing`` (the fused paths must also hold under the backward's recompute)."""

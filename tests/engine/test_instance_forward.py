@@ -10,28 +10,13 @@ import logging
 
 import pytest
 import torch
-from helpers import cpu_candidates, lm_batch
+from helpers import assert_same_step, lm_batch, step_loss_and_grads
 
 import fusepatch
-from fusepatch.engine import selftest
 from fusepatch.engine.patch import _Bound
-from fusepatch.layers import gated_deltanet
-from fusepatch.layers.support import projections
-from fusepatch.ops import OPS
-from fusepatch.ops.linear_cross_entropy import linear_cross_entropy_chunked
 from fusepatch.tools.tiny import tiny_model
 
 hooks = pytest.importorskip("accelerate.hooks")
-
-
-@pytest.fixture
-def fused_on_cpu(monkeypatch):
-    cpu_candidates(monkeypatch, {name: op.reference for name, op in OPS.items() if name != "fp8_linear"})
-    cpu_candidates(monkeypatch, {"linear_cross_entropy": linear_cross_entropy_chunked}, name="torch-chunked")
-    monkeypatch.setattr(projections, "DEVICES", ("cpu", "cuda"))
-    monkeypatch.setattr(gated_deltanet, "COPY_DEVICES", ("cpu", "cuda"))
-    yield
-    selftest.clear_cache()
 
 
 def _model(family: str):
@@ -48,21 +33,6 @@ def _scaled(out):
     if isinstance(out, tuple) and isinstance(out[0], torch.Tensor):
         return (out[0] * 1.5, *out[1:])
     return out  # the model's output: counted, left as it is
-
-
-def _step(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _assert_same(expected, got) -> None:
-    (loss, grads), (got_loss, got_grads) = expected, got
-    torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6)
-    assert got_grads.keys() == grads.keys()
-    for key, grad in grads.items():
-        torch.testing.assert_close(got_grads[key], grad, rtol=1e-4, atol=1e-5, msg=key)
 
 
 MODULES = [  # (family, module) each a row patches
@@ -96,9 +66,9 @@ def test_a_forward_set_before_apply_still_runs(fused_on_cpu, caplog, family, nam
             assert report.newly_patched > 0
             assert "_fusepatch" not in module.__dict__ and module.__dict__["forward"] is forward
         torch.manual_seed(1)
-        results.append(_step(model, lm_batch(model, batch=2, length=13)))
+        results.append(step_loss_and_grads(model, lm_batch(model, batch=2, length=13)))
     assert calls.count(False) == calls.count(True) == 1
-    _assert_same(*results)
+    assert_same_step(*results)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and name in r.getMessage()]
     assert len(warned) == 1 and "set that forward after fusepatch.apply" in warned[0], warned
     assert fusepatch.revert(model) > 0
@@ -148,10 +118,10 @@ def test_an_accelerate_hook_runs_around_the_fused_forward(fused_on_cpu, family, 
             fusepatch.apply(model, verbose=False)
             assert module.forward is hooked_forward and isinstance(module._old_forward, _Bound)
         torch.manual_seed(1)
-        results.append(_step(model, lm_batch(model, batch=2, length=13)))
+        results.append(step_loss_and_grads(model, lm_batch(model, batch=2, length=13)))
         counts.append(hook.calls)
     assert counts == [1, 1]
-    _assert_same(*results)
+    assert_same_step(*results)
     fusepatch.revert(model)
     assert module.forward is hooked_forward and module._hf_hook is hook
     if not after:

@@ -9,25 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import cpu_candidates, lm_batch
+from helpers import assert_same_step, lm_batch, step_loss_and_grads
 
 import fusepatch
-from fusepatch.engine import selftest
-from fusepatch.layers import gated_deltanet
-from fusepatch.layers.support import projections
-from fusepatch.ops import OPS
-from fusepatch.ops.linear_cross_entropy import linear_cross_entropy_chunked
 from fusepatch.tools.tiny import FAMILIES, tiny_model
-
-
-@pytest.fixture
-def fused_on_cpu(monkeypatch):
-    cpu_candidates(monkeypatch, {name: op.reference for name, op in OPS.items() if name != "fp8_linear"})
-    cpu_candidates(monkeypatch, {"linear_cross_entropy": linear_cross_entropy_chunked}, name="torch-chunked")
-    monkeypatch.setattr(projections, "DEVICES", ("cpu", "cuda"))
-    monkeypatch.setattr(gated_deltanet, "COPY_DEVICES", ("cpu", "cuda"))
-    yield
-    selftest.clear_cache()
 
 
 def _model(family: str, patched: bool, lora: bool):
@@ -46,25 +31,6 @@ def _model(family: str, patched: bool, lora: bool):
     return model.train()
 
 
-def _loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One step's loss and gradients (by name, peft's prefix left out). Not ``helpers.loss_and_grads``: the fused
-    loss returns no logits in training."""
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    grads = {n.removeprefix("base_model.model."): p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
-
-
-def _assert_same(expected, got) -> None:
-    """Two ``_loss_and_grads`` results: the loss within 1e-5, every gradient within 1e-4 (fp32, relative)."""
-    (loss, grads), (got_loss, got_grads) = expected, got
-    torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6)
-    assert got_grads.keys() == grads.keys()
-    for key, grad in grads.items():
-        torch.testing.assert_close(got_grads[key], grad, rtol=1e-4, atol=1e-5, msg=key)
-
-
 def _step(model, batch, name: str, pre: bool):
     """Loss, gradients and how often the hook ran, with ``mul_(1.5)`` on the module's output (or first input)."""
     calls = []
@@ -80,7 +46,7 @@ def _step(model, batch, name: str, pre: bool):
     else:
         handle = module.register_forward_hook(lambda m, args, out: edit(out if isinstance(out, tuple) else (out,)))
     try:
-        return (*_loss_and_grads(model, batch), len(calls))
+        return (*step_loss_and_grads(model, batch), len(calls))
     finally:
         handle.remove()
 
@@ -121,7 +87,7 @@ def test_a_hook_writing_in_place_inside_a_patched_layer_trains_as_unpatched(
         results.append(_step(model, batch, prefix + name, pre))
     (*expected, calls), (*got, got_calls) = results
     assert got_calls == calls == 1
-    _assert_same(expected, got)
+    assert_same_step(expected, got)
 
 
 def test_zero3s_own_hooks_do_not_turn_a_gathering_path_aside():
@@ -203,8 +169,8 @@ def test_a_module_changed_after_apply_is_computed_as_changed(fused_on_cpu, chang
         torch.manual_seed(0)  # the swapped-in modules' weights alike
         alter(model)
         torch.manual_seed(1)
-        results.append(_loss_and_grads(model, lm_batch(model, batch=2, length=13)))
-    _assert_same(*results)
+        results.append(step_loss_and_grads(model, lm_batch(model, batch=2, length=13)))
+    assert_same_step(*results)
 
 
 def test_a_sharded_layers_own_norm_is_of_its_family():
@@ -247,6 +213,6 @@ def test_an_lm_head_peft_wraps_trains_as_unpatched(fused_on_cpu, monkeypatch, ca
         if patched:
             fusepatch.apply(model, verbose=False)
         torch.manual_seed(1)
-        results.append(_loss_and_grads(model.train(), lm_batch(model, batch=2, length=13)))
+        results.append(step_loss_and_grads(model.train(), lm_batch(model, batch=2, length=13)))
     assert bool(fused) == fuses
-    _assert_same(*results)
+    assert_same_step(*results)
