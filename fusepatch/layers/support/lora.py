@@ -442,8 +442,8 @@ def project(
 
 
 def _unviewed(out: torch.Tensor) -> torch.Tensor:
-    """A base's output as the tensor its function made, where it is a reshaping view of it (``fp8_linear`` returns
-    its 2-D product viewed in the input's shape): that tensor can take the adapters' products in place."""
+    """A base's output as the tensor its function made, where it is a reshaping view of it (a precision row's op
+    returns its 2-D product viewed in the input's shape): that tensor can take the adapters' products in place."""
     base = out._base
     if base is None or base.numel() != out.numel() or not (base.is_contiguous() and out.is_contiguous()):
         return out
