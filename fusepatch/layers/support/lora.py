@@ -29,7 +29,9 @@ fp32. Said once at INFO.
 
 A base projection with a forward ``apply`` gave it (a precision row's: ``apply(model, precision=...)``) is called as
 its module: its output, from its own GEMM, is what the adapters' products are added to, in place through the
-GEMM's ``beta`` (the output is that tensor, not a copy), and its input gradient comes from its own backward.
+GEMM's ``beta`` (the output is that tensor, not a copy; a copy where a forward set on the instance wraps the base's,
+such as an accelerate hook, which may keep the output it returns), and its input gradient comes from its own
+backward.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch.nn.functional as F
 
 from fusepatch.base.log import logger
 from fusepatch.base.state import current as process_state
-from fusepatch.layers.support.hooks import autocast_dtype, hooked, in_dtype
+from fusepatch.layers.support.hooks import autocast_dtype, hooked, in_dtype, runs_own_forward
 
 PEFT_LAYER = "peft.tuners.lora.layer"  # the module defining peft's LoRA ``Linear``
 
@@ -414,7 +416,7 @@ def project(
             droppeds.append([None if ad.dropout is None else ad.dropout(x) for ad in p.adapters])
         # a base with a forward apply gave it computes its output itself; the adapters are added to it, and
         # one without adapters is its own output (never an output of the function)
-        given = [None if p.called is None else _unviewed(p.called(x)) for p in parts]
+        given = [None if p.called is None else _base_output(p.called, x) for p in parts]
         fused = [i for i, p in enumerate(parts) if p.called is None or p.adapters]
         parts, droppeds, given_fused = (
             [parts[i] for i in fused],
@@ -439,6 +441,14 @@ def project(
         for i, out in zip(fused, outs):
             given[i] = out
         return tuple(g if g.dim() == x.dim() else g.view(*x.shape[:-1], g.shape[-1]) for g in given)
+
+
+def _base_output(base: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``base(x)`` as a tensor the adapters' products may be added to in place: the one its own function made
+    (``_unviewed``) where the call runs the forward ``apply`` gave it; a copy where a forward set on the instance
+    wraps that (an accelerate hook's, whose ``post_forward`` may keep the output it returns)."""
+    out = base(x)
+    return _unviewed(out) if runs_own_forward(base) else out.clone(memory_format=torch.contiguous_format)
 
 
 def _unviewed(out: torch.Tensor) -> torch.Tensor:
