@@ -67,7 +67,12 @@ def mixed_precision(module: torch.nn.Module) -> bool:
     forward (its ``__wrapped__`` links reach that function, and the forward it wrapped is the module's own)."""
     if not own_forward(module, module.__dict__.get(MIXED_PRECISION_ORIGINAL)):
         return False
-    inner, target = module.__dict__.get("forward"), type(module).forward
+    return wraps_own_forward(module, module.__dict__.get("forward"))
+
+
+def wraps_own_forward(module: torch.nn.Module, forward: object) -> bool:
+    """Whether ``forward``'s ``__wrapped__`` links reach ``module``'s class forward (a decorator's wrapper of it)."""
+    inner, target = forward, type(module).forward
     for _ in range(8):
         inner = getattr(inner, "__wrapped__", None)
         if inner is None or inner is target:

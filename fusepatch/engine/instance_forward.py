@@ -71,16 +71,34 @@ def seat(module: torch.nn.Module) -> str:
     return "forward"
 
 
+def bind(module: torch.nn.Module, fused: Any, unset: Any) -> Any:
+    """Put the fused forward in its seat (``seat``); returns what the seat held (``unset``: nothing). In place of
+    accelerate's mixed-precision wrapper it is also the forward the wrapper kept, so that ``unwrap_model(model,
+    keep_fp32_wrapper=False)``, which puts that one back where it finds it as the forward, keeps the fused one."""
+    name = seat(module)
+    replacing_wrapper = name == "forward" and accelerate.mixed_precision(module)
+    held = module.__dict__.get(name, unset)
+    setattr(module, name, fused)
+    if replacing_wrapper:
+        setattr(module, accelerate.MIXED_PRECISION_ORIGINAL, fused)
+    return held
+
+
 def put_back(module: torch.nn.Module, before: Any, fused: type, unset: Any) -> None:
     """Put ``before`` (``unset``: none was on the instance) where the fused forward (an instance of ``fused``) sits:
     the instance's ``forward``, else accelerate's ``_old_forward``. Where neither holds it, another hand replaced
-    ``forward`` after ``apply`` (a wrapper of it): ``forward`` gets ``before``, as ``revert`` always did."""
+    ``forward`` after ``apply`` (a wrapper of it): ``forward`` gets ``before``, as ``revert`` always did. A
+    mixed-precision wrapper gets its own forward back; one taken off after ``apply`` (``unwrap_model``) stays off."""
 
     def ours(value: Any) -> bool:
         return isinstance(value, fused) and value.__self__ is module
 
+    own = types.MethodType(type(module).forward, module)
+    if ours(module.__dict__.get(accelerate.MIXED_PRECISION_ORIGINAL)):
+        setattr(module, accelerate.MIXED_PRECISION_ORIGINAL, own)
+    elif accelerate.wraps_own_forward(module, before) and accelerate.MIXED_PRECISION_ORIGINAL not in module.__dict__:
+        before = unset  # the wrapper was taken off while patched: the model's own forward, as unwrapping leaves it
     if not ours(module.__dict__.get("forward")) and ours(module.__dict__.get(accelerate.HOOKED_FORWARD)):
-        own = types.MethodType(type(module).forward, module)
         setattr(module, accelerate.HOOKED_FORWARD, own if before is unset else before)
     elif before is unset:
         module.__dict__.pop("forward", None)

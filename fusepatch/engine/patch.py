@@ -89,7 +89,7 @@ class PatchState:
     row: Row
     ops: dict[str, Any]  # op name -> its Dispatch
     owner: torch.nn.Module
-    instance_forward: Any  # what the fused forward's seat held (``instance_forward.seat``), or _NO_INSTANCE_FORWARD
+    instance_forward: Any  # what the fused forward's seat held (``instance_forward.bind``), or _NO_INSTANCE_FORWARD
     original: Callable[..., Any] = dataclasses.field(init=False, repr=False)  # the forward before apply (bound)
     # calls that ran transformers' forward instead of the replacement, by reason (``report`` lists them)
     transformers_calls: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
@@ -174,11 +174,10 @@ def _bind(plan: Plan, resolved: Resolved, request: Request) -> tuple[list[tuple[
             if hasattr(module, "_fusepatch"):
                 already += 1
                 continue
-            seat = instance_forward.seat(module)  # "forward", or "_old_forward" inside an accelerate hook
-            held = module.__dict__.get(seat, _NO_INSTANCE_FORWARD)
+            # in "forward", or in "_old_forward" inside an accelerate hook
+            held = instance_forward.bind(module, _Bound(row.forward, module), _NO_INSTANCE_FORWARD)
             module._fusepatch = state = PatchState(row, resolved.dispatches[row], module, held)
             state.choosing = messages.choices_of(request)
-            setattr(module, seat, _Bound(row.forward, module))
             patched.append((module, state))
     return patched, already
 

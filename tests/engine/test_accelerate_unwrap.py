@@ -7,26 +7,13 @@ import types
 
 import pytest
 import torch
-from helpers import cpu_candidates, lm_batch
+from helpers import lm_batch
 
 import fusepatch
-from fusepatch.engine import selftest
 from fusepatch.engine.patch import _Bound
-from fusepatch.layers.support import projections
-from fusepatch.ops import OPS
-from fusepatch.ops.linear_cross_entropy import linear_cross_entropy_chunked
 from fusepatch.tools.tiny import tiny_model
 
 accelerate_utils = pytest.importorskip("accelerate.utils")
-
-
-@pytest.fixture
-def fused_on_cpu(monkeypatch):
-    cpu_candidates(monkeypatch, {name: op.reference for name, op in OPS.items() if name != "fp8_linear"})
-    cpu_candidates(monkeypatch, {"linear_cross_entropy": linear_cross_entropy_chunked}, name="torch-chunked")
-    monkeypatch.setattr(projections, "DEVICES", ("cpu", "cuda"))
-    yield
-    selftest.clear_cache()
 
 
 def _loss(model, batch):
@@ -36,12 +23,6 @@ def _loss(model, batch):
     return loss.detach()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="unwrap_model binds the fused forward that replaced the wrapper to the model again: the model is passed "
-    "twice (got multiple values for argument 'input_ids')",
-)
 def test_unwrapping_accelerates_mixed_precision_after_apply(fused_on_cpu):
     """``accelerator.unwrap_model(model, keep_fp32_wrapper=False)`` takes the mixed-precision wrapper off: after
     ``apply`` replaced it, the model still runs (fused)."""
@@ -56,3 +37,21 @@ def test_unwrapping_accelerates_mixed_precision_after_apply(fused_on_cpu):
     plain = accelerate_utils.extract_model_from_parallel(model, keep_fp32_wrapper=False)  # unwrap_model's
     torch.testing.assert_close(_loss(plain, batch), want, rtol=1e-5, atol=1e-6)
     assert isinstance(plain.__dict__["forward"], _Bound)
+    fusepatch.revert(plain)  # unwrapped while patched: the model's own forward, no wrapper
+    assert "forward" not in plain.__dict__ and "_original_forward" not in plain.__dict__
+    torch.testing.assert_close(_loss(plain, batch), want, rtol=1e-5, atol=1e-6)
+
+
+def test_revert_gives_the_mixed_precision_wrapper_back_as_it_was(fused_on_cpu):
+    """Patched and reverted without unwrapping: the wrapper and the forward it kept, as accelerate left them."""
+    model = tiny_model("qwen3", seed=0, num_hidden_layers=1).train()
+    model._original_forward = model.forward
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    wrapper = types.MethodType(accelerate_utils.convert_outputs_to_fp32(autocast(model.forward.__func__)), model)
+    model.forward = wrapper
+    fusepatch.apply(model, verbose=False)
+    assert isinstance(model.__dict__["_original_forward"], _Bound)
+    fusepatch.revert(model)
+    assert model.__dict__["forward"] is wrapper
+    kept = model.__dict__["_original_forward"]
+    assert kept.__self__ is model and kept.__func__ is type(model).forward
