@@ -350,7 +350,7 @@ def render(report: dict) -> str:
             f"{f'sm_{major}x' if major is not None else 'any GPU'}: "
             f"{issue['what']} ({issue['link']}); fix: {issue['fix']}"
         )
-    lines += ["", "Private names of kernel packages (backends/)"]
+    lines += ["", "Private names of foreign packages (backends/)"]
     for table in report.get("private_names", []):
         count = sum(len(a) or 1 for a in table["names"].values())
         checked = ", ".join(table["checked"])

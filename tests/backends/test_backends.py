@@ -102,6 +102,7 @@ def test_doctor_probes_where_importing_is_harmless_and_says_why_not_elsewhere(mo
         "fla-core": True,
         "causal-conv1d": True,
         "kernels": False,
+        "accelerate": False,
     }
     report = {
         "environment": {"gpus": [], "python": "3", "torch": "2", "torch_cuda": None, "triton": None},
@@ -124,7 +125,7 @@ def test_the_tables_cover_the_names_the_ops_call():
     assert fla_backend.DQKWG_BUILDER in fla_backend.NAMES.names["fla.ops.common.backends.tilelang.chunk_bwd"]
     assert set(conv_backend.ARITIES) == set(conv_backend.NAMES.names[conv_backend.EXTENSION])
     names = {t.distribution for t in backends.tables()}
-    assert names == {"fla-core", "causal-conv1d", "kernels"}
+    assert names == {"fla-core", "causal-conv1d", "kernels", "accelerate"}
     # every module fusepatch imports from fla is in the table
     imported = set()
     for path in (ROOT / "fusepatch").rglob("*.py"):
