@@ -14,6 +14,9 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The slow tests (several processes, compiles, the interpreter) first, each file's order kept: on two workers a
+    # long test left for the end keeps one worker busy while the other has nothing left to take.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run tests/gpu on the H200)")
@@ -116,3 +119,4 @@ def fused_on_cpu(monkeypatch):
     monkeypatch.setattr(gated_deltanet, "COPY_DEVICES", ("cpu", "cuda"))
     yield
     selftest.clear_cache()
+
