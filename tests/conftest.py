@@ -119,4 +119,3 @@ def fused_on_cpu(monkeypatch):
     monkeypatch.setattr(gated_deltanet, "COPY_DEVICES", ("cpu", "cuda"))
     yield
     selftest.clear_cache()
-
