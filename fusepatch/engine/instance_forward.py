@@ -57,26 +57,20 @@ def refusal(module: torch.nn.Module) -> str | None:
     )
 
 
-def seat(module: torch.nn.Module) -> str:
-    """The attribute the fused forward goes in: accelerate's ``_old_forward`` under its hook, else ``forward``."""
-    if accelerate.hooked(module):
-        return accelerate.HOOKED_FORWARD
-    if accelerate.mixed_precision(module):
+def bind(module: torch.nn.Module, fused: Any, unset: Any) -> Any:
+    """Put the fused forward in its seat: accelerate's ``_old_forward`` under its hook, else ``forward``; returns
+    what the seat held (``unset``: nothing). In place of accelerate's mixed-precision wrapper it is also the forward
+    the wrapper kept, so that ``unwrap_model(model, keep_fp32_wrapper=False)``, which puts that one back where it
+    finds it as the forward, keeps the fused one."""
+    name = accelerate.HOOKED_FORWARD if accelerate.hooked(module) else "forward"
+    replacing_wrapper = name == "forward" and accelerate.mixed_precision(module)
+    if replacing_wrapper:
         logger.info(
             "fusepatch: %s: the fused forward replaces accelerate's mixed-precision wrapper (Accelerator.prepare), "
             "so its calls run in autocast only where the caller sets one (FusePatchCallback does); revert restores "
             "the wrapper; fix: call fusepatch.apply before accelerator.prepare",
             type(module).__name__,
         )
-    return "forward"
-
-
-def bind(module: torch.nn.Module, fused: Any, unset: Any) -> Any:
-    """Put the fused forward in its seat (``seat``); returns what the seat held (``unset``: nothing). In place of
-    accelerate's mixed-precision wrapper it is also the forward the wrapper kept, so that ``unwrap_model(model,
-    keep_fp32_wrapper=False)``, which puts that one back where it finds it as the forward, keeps the fused one."""
-    name = seat(module)
-    replacing_wrapper = name == "forward" and accelerate.mixed_precision(module)
     held = module.__dict__.get(name, unset)
     setattr(module, name, fused)
     if replacing_wrapper:
