@@ -221,20 +221,22 @@ class _LoraLinears(torch.autograd.Function):
         weights, biases, rest = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
         given = [entry[2] for entry in layout]
         flat = x.reshape(-1, x.shape[-1])
-        if residual is not None:
-            outs = [torch.addmm(residual.reshape(-1, residual.shape[-1]), flat, weights[0].t())]
-        else:
-            outs = [
-                (w.view(-1, w.shape[-1]) if w._base is None else w.reshape(-1, w.shape[-1]).clone())
-                if given[i]
-                else F.linear(flat, w, b)
-                for i, (w, b) in enumerate(zip(weights, biases))
-            ]
         # a given base output (a fresh tensor its own function made, that nothing else holds: ``_unviewed``) takes
         # the adapters' products in place: the output is that tensor, marked dirty, not a copy of it (a full write
         # and read of the projection's output per call). A view is copied first: written in place, its base's
         # gradient would be copied whole in the backward instead.
         dirty = [g and w._base is None for w, g in zip(weights, given)]
+        if residual is not None:
+            outs = [torch.addmm(residual.reshape(-1, residual.shape[-1]), flat, weights[0].t())]
+        else:
+            outs = [
+                w.view(-1, w.shape[-1])
+                if dirty[i]
+                else w.reshape(-1, w.shape[-1]).clone()
+                if given[i]
+                else F.linear(flat, w, b)
+                for i, (w, b) in enumerate(zip(weights, biases))
+            ]
         # (projection, scaling, A, B, dropped input or None)
         adapters = [(i, scaling, *rest[3 * k : 3 * k + 3]) for k, (i, scaling, _) in enumerate(_adapter_plan(layout))]
         shared = [ad for ad in adapters if ad[4] is None]
