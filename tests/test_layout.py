@@ -323,10 +323,14 @@ def test_benchmarks_top_level_is_the_harness_and_docs_name_every_study():
 
 def test_bindings_are_installed_by_apply_not_held_from_forwards():
     """Foreign names are declared by rows and installed by ``apply`` (``layers/support/bindings.py``): no layer
-    calls a ``hold(``, and nothing keeps them with finalizers or the garbage collector (``weakref.finalize``, ``gc``)."""
+    calls a ``hold(``, and nothing keeps them with finalizers or the garbage collector (``weakref.finalize``, ``gc``).
+    Only ``diagnostics/collector.py`` imports ``gc``: it times the collector's pauses and freezes long-lived objects
+    for the Trainer callback, and keeps nothing of its own with it."""
     wrong = []
     for path in ROOT.rglob("*.py"):
         where = path.relative_to(ROOT.parent)
+        if path == ROOT / "diagnostics" / "collector.py":
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 wrong += [f"{where}: import {a.name}" for a in node.names if a.name == "gc"]

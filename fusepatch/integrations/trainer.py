@@ -21,6 +21,7 @@ from transformers import TrainerCallback
 
 from fusepatch.base import options
 from fusepatch.diagnostics import profile as profiling
+from fusepatch.diagnostics.collector import CollectorPauses, LongLivedFreeze
 from fusepatch.diagnostics.compiles import CompileCounter, describe
 from fusepatch.engine.features.cuda_graphs import decoder_stacks
 from fusepatch.engine.patch import apply, report
@@ -151,6 +152,12 @@ class FusePatchCallback(TrainerCallback):
         time_steps: time every optimizer step for ``steady_state()``: the median over the steps after the first
             two (compiling) and the profiled one (profiler overhead). Off by default: it syncs the device at
             both ends of every step, which drains the GPU's queue each time.
+        freeze_gc: after the second optimizer step, collect once and move every Python object then alive (the
+            model, the imported packages, compiled kernels) out of the garbage collector's later walks
+            (``gc.freeze()``), until training ends. A full collection otherwise walks them all while the host
+            enqueues nothing: 376 to 507 ms every 8 steps at Qwen3.5-27B's full depth with LoRA on one H100.
+            Objects frozen before training stay frozen after it. The end of training says how long the collector
+            paused either way.
 
     Example::
 
@@ -168,6 +175,7 @@ class FusePatchCallback(TrainerCallback):
         trace_dir: str | None = None,
         peak_tflops: float | None = None,
         time_steps: bool = False,
+        freeze_gc: bool = True,
     ) -> None:
         if profile_step is not None and profile_step < 1:
             raise ValueError(f"profile_step counts optimizer steps from 1, got {profile_step}")
@@ -200,6 +208,9 @@ class FusePatchCallback(TrainerCallback):
         self.late_builds: collections.Counter[str] = collections.Counter()  # builds in steps 3 and later
         self._late_steps = 0
         self._builds_before: collections.Counter[str] = collections.Counter()
+        self.freeze_gc = freeze_gc
+        self.gc_pauses = CollectorPauses()  # Python's garbage collections during training, by generation
+        self._freeze = LongLivedFreeze()
 
     # -- training begins: patch, report, start counting tokens ---------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -234,6 +245,7 @@ class FusePatchCallback(TrainerCallback):
         self._hook = model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
         self._model = model
         self.compiles.install()
+        self.gc_pauses.install()
 
     def _count_tokens(self, module, args, kwargs):
         if not module.training or not self._counting:
@@ -288,6 +300,8 @@ class FusePatchCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step in self._first_steps:
             self._first_steps[state.global_step].stop()
+        if self.freeze_gc and state.global_step == 2:
+            self._freeze_long_lived()
         self._first_step_timed()
         builds = self.compiles.since(self._builds_before)
         if builds and state.global_step > 2:
@@ -348,6 +362,16 @@ class FusePatchCallback(TrainerCallback):
             "median_step_s": round(statistics.median(wall for wall, _ in steady), 4),
             "median_tokens_per_s": round(statistics.median(rates), 1) if rates else 0.0,
         }
+
+    def _freeze_long_lived(self) -> None:
+        started = time.perf_counter()
+        frozen = self._freeze.freeze()
+        logger.info(
+            "fusepatch: moved %s long-lived Python objects out of the garbage collector's walks after step 2 "
+            "(gc.freeze, %.0f ms) until training ends; FusePatchCallback(freeze_gc=False) leaves them in",
+            f"{frozen:,}",
+            (time.perf_counter() - started) * 1000,
+        )
 
     def _late_builds(self, step: int, builds: collections.Counter[str]) -> None:
         self.late_builds.update(builds)
@@ -414,6 +438,10 @@ class FusePatchCallback(TrainerCallback):
                 self._late_steps,
             )
         self.compiles.remove()
+        self.gc_pauses.remove()
+        self._freeze.thaw()
+        if self.gc_pauses.counts:
+            logger.info("fusepatch: Python's garbage collections during training: %s", self.gc_pauses.describe())
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

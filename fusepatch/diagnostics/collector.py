@@ -1,0 +1,71 @@
+"""Python's garbage collector during training: what its pauses cost, and keeping it off the long-lived objects.
+
+A training process holds millions of Python objects that live as long as it does: the model's modules and
+parameters, the imported packages (Triton, fla, TileLang and its TVM), compiled kernels and their caches. Every
+full (generation 2) collection walks all of them while the host stops enqueueing work. At Qwen3.5-27B's full depth
+with LoRA and activation checkpointing on one H100 (docs/benchmarks.md) the step's own allocations set one off
+every 8 steps, 376 to 507 ms each, in every configuration measured. ``gc.freeze()`` moves
+the objects alive at that moment out of every later collection's walk: later full collections look only at what
+training created since, and the frozen ones go back under the collector when training ends (``thaw``).
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import time
+
+
+class CollectorPauses:
+    """Counts Python's garbage collections by generation, and the time they took, while installed."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[int] = collections.Counter()
+        self.seconds: collections.Counter[int] = collections.Counter()
+        self._started = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self._callback in gc.callbacks
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._started
+
+    def install(self) -> None:
+        if not self.active:
+            gc.callbacks.append(self._callback)
+
+    def remove(self) -> None:
+        if self.active:
+            gc.callbacks.remove(self._callback)
+
+    def describe(self) -> str:
+        """``"3 of generation 2 (1,204 ms), 40 of generation 0 (12 ms)"``: the slowest generation first."""
+        order = sorted(self.counts, key=lambda g: -self.seconds[g])
+        return ", ".join(f"{self.counts[g]} of generation {g} ({self.seconds[g] * 1000:,.0f} ms)" for g in order)
+
+
+class LongLivedFreeze:
+    """``freeze()`` collects once and freezes what survives (``gc.freeze``); ``thaw()`` unfreezes, unless objects
+    were already frozen before ``freeze`` (the program froze them itself, and keeps them frozen)."""
+
+    def __init__(self) -> None:
+        self.frozen = 0  # objects this freeze moved out of the collector's walks
+        self._ours = False
+
+    def freeze(self) -> int:
+        before = gc.get_freeze_count()
+        gc.collect()  # garbage is not frozen with the rest: it would stay until the end
+        gc.freeze()
+        self.frozen = gc.get_freeze_count() - before
+        self._ours = before == 0
+        return self.frozen
+
+    def thaw(self) -> None:
+        if self._ours:
+            gc.unfreeze()
+        self._ours = False

@@ -1,0 +1,59 @@
+"""Python's garbage collections counted by generation, and the long-lived objects frozen out of later walks."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from fusepatch.diagnostics.collector import CollectorPauses, LongLivedFreeze
+
+
+@pytest.fixture
+def nothing_frozen():
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+def test_collections_are_counted_by_generation_while_installed():
+    pauses = CollectorPauses()
+    pauses.install()
+    pauses.install()  # once only
+    try:
+        gc.collect(2)
+        gc.collect(2)
+        gc.collect(0)
+    finally:
+        pauses.remove()
+    gc.collect(2)  # removed: not counted
+    assert pauses.counts[2] == 2 and pauses.counts[0] >= 1
+    assert pauses.seconds[2] > 0 and not pauses.active
+    assert pauses.describe().startswith("2 of generation 2 (")
+
+
+def test_a_freeze_leaves_garbage_out_and_thaws_what_it_froze(nothing_frozen):
+    alive = [[] for _ in range(1000)]
+    dead = weakref.ref(_Cyclic())  # a cycle no one refers to: collected, not frozen
+    freeze = LongLivedFreeze()
+    assert freeze.freeze() >= len(alive) and dead() is None
+    assert 0 < gc.get_freeze_count() <= freeze.frozen  # (those freed by their counts since leave it)
+    assert all(o is not alive for o in gc.get_objects())  # out of the walks
+    freeze.thaw()
+    assert any(o is alive for o in gc.get_objects())
+    assert gc.get_freeze_count() == 0
+
+
+def test_objects_the_program_froze_stay_frozen(nothing_frozen):
+    gc.freeze()
+    before = gc.get_freeze_count()
+    freeze = LongLivedFreeze()
+    freeze.freeze()
+    freeze.thaw()
+    assert gc.get_freeze_count() >= before > 0
+
+
+class _Cyclic:
+    def __init__(self):
+        self.me = self
