@@ -38,7 +38,8 @@ CONFIGS = {
 # bases kept in FP8 only), fusepatch+fp8+fastaccum+quick (its GEMMs with use_fast_accum=True),
 # hf-fast+torchao+compile+quick (torchao's float8 rowwise, compiled as torchao advises),
 # hf-fast+torchao+compilelayers+quick (the same with each decoder layer compiled, as torchtitan does),
-# hf-fast+torchao+compileprojections+quick (only the projections compiled: fla and causal-conv1d stay)
+# hf-fast+torchao+compileprojections+quick (only the projections compiled: fla and causal-conv1d stay),
+# hf-fast+freezegc (gc.freeze() after the warm-up, as FusePatchCallback does after step 2)
 FLAGS = {
     "compile": ["--compile"],
     "compilelayers": ["--compile-layers"],
@@ -51,6 +52,7 @@ FLAGS = {
     "drop": ["--drop-frozen-weights"],
     "fastaccum": ["--fast-accum"],
     "torchao": ["--torchao-float8"],
+    "freezegc": ["--freeze-gc"],
 }
 
 

@@ -55,6 +55,7 @@ from step_diagnostics import (  # noqa: E402
     memory_by_phase,
 )
 
+from fusepatch.diagnostics.collector import LongLivedFreeze  # noqa: E402
 from fusepatch.diagnostics.compiles import CompileCounter  # noqa: E402
 from fusepatch.diagnostics.profile import flops_per_token, label_layers, registry_modules, summarize  # noqa: E402
 
@@ -173,6 +174,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--no-diagnostics", action="store_true", help="skip the memory, host and idle views (the profiled step stays)"
+    )
+    parser.add_argument(
+        "--freeze-gc",
+        action="store_true",
+        help="after the warm-up, gc.freeze() what is alive (what FusePatchCallback does after step 2)",
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json-out", default=None)
@@ -575,6 +581,8 @@ def run(args, seq: int, batch: int) -> dict:
         info["cuda_graphs"] = library_graphs(model)
     sync()
     info["warmup_s"] = time.perf_counter() - first
+    if args.freeze_gc:
+        info["gc_frozen_objects"] = LongLivedFreeze().freeze()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     draws = random.Random(1234)  # the same lengths for every configuration
