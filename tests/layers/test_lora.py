@@ -156,6 +156,29 @@ def test_merged_disabled_and_hooked_adapters_run_through_peft(fused):
     assert len(fused) == 1  # and without any of those, fused again
 
 
+@pytest.mark.parametrize("where", ["lora_A", "lora_B", "lora_linear"])
+def test_a_forward_set_on_an_adapter_or_lora_linear_runs_through_peft(fused, where):
+    """A forward set on the instance of an adapter's A or B, or of the LoRA linear, runs: accelerate's offload
+    hook (``cpu_offload``) keeps the weights on the meta device outside its forward, which the fused GEMMs would
+    read instead."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    model = _wrapped(sizes=(5, 7))
+    linears = model.base_model.model.linears()
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    target = linears[0] if where == "lora_linear" else getattr(linears[0], where)["default"]
+    if where == "lora_linear":
+        target.forward = lambda x, forward=target.forward: forward(x) * 2  # a user's wrapper
+    else:
+        weights = {"weight": target.weight.detach().clone()}
+        hooks.add_hook_to_module(target, hooks.AlignDevicesHook("cpu", offload=True, weights_map=weights))
+        assert target.weight.device.type == "meta"
+    with torch.no_grad():
+        expected = [linear(x) for linear in linears]
+        for out, ref in zip(projections.project(x, *linears), expected):
+            torch.testing.assert_close(out, ref, **FP64)
+    assert fused == []
+
+
 def test_fp32_adapters_over_bf16_without_autocast_run_as_autocast_would(fused, caplog):
     """peft's default keeps fp32 adapters over a bf16 base (``autocast_adapter_dtype``) and, without autocast,
     computes them in fp32 (slow FFMA GEMMs on a GPU). The fused path runs their GEMMs in bf16, as autocast would:

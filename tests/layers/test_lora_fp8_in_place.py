@@ -307,3 +307,25 @@ def test_an_accelerate_hook_keeping_a_base_output_keeps_the_base_output(fp8_on_c
     _compare(want, got)
     _compare(again, got, exact=True)
     assert relative_error(kept[1], kept[0]) < CLOSE["logits"], relative_error(kept[1], kept[0])
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["offloaded-after-apply", "offloaded-before-apply"])
+def test_accelerate_cpu_offload_matches(fp8_on_cpu, before):
+    """``cpu_offload`` hooks every module with weights, the adapters' A and B too, whose weights are on the meta
+    device outside their hook's forward: those adapters run through peft, the FP8 bases inside their hooks."""
+    accelerate = pytest.importorskip("accelerate")
+    model = _model()
+    ids = _ids(model)
+    ref = _fp8_bases(copy.deepcopy(model))
+    patched = copy.deepcopy(model)
+    if before:
+        accelerate.cpu_offload(patched, execution_device=torch.device("cpu"))
+    fusepatch.apply(patched, precision="fp8", verbose=False)
+    if not before:
+        accelerate.cpu_offload(patched, execution_device=torch.device("cpu"))
+    ran = len(fp8_on_cpu)
+    with torch.no_grad():
+        want = ref(input_ids=ids, use_cache=False).logits.float()
+        got = patched(input_ids=ids, use_cache=False).logits.float()
+    assert len(fp8_on_cpu) > ran, "the FP8 function did not run"
+    assert relative_error(got, want) < CLOSE["logits"], relative_error(got, want)

@@ -17,10 +17,10 @@ Dropout (``lora_dropout > 0`` while training) is peft's own module, called in pe
 gives peft's masks; each dropped input gets its own ``A`` GEMM.
 
 It runs for peft's ``lora.Linear`` over a plain ``nn.Linear`` with vanilla adapters (no DoRA or other variant,
-no LoRA bias), enabled and unmerged, without hooks, in one dtype or under autocast. Merged or disabled adapters
-and hooked modules go through peft's forward as they should; anything else that cannot be fused (a QLoRA
-4-bit base, DoRA) goes through peft's forward too, and the first such call says why (``survey`` says it at
-``apply``).
+no LoRA bias), enabled and unmerged, without hooks or forwards set on their instances, in one dtype or under
+autocast. Merged or disabled adapters and hooked modules (or ones with a forward of their instance's: accelerate's
+offload hook) go through peft's forward as they should; anything else that cannot be fused (a QLoRA 4-bit base,
+DoRA) goes through peft's forward too, and the first such call says why (``survey`` says it at ``apply``).
 
 peft's default keeps the adapters in fp32 over a bf16 model (``autocast_adapter_dtype``), and without autocast
 computes them in fp32: FFMA GEMMs, a tenth of the tensor cores' rate. Here their GEMMs run in the input's dtype,
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from fusepatch.base.log import logger
 from fusepatch.base.state import current as process_state
-from fusepatch.layers.support.hooks import autocast_dtype, hooked, in_dtype, runs_own_forward
+from fusepatch.layers.support.hooks import autocast_dtype, hooked, in_dtype, may_bypass, runs_own_forward
 
 PEFT_LAYER = "peft.tuners.lora.layer"  # the module defining peft's LoRA ``Linear``
 
@@ -151,7 +151,7 @@ def part(module: torch.nn.Module, x: torch.Tensor, cast: bool) -> Part | Unfused
             f"{type(module).__module__}.{type(module).__name__} over a {base} computes its base with its own GEMM "
             "(QLoRA's 4-bit base, or another layer kind); the fused path covers LoRA over nn.Linear"
         )
-    if module.disable_adapters or module.merged or hooked(module):
+    if module.disable_adapters or module.merged or not may_bypass(module):
         return None
     base = module.base_layer
     if type(base) is not torch.nn.Linear:
@@ -167,7 +167,9 @@ def part(module: torch.nn.Module, x: torch.Tensor, cast: bool) -> Part | Unfused
         a, b = module.lora_A[name], module.lora_B[name]
         if type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear or a.bias is not None or b.bias is not None:
             return Unfused(f"adapter {name!r} has a LoRA bias or A/B modules other than nn.Linear")
-        if hooked(a) or hooked(b) or hooked(module.lora_dropout[name]):  # the fused GEMMs call none of them
+        # the fused GEMMs call none of them: not a hook, nor a forward set on one (accelerate's offload hook,
+        # outside whose forward the weights are on the meta device)
+        if not all(may_bypass(m) for m in (a, b, module.lora_dropout[name])):
             return None
         dropout = _dropout(module.lora_dropout[name])
         if isinstance(dropout, Unfused):
