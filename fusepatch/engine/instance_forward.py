@@ -81,7 +81,8 @@ def bind(module: torch.nn.Module, fused: Any, unset: Any) -> Any:
 def put_back(module: torch.nn.Module, before: Any, fused: type, unset: Any) -> None:
     """Put ``before`` (``unset``: none was on the instance) where the fused forward (an instance of ``fused``) sits:
     the instance's ``forward``, else accelerate's ``_old_forward``. Where neither holds it, another hand replaced
-    ``forward`` after ``apply`` (a wrapper of it): ``forward`` gets ``before``, as ``revert`` always did. A
+    ``forward`` after ``apply`` (a wrapper of it, such as ``Accelerator.prepare``'s): ``forward`` gets ``before``, as
+    ``revert`` always did, said at WARNING since the wrapper goes with it (its autocast, for accelerate's). A
     mixed-precision wrapper gets its own forward back; one taken off after ``apply`` (``unwrap_model``) stays off."""
 
     def ours(value: Any) -> bool:
@@ -92,9 +93,20 @@ def put_back(module: torch.nn.Module, before: Any, fused: type, unset: Any) -> N
         setattr(module, accelerate.MIXED_PRECISION_ORIGINAL, own)
     elif accelerate.wraps_own_forward(module, before) and accelerate.MIXED_PRECISION_ORIGINAL not in module.__dict__:
         before = unset  # the wrapper was taken off while patched: the model's own forward, as unwrapping leaves it
-    if not ours(module.__dict__.get("forward")) and ours(module.__dict__.get(accelerate.HOOKED_FORWARD)):
+    current = module.__dict__.get("forward")
+    if not ours(current) and ours(module.__dict__.get(accelerate.HOOKED_FORWARD)):
         setattr(module, accelerate.HOOKED_FORWARD, own if before is unset else before)
-    elif before is unset:
+        return
+    if current is not None and not ours(current) and current is not before:
+        logger.warning(
+            "fusepatch: revert: %s's forward was set after apply (%s, e.g. Accelerator.prepare's mixed-precision "
+            "wrapper), so it may call the fused forward; it is removed with it, and the module runs %s without it; "
+            "fix: revert before setting that forward (call accelerator.prepare after fusepatch.revert)",
+            type(module).__name__,
+            _named(current),
+            "its own forward" if before is unset else f"the forward it had before apply ({_named(before)})",
+        )
+    if before is unset:
         module.__dict__.pop("forward", None)
     else:
         module.forward = before

@@ -55,3 +55,21 @@ def test_revert_gives_the_mixed_precision_wrapper_back_as_it_was(fused_on_cpu):
     assert model.__dict__["forward"] is wrapper
     kept = model.__dict__["_original_forward"]
     assert kept.__self__ is model and kept.__func__ is type(model).forward
+
+
+def test_revert_says_it_removes_a_wrapper_set_after_apply(fused_on_cpu, caplog):
+    """``Accelerator.prepare`` after ``apply`` wraps the fused forward in autocast; ``revert`` cannot keep the wrapper
+    (it calls the fused function), so it goes, and the warning names what the model loses and the fix."""
+    model = tiny_model("qwen3", seed=0, num_hidden_layers=1).train()
+    batch = lm_batch(model, batch=2, length=13)
+    want = _loss(model, batch)
+    fusepatch.apply(model, verbose=False)
+    model._original_forward = model.forward
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    model.forward = types.MethodType(accelerate_utils.convert_outputs_to_fp32(autocast(model.forward.__func__)), model)
+    with caplog.at_level("WARNING", logger="fusepatch"):
+        fusepatch.revert(model)
+    said = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "forward was set after apply" in said and "call accelerator.prepare after fusepatch.revert" in said
+    assert "forward" not in model.__dict__
+    torch.testing.assert_close(_loss(model, batch), want, rtol=1e-5, atol=1e-6)
