@@ -29,6 +29,7 @@ from fusepatch.engine.plan import check_apply_kwargs
 from fusepatch.layers import layer_graphs
 
 logger = logging.getLogger("fusepatch")
+GC_NOTE_MS = 1.0  # a profiled step's garbage collections said in its summary from this long
 
 
 def _patched(model: torch.nn.Module) -> bool:
@@ -210,6 +211,7 @@ class FusePatchCallback(TrainerCallback):
         self._builds_before: collections.Counter[str] = collections.Counter()
         self.freeze_gc = freeze_gc
         self.gc_pauses = CollectorPauses()  # Python's garbage collections during training, by generation
+        self._gc_before = self.gc_pauses.total()
         self._freeze = LongLivedFreeze()
 
     # -- training begins: patch, report, start counting tokens ---------------------------------------------
@@ -295,6 +297,7 @@ class FusePatchCallback(TrainerCallback):
         self._labels.__enter__()
         self._profiler = torch.profiler.profile(activities=activities)
         self._profiler.__enter__()
+        self._gc_before = self.gc_pauses.total()
         self._start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -332,6 +335,14 @@ class FusePatchCallback(TrainerCallback):
         self.last_profile = result
         self._pending.update(result.metrics())
         summary = result.summary()
+        collected = self.gc_pauses.since(self._gc_before)  # a trace shows it only as a gap without ops
+        self._pending["fusepatch/gc_ms"] = round(collected.seconds * 1000, 3)
+        if collected.seconds * 1000 >= GC_NOTE_MS:
+            advice = "" if self.freeze_gc else "; freeze_gc=True keeps the objects alive after step 2 out of its walks"
+            summary += (
+                f". Python's garbage collector paused the host {collected.seconds * 1000:.0f} ms in this step "
+                f"({collected.count} collections, the oldest of generation {collected.oldest}{advice})"
+            )
         if result.cpu_bound:
             summary += graphs_advice(self._model)
         if self.compiles.active:

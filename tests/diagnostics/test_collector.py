@@ -57,3 +57,21 @@ def test_objects_the_program_froze_stay_frozen(nothing_frozen):
 class _Cyclic:
     def __init__(self):
         self.me = self
+
+
+def test_collections_since_a_point_name_the_oldest_generation():
+    pauses = CollectorPauses()
+    pauses.install()
+    try:
+        before = pauses.total()
+        gc.collect(1)
+        gc.collect(1)
+        middle = pauses.total()
+        gc.collect(2)
+        end = pauses.since(middle)
+    finally:
+        pauses.remove()
+    first = pauses.since(before)
+    assert first.by_generation.get(1, 0) >= 2 and first.oldest == 2 and first.seconds > 0
+    assert end.by_generation == {2: 1} and end.count == 1 and end.oldest == 2
+    assert pauses.since(pauses.total()).oldest == -1

@@ -622,3 +622,30 @@ def test_objects_frozen_before_training_stay_frozen(tmp_path):
         assert gc.get_freeze_count() >= before > 0
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("freeze_gc", [True, False])
+def test_the_profiled_step_says_what_the_collector_took(tmp_path, caplog, freeze_gc):
+    """A collection shows in a trace only as a gap without ops: the profiled step's summary names it, with its
+    generation, and ``fusepatch/gc_ms`` carries its time."""
+    gc.unfreeze()
+    trainer = cpu_trainer(tmp_path, [FusePatchCallback(profile_step=3, freeze_gc=freeze_gc)], max_steps=3)
+    calls = []
+
+    def full_collection(module, args):  # a generation-2 collection in the forward of step 3
+        calls.append(1)
+        if len(calls) == 3:
+            alive = [[] for _ in range(200_000)]  # made in this step: walked whether or not step 2 froze the rest
+            gc.collect()
+            del alive
+
+    trainer.model.register_forward_pre_hook(full_collection)
+    with caplog.at_level(logging.INFO, logger="fusepatch"):
+        trainer.train()
+    summary = next(r.getMessage() for r in caplog.records if "profile of step 3" in r.getMessage())
+    assert "Python's garbage collector paused the host" in summary and "of generation 2" in summary, summary
+    assert ("freeze_gc=True keeps" in summary) is not freeze_gc
+    merged = {}
+    for entry in trainer.state.log_history:
+        merged.update(entry)
+    assert merged["fusepatch/gc_ms"] >= 1.0
