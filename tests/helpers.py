@@ -448,8 +448,7 @@ def cpu_trainer(tmp_path, callbacks, max_steps=4, **extra):
 
     from fusepatch.tools.tiny import tiny_model
 
-    args = TrainingArguments(
-        **extra,
+    settings = dict(
         output_dir=str(tmp_path),
         max_steps=max_steps,
         per_device_train_batch_size=2,
@@ -460,4 +459,5 @@ def cpu_trainer(tmp_path, callbacks, max_steps=4, **extra):
         disable_tqdm=True,
         learning_rate=1e-3,
     )
+    args = TrainingArguments(**(settings | extra))
     return Trainer(model=tiny_model("qwen3_5_text"), args=args, train_dataset=RandomTokens(), callbacks=callbacks)

@@ -153,7 +153,7 @@ class FusePatchCallback(TrainerCallback):
         time_steps: time every optimizer step for ``steady_state()``: the median over the steps after the first
             two (compiling) and the profiled one (profiler overhead). Off by default: it syncs the device at
             both ends of every step, which drains the GPU's queue each time.
-        freeze_gc: after the second optimizer step, collect once and move every Python object then alive (the
+        freeze_gc: after the second optimizer step of a ``train()`` call, collect once and move every Python object then alive (the
             model, the imported packages, compiled kernels) out of the garbage collector's later walks
             (``gc.freeze()``), until training ends. A full collection otherwise walks them all while the host
             enqueues nothing: 376 to 507 ms every 8 steps at Qwen3.5-27B's full depth with LoRA on one H100.
@@ -212,10 +212,12 @@ class FusePatchCallback(TrainerCallback):
         self.freeze_gc = freeze_gc
         self.gc_pauses = CollectorPauses()  # Python's garbage collections during training, by generation
         self._gc_before = self.gc_pauses.total()
+        self._steps_run = 0
         self._freeze = LongLivedFreeze()
 
     # -- training begins: patch, report, start counting tokens ---------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._steps_run = 0  # optimizer steps of this train() call
         if model is None:
             return
         # Mixed precision (autocast) over fp32 weights: kernels are chosen and self-tested for the dtype the
@@ -303,7 +305,8 @@ class FusePatchCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step in self._first_steps:
             self._first_steps[state.global_step].stop()
-        if self.freeze_gc and state.global_step == 2:
+        self._steps_run += 1
+        if self.freeze_gc and self._steps_run == 2:  # this run's second step (a resumed run starts past 2)
             self._freeze_long_lived()
         self._first_step_timed()
         builds = self.compiles.since(self._builds_before)
@@ -378,8 +381,8 @@ class FusePatchCallback(TrainerCallback):
         started = time.perf_counter()
         frozen = self._freeze.freeze()
         logger.info(
-            "fusepatch: moved %s long-lived Python objects out of the garbage collector's walks after step 2 "
-            "(gc.freeze, %.0f ms) until training ends; FusePatchCallback(freeze_gc=False) leaves them in",
+            "fusepatch: moved %s long-lived Python objects out of the garbage collector's walks after this run's "
+            "second step (gc.freeze, %.0f ms) until training ends; FusePatchCallback(freeze_gc=False) leaves them in",
             f"{frozen:,}",
             (time.perf_counter() - started) * 1000,
         )

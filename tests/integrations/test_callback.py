@@ -610,7 +610,7 @@ def test_long_lived_objects_leave_the_collectors_walks_after_step_2(tmp_path, ca
     if freeze_gc:
         assert 0 < watch.at[4] <= frozen and frozen > 10_000  # the model, torch, transformers
     messages = "\n".join(r.getMessage() for r in caplog.records)
-    assert ("out of the garbage collector's walks after step 2" in messages) is freeze_gc
+    assert ("out of the garbage collector's walks after this run's second step" in messages) is freeze_gc
     assert "Python's garbage collections during training: " in messages
 
 
@@ -649,3 +649,16 @@ def test_the_profiled_step_says_what_the_collector_took(tmp_path, caplog, freeze
     for entry in trainer.state.log_history:
         merged.update(entry)
     assert merged["fusepatch/gc_ms"] >= 1.0
+
+
+def test_a_resumed_run_freezes_after_its_own_second_step(tmp_path):
+    """Resumed from a checkpoint at step 3, the run's second step is global step 5."""
+    gc.unfreeze()
+    first = cpu_trainer(
+        tmp_path, [FusePatchCallback(freeze_gc=False)], max_steps=3, save_strategy="steps", save_steps=3
+    )
+    first.train()
+    watch = _FreezeWatch()
+    resumed = cpu_trainer(tmp_path, [FusePatchCallback(), watch], max_steps=6)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert watch.at[4] == watch.at[5] == 0 and watch.at[6] > 0 and gc.get_freeze_count() == 0, watch.at
