@@ -60,6 +60,17 @@ def command(script: str, argv: Sequence[str] | None = None) -> str:
     return " ".join(["python", os.path.relpath(os.path.abspath(script), REPO), *args])
 
 
+def append_rows(path: str | None, rows: Iterable[dict]) -> None:
+    """Append ``rows`` to the JSON-lines record at ``path`` (nothing where ``path`` is None)."""
+    if not path:
+        return
+    import json
+
+    with open(path, "a") as out:
+        for row in rows:
+            out.write(json.dumps(row) + "\n")
+
+
 def today() -> str:
     """The date of the run, ``YYYY-MM-DD`` (the records' ``date``)."""
     return datetime.date.today().isoformat()

@@ -92,7 +92,7 @@ def main() -> int:
     if args.child:
         print(json.dumps(one(args.child, args.layers, args.steps)))
         return 0
-    from provenance import code, command, today, versions
+    from provenance import append_rows, code, command, today, versions
 
     base = {"benchmark": "gc_freeze", "date": today(), "gpu": "cpu", "code": code(), "command": command(__file__)}
     base["versions"] = versions(("torch", "transformers", "peft", "fusepatch"))
@@ -108,10 +108,7 @@ def main() -> int:
                 f"{row['collection_ms_per_step']} ms a step; {row['objects_walked_by_a_full_collection']:,} objects "
                 f"walked ({row['frozen_objects']:,} frozen); {row['step_ms_mean']} ms a step"
             )
-    if args.out:
-        with open(args.out, "a") as out:
-            for row in rows:
-                out.write(json.dumps(row) + "\n")
+    append_rows(args.out, rows)
     return 0
 
 

@@ -36,14 +36,13 @@ the static count, as the activations do.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harness: benchmarks/
-from provenance import command, today, versions  # noqa: E402
+from provenance import append_rows, command, today, versions  # noqa: E402
 from shapes import SHAPES, build_config  # noqa: E402
 
 GIB = 2**30
@@ -248,10 +247,7 @@ def main() -> int:
         print(f"{precision:9s} static {row['static_gib']:7.3f} GiB  {parts}")
     if args.world:
         rows += per_rank_rows(model, args, layers)
-    if args.json_out:
-        with open(args.json_out, "a") as out:
-            for row in rows:
-                out.write(json.dumps(row) + "\n")
+    append_rows(args.json_out, rows)
     return 0
 
 
