@@ -461,3 +461,68 @@ def cpu_trainer(tmp_path, callbacks, max_steps=4, **extra):
     )
     args = TrainingArguments(**(settings | extra))
     return Trainer(model=tiny_model("qwen3_5_text"), args=args, train_dataset=RandomTokens(), callbacks=callbacks)
+
+
+# The server of ``run_in_interpreter``: reads one JSON line per script, runs it in a namespace of its own with its
+# output captured, answers with one JSON line (the output, and the traceback if it raised).
+_INTERPRETER_SERVER = """
+import contextlib, io, json, sys, traceback
+answer = sys.stdout
+for line in sys.stdin:
+    script, out = json.loads(line), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(script, "<interpreted script>", "exec"), {"__name__": "__interpreted__"})
+        error = None
+    except BaseException:
+        error = traceback.format_exc()
+    answer.write(json.dumps({"stdout": out.getvalue(), "error": error}) + "\\n")
+    answer.flush()
+"""
+_interpreter: list = []  # this test process's server, started at its first script
+
+
+def run_in_interpreter(script: str, timeout: float = 300) -> str:
+    """Run ``script`` under Triton's CPU interpreter (``TRITON_INTERPRET=1``, fixed at a process's first Triton
+    import) and return what it printed; fail the test with its traceback if it raised. The scripts of one test
+    process share one interpreter process (each in a namespace of its own, seeding what it draws), so that the
+    imports (torch, Triton, the kernels) are paid once, not once a script. It imports ``tests/helpers.py`` as the
+    tests do (``from helpers import ...``)."""
+    import atexit
+    import json
+    import os
+    import selectors
+    import subprocess
+    import sys
+    import tempfile
+
+    if not _interpreter or _interpreter[0].poll() is not None:
+        _interpreter.clear()
+        path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+        errors = tempfile.TemporaryFile(mode="w+")  # its stderr: read back if it dies
+        process = subprocess.Popen(
+            [sys.executable, "-u", "-c", _INTERPRETER_SERVER],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+        )
+        atexit.register(process.kill)
+        _interpreter.extend([process, errors])
+    process, errors = _interpreter
+    process.stdin.write(json.dumps(script) + "\n")
+    process.stdin.flush()
+    with selectors.DefaultSelector() as ready:
+        ready.register(process.stdout, selectors.EVENT_READ)
+        if not ready.select(timeout):
+            process.kill()
+            raise AssertionError(f"the interpreted script ran past {timeout} s")
+    line = process.stdout.readline()
+    if not line:  # the process died (a crash in a kernel's emulation)
+        errors.seek(0)
+        raise AssertionError(f"the interpreter process died: {errors.read()[-3000:]}")
+    answer = json.loads(line)
+    assert answer["error"] is None, answer["error"][-3000:]
+    return answer["stdout"]

@@ -5,25 +5,18 @@ code (loads, masks, math, stores) on the CPU; the GPU run (tests/gpu) checks the
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
-from helpers import TESTS
+from helpers import run_in_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
 def _run_in_interpreter(script: str) -> None:
-    """Run ``script`` in a fresh process under Triton's CPU interpreter; it prints "ok" when its checks pass. The
-    process imports ``tests/helpers.py`` as the tests do (``from helpers import ...``)."""
-    tests = str(TESTS)
-    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    """Run ``script`` under Triton's CPU interpreter (``helpers.run_in_interpreter``: one process for this worker's
+    scripts); it prints "ok" when its checks pass."""
+    assert "ok" in run_in_interpreter(script)
 
 
 SCRIPT = textwrap.dedent(
