@@ -234,24 +234,49 @@ sys.meta_path.insert(0, _Hidden())
 """
 
 
+# Each command as ``python -m fusepatch`` runs it, in one process (the imports paid once): its exit status, and what it
+# wrote to stderr; then what tiny_model raises.
+EVERY_COMMAND = """
+import contextlib, io, json, runpy, sys
+results = []
+for args in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    sys.argv = ["fusepatch", *args]
+    with contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("fusepatch", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else 1
+    results.append({"args": args, "code": code, "stderr": err.getvalue()})
+import fusepatch.tools.tiny
+try:
+    fusepatch.tools.tiny.tiny_model()
+    tiny = ""
+except ImportError as e:
+    tiny = str(e)
+print(json.dumps({"commands": results, "tiny": tiny}))
+"""
+
+
 def test_without_transformers_every_command_is_one_line_with_the_fix(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(HIDE_TRANSFORMERS)
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
-    for args in (["demo", "--steps", "1"], ["warmup", "qwen3_5_text", "--device", "cpu"], ["doctor", "--static"]):
-        result = subprocess.run(
-            [sys.executable, "-m", "fusepatch", *args], capture_output=True, text=True, timeout=600, env=env
-        )
-        assert result.returncode == 2, result.stderr[-2000:]
-        assert "Traceback" not in result.stderr
-        assert f"pip install '{TRANSFORMERS_REQUIREMENT}'" in result.stderr
-    for args in (["list"],):
-        result = subprocess.run(
-            [sys.executable, "-m", "fusepatch", *args], capture_output=True, text=True, timeout=600, env=env
-        )
-        assert result.returncode == 0, result.stderr[-2000:]
-    probe = "import fusepatch, fusepatch.tools.tiny\ntry:\n    fusepatch.tools.tiny.tiny_model()\nexcept ImportError as e:\n    print(e)"
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=env)
-    assert f"fix: pip install '{TRANSFORMERS_REQUIREMENT}'" in result.stdout, result.stderr[-2000:]
+    failing = [["demo", "--steps", "1"], ["warmup", "qwen3_5_text", "--device", "cpu"], ["doctor", "--static"]]
+    commands = json.dumps([*failing, ["list"]])
+    result = subprocess.run(
+        [sys.executable, "-c", EVERY_COMMAND, commands], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    for ran in data["commands"]:
+        if ran["args"] == ["list"]:
+            assert ran["code"] == 0, ran
+            continue
+        assert ran["code"] == 2, ran
+        assert "Traceback" not in ran["stderr"]
+        assert f"pip install '{TRANSFORMERS_REQUIREMENT}'" in ran["stderr"], ran
+    assert f"fix: pip install '{TRANSFORMERS_REQUIREMENT}'" in data["tiny"], data["tiny"]
 
 
 @pytest.mark.parametrize("args", [["doctor"], ["doctor", "--static"], ["doctor", "--json"]])
