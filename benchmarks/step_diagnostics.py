@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import json
 import os
 import sys
@@ -21,7 +22,6 @@ from collections import Counter
 
 import torch
 
-from fusepatch.diagnostics.collector import CollectorPauses  # noqa: E402
 from fusepatch.diagnostics.profile import host_waits, in_backward  # noqa: E402
 
 
@@ -45,8 +45,17 @@ class HostPauses:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.collections = CollectorPauses()
+        self.collections = Counter()
+        self.seconds = Counter()
+        self._started = 0.0
         self._before: dict = {}
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.collections[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._started
 
     def _allocator(self) -> dict:
         if self.device.type != "cuda":
@@ -56,18 +65,18 @@ class HostPauses:
 
     def __enter__(self) -> HostPauses:
         self._before = self._allocator()
-        self.collections.install()
+        gc.callbacks.append(self._callback)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.collections.remove()
+        gc.callbacks.remove(self._callback)
         after = self._allocator()
         self.allocator = {key: after[key] - self._before[key] for key in after}
 
     def summary(self, steps: int) -> dict:
         return {
-            "gc_collections": {str(g): n for g, n in sorted(self.collections.counts.items())},
-            "gc_ms": {str(g): round(s * 1000, 2) for g, s in sorted(self.collections.seconds.items())},
+            "gc_collections": {str(g): n for g, n in sorted(self.collections.items())},
+            "gc_ms": {str(g): round(s * 1000, 2) for g, s in sorted(self.seconds.items())},
             "allocator_over_timed_steps": self.allocator,
             "timed_steps": steps,
         }
