@@ -55,7 +55,6 @@ from step_diagnostics import (  # noqa: E402
     memory_by_phase,
 )
 
-from fusepatch.diagnostics.collector import LongLivedFreeze  # noqa: E402
 from fusepatch.diagnostics.compiles import CompileCounter  # noqa: E402
 from fusepatch.diagnostics.profile import flops_per_token, label_layers, registry_modules, summarize  # noqa: E402
 
@@ -581,7 +580,9 @@ def run(args, seq: int, batch: int) -> dict:
         info["cuda_graphs"] = library_graphs(model)
     sync()
     info["warmup_s"] = time.perf_counter() - first
-    if args.freeze_gc:
+    if args.freeze_gc:  # imported here: the harness also runs older packages (+code=REV), which lack it
+        from fusepatch.diagnostics.collector import LongLivedFreeze
+
         info["gc_frozen_objects"] = LongLivedFreeze().freeze()
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -1139,3 +1139,33 @@ def test_the_sweep_names_the_quantity_nearest_its_bound():
     assert worst({"a": 1.0, "b": float("nan")}, {"a": 2.0, "b": 4.0}) == ("b", math.inf)
     assert worst({"a": 1.0, "b": float("inf")}, {"a": 2.0}) == ("b", math.inf)  # unbounded, yet not finite
     assert worst({"a": 1.0}, {}) == (None, 0.0)
+
+
+# What the train-step harness imports of fusepatch when a process starts. run_all.py's ``+code=REV`` runs it on an
+# older commit's package (a before/after pair in one run), which lacks any module added since: a module imported at
+# the top of the harness must have been in the package for a while (these were at b4f50c5); a newer one is imported
+# inside the option that needs it (train_step.py's --freeze-gc).
+HARNESS_IMPORTS = {
+    "train_step.py": {"fusepatch.diagnostics.compiles", "fusepatch.diagnostics.profile"},
+    "step_diagnostics.py": {"fusepatch.diagnostics.profile"},
+}
+
+
+def test_the_harness_imports_at_start_only_what_older_packages_have():
+    import ast
+
+    for name, allowed in HARNESS_IMPORTS.items():
+        tree = ast.parse((REPO / "benchmarks" / name).read_text())
+        found = {
+            node.module
+            for node in tree.body  # the module's top level: what every run imports
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fusepatch")
+        }
+        found |= {
+            alias.name
+            for node in tree.body
+            if isinstance(node, ast.Import)
+            for alias in node.names
+            if alias.name.startswith("fusepatch.")
+        }
+        assert found <= allowed, f"{name} imports {sorted(found - allowed)} at its top (import it where it is used)"
