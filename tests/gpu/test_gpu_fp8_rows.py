@@ -64,12 +64,14 @@ def _differ(what: str, got: torch.Tensor, want: torch.Tensor) -> str:
 def _one_rounding(what: str, got: torch.Tensor, want: torch.Tensor, most: float = 1e-4) -> None:
     """``got`` is ``want`` but for one rounding in at most ``most`` of its values (one, in a small tensor): what the
     norm's kernel compiled with FP8 rows and the one compiled without may differ by (``kernels/rms_norm.py``; on an
-    H100, 7 to 69 of 3.1 million values)."""
+    H100, 7 to 104 of 3.1 million values). The plain form rounds twice, the normalised row to the input dtype and
+    then its product with the weight: one rounding of the first apart moves the output by at most two units in its
+    last place (fp16 on an H100: two in some of its 104)."""
     got, want = got.nan_to_num(), want.nan_to_num()
     differ = got != want
     steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()[differ]
     few = int(differ.sum()) <= max(1, most * got.numel())
-    assert few and bool((steps <= 1).all()), _differ(what, got, want)
+    assert few and bool((steps <= 2).all()), _differ(what, got, want)
 
 
 def _inputs(shape, dtype):
