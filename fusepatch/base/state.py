@@ -2,7 +2,7 @@
 
 Self-test verdicts (a kernel is tested once per process and shape), the drift lines of foreign packages, the
 reasons and notes already said (each once), the rows and candidates users added, the environment snapshot, and the
-foreign module-level names ``apply`` replaced (``bindings``). Nothing else in the package keeps state between
+foreign module-level names ``apply`` replaced (``bindings``), whether a training's ``gc.freeze`` is still in effect. Nothing else in the package keeps state between
 models; tests run each case in a :func:`fresh` state.
 """
 
@@ -44,6 +44,7 @@ class ProcessState:
     user_candidates: dict[str, tuple[tuple, tuple]] = field(default_factory=dict)  # op -> (first, last) added
     environment: Any = None  # the captured Environment, once taken
     bindings: dict[tuple[str, str], Installed] = field(default_factory=dict)  # (module, name) -> what is there now
+    gc_frozen: bool = False  # the objects now frozen (gc.freeze) are a training's, not yet unfrozen: it raised
 
 
 _current = ProcessState()

@@ -16,6 +16,8 @@ import gc
 import time
 from typing import NamedTuple
 
+from fusepatch.base.state import current as process_state
+
 
 class Collected(NamedTuple):
     """Collections over a stretch of time: how many of each generation, and their seconds in all."""
@@ -52,6 +54,11 @@ class CollectorPauses:
             self.counts[info["generation"]] += 1
             self.seconds[info["generation"]] += time.perf_counter() - self._started
 
+    def reset(self) -> None:
+        """Count from zero (a new training)."""
+        self.counts.clear()
+        self.seconds.clear()
+
     def install(self) -> None:
         if not self.active:
             gc.callbacks.append(self._callback)
@@ -78,11 +85,18 @@ class CollectorPauses:
 
 class LongLivedFreeze:
     """``freeze()`` collects once and freezes what survives (``gc.freeze``); ``thaw()`` unfreezes, unless objects
-    were already frozen before ``freeze`` (the program froze them itself, and keeps them frozen)."""
+    were already frozen before ``freeze`` (the program froze them itself: ``gc.unfreeze`` cannot tell them apart, so
+    all stay frozen). A training that raised never thaws: ``thaw_abandoned`` unfreezes its objects, which the
+    process state marks, when the next one begins."""
 
     def __init__(self) -> None:
         self.frozen = 0  # objects this freeze moved out of the collector's walks
         self._ours = False
+
+    @property
+    def ours(self) -> bool:
+        """Whether ``thaw`` will unfreeze (nothing was frozen before ``freeze``)."""
+        return self._ours
 
     def freeze(self) -> int:
         before = gc.get_freeze_count()
@@ -90,9 +104,23 @@ class LongLivedFreeze:
         gc.freeze()
         self.frozen = gc.get_freeze_count() - before
         self._ours = before == 0
+        if self._ours:
+            process_state().gc_frozen = True
         return self.frozen
 
     def thaw(self) -> None:
         if self._ours:
             gc.unfreeze()
+            process_state().gc_frozen = False
         self._ours = False
+
+    @staticmethod
+    def thaw_abandoned() -> int:
+        """Unfreeze what a training froze and, having raised, never thawed; returns how many objects (0: none)."""
+        state = process_state()
+        if not state.gc_frozen:
+            return 0
+        count = gc.get_freeze_count()
+        gc.unfreeze()
+        state.gc_frozen = False
+        return count

@@ -153,12 +153,13 @@ class FusePatchCallback(TrainerCallback):
         time_steps: time every optimizer step for ``steady_state()``: the median over the steps after the first
             two (compiling) and the profiled one (profiler overhead). Off by default: it syncs the device at
             both ends of every step, which drains the GPU's queue each time.
-        freeze_gc: after the second optimizer step of a ``train()`` call, collect once and move every Python object then alive (the
-            model, the imported packages, compiled kernels) out of the garbage collector's later walks
-            (``gc.freeze()``), until training ends. A full collection otherwise walks them all while the host
-            enqueues nothing: 376 to 507 ms every 8 steps at Qwen3.5-27B's full depth with LoRA on one H100.
-            Objects frozen before training stay frozen after it. The end of training says how long the collector
-            paused either way.
+        freeze_gc: after the second optimizer step a run makes (a resumed run's too), collect once and move every
+            Python object then alive (the model, the imported packages, compiled kernels) out of the garbage
+            collector's later walks (``gc.freeze()``), until training ends. A full collection otherwise walks them
+            all while the host enqueues nothing: 376 to 507 ms every 8 steps at Qwen3.5-27B's full depth with LoRA
+            on one H100. Where the program had frozen objects itself, all stay frozen after training
+            (``gc.unfreeze`` cannot tell them apart); a training that raised leaves its objects frozen until the
+            next one begins. The end of training says how long the collector paused either way.
 
     Example::
 
@@ -212,12 +213,20 @@ class FusePatchCallback(TrainerCallback):
         self.freeze_gc = freeze_gc
         self.gc_pauses = CollectorPauses()  # Python's garbage collections during training, by generation
         self._gc_before = self.gc_pauses.total()
-        self._steps_run = 0
         self._freeze = LongLivedFreeze()
+        self._steps_run = 0  # optimizer steps ended in this run (a resumed run starts past step 2)
 
     # -- training begins: patch, report, start counting tokens ---------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self._steps_run = 0  # optimizer steps of this train() call
+        self._steps_run = 0
+        self.gc_pauses.reset()
+        thawed = LongLivedFreeze.thaw_abandoned()
+        if thawed:
+            logger.info(
+                "fusepatch: unfroze %s Python objects a training that ended without on_train_end (it raised) had "
+                "frozen (gc.freeze) after its second step",
+                f"{thawed:,}",
+            )
         if model is None:
             return
         # Mixed precision (autocast) over fp32 weights: kernels are chosen and self-tested for the dtype the
@@ -303,11 +312,14 @@ class FusePatchCallback(TrainerCallback):
         self._start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
+        self._end_step(args, state, control)
+        self._steps_run += 1
+        if self.freeze_gc and self._steps_run == 2:  # after the step's timing and profile: no part of them
+            self._freeze_long_lived()
+
+    def _end_step(self, args, state, control) -> None:
         if state.global_step in self._first_steps:
             self._first_steps[state.global_step].stop()
-        self._steps_run += 1
-        if self.freeze_gc and self._steps_run == 2:  # this run's second step (a resumed run starts past 2)
-            self._freeze_long_lived()
         self._first_step_timed()
         builds = self.compiles.since(self._builds_before)
         if builds and state.global_step > 2:
@@ -378,13 +390,20 @@ class FusePatchCallback(TrainerCallback):
         }
 
     def _freeze_long_lived(self) -> None:
+        counting = self.gc_pauses.active
+        self.gc_pauses.remove()  # its collection is said here, not as a pause of the training's
         started = time.perf_counter()
         frozen = self._freeze.freeze()
+        if counting:
+            self.gc_pauses.install()
         logger.info(
-            "fusepatch: moved %s long-lived Python objects out of the garbage collector's walks after this run's "
-            "second step (gc.freeze, %.0f ms) until training ends; FusePatchCallback(freeze_gc=False) leaves them in",
+            "fusepatch: moved %s long-lived Python objects out of the garbage collector's walks after the second "
+            "step (gc.freeze, %.0f ms) %s; FusePatchCallback(freeze_gc=False) leaves them in",
             f"{frozen:,}",
             (time.perf_counter() - started) * 1000,
+            "until training ends"
+            if self._freeze.ours
+            else "for good: the program had frozen objects itself, which gc.unfreeze would unfreeze too",
         )
 
     def _late_builds(self, step: int, builds: collections.Counter[str]) -> None:

@@ -75,3 +75,24 @@ def test_collections_since_a_point_name_the_oldest_generation():
     assert first.by_generation.get(1, 0) >= 2 and first.oldest == 2 and first.seconds > 0
     assert end.by_generation == {2: 1} and end.count == 1 and end.oldest == 2
     assert pauses.since(pauses.total()).oldest == -1
+
+
+def test_a_freeze_never_thawed_is_thawed_by_the_next_and_only_once(nothing_frozen):
+    """A training that raised leaves its freeze in effect: ``thaw_abandoned`` unfreezes it, and not the program's."""
+    LongLivedFreeze().freeze()  # never thawed
+    assert LongLivedFreeze.thaw_abandoned() > 0 and gc.get_freeze_count() == 0
+    assert LongLivedFreeze.thaw_abandoned() == 0
+    gc.freeze()  # the program's own
+    assert LongLivedFreeze.thaw_abandoned() == 0 and gc.get_freeze_count() > 0
+
+
+def test_reset_counts_from_zero():
+    pauses = CollectorPauses()
+    pauses.install()
+    try:
+        gc.collect(2)
+        pauses.reset()
+        gc.collect(1)
+    finally:
+        pauses.remove()
+    assert pauses.counts[2] == 0 and pauses.counts[1] >= 1

@@ -610,7 +610,7 @@ def test_long_lived_objects_leave_the_collectors_walks_after_step_2(tmp_path, ca
     if freeze_gc:
         assert 0 < watch.at[4] <= frozen and frozen > 10_000  # the model, torch, transformers
     messages = "\n".join(r.getMessage() for r in caplog.records)
-    assert ("out of the garbage collector's walks after this run's second step" in messages) is freeze_gc
+    assert ("out of the garbage collector's walks after the second step" in messages) is freeze_gc
     assert "Python's garbage collections during training: " in messages
 
 
@@ -651,14 +651,73 @@ def test_the_profiled_step_says_what_the_collector_took(tmp_path, caplog, freeze
     assert merged["fusepatch/gc_ms"] >= 1.0
 
 
-def test_a_resumed_run_freezes_after_its_own_second_step(tmp_path):
-    """Resumed from a checkpoint at step 3, the run's second step is global step 5."""
+@pytest.fixture
+def no_automatic_full_collections():
+    """Only the collections a test makes are of generation 2 (none set off by allocations), and nothing frozen."""
+    thresholds = gc.get_threshold()
     gc.unfreeze()
-    first = cpu_trainer(
-        tmp_path, [FusePatchCallback(freeze_gc=False)], max_steps=3, save_strategy="steps", save_steps=3
-    )
+    gc.set_threshold(thresholds[0], thresholds[1], 1_000_000_000)
+    yield
+    gc.set_threshold(*thresholds)
+    gc.unfreeze()
+
+
+def test_the_freeze_is_no_part_of_a_profiled_second_step(tmp_path, caplog, no_automatic_full_collections):
+    """``profile_step=2``: the freeze after step 2 collects the whole heap, which is the callback's work, not the
+    step's: neither the step's wall time nor the collections its summary names hold it."""
+    callback = FusePatchCallback(profile_step=2)
+    trainer = cpu_trainer(tmp_path, [callback], max_steps=3)
+    with caplog.at_level(logging.INFO, logger="fusepatch"):
+        trainer.train()
+    summary = next(r.getMessage() for r in caplog.records if "profile of step 2" in r.getMessage())
+    assert "of generation 2" not in summary, summary
+    assert callback.gc_pauses.counts[2] == 0  # the freeze's own collection is said by its own line
+    assert "walks after the second step" in caplog.text
+
+
+def test_a_resumed_run_freezes_after_its_own_second_step(tmp_path, no_automatic_full_collections):
+    """A run resumed from a checkpoint starts past step 2: it freezes after the second step it runs."""
+    first = cpu_trainer(tmp_path, [FusePatchCallback(freeze_gc=False)], max_steps=3)
     first.train()
+    first._save_checkpoint(first.model, trial=None)
     watch = _FreezeWatch()
     resumed = cpu_trainer(tmp_path, [FusePatchCallback(), watch], max_steps=6)
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
-    assert watch.at[4] == watch.at[5] == 0 and watch.at[6] > 0 and gc.get_freeze_count() == 0, watch.at
+    assert watch.at[4] == watch.at[5] == 0 and watch.at[6] > 10_000 and gc.get_freeze_count() == 0
+
+
+class _Interrupt(TrainerCallback):
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 3:
+            raise KeyboardInterrupt
+
+
+def test_a_training_that_raised_leaves_nothing_frozen_past_the_next(tmp_path, caplog, no_automatic_full_collections):
+    """A training interrupted after step 2 never reaches ``on_train_end``: what it froze stays frozen (a model
+    dropped then is never collected). The next training unfreezes it as it begins, and thaws its own freeze."""
+    interrupted = cpu_trainer(tmp_path, [FusePatchCallback(), _Interrupt()], max_steps=5)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    assert gc.get_freeze_count() > 10_000
+    watch = _FreezeWatch()
+    with caplog.at_level(logging.INFO, logger="fusepatch"):
+        cpu_trainer(tmp_path, [FusePatchCallback(), watch], max_steps=3).train()
+    assert watch.at[1] == 0 and gc.get_freeze_count() == 0
+    assert "a training that ended without on_train_end" in caplog.text
+
+
+def test_each_training_says_its_own_collections(tmp_path, caplog, no_automatic_full_collections):
+    """Two ``train()`` calls with one callback: each end of training names the collections of that training."""
+    callback = FusePatchCallback()
+    trainer = cpu_trainer(tmp_path, [callback], max_steps=3)
+    trainer.train()
+
+    def full_collection(module, args):  # one in each step's forward
+        gc.collect()
+
+    trainer.model.register_forward_pre_hook(full_collection)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fusepatch"):
+        trainer.train()
+    said = next(r.getMessage() for r in caplog.records if "collections during training" in r.getMessage())
+    assert "3 of generation 2" in said, said
