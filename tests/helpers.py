@@ -268,24 +268,21 @@ def in_process(argv: list[str]) -> tuple[int, str, str]:
 
 
 def torchrun(script: str, *args: str, processes: int = 2, timeout: int = 240, **env: str):
-    """Run ``script`` under torchrun with ``processes`` ranks, on the CPU unless ``env`` names a GPU
-    (``CUDA_VISIBLE_DEVICES``); returns the CompletedProcess. ``timeout``: seconds before the ranks are killed."""
+    """Run ``script`` under torchrun with ``processes`` ranks (one rank: by itself, with the environment torchrun
+    gives it), on the CPU unless ``env`` names a GPU (``CUDA_VISIBLE_DEVICES``); returns the CompletedProcess.
+    ``timeout``: seconds before the ranks are killed."""
     import os
     import subprocess
     import sys
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(processes),
-        "--master-port",
-        str(free_port()),
-        script,
-        *args,
-    ]
+    port = str(free_port())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port", port]
+    cmd += [script, *args]
     full_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **env}  # env may name a GPU
+    if processes == 1:  # the one rank without the launcher's own process: the variables torchrun gives a rank
+        cmd = [sys.executable, script, *args]
+        full_env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        full_env.update(MASTER_PORT=port, GROUP_RANK="0", ROLE_RANK="0", ROLE_WORLD_SIZE="1")
     # A hang (a collective waiting on a dead rank) fails in 4 minutes: each of these runs takes 10-20 s on two
     # loaded cores, and CI has 20 minutes in all. The ranks are torchrun's children: the whole process group is
     # killed, so none is left behind holding a core.
