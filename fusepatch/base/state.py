@@ -2,8 +2,8 @@
 
 Self-test verdicts (a kernel is tested once per process and shape), the drift lines of foreign packages, the
 reasons and notes already said (each once), the rows and candidates users added, the environment snapshot, and the
-foreign module-level names ``apply`` replaced (``bindings``), whether a training's ``gc.freeze`` is still in effect. Nothing else in the package keeps state between
-models; tests run each case in a :func:`fresh` state.
+foreign module-level names ``apply`` replaced (``bindings``), and whether a training's ``gc.freeze`` is still in
+effect. Nothing else in the package keeps state between models; tests run each case in a :func:`fresh` state.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ A training process holds millions of Python objects that live as long as it does
 parameters, the imported packages (Triton, fla, TileLang and its TVM), compiled kernels and their caches. Every
 full (generation 2) collection walks all of them while the host stops enqueueing work. At Qwen3.5-27B's full depth
 with LoRA and activation checkpointing on one H100 (docs/benchmarks.md) the step's own allocations set one off
-every 8 steps, 376 to 507 ms each, in every configuration measured. ``gc.freeze()`` moves
-the objects alive at that moment out of every later collection's walk: later full collections look only at what
-training created since, and the frozen ones go back under the collector when training ends (``thaw``).
+every 8 steps, 376 to 507 ms each, in every configuration measured. ``gc.freeze()`` moves the objects alive at that
+moment out of every later collection's walk: later full collections look only at what training created since, and
+the frozen ones go back under the collector when training ends (``thaw``).
 """
 
 from __future__ import annotations
