@@ -85,8 +85,14 @@ def put_back(module: torch.nn.Module, before: Any, fused: type, unset: Any) -> N
     ``revert`` always did, said at WARNING since the wrapper goes with it (its autocast, for accelerate's). A
     mixed-precision wrapper gets its own forward back; one taken off after ``apply`` (``unwrap_model``) stays off."""
 
+    row_forward = getattr(getattr(module.__dict__.get("_fusepatch"), "row", None), "forward", None)
+
     def ours(value: Any) -> bool:
-        return isinstance(value, fused) and value.__self__ is module
+        if isinstance(value, fused):
+            return value.__self__ is module
+        # the fused function bound to the module as a plain method: what accelerate's unwrap_model leaves of a
+        # mixed-precision wrapper set after apply (it follows the wrapper's __wrapped__ links to the function)
+        return isinstance(value, types.MethodType) and value.__self__ is module and value.__func__ is row_forward
 
     own = types.MethodType(type(module).forward, module)
     if ours(module.__dict__.get(accelerate.MIXED_PRECISION_ORIGINAL)):

@@ -73,3 +73,21 @@ def test_revert_says_it_removes_a_wrapper_set_after_apply(fused_on_cpu, caplog):
     assert "forward was set after apply" in said and "call accelerator.prepare after fusepatch.revert" in said
     assert "forward" not in model.__dict__
     torch.testing.assert_close(_loss(model, batch), want, rtol=1e-5, atol=1e-6)
+
+
+def test_unwrapping_a_wrapper_set_after_apply_then_revert_says_nothing(fused_on_cpu, caplog):
+    """``Accelerator.prepare`` after ``apply``, then ``unwrap_model(keep_fp32_wrapper=False)``: the forward left is
+    the fused function bound to the model, nothing of another hand's; ``revert`` takes it back without a warning."""
+    model = tiny_model("qwen3", seed=0, num_hidden_layers=1).train()
+    batch = lm_batch(model, batch=2, length=13)
+    want = _loss(model, batch)
+    fusepatch.apply(model, verbose=False)
+    model._original_forward = model.forward
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    model.forward = types.MethodType(accelerate_utils.convert_outputs_to_fp32(autocast(model.forward.__func__)), model)
+    plain = accelerate_utils.extract_model_from_parallel(model, keep_fp32_wrapper=False)
+    with caplog.at_level("WARNING", logger="fusepatch"):
+        fusepatch.revert(plain)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert "forward" not in plain.__dict__
+    torch.testing.assert_close(_loss(plain, batch), want, rtol=1e-5, atol=1e-6)
