@@ -23,16 +23,22 @@ def _loss(model, batch):
     return loss.detach()
 
 
+def _prepare(model):
+    """accelerate's mixed-precision wrapper as accelerate 1.16's ``Accelerator.prepare_model`` sets it (no Accelerator:
+    no process-wide state): the forward kept as ``_original_forward``, the wrapper as the forward; returns it."""
+    model._original_forward = model.forward
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    model.forward = types.MethodType(accelerate_utils.convert_outputs_to_fp32(autocast(model.forward.__func__)), model)
+    return model.forward
+
+
 def test_unwrapping_accelerates_mixed_precision_after_apply(fused_on_cpu):
     """``accelerator.unwrap_model(model, keep_fp32_wrapper=False)`` takes the mixed-precision wrapper off: after
     ``apply`` replaced it, the model still runs (fused)."""
     model = tiny_model("qwen3", seed=0, num_hidden_layers=1).train()
     batch = lm_batch(model, batch=2, length=13)
     want = _loss(model, batch)
-    # the wrapper as accelerate 1.16's Accelerator.prepare_model builds it (no Accelerator: no process-wide state)
-    model._original_forward = model.forward
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
-    model.forward = types.MethodType(accelerate_utils.convert_outputs_to_fp32(autocast(model.forward.__func__)), model)
+    _prepare(model)
     fusepatch.apply(model, verbose=False)
     plain = accelerate_utils.extract_model_from_parallel(model, keep_fp32_wrapper=False)  # unwrap_model's
     torch.testing.assert_close(_loss(plain, batch), want, rtol=1e-5, atol=1e-6)
@@ -45,10 +51,7 @@ def test_unwrapping_accelerates_mixed_precision_after_apply(fused_on_cpu):
 def test_revert_gives_the_mixed_precision_wrapper_back_as_it_was(fused_on_cpu):
     """Patched and reverted without unwrapping: the wrapper and the forward it kept, as accelerate left them."""
     model = tiny_model("qwen3", seed=0, num_hidden_layers=1).train()
-    model._original_forward = model.forward
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
-    wrapper = types.MethodType(accelerate_utils.convert_outputs_to_fp32(autocast(model.forward.__func__)), model)
-    model.forward = wrapper
+    wrapper = _prepare(model)
     fusepatch.apply(model, verbose=False)
     assert isinstance(model.__dict__["_original_forward"], _Bound)
     fusepatch.revert(model)
@@ -64,9 +67,7 @@ def test_revert_says_it_removes_a_wrapper_set_after_apply(fused_on_cpu, caplog):
     batch = lm_batch(model, batch=2, length=13)
     want = _loss(model, batch)
     fusepatch.apply(model, verbose=False)
-    model._original_forward = model.forward
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
-    model.forward = types.MethodType(accelerate_utils.convert_outputs_to_fp32(autocast(model.forward.__func__)), model)
+    _prepare(model)
     with caplog.at_level("WARNING", logger="fusepatch"):
         fusepatch.revert(model)
     said = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
@@ -82,9 +83,7 @@ def test_unwrapping_a_wrapper_set_after_apply_then_revert_says_nothing(fused_on_
     batch = lm_batch(model, batch=2, length=13)
     want = _loss(model, batch)
     fusepatch.apply(model, verbose=False)
-    model._original_forward = model.forward
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
-    model.forward = types.MethodType(accelerate_utils.convert_outputs_to_fp32(autocast(model.forward.__func__)), model)
+    _prepare(model)
     plain = accelerate_utils.extract_model_from_parallel(model, keep_fp32_wrapper=False)
     with caplog.at_level("WARNING", logger="fusepatch"):
         fusepatch.revert(plain)
