@@ -85,7 +85,8 @@ def put_back(module: torch.nn.Module, before: Any, fused: type, unset: Any) -> N
     ``revert`` always did, said at WARNING since the wrapper goes with it (its autocast, for accelerate's). A
     mixed-precision wrapper gets its own forward back; one taken off after ``apply`` (``unwrap_model``) stays off."""
 
-    row_forward = getattr(getattr(module.__dict__.get("_fusepatch"), "row", None), "forward", None)
+    state = module.__dict__.get("_fusepatch")  # the module's PatchState: revert drops it after this
+    row_forward = None if state is None else state.row.forward
 
     def ours(value: Any) -> bool:
         if isinstance(value, fused):
