@@ -1,7 +1,8 @@
 """``apply(precision="fp8", drop_frozen_weights=True)``: what FP8 projections (``layers/fp8.py``) keep beyond their
 forward. A frozen projection keeps its weight in FP8 only (the ``drop_frozen`` flag; DoRA's bases excepted, their
 adapters read the weight; the dropped weight carries its FP8 copy, so it copies and pickles with the module),
-``revert`` puts the weight back rounded and says so, and ``report`` counts the dropped weights."""
+``revert`` puts the weight back rounded and says so, and ``report`` counts the dropped weights. On a model as
+narrow as those where FP8 measured slower than bf16 without CUDA graphs, ``finish`` says so with the fix."""
 
 from __future__ import annotations
 
@@ -9,12 +10,30 @@ import dataclasses
 
 import torch
 
+from fusepatch.base.log import logger
 from fusepatch.engine.features.base import Feature, Patched
-from fusepatch.engine.plan import Plan, Request
+from fusepatch.engine.plan import Plan, Request, Resolved
 from fusepatch.engine.reporting import PatchReport
 from fusepatch.layers.fp8 import is_dropped, keep_what_variants_read, restore_dropped, say_restored, sharding_lines
 
 ROUNDED = "fusepatch.revert(model) puts back rounded copies"
+# The widest hidden size at which FP8 projections measured slower than bf16 per synced step without CUDA graphs
+# (the 2B-like shape; faster with graphs, and at 27B's 5120 faster without them: docs/fp8.md): a step of a model
+# this narrow already waits for the host, and FP8 adds host work to every projection.
+NARROW = 2048
+NARROW_ADVICE = (
+    "fusepatch: precision='fp8' on a narrow model (hidden size %d) without CUDA graphs: its training step waits for "
+    "the host, and FP8 adds host work to every projection, so it can run slower than bf16. Fix: cuda_graphs=True "
+    "beside precision='fp8' (in fusepatch.apply, or FusePatchCallback's apply_kwargs) where batches keep one shape "
+    "(no activation checkpointing or FSDP2), else leave precision unset"
+)
+
+
+def _hidden_size(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "hidden_size", None)
+    return hidden if isinstance(hidden, int) else None
 
 
 class Fp8(Feature):
@@ -53,6 +72,16 @@ class Fp8(Feature):
         if dropping:
             kept.append(f"{dropping} FP8 projections keep drop_frozen_weights={not request.drop_frozen_weights}")
         return kept
+
+    def finish(self, plan: Plan, resolved: Resolved, report: PatchReport, request: Request, newly: int) -> None:
+        """Where FP8 runs on a model as narrow as those it measured slower on without graphs: the fix."""
+        if request.precision != "fp8" or request.cuda_graphs or not newly:
+            return
+        if not any(choice.op == "fp8_linear" for _, choice in report.fused_ops):
+            return
+        hidden = _hidden_size(plan.model)
+        if hidden is not None and hidden <= NARROW:
+            logger.warning(NARROW_ADVICE, hidden)
 
     def report(self, report: PatchReport, states: list) -> PatchReport:
         dropped = sum(is_dropped(s.owner) for s in states)

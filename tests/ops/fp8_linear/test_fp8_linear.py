@@ -807,3 +807,36 @@ def test_unaligned_projections_are_named_at_apply_and_left(caplog):
     said = [r.getMessage() for r in caplog.records if "not a multiple of 16" in r.getMessage()]
     assert len(said) == 1 and f"{len(mlp)} modules run as before" in said[0] and "mlp.gate_proj" in said[0], said
     assert "compute in the model's dtype; nothing to fix" in said[0]
+
+
+NARROW_ADVICE = "cuda_graphs=True"
+
+
+@pytest.mark.parametrize(
+    "hidden, cuda_graphs, kernel, advised",
+    [
+        (128, False, True, True),  # a narrow model, FP8 running: the step waits for the host, said with the fix
+        (128, True, True, False),  # graphs asked for: the advice is taken
+        (2304, False, True, False),  # wider than the shapes where FP8 measured slower
+        (128, False, False, False),  # FP8 fell back (the CPU): its own fallback line says so, nothing more
+    ],
+)
+def test_fp8_on_a_narrow_model_without_graphs_says_to_graph_it(
+    monkeypatch, caplog, hidden, cuda_graphs, kernel, advised
+):
+    """At the widths where FP8 projections measured slower than bf16 per step without CUDA graphs (a 2B-like
+    model's), ``apply(precision="fp8")`` says so with the fix; not where graphs are asked for, the model is wider,
+    or FP8 does not run at all."""
+    if kernel:
+        cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+        monkeypatch.setattr(projections, "DEVICES", (*projections.DEVICES, "cpu"))
+    model = tiny_model("qwen3_5_text", hidden_size=hidden, intermediate_size=256).to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        report = fusepatch.apply(model, precision="fp8", cuda_graphs=cuda_graphs, verbose=False)
+    assert any(c.op == "fp8_linear" and c.fused for _, c in report.fused_ops) == kernel
+    said = [
+        r.getMessage() for r in caplog.records if "precision='fp8'" in r.getMessage() and "narrow" in r.getMessage()
+    ]
+    assert len(said) == advised, said
+    if advised:
+        assert f"hidden size {hidden}" in said[0] and NARROW_ADVICE in said[0] and "Fix:" in said[0]
