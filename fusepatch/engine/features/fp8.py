@@ -12,6 +12,7 @@ import torch
 
 from fusepatch.base.log import logger
 from fusepatch.engine.features.base import Feature, Patched
+from fusepatch.engine.features.cuda_graphs import decoder_stacks, graphed
 from fusepatch.engine.plan import Plan, Request, Resolved
 from fusepatch.engine.reporting import PatchReport
 from fusepatch.layers.fp8 import is_dropped, keep_what_variants_read, restore_dropped, say_restored, sharding_lines
@@ -74,10 +75,12 @@ class Fp8(Feature):
         return kept
 
     def finish(self, plan: Plan, resolved: Resolved, report: PatchReport, request: Request, newly: int) -> None:
-        """Where FP8 runs on a model as narrow as those it measured slower on without graphs: the fix."""
-        if request.precision != "fp8" or request.cuda_graphs or not newly:
+        """Where FP8 runs on a model as narrow as those it measured slower on without graphs: the fix. Not where
+        the layers keep an earlier apply's graphs, nor where none can be graphed (mixture-of-experts layers): there
+        the fix would not apply."""
+        if request.precision != "fp8" or request.cuda_graphs or not newly or graphed(plan.model):
             return
-        if not any(choice.op == "fp8_linear" for _, choice in report.fused_ops):
+        if not any(choice.op == "fp8_linear" for _, choice in report.fused_ops) or not decoder_stacks(plan.model)[0]:
             return
         hidden = _hidden_size(plan.model)
         if hidden is not None and hidden <= NARROW:

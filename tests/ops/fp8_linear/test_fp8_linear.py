@@ -840,3 +840,29 @@ def test_fp8_on_a_narrow_model_without_graphs_says_to_graph_it(
     assert len(said) == advised, said
     if advised:
         assert f"hidden size {hidden}" in said[0] and NARROW_ADVICE in said[0] and "Fix:" in said[0]
+
+
+@pytest.mark.parametrize(
+    "model_type, first",
+    [
+        ("qwen3_5_text", {"cuda_graphs": True}),  # graphed by an earlier apply: the layers keep their graphs
+        ("qwen3_5_text", {"precision": "fp8"}),  # said by the apply that patched FP8: not again
+        ("qwen3_moe", None),  # mixture-of-experts layers take no graphs: the fix would not apply
+    ],
+    ids=["graphed-before", "fp8-before", "moe"],
+)
+def test_the_narrow_model_advice_is_not_said_where_graphs_cannot_be_the_fix(monkeypatch, caplog, model_type, first):
+    """``apply(precision="fp8")`` without ``cuda_graphs`` on a narrow model says nothing of graphs where its layers
+    replay from graphs already (an earlier ``apply(cuda_graphs=True)``: they keep them), where an earlier apply said
+    it, or where its layers cannot be graphed (mixture-of-experts routing): FP8 runs in all three."""
+    cpu_candidates(monkeypatch, {"fp8_linear": fp8_linear})
+    monkeypatch.setattr(projections, "DEVICES", (*projections.DEVICES, "cpu"))
+    model = tiny_model(model_type, hidden_size=128, intermediate_size=256).to(torch.bfloat16)
+    if first is not None:
+        fusepatch.apply(model, verbose=False, **first)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        report = fusepatch.apply(model, precision="fp8", verbose=False)
+    assert any(c.op == "fp8_linear" for _, c in report.fused_ops)
+    said = [r.getMessage() for r in caplog.records if "narrow model" in r.getMessage()]
+    assert not said, said
