@@ -31,6 +31,7 @@ NARROW_ADVICE = (
 
 
 def _hidden_size(model: torch.nn.Module) -> int | None:
+    """The decoder's width (a multimodal model's text config), which sets how much GPU work each launch carries."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", None)

@@ -809,7 +809,7 @@ def test_unaligned_projections_are_named_at_apply_and_left(caplog):
     assert "compute in the model's dtype; nothing to fix" in said[0]
 
 
-NARROW_ADVICE = "cuda_graphs=True"
+GRAPHS_FIX = "cuda_graphs=True"
 
 
 @pytest.mark.parametrize(
@@ -839,7 +839,7 @@ def test_fp8_on_a_narrow_model_without_graphs_says_to_graph_it(
     ]
     assert len(said) == advised, said
     if advised:
-        assert f"hidden size {hidden}" in said[0] and NARROW_ADVICE in said[0] and "Fix:" in said[0]
+        assert f"hidden size {hidden}" in said[0] and GRAPHS_FIX in said[0] and "Fix:" in said[0]
 
 
 @pytest.mark.parametrize(
