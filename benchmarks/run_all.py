@@ -6,6 +6,11 @@
 dependencies. Each configuration sees only the folders it is meant to: ``eager`` sees neither, the
 ``-no-tilelang`` rows see fla but not tilelang (the stack where fla's Hopper guard bites). A label may carry
 environment settings for its process: ``fusepatch+FUSEPATCH_CE_LOGITS_MIB=1024``.
+
+``--record FILE`` appends the run's rows in the records' form (``benchmarks/records/``: the fields the docs' figures
+read, the code's commit, the command); ``--from-json`` writes them from an earlier run's ``--out`` instead of running:
+
+    python benchmarks/run_all.py --from-json results.json --record rows.jsonl --commit abc1234 --note "what ran"
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import re
 import subprocess
 import sys
 import time
+
+import provenance
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -270,6 +277,60 @@ def load_lines(results: list[dict]) -> str:
     return _section(results, "host_load", "Host CPU over the synced steps (cores, on average):", render)
 
 
+def record_rows(results: list[dict], *, code: str, command: str, args, note: str = "") -> list[dict]:
+    """The record rows (``benchmarks/records/*.jsonl``, what the docs' figures are checked against) of one run's
+    results: one per configuration, in the fields and units the records use. A ``+code=REV`` configuration's row
+    names REV as its code; a configuration that failed keeps its error."""
+    steps = (
+        f"median of {args.steps} timed steps after {args.warmup} warm-up steps, every configuration its own "
+        "process, one sequence on one machine"
+    )
+    rows = []
+    for r in results:
+        label = r.get("config") or r.get("label")
+        older = re.search(r"\+code=([^+]+)", label or "")  # not parse_label: that package need not be here
+        row = {
+            "benchmark": "train_step",
+            "date": r.get("date"),
+            "gpu": r.get("gpu"),
+            "code": older.group(1) if older else code,
+            "versions": r.get("versions"),
+            "steps": steps,
+            "command": command,
+            **{k: r.get(k) for k in ("shape", "layers", "seq", "batch")},
+            "config": label,
+        }
+        row.update({k: r[k] for k in ("lora_rank", "trainable", "sft", "params") if r.get(k) is not None})
+        if args.checkpointing:
+            row["checkpointing"] = True
+        if "error" in r or r.get("tokens_per_s") is None:
+            rows.append({**row, "error": str(r.get("error", "no result"))[-2000:], "note": note})
+            continue
+        pauses, idle = r.get("host_pauses") or {}, r.get("gpu_idle") or {}
+        row.update(
+            tokens_per_s_synced=round(r["tokens_per_s"]),
+            median_step_ms=r["median_step_ms"],
+            step_ms=r.get("step_ms"),
+            tokens_per_s_back_to_back=round(r["b2b_tokens_per_s"]) if r.get("b2b_tokens_per_s") else None,
+            tokens_per_s_trainer_loop=round(r["trainer_tokens_per_s"]) if r.get("trainer_tokens_per_s") else None,
+            peak_gib=r.get("peak_mem_gib"),
+            peak_reserved_gib=r.get("peak_reserved_gib"),
+            gpu_busy=round(r["gpu_busy_fraction"], 3) if r.get("gpu_busy_fraction") is not None else None,
+            mfu=round(r["mfu"], 3) if r.get("mfu") is not None else None,
+            aten_ops_per_step=r.get("aten_ops_per_step"),
+            gpu_kernels_per_step=r.get("gpu_kernels_per_step"),
+            kernel_ms_per_step=r.get("kernel_ms_total"),
+            gc_ms_over_timed_steps=pauses.get("gc_ms"),
+            gc_collections_over_timed_steps=pauses.get("gc_collections"),
+            gpu_idle_gaps=idle.get("gaps"),
+            gpu_idle_ms=idle.get("gap_ms_total"),
+            gpu_idle_ms_by_phase=idle.get("by_phase"),
+            note=note,
+        )
+        rows.append(row)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="27b")
@@ -295,7 +356,23 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=300)
     parser.add_argument("--workdir", default=".")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--record", default=None, help="append the run's record rows to this JSON-lines file")
+    parser.add_argument("--commit", default=None, help="the code's commit for --record (default: git's HEAD)")
+    parser.add_argument("--note", default="", help="--record: what the rows measured, in words")
+    parser.add_argument("--command", default=None, help="--record: the command the rows name (default: this one)")
+    parser.add_argument(
+        "--from-json", default=None, help="no run: write --record from an earlier run's --out (same options)"
+    )
     args = parser.parse_args()
+    commit = args.commit or provenance.code() or "unknown"
+    command = args.command or provenance.command(__file__)
+    if args.from_json:
+        with open(args.from_json) as fh:
+            results = json.load(fh)
+        provenance.append_rows(
+            args.record, record_rows(results, code=commit, command=command, args=args, note=args.note)
+        )
+        return 0
     os.makedirs(args.workdir, exist_ok=True)
     labels = args.configs.split(",")
     for label in labels:  # a typo fails here, not after an hour of the configurations before it
@@ -314,6 +391,7 @@ def main() -> int:
     print(load_lines(results))
     print(host_lines(results))
     print(profile_lines(results))
+    provenance.append_rows(args.record, record_rows(results, code=commit, command=command, args=args, note=args.note))
     return 0
 
 

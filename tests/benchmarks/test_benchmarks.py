@@ -1169,3 +1169,47 @@ def test_the_harness_imports_at_start_only_what_older_packages_have():
             if alias.name.startswith("fusepatch.")
         }
         assert found <= allowed, f"{name} imports {sorted(found - allowed)} at its top (import it where it is used)"
+
+
+# An H100 run's results as run_all.py wrote them (--out; trimmed to the fields the records take), and the record
+# files made of them, which the docs' figures are checked against.
+RUN = REPO / "tests" / "benchmarks" / "data" / "run-60f50a4-h100.json"
+RECORDED = {
+    "8 layers": ("2026-12-05-speed-3-h100.jsonl", []),
+    "full depth": ("2026-12-05-full-depth-lora-3-h100.jsonl", ["--checkpointing", "--lora", "16", "--layers", "64"]),
+}
+
+
+@pytest.mark.parametrize("run", sorted(RECORDED))
+def test_the_record_writer_gives_the_recorded_rows(tmp_path, run):
+    """``run_all.py --record`` (here from the run's saved results, ``--from-json``) writes the rows the record
+    holds, field for field: the figures of README and docs read them, so a writer that renamed a field, rounded
+    otherwise or named another commit would move them. The ``+code=REV`` row names REV, the others the run's
+    commit."""
+    import json
+    import subprocess
+
+    record, options = RECORDED[run]
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(json.loads(RUN.read_text())[run]))
+    out = tmp_path / "rows.jsonl"
+    script = REPO / "benchmarks" / "run_all.py"
+    argv = [sys.executable, str(script), "--from-json", str(results), "--record", str(out), "--commit", "60f50a4"]
+    subprocess.run([*argv, "--note", "n", "--command", "c", *options], check=True, cwd=tmp_path)
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    recorded = [json.loads(line) for line in (REPO / "benchmarks" / "records" / record).read_text().splitlines()]
+    assert [r["config"] for r in written] == [r["config"] for r in recorded]
+    for mine, theirs in zip(written, recorded):
+        assert {k: v for k, v in mine.items() if k not in ("note", "command")} == {
+            k: v for k, v in theirs.items() if k not in ("note", "command")
+        }
+    assert {r["code"] for r in written} == ({"60f50a4", "b4f50c5"} if run == "8 layers" else {"60f50a4"})
+
+
+def test_a_failed_configuration_keeps_its_error_in_the_record():
+    import argparse
+
+    args = argparse.Namespace(steps=8, warmup=2, checkpointing=False)
+    result = {"config": "fusepatch+fp8", "shape": "2b", "layers": 24, "seq": 2048, "batch": 4, "error": "out of memory"}
+    (row,) = run_all.record_rows([result], code="abc1234", command="c", args=args, note="n")
+    assert row["error"] == "out of memory" and row["code"] == "abc1234" and "tokens_per_s_synced" not in row
