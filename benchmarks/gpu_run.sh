@@ -125,8 +125,10 @@ for path in glob.glob(os.path.join(os.environ["ERRORS"], "model-errors-*.json"))
     merged.update(json.load(open(path)))
 json.dump(merged, open(os.environ["MERGED"], "w"), indent=1)
 EOF
-    # every failure's traceback, written as it happened (tests/gpu/conftest.py): a group cut off keeps them
+    # every failure's traceback, and every test's outcome and seconds (the suite's record rows), written as each test
+    # ended (tests/gpu/conftest.py): a group cut off keeps them
     cat "$errors"/failures-*.txt > "$OUT/gpu-failures${TAG:+-$TAG}.txt" 2>/dev/null || rm -f "$OUT/gpu-failures${TAG:+-$TAG}.txt"
+    cat "$errors"/outcomes-*.jsonl > "$OUT/gpu-outcomes${TAG:+-$TAG}.jsonl" 2>/dev/null || rm -f "$OUT/gpu-outcomes${TAG:+-$TAG}.jsonl"
     # test_gpu_stage_faults.py's rows (a file per worker): every stage, fault, error and bound, for the record
     cat "$errors"/stage-faults-*.jsonl > "$OUT/stage-faults${TAG:+-$TAG}.jsonl" 2>/dev/null || rm -f "$OUT/stage-faults${TAG:+-$TAG}.jsonl"
     # DOCTOR=0: the tests alone (the doctor self-tests every op, TileLang's compile included: about two minutes)

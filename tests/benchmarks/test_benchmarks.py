@@ -1213,3 +1213,52 @@ def test_a_failed_configuration_keeps_its_error_in_the_record():
     result = {"config": "fusepatch+fp8", "shape": "2b", "layers": 24, "seq": 2048, "batch": 4, "error": "out of memory"}
     (row,) = run_all.record_rows([result], code="abc1234", command="c", args=args, note="n")
     assert row["error"] == "out of memory" and row["code"] == "abc1234" and "tokens_per_s_synced" not in row
+
+
+GPU_OUTCOMES = """
+import pytest
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("a setup that fails")
+
+def test_passes(): pass
+def test_fails(): assert False
+def test_skips(): pytest.skip("not here")
+@pytest.mark.xfail(strict=False)
+def test_xfails(): assert False
+@pytest.mark.xfail(strict=False)
+def test_xpasses(): pass
+def test_errors(broken): pass
+"""
+
+
+def test_the_gpu_suite_writes_each_tests_outcome_as_it_ends(tmp_path):
+    """``tests/gpu/conftest.py`` appends every test's outcome to ``FUSEPATCH_GPU_REPORT_DIR`` as the test ends (the
+    GPU suite's record, kept where a lane is cut off at its time limit), under pytest-xdist's workers too, and each
+    failure's traceback; here its hook runs over tests of every outcome, in a copy of the folder."""
+    import json
+    import shutil
+    import subprocess
+
+    (tmp_path / "gpu").mkdir()
+    shutil.copy(REPO / "tests" / "gpu" / "conftest.py", tmp_path / "gpu" / "conftest.py")
+    shutil.copy(REPO / "tests" / "helpers.py", tmp_path / "helpers.py")
+    (tmp_path / "gpu" / "test_outcomes.py").write_text(GPU_OUTCOMES)
+    reports = tmp_path / "reports"
+    env = dict(os.environ, FUSEPATCH_GPU_REPORT_DIR=str(reports))
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "gpu/test_outcomes.py"]
+    subprocess.run([*argv, "-c", os.devnull, "--rootdir", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True)
+    rows = [json.loads(line) for path in reports.glob("outcomes-gw*.jsonl") for line in path.read_text().splitlines()]
+    outcomes = {row["test"].split("::")[-1]: row["outcome"] for row in rows}
+    assert outcomes == {
+        "test_passes": "passed",
+        "test_fails": "failed",
+        "test_skips": "skipped",
+        "test_xfails": "xfailed",
+        "test_xpasses": "xpassed",
+        "test_errors": "error",
+    }
+    assert {row["file"] for row in rows} == {"gpu/test_outcomes.py"}
+    failures = "".join(path.read_text() for path in reports.glob("failures-gw*.txt"))
+    assert "test_fails (call)" in failures and "test_errors (setup)" in failures

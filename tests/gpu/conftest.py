@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 
@@ -8,16 +9,35 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers import MINI  # noqa: E402,F401  (the GPU tests import it from here)
 
 
+def _outcome(report) -> str | None:
+    """A test's outcome as its record row says it (``passed``, ``failed``, ``skipped``, ``xfailed``, ``xpassed``,
+    ``error`` for a failed setup or teardown), from the report of the phase that decides it; None for the others."""
+    if report.when == "call":
+        if hasattr(report, "wasxfail"):
+            return "xfailed" if report.skipped else "xpassed"
+        return report.outcome
+    if report.failed:
+        return "error"
+    return "skipped" if report.when == "setup" and report.skipped else None
+
+
 def pytest_runtest_logreport(report):
-    """Each failure's traceback as it happens (FUSEPATCH_GPU_REPORT_DIR, a file per pytest-xdist worker): pytest
-    prints them only when the whole run ends, which a run cut off at its time limit never reaches."""
+    """As each test ends (FUSEPATCH_GPU_REPORT_DIR, files per pytest-xdist worker): its outcome and duration
+    (``outcomes-*.jsonl``, the GPU suite's record), and a failure's traceback (``failures-*.txt``). pytest prints
+    them only when the whole run ends, which a run cut off at its time limit never reaches."""
     folder = os.environ.get("FUSEPATCH_GPU_REPORT_DIR")
-    if not folder or not report.failed or getattr(report, "node", None) is not None:  # (xdist's controller copy)
+    if not folder or getattr(report, "node", None) is not None:  # (xdist's controller copy)
         return
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"failures-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.txt")
-    with open(path, "a") as file:
-        file.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    outcome = _outcome(report)
+    if outcome is not None:
+        row = {"test": report.nodeid, "file": report.nodeid.split("::")[0], "outcome": outcome}
+        with open(os.path.join(folder, f"outcomes-{worker}.jsonl"), "a") as file:
+            file.write(json.dumps({**row, "seconds": round(report.duration, 2)}) + "\n")
+    if report.failed:
+        with open(os.path.join(folder, f"failures-{worker}.txt"), "a") as file:
+            file.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
 
 def require(verdict, what: str):
