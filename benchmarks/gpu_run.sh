@@ -158,12 +158,12 @@ EOF
     # PROMPT=F: the first F of every row's labels -100 (--prompt: chat SFT's masked prompt)
     # SFT=1: packed chat-SFT rows (--sft, DOC_TOKENS mean document length); LORA=R: peft LoRA of rank R (--lora);
     # CKPT=1: activation checkpointing on every configuration (--checkpointing); COMMIT: the code's commit, which
-    # the record rows ($OUT/$name.record.jsonl, for benchmarks/records/) name (a copied tree has no git)
+    # the record rows ($OUT/$name.record.jsonl, for benchmarks/records/) name (a copied tree has no git: unset, "unknown")
     name=bench-$shape${layers:+-layers$layers}${VARY:+-vary$VARY}${DOCS:+-docs$DOCS}${PROMPT:+-prompt$PROMPT}${SFT:+-sft}${LORA:+-lora$LORA}${TAG:+-$TAG}  # TAG: a second table of one shape in a sequence
     # what else runs on the host as the benchmark starts (each row also records its own host_load)
     { echo "host at start: $(cut -d' ' -f1-3 /proc/loadavg) (load 1/5/15 min, $(nproc) cores)"; ps -eo pcpu,etimes,args --sort=-pcpu | head -6 | cut -c1-150; } > "$OUT/$name-host.txt" 2>&1
     timeout ${RUN_TIMEOUT:-3000} python3 benchmarks/run_all.py --shape "$shape" ${layers:+--layers $layers} --site-fla /tmp/site-fla --site-tl /tmp/site-tl \
-      --workdir "/tmp/$name" --out "$OUT/$name.json" --record "$OUT/$name.record.jsonl" --commit "${COMMIT:-unknown}" \
+      --workdir "/tmp/$name" --out "$OUT/$name.json" --record "$OUT/$name.record.jsonl" ${COMMIT:+--commit "$COMMIT"} \
       --timeout ${BENCH_TIMEOUT:-400} ${VARY:+--vary-seq $VARY} ${DOCS:+--packed-docs $DOCS} ${PROMPT:+--prompt $PROMPT} \
       ${SFT:+--sft --doc-tokens ${DOC_TOKENS:-1024}} ${LORA:+--lora $LORA} ${CKPT:+--checkpointing} \
       --configs "${CONFIGS:-hf-fast,fusepatch,liger,eager,fusepatch-no-tilelang,hf-fast-no-tilelang}" 2>&1 | tee "$OUT/$name.md"

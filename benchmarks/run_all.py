@@ -8,9 +8,11 @@ dependencies. Each configuration sees only the folders it is meant to: ``eager``
 environment settings for its process: ``fusepatch+FUSEPATCH_CE_LOGITS_MIB=1024``.
 
 ``--record FILE`` appends the run's rows in the records' form (``benchmarks/records/``: the fields the docs' figures
-read, the code's commit, the command); ``--from-json`` writes them from an earlier run's ``--out`` instead of running:
+read, the code's commit, the command), each as its configuration ends; ``--from-json`` writes them from an earlier
+run's ``--out`` instead of running, with that run's options and the command that measured it:
 
-    python benchmarks/run_all.py --from-json results.json --record rows.jsonl --commit abc1234 --note "what ran"
+    python benchmarks/run_all.py --from-json results.json --record rows.jsonl --commit abc1234 --note "what ran" \
+        --command "python benchmarks/run_all.py --shape 2b ..." --shape 2b
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sys
 import time
 
 import provenance
+from shapes import SHAPES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -277,30 +280,42 @@ def load_lines(results: list[dict]) -> str:
     return _section(results, "host_load", "Host CPU over the synced steps (cores, on average):", render)
 
 
-def record_rows(results: list[dict], *, code: str, command: str, args, note: str = "") -> list[dict]:
+def record_rows(
+    results: list[dict], *, code: str, command: str, args: argparse.Namespace, note: str = "", date: str | None = None
+) -> list[dict]:
     """The record rows (``benchmarks/records/*.jsonl``, what the docs' figures are checked against) of one run's
     results: one per configuration, in the fields and units the records use. A ``+code=REV`` configuration's row
-    names REV as its code; a configuration that failed keeps its error."""
+    names REV as its code; a configuration that failed keeps its error, and where it left no results (timed out,
+    exited early) its place from the run: the options' shape and depth, the date and GPU of a configuration that
+    ran (the same machine), else ``date``."""
     steps = (
         f"median of {args.steps} timed steps after {args.warmup} warm-up steps, every configuration its own "
         "process, one sequence on one machine"
     )
+    ran = next((r for r in results if r.get("date")), {})
+    spec = SHAPES.get(args.shape, {})
+    layers = args.layers or spec.get("layers")
+    run = {"date": ran.get("date", date), "gpu": ran.get("gpu"), "shape": args.shape, "layers": layers}
+    run.update(seq=spec.get("seq"), batch=spec.get("batch"))
     rows = []
     for r in results:
         label = r.get("config") or r.get("label")
         older = re.search(r"\+code=([^+]+)", label or "")  # not parse_label: that package need not be here
         row = {
             "benchmark": "train_step",
-            "date": r.get("date"),
-            "gpu": r.get("gpu"),
+            "date": r.get("date", run["date"]),
+            "gpu": r.get("gpu", run["gpu"]),
             "code": older.group(1) if older else code,
             "versions": r.get("versions"),
             "steps": steps,
             "command": command,
-            **{k: r.get(k) for k in ("shape", "layers", "seq", "batch")},
+            **{k: r.get(k, run[k]) for k in ("shape", "layers", "seq", "batch")},
             "config": label,
         }
-        row.update({k: r[k] for k in ("lora_rank", "trainable", "sft", "params") if r.get(k) is not None})
+        settings = ("lora_rank", "trainable", "sft", "packed_docs", "prompt", "params")
+        row.update({k: r[k] for k in settings if r.get(k) is not None})
+        if args.vary_seq:
+            row["vary_seq"] = args.vary_seq
         if args.checkpointing:
             row["checkpointing"] = True
         if "error" in r or r.get("tokens_per_s") is None:
@@ -309,7 +324,7 @@ def record_rows(results: list[dict], *, code: str, command: str, args, note: str
         pauses, idle = r.get("host_pauses") or {}, r.get("gpu_idle") or {}
         row.update(
             tokens_per_s_synced=round(r["tokens_per_s"]),
-            median_step_ms=r["median_step_ms"],
+            median_step_ms=r.get("median_step_ms"),
             step_ms=r.get("step_ms"),
             tokens_per_s_back_to_back=round(r["b2b_tokens_per_s"]) if r.get("b2b_tokens_per_s") else None,
             tokens_per_s_trainer_loop=round(r["trainer_tokens_per_s"]) if r.get("trainer_tokens_per_s") else None,
@@ -364,14 +379,20 @@ def main() -> int:
         "--from-json", default=None, help="no run: write --record from an earlier run's --out (same options)"
     )
     args = parser.parse_args()
-    commit = args.commit or provenance.code() or "unknown"
+    if args.from_json and not args.record:
+        parser.error("--from-json writes record rows: give --record FILE")
+    if args.from_json and not args.command:  # the default would name this conversion, not the run that measured
+        parser.error("--from-json: give --command, the command that measured the results")
+    commit = (args.commit or provenance.code() or "unknown") if args.record else ""
     command = args.command or provenance.command(__file__)
+
+    def record(results: list[dict], last: int | None = None) -> None:
+        rows = record_rows(results, code=commit, command=command, args=args, note=args.note, date=provenance.today())
+        provenance.append_rows(args.record, rows[-last:] if last else rows)
+
     if args.from_json:
         with open(args.from_json) as fh:
-            results = json.load(fh)
-        provenance.append_rows(
-            args.record, record_rows(results, code=commit, command=command, args=args, note=args.note)
-        )
+            record(json.load(fh))
         return 0
     os.makedirs(args.workdir, exist_ok=True)
     labels = args.configs.split(",")
@@ -385,13 +406,13 @@ def main() -> int:
         if args.out:  # after every configuration: a run cut off by its time limit keeps what it measured
             with open(args.out, "w") as fh:
                 json.dump(results, fh, indent=2)
+        record(results, last=1)  # its record row too
     print(f"\nshape {args.shape}, command: {' '.join(sys.argv)}")
     print(table(results))
     print(memory_lines(results))
     print(load_lines(results))
     print(host_lines(results))
     print(profile_lines(results))
-    provenance.append_rows(args.record, record_rows(results, code=commit, command=command, args=args, note=args.note))
     return 0
 
 

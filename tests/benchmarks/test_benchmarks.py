@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -1206,13 +1207,73 @@ def test_the_record_writer_gives_the_recorded_rows(tmp_path, run):
     assert {r["code"] for r in written} == ({"60f50a4", "b4f50c5"} if run == "8 layers" else {"60f50a4"})
 
 
-def test_a_failed_configuration_keeps_its_error_in_the_record():
+def _record_args(*argv: str):
+    """run_all.py's options as its parser reads them: the record takes its shape and settings from them."""
     import argparse
 
-    args = argparse.Namespace(steps=8, warmup=2, checkpointing=False)
-    result = {"config": "fusepatch+fp8", "shape": "2b", "layers": 24, "seq": 2048, "batch": 4, "error": "out of memory"}
-    (row,) = run_all.record_rows([result], code="abc1234", command="c", args=args, note="n")
-    assert row["error"] == "out of memory" and row["code"] == "abc1234" and "tokens_per_s_synced" not in row
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="27b")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--vary-seq", type=float, default=0.0)
+    parser.add_argument("--checkpointing", action="store_true")
+    return argparse.Namespace(steps=8, warmup=2, **vars(parser.parse_args(argv)))
+
+
+def test_a_failed_configuration_keeps_its_error_and_its_place_in_the_record():
+    """A configuration that timed out or exited without results has only its label and error (``run_one``): its
+    row still names the shape, depth, sequence, date and GPU of the run, so that it reads as a failure of that
+    measurement and not as a row of nothing."""
+    ran = json.loads(RUN.read_text())["8 layers"][0]
+    failed = {"config": "fusepatch+fp8", "error": "timed out after 400s", "wall_s": 400.0}
+    rows = run_all.record_rows([ran, failed], code="abc1234", command="c", args=_record_args("--layers", "8"))
+    row = rows[1]
+    assert row["error"] == "timed out after 400s" and row["code"] == "abc1234" and "tokens_per_s_synced" not in row
+    where = {k: row[k] for k in ("shape", "layers", "seq", "batch", "date", "gpu")}
+    assert where == {k: ran[k] for k in where}
+
+
+def test_the_record_names_every_setting_that_changes_the_step():
+    """Packed documents, a masked prompt and varying lengths change what a step computes: a row without them
+    would read as the plain step's. A result short of the optional fields (diagnostics off, no CUDA) still
+    gives its row."""
+    result = {"config": "fusepatch", "shape": "2b", "layers": 24, "seq": 2048, "batch": 4, "tokens_per_s": 1000.4}
+    result.update(packed_docs=4, prompt=0.3)
+    (row,) = run_all.record_rows([result], code="abc1234", command="c", args=_record_args("--vary-seq", "0.5"))
+    assert row["tokens_per_s_synced"] == 1000 and row["median_step_ms"] is None
+    assert (row["packed_docs"], row["prompt"], row["vary_seq"]) == (4, 0.3, 0.5)
+
+
+def test_a_run_cut_off_keeps_the_record_rows_of_what_it_measured(tmp_path, monkeypatch):
+    """``gpu_run.sh`` stops run_all.py at its time limit: the rows of the configurations that finished are in
+    ``--record`` already, as their results are in ``--out``."""
+    done = json.loads(RUN.read_text())["8 layers"]
+
+    def run_one(label, args):
+        if label == "fusepatch+fp8":
+            raise KeyboardInterrupt  # the time limit's signal, as the run sees it
+        return next(r for r in done if r["config"] == label)
+
+    monkeypatch.setattr(run_all, "run_one", run_one)
+    record = tmp_path / "rows.jsonl"
+    argv = ["run_all.py", "--layers", "8", "--workdir", str(tmp_path), "--record", str(record), "--commit", "abc1234"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--configs", "hf-fast,fusepatch,fusepatch+fp8"])
+    with pytest.raises(KeyboardInterrupt):
+        run_all.main()
+    assert [json.loads(line)["config"] for line in record.read_text().splitlines()] == ["hf-fast", "fusepatch"]
+
+
+@pytest.mark.parametrize("missing", ["--record", "--command"])
+def test_from_json_refuses_options_it_cannot_do_without(tmp_path, monkeypatch, capsys, missing):
+    """``--from-json`` without ``--record`` would write nothing and say nothing; without ``--command`` its rows
+    would name the command that converted the results, not the one that measured them."""
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(json.loads(RUN.read_text())["8 layers"]))
+    options = {"--from-json": str(results), "--record": str(tmp_path / "rows.jsonl"), "--command": "c"}
+    monkeypatch.setattr(sys, "argv", ["run_all.py", *(x for k, v in options.items() if k != missing for x in (k, v))])
+    with pytest.raises(SystemExit) as stopped:
+        run_all.main()
+    assert stopped.value.code == 2 and missing in capsys.readouterr().err
+    assert not (tmp_path / "rows.jsonl").exists()
 
 
 GPU_OUTCOMES = """
