@@ -22,8 +22,9 @@ def _outcome(report) -> str | None:
 
 
 def pytest_runtest_logreport(report):
-    """As each test ends (FUSEPATCH_GPU_REPORT_DIR, files per pytest-xdist worker): its outcome and duration
-    (``outcomes-*.jsonl``, the GPU suite's record), and a failure's traceback (``failures-*.txt``). pytest prints
+    """As each test ends (FUSEPATCH_GPU_REPORT_DIR, files per pytest-xdist worker): its outcome and the seconds of
+    the phase that decided it, the call's for a test that ran (its fixtures' setup apart: pytest times phases
+    apart) (``outcomes-*.jsonl``, the GPU suite's record), and a failure's traceback (``failures-*.txt``). pytest prints
     them only when the whole run ends, which a run cut off at its time limit never reaches."""
     folder = os.environ.get("FUSEPATCH_GPU_REPORT_DIR")
     if not folder or getattr(report, "node", None) is not None:  # (xdist's controller copy)
