@@ -1296,8 +1296,9 @@ def test_errors(broken): pass
 
 def test_the_gpu_suite_writes_each_tests_outcome_as_it_ends(tmp_path):
     """``tests/gpu/conftest.py`` appends every test's outcome to ``FUSEPATCH_GPU_REPORT_DIR`` as the test ends (the
-    GPU suite's record, kept where a lane is cut off at its time limit), under pytest-xdist's workers too, and each
-    failure's traceback; here its hook runs over tests of every outcome, in a copy of the folder."""
+    GPU suite's record, kept where a lane is cut off at its time limit) and each failure's traceback; here its hook
+    runs over tests of every outcome, in a copy of the folder (one process: the GPU runs' workers write a file
+    each, named by the worker)."""
     import json
     import shutil
     import subprocess
@@ -1308,9 +1309,9 @@ def test_the_gpu_suite_writes_each_tests_outcome_as_it_ends(tmp_path):
     (tmp_path / "gpu" / "test_outcomes.py").write_text(GPU_OUTCOMES)
     reports = tmp_path / "reports"
     env = dict(os.environ, FUSEPATCH_GPU_REPORT_DIR=str(reports))
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "gpu/test_outcomes.py"]
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "gpu/test_outcomes.py"]
     subprocess.run([*argv, "-c", os.devnull, "--rootdir", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True)
-    rows = [json.loads(line) for path in reports.glob("outcomes-gw*.jsonl") for line in path.read_text().splitlines()]
+    rows = [json.loads(line) for path in reports.glob("outcomes-*.jsonl") for line in path.read_text().splitlines()]
     outcomes = {row["test"].split("::")[-1]: row["outcome"] for row in rows}
     assert outcomes == {
         "test_passes": "passed",
@@ -1321,5 +1322,5 @@ def test_the_gpu_suite_writes_each_tests_outcome_as_it_ends(tmp_path):
         "test_errors": "error",
     }
     assert {row["file"] for row in rows} == {"gpu/test_outcomes.py"}
-    failures = "".join(path.read_text() for path in reports.glob("failures-gw*.txt"))
+    failures = "".join(path.read_text() for path in reports.glob("failures-*.txt"))
     assert "test_fails (call)" in failures and "test_errors (setup)" in failures
