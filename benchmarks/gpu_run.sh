@@ -16,7 +16,8 @@
 #   bash benchmarks/gpu_run.sh tracecheck          # which patched forward dynamo's trace gets wrong (trace_check.py)
 #   bash benchmarks/gpu_run.sh fidelity 27b        # gradients against fp32 eager (benchmarks/studies/fidelity.py)
 #   bash benchmarks/gpu_run.sh depthfit 27b         # the deepest full fine-tuning that fits one GPU, per configuration
-#                                                      #   (benchmarks/studies/depth_fit.py; CONFIGS, LORA=R as bench)
+#                                                      #   (benchmarks/studies/depth_fit.py; CONFIGS, LORA=R as bench;
+#                                                      #   LOW, HIGH: the depths bisected, static_memory.py's estimate)
 #   bash benchmarks/gpu_run.sh warmstart 27b       # `fusepatch warmup` on fresh caches, then a new process's first step
 #   bash benchmarks/gpu_run.sh curves              # needs .whl-ex/: SFT loss curves, two seeds (loss_curves.py)
 #   bash benchmarks/gpu_run.sh textcurves          # bf16 vs fp8 on unrepeated text, two seeds (text_curves.py;
@@ -175,7 +176,7 @@ EOF
     mkdir -p "/tmp/$name"
     timeout ${RUN_TIMEOUT:-3000} python3 benchmarks/studies/depth_fit.py --shape "$shape" --checkpointing --site-fla /tmp/site-fla \
       --site-tl /tmp/site-tl --workdir "/tmp/$name" --out "$OUT/$name.jsonl" \
-      ${LORA:+--lora $LORA} --configs "${CONFIGS:-hf-fast,fusepatch,fusepatch+fp8}" 2>&1 | tee "$OUT/$name.log"
+      ${LORA:+--lora $LORA} ${LOW:+--low $LOW} ${HIGH:+--high $HIGH} --configs "${CONFIGS:-hf-fast,fusepatch,fusepatch+fp8}" 2>&1 | tee "$OUT/$name.log"
     tar czf "$OUT/$name-logs.tgz" -C /tmp "$name" ;;
   warmstart)
     # A warm first step: fresh compile caches, `python -m fusepatch warmup` for the shape (a container build's
@@ -365,7 +366,7 @@ EOF
     rm -rf /tmp/seq && mkdir -p /tmp/seq/out && cp -r . /tmp/seq/tree  # a copy: the working tree may change while the sequence runs
     : > /tmp/seq/progress  # before the runner starts: `poll` tells a started sequence from none by this file
     steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
-    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|DIST|CKPT|LORA|DOCTOR|TAG|K|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT|FAST_ACCUM|BENCH_LAYERS|COMMIT|SEEDS|OP)=" > /tmp/seq/env || true
+    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|DIST|CKPT|LORA|DOCTOR|TAG|K|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT|FAST_ACCUM|BENCH_LAYERS|COMMIT|SEEDS|OP|LOW|HIGH)=" > /tmp/seq/env || true
     # Lanes: "A B / C D + E" runs A then B on GPU 0 beside C then D on GPU 1 (CUDA_VISIBLE_DEVICES), then E on
     # every GPU once both lanes are done ("+ F / G": a next stage with lanes again). A step is
     # PHASE[-ARG][@K=V:K=V]: its own environment (sft@NPROC=all:LAYERS=24).
