@@ -79,12 +79,14 @@ class Fp8(Feature):
         """Where FP8 runs on a model as narrow as those it measured slower on without graphs: the fix. Not where
         the layers keep an earlier apply's graphs, nor where none can be graphed (mixture-of-experts layers): there
         the fix would not apply."""
-        if request.precision != "fp8" or request.cuda_graphs or not newly or graphed(plan.model):
+        if request.precision != "fp8" or request.cuda_graphs or not newly:
             return
-        if not any(choice.op == "fp8_linear" for _, choice in report.fused_ops) or not decoder_stacks(plan.model)[0]:
+        if not any(choice.op == "fp8_linear" for _, choice in report.fused_ops):
             return
         hidden = _hidden_size(plan.model)
-        if hidden is not None and hidden <= NARROW:
+        if hidden is None or hidden > NARROW:
+            return
+        if not graphed(plan.model) and decoder_stacks(plan.model)[0]:  # the model walks last: only where it may say
             logger.warning(NARROW_ADVICE, hidden)
 
     def report(self, report: PatchReport, states: list) -> PatchReport:
