@@ -263,6 +263,18 @@ def profile_lines(results: list[dict], top: int = 14) -> str:
     return _section(results, "host_profile", header, render, absent="not profiled")
 
 
+def sync_lines(results: list[dict], top: int = 6) -> str:
+    """Where each configuration's host waited for the GPU in one step (step_diagnostics.host_syncs): counts by
+    phase, then the sites that waited most."""
+
+    def render(r: dict, found: dict) -> list[str]:
+        phases = ", ".join(f"{k} {v}" for k, v in found["by_phase"].items()) or "none"
+        head = f"- {r['config']}: {phases}; allocator retries {found['allocator_retries']}"
+        return [head] + [f"    {count:5d}  {site}" for site, count in found["sites"][:top]]
+
+    return _section(results, "host_syncs", "Host waits for the GPU in one step (sync debug mode):", render, "not read")
+
+
 def load_lines(results: list[dict]) -> str:
     """Each configuration's host CPU over its timed steps (train_step's ``host_load``): cores busy, its own share,
     other processes'. A row whose host was shared (other processes on a core or more) is marked: its synced
@@ -342,6 +354,8 @@ def record_rows(
             gpu_idle_ms_by_phase=idle.get("by_phase"),
             note=note,
         )
+        if r.get("host_syncs"):  # where the host waited for the GPU in one more step (step_diagnostics.host_syncs)
+            row["host_syncs"] = r["host_syncs"]
         rows.append(row)
     return rows
 
@@ -413,6 +427,7 @@ def main() -> int:
     print(load_lines(results))
     print(host_lines(results))
     print(profile_lines(results))
+    print(sync_lines(results))
     return 0
 
 

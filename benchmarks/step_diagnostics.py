@@ -7,6 +7,7 @@ them times the step that ``train_step.py`` reports.
 - ``host_profile`` / ``cpu_profile``: the forward's Python by function, aten ops by self CPU time.
 - ``gpu_idle_by_op`` / ``gpu_time_by_op``: which phase and op the GPU waits in, which aten ops launch its kernels.
 - ``HostPauses``: garbage collections and device allocations during the timed steps.
+- ``host_syncs``: every point of a step where the host waits for the GPU, by phase and by the code that asked.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import json
 import os
 import sys
 import time
+import traceback
+import warnings
 from collections import Counter
 
 import torch
@@ -80,6 +83,88 @@ class HostPauses:
             "allocator_over_timed_steps": self.allocator,
             "timed_steps": steps,
         }
+
+
+SYNC_WARNING = "synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")'s message
+_TORCH = os.path.dirname(torch.__file__)
+
+
+def _site(stack: traceback.StackSummary, depth: int = 3) -> str:
+    """The innermost ``depth`` frames of ``stack`` outside torch and the warnings machinery: the code that asked
+    for a value of the GPU (``fusepatch/...py:120 fn < transformers/...``)."""
+    frames = [f for f in stack if not f.filename.startswith(_TORCH) and "warnings" not in os.path.basename(f.filename)]
+    return " < ".join(f"{_short(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames[-depth:]))
+
+
+def _short(filename: str) -> str:
+    for marker in ("fusepatch/", "transformers/", "peft/", "fla/", "benchmarks/"):
+        if marker in filename:
+            return marker + filename.rsplit(marker, 1)[1]
+    return os.path.basename(filename)
+
+
+def host_syncs(step, length: int, sync, top: int = 15) -> dict:
+    """Every point of one more step where the host waits for the GPU: the synchronizing CUDA calls torch's sync
+    debug mode reports (``.item()``, ``nonzero``, a copy to the host, ...) and explicit device, stream and event
+    synchronizes, each by phase (forward, backward with any recomputation, optimizer) and by the code that made it.
+    A synced step that waits mid-forward empties the GPU's queue there; the GPU then idles for as long as the host
+    takes to queue enough work again."""
+    sites: Counter[str] = Counter()
+    phases: Counter[str] = Counter()
+    state = {"phase": "forward"}
+
+    def note(kind: str) -> None:
+        phases[state["phase"]] += 1
+        sites[f"{state['phase']}: {kind} at {_site(traceback.extract_stack()[:-2])}"] += 1
+
+    def at(phase: str) -> None:
+        state["phase"] = {"forward": "backward", "backward": "optimizer"}.get(phase, phase)
+
+    def wrap(owner, name: str, kind: str):
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def waiting(*args, **kwargs):
+            note(kind)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, waiting)
+        return owner, name, original
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if SYNC_WARNING in str(message):
+            note("sync op")
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    sync()
+    allocator_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    previous = torch.cuda.get_sync_debug_mode()
+    shown = warnings.showwarning
+    wrapped = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        try:
+            wrapped = [
+                wrap(torch.cuda, "synchronize", "torch.cuda.synchronize"),
+                wrap(torch.cuda.Event, "synchronize", "event.synchronize"),
+                wrap(torch.cuda.Stream, "synchronize", "stream.synchronize"),
+            ]
+            torch.cuda.set_sync_debug_mode("warn")
+            step(length, at=at)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+            for owner, name, original in reversed(wrapped):
+                setattr(owner, name, original)
+    sync()
+    return {
+        "host_syncs": {
+            "by_phase": dict(phases),
+            "sites": sites.most_common(top),
+            "allocator_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - allocator_before,
+        }
+    }
 
 
 @contextlib.contextmanager

@@ -50,6 +50,7 @@ from step_diagnostics import (  # noqa: E402
     gpu_idle_by_op,
     gpu_time_by_op,
     host_profile,
+    host_syncs,
     host_time_by_phase,
     kernel_split,
     memory_by_phase,
@@ -382,6 +383,10 @@ def diagnostics(step, model, seq: int, sync) -> dict:
         found.update(host_time_by_phase(step, seq, sync, body=body, layers=registry_modules(model)))
     except Exception as exc:  # noqa: BLE001
         found["host_vs_gpu_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    try:
+        found.update(host_syncs(step, seq, sync))
+    except Exception as exc:  # noqa: BLE001
+        found["host_syncs_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     if os.environ.get("BENCH_HOST_PROFILE") and body is not None:
         try:  # the forward's Python by function: what host_vs_gpu says the CPU-bound forward spends
             found.update(host_profile(step, seq, sync, body))

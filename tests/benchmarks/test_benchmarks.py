@@ -588,6 +588,51 @@ def test_host_profile_ranks_the_stack_forwards_python_by_function():
     assert step_diagnostics._package("~") == "builtins"
 
 
+def test_host_syncs_names_each_wait_by_phase_and_the_code_that_asked(monkeypatch):
+    """``host_syncs``: one more step under torch's sync debug mode, every synchronizing call and explicit event
+    synchronize counted by phase (forward, backward, optimizer) and by the innermost code outside torch that made
+    it; other warnings pass through; the debug mode and the wrapped synchronizes are put back after."""
+    import warnings
+
+    import step_diagnostics
+    import torch
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": len(modes)})
+    waited = []
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: waited.append(self))
+    unwrapped = torch.cuda.Event.synchronize
+
+    def reads_a_count():  # as a .item() in library code: torch warns from inside the op
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+
+    def step(length, at):
+        for _ in range(2):  # one site, twice
+            reads_a_count()
+        at("forward")
+        torch.cuda.Event.synchronize(object())
+        warnings.warn("something else", DeprecationWarning, stacklevel=1)
+        at("backward")
+        reads_a_count()
+        at("optimizer")
+
+    with warnings.catch_warnings(record=True) as other:
+        warnings.simplefilter("always")
+        found = step_diagnostics.host_syncs(step, 8, sync=lambda: None)["host_syncs"]
+    assert found["by_phase"] == {"forward": 2, "backward": 1, "optimizer": 1}
+    sites = dict(found["sites"])
+    forward = next(k for k in sites if k.startswith("forward: sync op at ") and "reads_a_count" in k)
+    assert sites[forward] == 2 and "test_benchmarks.py:" in forward
+    assert any(k.startswith("backward: event.synchronize at ") and " step" in k for k in sites)
+    assert [str(w.message) for w in other] == ["something else"]
+    assert modes == ["warn", 0] and found["allocator_retries"] == 2  # the stub: a retry per mode set
+    assert torch.cuda.Event.synchronize is unwrapped and len(waited) == 1
+    text = run_all.sync_lines([{"config": "fp8", "host_syncs": found}, {"config": "x", "host_syncs_error": "E"}])
+    assert "- fp8: forward 2, backward 1, optimizer 1; allocator retries 2" in text and "- x: not read (E)" in text
+
+
 def test_registry_modules_are_the_registry_classes_in_the_model():
     """``fusepatch.diagnostics.profile.registry_modules`` (the benchmark's host-time hooks and the profiler's labels): the
     modules whose class the registry names."""
