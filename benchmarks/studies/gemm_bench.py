@@ -14,9 +14,10 @@ tokens split in two accumulated halves. Each row: median of
 
 ``--fp8``: the FP8 projections' GEMMs instead (``apply(model, precision="fp8")``: every site but the LM head and the
 Gated DeltaNet's gates), their operands quantized beforehand as fusepatch's op does, each role called as the op
-calls ``torch._scaled_mm`` and with ``use_fast_accum=True`` (as torchao's float8 training runs its forward), beside
+calls ``torch._scaled_mm`` (with fast accumulation, ``scaled_mm.FAST_ACCUM``) and without fast accumulation, beside
 the bf16 GEMM of the same matrix; each row also gives its relative error (Frobenius norm) against the fp32 product
-of the bf16 operands, which is what fast accumulation would trade.
+of the bf16 operands, which is what fast accumulation trades. (Records before the op adopted it name the forms
+"fp8 as fusepatch calls it", then without, and "fp8 use_fast_accum".)
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def fp8_formulations(x, w, dy) -> dict[str, dict[str, callable]]:
     for role, ((a, a_inverse), (b, b_inverse), bf16) in operands.items():
         forms[role] = {
             "fp8 as fusepatch calls it": lambda a=a, ai=a_inverse, b=b, bi=b_inverse: _scaled_mm(a, ai, b, bi, x.dtype),
-            "fp8 use_fast_accum": scaled(a, a_inverse, b, b_inverse, use_fast_accum=True),
+            "fp8 without use_fast_accum": scaled(a, a_inverse, b, b_inverse, use_fast_accum=False),
             "bf16 mm": bf16,
         }
     return forms

@@ -56,6 +56,28 @@ def test_fp8_gemms_are_fp8_precise_forward_and_backward(rows, bias):
         assert relative_error(got[3], want[3]) < 1e-2
 
 
+def test_every_fp8_gemm_accumulates_fast(monkeypatch):
+    """The output, input-gradient and weight-gradient GEMMs, of a trained and of a frozen weight, all ask
+    ``torch._scaled_mm`` for fast accumulation: the setting the step time and the 300-step loss curve were measured
+    with (docs/fp8.md)."""
+    seen = []
+    scaled = torch._scaled_mm
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("use_fast_accum", False))
+        return scaled(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    x, weight, _, grad = _case(64, 128, 32)
+    _run(fp8_linear, x, weight, None, grad, torch.bfloat16)
+    assert seen == [True] * 3
+    seen.clear()
+    frozen = weight.to(torch.bfloat16)  # no gradient: the input's alone
+    leaf = x.to(torch.bfloat16).requires_grad_(True)
+    fp8_linear(leaf, frozen).backward(grad.to(torch.bfloat16))
+    assert seen == [True] * 2
+
+
 def test_fp8_weight_gradient_in_the_master_weights_dtype():
     """bf16 activations over fp32 weights (autocast's case): the weight gradient comes back fp32, the input's bf16."""
     x, weight, _, grad = _case(64, 128, 32)
