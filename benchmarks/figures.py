@@ -492,6 +492,17 @@ def _worst(row: dict) -> dict[str, float]:
     return {"spread": curve[i][0], "distance": curve[i][1], "loss": loss, "step": i * row["window"]}
 
 
+def _shift(row: dict) -> float:
+    """The largest window shift of the candidate's curve from the baseline's, either way: per window, the
+    candidate's loss minus the baseline's at the same seed, averaged over the seeds."""
+    base, cand, windows = row.get("baseline", "hf-fast"), row.get("candidate", "fusepatch"), row["windows"]
+    seeds = sorted({k.split(":")[1] for k in windows})
+    count = min(len(v) for v in windows.values())
+    return max(
+        abs(statistics.mean(windows[f"{cand}:{s}"][i] - windows[f"{base}:{s}"][i] for s in seeds)) for i in range(count)
+    )
+
+
 def _setting(row: dict, name: str) -> float:
     match = re.search(rf"\b{re.escape(name)}=(\d+(?:\.\d+)?)", str(row.get("command", "")))
     if not match:
@@ -520,11 +531,12 @@ FUNCTIONS: dict[str, Callable] = {
     "without": lambda values, names: {n: v for n, v in values.items() if n not in names},
     "most_off": _most_off,
     # loss-curve records: the windows, those where the candidate is inside the baseline's seed spread, the largest
-    # excess over the spread, the window of that excess
+    # excess over the spread, the window of that excess, the largest shift of the seeds' mean either way
     "windows": lambda row: len(_curve(row)),
     "inside": lambda row: sum(1 for spread, distance in _curve(row) if distance <= spread),
     "excess": lambda row: max(distance - spread for spread, distance in _curve(row)),
     "worst": _worst,
+    "shift": _shift,
     "setting": _setting,  # a NAME=VALUE setting of the row's command (a time limit)
 }
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}

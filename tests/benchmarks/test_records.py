@@ -129,6 +129,9 @@ def test_the_fp8_loss_is_stated_window_by_window():
     assert _errors(good, index) == []
     assert _errors(good.replace("6 of 12", "12 of 12"), index) != []
     assert _errors(good.replace("0.048", "0.000"), index) != []
+    shifted = {"loss": {"record": CURVES, "figures": ["shift(r)"]}}  # the seeds' mean, either way: no sign
+    assert _errors("shifted by at most 0.0515 [r:loss]", shifted) == []
+    assert _errors("shifted by at most 0.0586 [r:loss]", shifted) != []
 
 
 def test_figures_without_a_key_fail_and_names_versions_dates_code_and_targets_need_none():
