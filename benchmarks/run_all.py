@@ -239,8 +239,13 @@ def host_lines(results: list[dict]) -> str:
             gpu = "-" if v["gpu_ms"] is None else v["gpu_ms"]
             parts.append(f"{name} {v['host_ms']} / {gpu}" + ("" if v["clean"] else " (waited for the GPU)"))
         layers = "; ".join(f"{name} {ms} ({n})" for name, (ms, n) in found["forward_host_by_layer_ms"].items())
+        # a forward that outran the GPU's sleep or filled the launch queue waited somewhere in it: that wait lands in
+        # whichever layer was queuing then (one layer class can look slow that is not)
+        waited = any(not found["phases"].get(name, {"clean": True})["clean"] for name in ("layers", "forward"))
+        caveat = " (the forward waited for the GPU: a class's time includes that wait)" if waited else ""
         return [
-            f"- {r['config']}: {', '.join(parts)}" + (f"; forward host ms by layer (calls): {layers}" if layers else "")
+            f"- {r['config']}: {', '.join(parts)}"
+            + (f"; forward host ms by layer (calls){caveat}: {layers}" if layers else "")
         ]
 
     header = "Host / GPU ms by phase (each phase queued behind a GPU sleep; host above GPU: the CPU sets the pace):"

@@ -541,6 +541,11 @@ def test_host_time_by_phase_reads_the_cpu_and_the_gpu_apart():
     assert "- hf-fast: forward 11.3 / 5.1 (waited for the GPU), backward 2.0 / 9.0 (waited for the GPU)," in text
     assert "- liger: not measured (RuntimeError: boom)" in text
     assert "- x" not in text and run_all.host_lines([{"config": "x"}]) == ""
+    waited = {**result, "phases": {**result["phases"], "layers": {**result["phases"]["layers"], "clean": False}}}
+    text = run_all.host_lines([{"config": "fp8", "host_vs_gpu": waited}])
+    assert (
+        "forward host ms by layer (calls) (the forward waited for the GPU: a class's time includes that wait)" in text
+    )
 
 
 def test_host_profile_ranks_the_stack_forwards_python_by_function():
