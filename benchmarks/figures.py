@@ -503,6 +503,20 @@ def _shift(row: dict) -> float:
     )
 
 
+def _inside_of(row: dict, other: dict, config: str) -> int:
+    """The windows where ``other``'s curves of ``config`` (each seed) are inside ``row``'s seed-to-seed spread of
+    ``config``: one configuration's two runs against each other, what the same criterion gives with no change."""
+    mine, theirs = row["windows"], other["windows"]
+    seeds = sorted({k.split(":")[1] for k in mine if k.startswith(config + ":")})
+    count = min(len(mine[f"{config}:{s}"]) for s in seeds)
+    return sum(
+        1
+        for i in range(count)
+        if max(abs(theirs[f"{config}:{s}"][i] - mine[f"{config}:{s}"][i]) for s in seeds)
+        <= abs(mine[f"{config}:{seeds[0]}"][i] - mine[f"{config}:{seeds[1]}"][i])
+    )
+
+
 def _setting(row: dict, name: str) -> float:
     match = re.search(rf"\b{re.escape(name)}=(\d+(?:\.\d+)?)", str(row.get("command", "")))
     if not match:
@@ -537,6 +551,7 @@ FUNCTIONS: dict[str, Callable] = {
     "excess": lambda row: max(distance - spread for spread, distance in _curve(row)),
     "worst": _worst,
     "shift": _shift,
+    "inside_of": _inside_of,
     "setting": _setting,  # a NAME=VALUE setting of the row's command (a time limit)
 }
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}

@@ -132,6 +132,9 @@ def test_the_fp8_loss_is_stated_window_by_window():
     shifted = {"loss": {"record": CURVES, "figures": ["shift(r)"]}}  # the seeds' mean, either way: no sign
     assert _errors("shifted by at most 0.0515 [r:loss]", shifted) == []
     assert _errors("shifted by at most 0.0586 [r:loss]", shifted) != []
+    itself = {"loss": {"record": CURVES, "figures": ["#inside_of(r, r, 'bf16')"]}}  # a run against itself: every window
+    assert _errors("inside in 12 of 12 windows [r:loss]", itself) == []
+    assert _errors("inside in 11 of 11 windows [r:loss]", itself) != []
 
 
 def test_figures_without_a_key_fail_and_names_versions_dates_code_and_targets_need_none():
