@@ -18,6 +18,7 @@ import gc
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -86,7 +87,7 @@ class HostPauses:
 
 
 SYNC_WARNING = "synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")'s message
-_TORCH = os.path.dirname(torch.__file__)
+_TORCH = os.path.dirname(torch.__file__) + os.sep  # torch's own files: not torchao's, nor torch_*'s
 
 
 def _site(stack: traceback.StackSummary, depth: int = 3) -> str:
@@ -112,6 +113,9 @@ def host_syncs(step, length: int, sync, top: int = 15) -> dict:
     sites: Counter[str] = Counter()
     phases: Counter[str] = Counter()
     state = {"phase": "forward"}
+    # inside a wrapped synchronize, per thread: the debug mode's warning from within it (a stream's synchronize
+    # warns, c10's stream_synchronize) is that call's own, not a second wait
+    inside = threading.local()
 
     def note(kind: str) -> None:
         phases[state["phase"]] += 1
@@ -126,14 +130,19 @@ def host_syncs(step, length: int, sync, top: int = 15) -> dict:
         @functools.wraps(original)
         def waiting(*args, **kwargs):
             note(kind)
-            return original(*args, **kwargs)
+            inside.depth = getattr(inside, "depth", 0) + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside.depth -= 1
 
         setattr(owner, name, waiting)
         return owner, name, original
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
         if SYNC_WARNING in str(message):
-            note("sync op")
+            if not getattr(inside, "depth", 0):
+                note("sync op")
         else:
             shown(message, category, filename, lineno, file, line)
 
@@ -143,14 +152,16 @@ def host_syncs(step, length: int, sync, top: int = 15) -> dict:
     shown = warnings.showwarning
     wrapped = []
     with warnings.catch_warnings():
-        warnings.simplefilter("always")
+        # every sync warning shown, each time (not once per place); other warnings keep their filters
+        warnings.filterwarnings("always", message=f".*{SYNC_WARNING}")
         warnings.showwarning = show
         try:
-            wrapped = [
-                wrap(torch.cuda, "synchronize", "torch.cuda.synchronize"),
-                wrap(torch.cuda.Event, "synchronize", "event.synchronize"),
-                wrap(torch.cuda.Stream, "synchronize", "stream.synchronize"),
-            ]
+            for owner, name, kind in (
+                (torch.cuda, "synchronize", "torch.cuda.synchronize"),
+                (torch.cuda.Event, "synchronize", "event.synchronize"),
+                (torch.cuda.Stream, "synchronize", "stream.synchronize"),
+            ):  # one at a time: a wrap that fails leaves the ones before it to be put back
+                wrapped.append(wrap(owner, name, kind))
             torch.cuda.set_sync_debug_mode("warn")
             step(length, at=at)
         finally:

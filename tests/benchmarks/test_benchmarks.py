@@ -638,6 +638,77 @@ def test_host_syncs_names_each_wait_by_phase_and_the_code_that_asked(monkeypatch
     assert "- fp8: forward 2, backward 1, optimizer 1; allocator retries 2" in text and "- x: not read (E)" in text
 
 
+def test_host_syncs_counts_a_stream_synchronize_once(monkeypatch):
+    """A stream's ``synchronize`` is one wait: torch's sync debug mode warns inside it (c10's
+    ``stream_synchronize``), and that warning is the wrapped call's own, not a second wait. Warnings other than
+    the debug mode's keep the filters they had (an ignored one stays ignored)."""
+    import warnings
+
+    import step_diagnostics
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {})
+
+    def stream_synchronize(self):  # as torch's: the debug mode's warning from inside the call
+        warnings.warn("called a synchronizing CUDA operation (Triggered internally at x.h:1.)", stacklevel=1)
+
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", stream_synchronize)
+
+    def step(length, at):
+        torch.cuda.Stream.synchronize(object())
+        warnings.warn("quiet", DeprecationWarning, stacklevel=1)
+        at("forward")
+
+    with warnings.catch_warnings(record=True) as other:
+        warnings.simplefilter("ignore", DeprecationWarning)
+        found = step_diagnostics.host_syncs(step, 8, sync=lambda: None)["host_syncs"]
+    assert other == []
+    assert found["by_phase"] == {"forward": 1}
+    assert [site.split(" at ")[0] for site, _ in found["sites"]] == ["forward: stream.synchronize"]
+
+
+def test_host_syncs_puts_back_what_it_wrapped_when_a_wrap_fails(monkeypatch):
+    """A synchronize that cannot be wrapped (here: a read-only attribute) fails the diagnostic, and the ones
+    wrapped before it are put back: the process's later steps call torch's own."""
+    import step_diagnostics
+    import torch
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: None)
+
+    class ReadOnly:
+        synchronize = property(lambda self: lambda: None)
+
+    monkeypatch.setattr(torch.cuda, "Stream", ReadOnly())
+    device, event = torch.cuda.synchronize, torch.cuda.Event.synchronize
+    with pytest.raises(AttributeError):
+        step_diagnostics.host_syncs(lambda length, at: None, 8, sync=lambda: None)
+    assert torch.cuda.synchronize is device and torch.cuda.Event.synchronize is event
+    assert modes in ([], [0])  # the debug mode, if it was set, is back too
+
+
+def test_host_syncs_sites_skip_torch_but_not_packages_named_like_it():
+    """A site's frames leave out torch's own files, not those of torchao (or any package whose folder name
+    starts with "torch")."""
+    import traceback
+
+    import step_diagnostics
+    import torch
+
+    site = os.path.dirname(torch.__file__)
+    stack = traceback.StackSummary.from_list(
+        [("/a/train.py", 3, "step", None), (site + "ao/float8/linear.py", 7, "forward", None)]
+        + [(os.path.join(site, "nn", "modules", "module.py"), 9, "_call_impl", None)]
+    )
+    assert step_diagnostics._site(stack) == "linear.py:7 forward < train.py:3 step"
+
+
 def test_registry_modules_are_the_registry_classes_in_the_model():
     """``fusepatch.diagnostics.profile.registry_modules`` (the benchmark's host-time hooks and the profiler's labels): the
     modules whose class the registry names."""
