@@ -10,8 +10,9 @@ padded with zero rows to a multiple of 16, and outputs in another dtype are cast
 
 Every GEMM accumulates with ``use_fast_accum`` (Hopper's FP8 tensor cores keep the running sum in their own
 precision instead of promoting it to fp32 along the way; torchao's float8 forward does the same): 8% less GEMM
-time at the 27B projections' shapes at the same error against fp32, and 300 steps of training on unrepeated text
-whose loss stays inside bf16's seed-to-seed spread in every 25-step window, as without it (docs/fp8.md).
+time at the 27B projections' shapes at the same error against fp32, and over 300 steps of training on unrepeated
+text a loss curve as far from bf16's as without it (inside bf16's seed-to-seed spread in 5 of 12 windows, 4
+without: docs/fp8.md, "Where it pays").
 
 An input whose FP8 rows came with it (``kernels/fp8_rows``: written by the kernel that produced it, or by the first
 of several projections of it) is not quantized again: ``fp8_linear`` looks them up by the tensor itself and its
