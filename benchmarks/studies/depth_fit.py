@@ -89,8 +89,12 @@ def main() -> int:
     }
     for label in args.configs.split(","):
         probes: list[dict] = []
+        # the probes' own versions: they import the kernel packages, this process does not
+        probe_versions: list[dict] = []
 
-        def probe(depth: int, label: str = label, probes: list[dict] = probes) -> str:
+        def probe(
+            depth: int, label: str = label, probes: list[dict] = probes, seen: list[dict] = probe_versions
+        ) -> str:
             step = argparse.Namespace(
                 shape=args.shape,
                 steps=args.steps,
@@ -109,6 +113,8 @@ def main() -> int:
                 workdir=args.workdir,
             )
             result = run_all.run_one(f"{label}+quick", step)
+            if result.get("versions"):
+                seen.append(result["versions"])
             said = outcome(result)
             probes.append(
                 {
@@ -124,7 +130,9 @@ def main() -> int:
 
         fit, over, _ = deepest(probe, args.low, high, args.multiple)
         with open(args.out, "a") as fh:
-            fh.write(json.dumps({**common, "config": label, "deepest_fit": fit, "first_oom": over, "probes": probes}))
+            found = {"versions": probe_versions[0]} if probe_versions else {}
+            row = {**common, **found, "config": label, "deepest_fit": fit, "first_oom": over, "probes": probes}
+            fh.write(json.dumps(row))
             fh.write("\n")
     return 0
 

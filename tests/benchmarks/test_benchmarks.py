@@ -1229,6 +1229,28 @@ def test_provenance_names_the_study_as_run_from_the_repository_root():
     assert len(provenance.today()) == 10 and provenance.today()[4] == "-"
 
 
+def test_depth_fit_records_the_versions_its_probes_ran_with(tmp_path, monkeypatch):
+    """The depth search's row names the kernel packages' versions its probes imported (the search itself imports
+    none of them), the deepest depth that fit and the first that ran out of memory."""
+    import depth_fit
+    import run_all
+
+    def run_one(label, step):
+        if step.layers > 8:
+            return {"config": label, "error": "exit 1: torch.OutOfMemoryError: CUDA out of memory."}
+        return {"config": label, "versions": {"fla-core": "0.6.0"}, "tokens_per_s": 1.0, "peak_mem_gib": 2.0}
+
+    monkeypatch.setattr(run_all, "run_one", run_one)
+    monkeypatch.setattr(depth_fit, "gpu_name", lambda: "a GPU")  # this machine has none
+    out = tmp_path / "fit.jsonl"
+    argv = ["depth_fit.py", "--configs", "fusepatch", "--low", "4", "--high", "16", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert depth_fit.main() == 0
+    row = json.loads(out.read_text())
+    assert row["versions"] == {"fla-core": "0.6.0"}
+    assert (row["deepest_fit"], row["first_oom"]) == (8, 12)
+
+
 def test_depth_fit_bisects_to_the_deepest_depth_that_fits_and_stops_on_other_errors():
     """``studies/depth_fit.py``: a probe per depth, bisected over multiples of 4; an error that is not memory
     stops the search (it says nothing about the depth), and a probe's text is read as run_all returns it."""
