@@ -468,18 +468,24 @@ def _pairs(a: dict, b: dict) -> Iterator[tuple[str, float, float]]:
     return ((name, float(x), float(b[name])) for name, x in a.items() if name in b)
 
 
-def _curve(row: dict) -> list[tuple[float, float]]:
-    """A loss-curve record's windows: the baseline's seed-to-seed spread, and the candidate's largest distance from
-    the baseline at the same seed."""
+def _windowed(row: dict) -> list[tuple[float, list[float]]]:
+    """A loss-curve record's windows: the baseline's seed-to-seed spread, and the candidate's loss minus the
+    baseline's at each seed."""
     base, cand, windows = row.get("baseline", "hf-fast"), row.get("candidate", "fusepatch"), row["windows"]
     seeds = sorted({k.split(":")[1] for k in windows})
     return [
         (
             abs(windows[f"{base}:{seeds[0]}"][i] - windows[f"{base}:{seeds[1]}"][i]),
-            max(abs(windows[f"{cand}:{s}"][i] - windows[f"{base}:{s}"][i]) for s in seeds),
+            [windows[f"{cand}:{s}"][i] - windows[f"{base}:{s}"][i] for s in seeds],
         )
         for i in range(min(len(v) for v in windows.values()))
     ]
+
+
+def _curve(row: dict) -> list[tuple[float, float]]:
+    """A loss-curve record's windows: the baseline's seed-to-seed spread, and the candidate's largest distance from
+    the baseline at the same seed."""
+    return [(spread, max(abs(d) for d in differences)) for spread, differences in _windowed(row)]
 
 
 def _worst(row: dict) -> dict[str, float]:
@@ -495,12 +501,7 @@ def _worst(row: dict) -> dict[str, float]:
 def _shift(row: dict) -> float:
     """The largest window shift of the candidate's curve from the baseline's, either way: per window, the
     candidate's loss minus the baseline's at the same seed, averaged over the seeds."""
-    base, cand, windows = row.get("baseline", "hf-fast"), row.get("candidate", "fusepatch"), row["windows"]
-    seeds = sorted({k.split(":")[1] for k in windows})
-    count = min(len(v) for v in windows.values())
-    return max(
-        abs(statistics.mean(windows[f"{cand}:{s}"][i] - windows[f"{base}:{s}"][i] for s in seeds)) for i in range(count)
-    )
+    return max(abs(statistics.mean(differences)) for _, differences in _windowed(row))
 
 
 def _inside_of(row: dict, other: dict, config: str) -> int:
