@@ -200,7 +200,7 @@ def main() -> int:
     try:
         result.update(run(args, seq, batch))
     except Exception as exc:  # noqa: BLE001 - a failing configuration is a result, not a crash of the run
-        result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        result["error"] = said(exc)
         result["traceback"] = traceback.format_exc()[-2000:]
     text = json.dumps(result, indent=2)
     if args.json_out:
@@ -374,6 +374,12 @@ def timed_steps(step, lengths: list[int], sync, device: torch.device) -> tuple[l
     return times, losses, beside
 
 
+def said(exc: BaseException) -> str:
+    """An exception as a result's field holds it: its type and the first line of its message."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def diagnostics(step, model, seq: int, sync) -> dict:
     """step_diagnostics.py's memory and host/GPU views of one step each (CUDA only); a failing diagnostic costs
     the row only its own entry."""
@@ -382,11 +388,11 @@ def diagnostics(step, model, seq: int, sync) -> dict:
     try:
         found.update(host_time_by_phase(step, seq, sync, body=body, layers=registry_modules(model)))
     except Exception as exc:  # noqa: BLE001
-        found["host_vs_gpu_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        found["host_vs_gpu_error"] = said(exc)
     try:
         found.update(host_syncs(step, seq, sync))
     except Exception as exc:  # noqa: BLE001
-        found["host_syncs_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        found["host_syncs_error"] = said(exc)
     if os.environ.get("BENCH_HOST_PROFILE") and body is not None:
         try:  # the forward's Python by function: what host_vs_gpu says the CPU-bound forward spends
             found.update(host_profile(step, seq, sync, body))
