@@ -231,8 +231,8 @@ def counted_fp8_gemms(monkeypatch) -> list:
     from fusepatch.ops.fp8_linear import scaled_mm
 
     calls: list = []
-    scaled = scaled_mm._scaled_mm
-    monkeypatch.setattr(scaled_mm, "_scaled_mm", lambda *args: calls.append(1) or scaled(*args))
+    scaled = scaled_mm.fp8_mm
+    monkeypatch.setattr(scaled_mm, "fp8_mm", lambda *args: calls.append(1) or scaled(*args))
     return calls
 
 

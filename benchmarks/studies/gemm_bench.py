@@ -129,9 +129,9 @@ FP8_SKIPS = ("lm_head", "gdn in_proj_b")
 def fp8_formulations(x, w, dy) -> dict[str, dict[str, callable]]:
     """role -> formulation -> a call returning the role's matrix from FP8 operands quantized here, before the
     timing, as ``fusepatch.ops.fp8_linear`` quantizes them (the first of each role is the op's own call)."""
-    from fusepatch.ops.fp8_linear.scaled_mm import MULTIPLE, _quantizers, _scaled_mm
+    from fusepatch.ops.fp8_linear.scaled_mm import MULTIPLE, fp8_mm, quantizers
 
-    quantize = _quantizers(x.device)
+    quantize = quantizers(x.device)
     operands = {
         "forward y = x @ W.t()": (quantize.rows(x), quantize.rows(w), lambda: torch.mm(x, w.t())),
         "input grad dx = dy @ W": (quantize.rows(dy), quantize.columns(w), lambda: torch.mm(dy, w)),
@@ -150,7 +150,7 @@ def fp8_formulations(x, w, dy) -> dict[str, dict[str, callable]]:
     forms = {}
     for role, ((a, a_inverse), (b, b_inverse), bf16) in operands.items():
         forms[role] = {
-            "fp8 as fusepatch calls it": lambda a=a, ai=a_inverse, b=b, bi=b_inverse: _scaled_mm(a, ai, b, bi, x.dtype),
+            "fp8 as fusepatch calls it": lambda a=a, ai=a_inverse, b=b, bi=b_inverse: fp8_mm(a, ai, b, bi, x.dtype),
             "fp8 without use_fast_accum": scaled(a, a_inverse, b, b_inverse, use_fast_accum=False),
             "bf16 mm": bf16,
         }

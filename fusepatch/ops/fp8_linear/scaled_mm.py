@@ -71,7 +71,7 @@ class Quantizers(NamedTuple):
     transpose: Callable[[torch.Tensor], torch.Tensor]
 
 
-def _quantizers(device: torch.device) -> Quantizers:
+def quantizers(device: torch.device) -> Quantizers:
     if device.type == "cuda":
         from fusepatch.kernels.fp8 import quantize_columns, quantize_rows, transpose
 
@@ -79,7 +79,7 @@ def _quantizers(device: torch.device) -> Quantizers:
     return Quantizers(quantize_rows_reference, quantize_columns_reference, transpose_reference)
 
 
-def _scaled_mm(a, a_inverse, b, b_inverse, dtype: torch.dtype) -> torch.Tensor:
+def fp8_mm(a, a_inverse, b, b_inverse, dtype: torch.dtype) -> torch.Tensor:
     """``(a * a_inverse) @ (b * b_inverse).t()`` for FP8 ``a [M, K]`` and ``b [N, K]``, both row-major, with
     rowwise inverse scales ``[M, 1]`` and ``[N, 1]``, in ``dtype`` (``_scaled_mm`` writes bf16)."""
     out = torch._scaled_mm(
@@ -93,8 +93,8 @@ def _project(
 ) -> torch.Tensor:
     """The forward GEMM of both functions: ``x`` quantized by rows (or its carried rows) against the FP8 weight,
     plus the bias."""
-    rows = carried.rows if carried is not None else _quantizers(x.device).rows(x)
-    out = _scaled_mm(*rows, q, inverse, x.dtype)
+    rows = carried.rows if carried is not None else quantizers(x.device).rows(x)
+    out = fp8_mm(*rows, q, inverse, x.dtype)
     return out if bias is None else out + bias.to(out.dtype)
 
 
@@ -107,7 +107,7 @@ class QuantizedWeight(NamedTuple):
 
 def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
     """``weight`` as the forward GEMM reads it: what a frozen weight keeps between steps."""
-    return QuantizedWeight(*_quantizers(weight.device).rows(weight.detach()))
+    return QuantizedWeight(*quantizers(weight.device).rows(weight.detach()))
 
 
 def prepare(weight: torch.Tensor) -> QuantizedWeight:
@@ -149,25 +149,25 @@ class _FP8Linear(torch.autograd.Function):
         if carried is not None and ctx.needs_input_grad[1]:  # x's by-columns quantization, shared in the backward
             ctx.columns = carried.columns
             ctx.columns.users += 1
-        return _project(x, *_quantizers(x.device).rows(weight), bias, carried)
+        return _project(x, *quantizers(x.device).rows(weight), bias, carried)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None):
         if grad is None:
             return None, None, None, None
         x, weight = ctx.saved_tensors
-        quantize = _quantizers(grad.device)
+        quantize = quantizers(grad.device)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:  # dx = grad @ W: reduction over the outputs (W's columns)
             rows = fp8_rows.carried_gradient(grad)  # written by the backward that made grad (SwiGLU's), if any
-            dx = _scaled_mm(*(rows if rows is not None else quantize.rows(grad)), *quantize.columns(weight), x.dtype)
+            dx = fp8_mm(*(rows if rows is not None else quantize.rows(grad)), *quantize.columns(weight), x.dtype)
         if ctx.needs_input_grad[1]:  # dW = grad.t() @ x: reduction over the tokens (both operands' columns)
             g = quantize.columns(grad, MULTIPLE)
             if ctx.columns is None:
                 x_t = quantize.columns(x, MULTIPLE)
             else:  # the same x (autograd refuses a saved tensor written since) for every projection sharing it
                 x_t = ctx.columns.take(lambda: quantize.columns(x, MULTIPLE))
-            dw = _scaled_mm(*g, *x_t, weight.dtype)
+            dw = fp8_mm(*g, *x_t, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = grad.sum(0)
         return dx, dw, db, None
@@ -221,10 +221,10 @@ class _FP8FrozenPerCall(torch.autograd.Function):
 def _frozen_input_grad(grad: torch.Tensor, q: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """``dx = grad @ W`` for ``W = diag(s) q``: the rowwise scales ``s`` move into the gradient before it is quantized
     (exact: powers of two), and ``q`` is only transposed."""
-    quantize = _quantizers(grad.device)
+    quantize = quantizers(grad.device)
     g, g_inverse = quantize.rows(grad, inverse)
     ones = inverse.new_ones((q.shape[1], 1))
-    return _scaled_mm(g, g_inverse, quantize.transpose(q), ones, grad.dtype)
+    return fp8_mm(g, g_inverse, quantize.transpose(q), ones, grad.dtype)
 
 
 def _aligned(weight: torch.Tensor) -> None:
@@ -266,7 +266,7 @@ def _carried(x: torch.Tensor, flat: torch.Tensor) -> fp8_rows.Carried | None:
     if found is not None or not fp8_rows.sharing():
         return found
     with torch.no_grad():
-        rows = _quantizers(x.device).rows(flat)
+        rows = quantizers(x.device).rows(flat)
     return fp8_rows.record(x, rows)
 
 

@@ -112,12 +112,35 @@ def fla_num_chunks(tokens: int, vocab: int, element_size: int, budget_bytes: int
     return max(1, -(-tokens // fla_chunk_tokens(vocab, element_size, budget_bytes)))
 
 
+class Gemms:
+    """The chunk loop's three GEMMs in the inputs' dtype (tensor cores for bf16, fp32 accumulation inside each GEMM;
+    fla's own default accumulates the weight gradient in fp32 SIMT GEMMs: 222 ms of a 430 ms 27B step). Another
+    precision's GEMMs (``ops/fp8_linear_cross_entropy``) take the same three calls."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, wants_hidden: bool, wants_weight: bool) -> None:
+        self.hidden, self.weight = hidden, weight
+
+    def logits(self, start: int, end: int) -> torch.Tensor:
+        """The logits of tokens ``start:end`` (a new tensor, its rows contiguous: the kernel writes over them)."""
+        return torch.mm(self.hidden[start:end], self.weight.t())
+
+    def grad_hidden(self, grad: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = grad @ weight``: the chunk's hidden-state gradient, written into its rows."""
+        torch.mm(grad, self.weight, out=out)
+
+    def grad_weight(self, grad: torch.Tensor, start: int, end: int, total: torch.Tensor | None) -> torch.Tensor:
+        """``grad.t() @ hidden[start:end]`` added to ``total`` (the first chunk's GEMM writes it)."""
+        h = self.hidden[start:end]
+        return torch.mm(grad.t(), h) if total is None else total.addmm_(grad.t(), h)
+
+
 class _LinearCrossEntropyLoop(torch.autograd.Function):
     """fusepatch's chunk loop around a cross-entropy kernel. Per chunk of tokens: the logits (one GEMM), the
     kernel's per-token losses with the logits' gradient written over them, every token's gradient already divided
     by the loss's denominator, then the hidden-state gradient (a GEMM into its rows) and the weight gradient (the
     first chunk's GEMM writes it, later chunks add to it). ``ce(logits, target, inverse, ignore_index, grad)``
-    is the kernel: fla's two functions (``_load_fla``) or fusepatch's (kernels/cross_entropy.py).
+    is the kernel: fla's two functions (``_load_fla``) or fusepatch's (kernels/cross_entropy.py); ``gemms`` makes
+    the GEMMs (``Gemms``: in the inputs' dtype).
 
     Why not fla's ``fused_linear_cross_entropy_fwd``: it zero-fills the weight gradient (2.5 GB at the 27B
     shape) and then adds every chunk into it, the first included (a fill plus a GEMM that reads the zeros back,
@@ -127,7 +150,7 @@ class _LinearCrossEntropyLoop(torch.autograd.Function):
     gradients by the incoming one, and skips that when it is 1 (plain training)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, denominator, ignore_index: int, chunk: int, ce, grad_wanted: bool):
+    def forward(ctx, hidden, weight, labels, denominator, ignore_index: int, chunk: int, ce, grad_wanted: bool, gemms):
         # under no_grad (evaluation) needs_input_grad still says True: the caller says whether a backward can come
         # each gradient only when asked for: a frozen lm_head (LoRA) takes no weight GEMM (a vocab x hidden x tokens
         # GEMM per step, 14 ms at the 27B shape) and no vocab x hidden buffer
@@ -141,21 +164,19 @@ class _LinearCrossEntropyLoop(torch.autograd.Function):
             inverse = denominator.float().reciprocal().reshape(1)
             grad_hidden = torch.empty_like(hidden) if wants_hidden else None
             grad_weight = None
+            made = gemms(hidden, weight, wants_hidden, wants_weight)
             for start in range(0, tokens, chunk):
                 end = min(start + chunk, tokens)
-                h, y = hidden[start:end], labels[start:end]
-                logits = torch.mm(h, weight.t())
-                losses[start:end] = ce(logits, y, inverse, ignore_index, needs_grad)
+                logits = made.logits(start, end)
+                losses[start:end] = ce(logits, labels[start:end], inverse, ignore_index, needs_grad)
                 if wants_hidden:  # the logits now hold their gradient
-                    torch.mm(logits, weight, out=grad_hidden[start:end])
+                    made.grad_hidden(logits, grad_hidden[start:end])
                 if wants_weight:
-                    if grad_weight is None:
-                        grad_weight = torch.mm(logits.t(), h)
-                    else:
-                        grad_weight.addmm_(logits.t(), h)
+                    grad_weight = made.grad_weight(logits, start, end, grad_weight)
                 # freed before the next chunk's GEMM allocates its logits, else two chunks' logits live at once
                 # (fla's loop has that peak: a chunk's logits more than needed)
                 del logits
+            del made  # its operands (another precision's copies) before the gradients are kept
             if wants_weight and grad_weight is None:  # no tokens at all
                 grad_weight = torch.zeros_like(weight)
             total = losses.sum() / denominator
@@ -177,24 +198,25 @@ class _LinearCrossEntropyLoop(torch.autograd.Function):
         ctx.done = True
         factor = grad_output.detach().float()
         grads = [None if g is None else scale_unless_one_(g, factor) for g in ctx.saved_tensors]
-        return *grads, None, None, None, None, None, None
+        return *grads, None, None, None, None, None, None, None
 
 
 LOOP_SKIP = "linear_cross_entropy/fla,linear_cross_entropy/triton"  # every candidate that runs the loop
 
 
-def _loop(ce):
-    """The op function: the chunk loop around ``ce`` (chunk length from FUSEPATCH_CE_LOGITS_MIB, read once)."""
+def loop(ce, gemms: type[Gemms] = Gemms):
+    """The op function: the chunk loop around ``ce`` with ``gemms``' GEMMs (chunk length from
+    FUSEPATCH_CE_LOGITS_MIB, read once)."""
     budget = fla_chunk_budget()
 
     def linear_cross_entropy_loop(hidden, weight, labels, ignore_index: int = -100, num_items_in_batch=None):
-        # the GEMMs run in the weight's dtype (tensor cores for bf16, fp32 accumulation inside each GEMM; fla's
-        # own default accumulates the weight gradient in fp32 SIMT GEMMs: 222 ms of a 430 ms 27B step)
         check_rows(hidden, labels)
         chunk = fla_chunk_tokens(weight.shape[0], hidden.element_size(), budget)
         denominator = _denominator(labels, ignore_index, num_items_in_batch)
         grad_wanted = torch.is_grad_enabled()
-        return _LinearCrossEntropyLoop.apply(hidden, weight, labels, denominator, ignore_index, chunk, ce, grad_wanted)
+        return _LinearCrossEntropyLoop.apply(
+            hidden, weight, labels, denominator, ignore_index, chunk, ce, grad_wanted, gemms
+        )
 
     return linear_cross_entropy_loop
 
@@ -220,13 +242,13 @@ def _load_fla():
             )
         return loss
 
-    return _loop(fla_ce)
+    return loop(fla_ce)
 
 
 def _load_triton():
     from fusepatch.kernels.cross_entropy import cross_entropy_
 
-    return _loop(cross_entropy_)
+    return loop(cross_entropy_)
 
 
 def _inputs(device, dtype, generator, packed=False, dims=None):
