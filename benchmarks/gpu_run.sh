@@ -232,22 +232,24 @@ EOF
     need_tilelang
     pipi /tmp/site-tl .whl-tl2/*.whl 2>/dev/null; pipi /tmp/site-fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/causal_conv1d-*.whl 2>/dev/null
     export PYTHONPATH="$PWD:/tmp/site-fla:/tmp/site-tl"
-    # FAST_ACCUM=1: a third configuration, fp8 with fast accumulation (text_curves.py --fast-accum), against bf16 too
+    # FAST_ACCUM=1: another configuration, fp8 with fast accumulation (text_curves.py --fast-accum), against bf16 too;
+    # HEAD=1: fp8 with the LM head in FP8 too (--fp8-lm-head)
     steps=${STEPS:-300}; runs=()
     for seed in 0 1; do
-      for precision in bf16 fp8 ${FAST_ACCUM:+fp8-fastaccum}; do
+      for precision in bf16 fp8 ${FAST_ACCUM:+fp8-fastaccum} ${HEAD:+fp8-head}; do
         log="$OUT/text-curve-$precision-$seed.log"
-        timeout ${CURVE_TIMEOUT:-240} python3 benchmarks/studies/text_curves.py --precision "${precision%-fastaccum}" \
-          $([ "$precision" = fp8-fastaccum ] && echo --fast-accum) --seed "$seed" --steps "$steps" \
+        timeout ${CURVE_TIMEOUT:-240} python3 benchmarks/studies/text_curves.py --precision "${precision%-*}" \
+          $([ "$precision" = fp8-fastaccum ] && echo --fast-accum) $([ "$precision" = fp8-head ] && echo --fp8-lm-head) \
+          --seed "$seed" --steps "$steps" \
           ${BATCH:+--batch $BATCH} ${LR:+--lr $LR} --json-out "$OUT/text-curve-$precision-$seed.json" > "$log" 2>&1
         echo "== $precision seed $seed: exit $?"; grep -E "^(data|tokens/s|eval):" "$log" | cut -c1-300; runs+=("$precision:$seed=$log")
       done
     done
     # each candidate against bf16 with only its own runs beside bf16's: one short run cuts no other comparison
-    for candidate in fp8 ${FAST_ACCUM:+fp8-fastaccum}; do
+    for candidate in fp8 ${FAST_ACCUM:+fp8-fastaccum} ${HEAD:+fp8-head}; do
       pair=(); for run in "${runs[@]}"; do case "$run" in bf16:*|"$candidate":*) pair+=("$run");; esac; done
       python3 benchmarks/studies/loss_curves.py "${pair[@]}" --baseline bf16 --candidate "$candidate" --out "$OUT/text_curves-$candidate.jsonl" \
-        --command "STEPS=$steps ${FAST_ACCUM:+FAST_ACCUM=1 }bash benchmarks/gpu_run.sh textcurves" | tee "$OUT/text-curves-$candidate.md"
+        --command "STEPS=$steps ${FAST_ACCUM:+FAST_ACCUM=1 }${HEAD:+HEAD=1 }bash benchmarks/gpu_run.sh textcurves" | tee "$OUT/text-curves-$candidate.md"
     done ;;
   probe)
     # where the GPU waits for the host in a synced step's forward (benchmarks/studies/step_start.py), per CONFIGS
@@ -366,7 +368,7 @@ EOF
     rm -rf /tmp/seq && mkdir -p /tmp/seq/out && cp -r . /tmp/seq/tree  # a copy: the working tree may change while the sequence runs
     : > /tmp/seq/progress  # before the runner starts: `poll` tells a started sequence from none by this file
     steps=${*:2}; steps=${steps:-bench-27b tests bench-2b sft}
-    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|DIST|CKPT|LORA|DOCTOR|TAG|K|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT|FAST_ACCUM|BENCH_LAYERS|COMMIT|SEEDS|OP|LOW|HIGH)=" > /tmp/seq/env || true
+    env | grep -E "^(CONFIGS|BENCH_TIMEOUT|TEST_TIMEOUT|PER_TEST|DIST|CKPT|LORA|DOCTOR|TAG|K|NICE|IEEE|LAYERS|STEPS|WORKERS|SFT_TIMEOUT|SFT_CONFIGS|BATCH|TESTS|TRACE|LR|VARY|DOCS|PROMPT|FIDELITY_TIMEOUT|CURVE_TIMEOUT|FAST_ACCUM|HEAD|BENCH_LAYERS|COMMIT|SEEDS|OP|LOW|HIGH)=" > /tmp/seq/env || true
     # Lanes: "A B / C D + E" runs A then B on GPU 0 beside C then D on GPU 1 (CUDA_VISIBLE_DEVICES), then E on
     # every GPU once both lanes are done ("+ F / G": a next stage with lanes again). A step is
     # PHASE[-ARG][@K=V:K=V]: its own environment (sft@NPROC=all:LAYERS=24).

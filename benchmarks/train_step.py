@@ -162,6 +162,11 @@ def main() -> int:
         help="with --precision fp8: apply(drop_frozen_weights=True), LoRA's frozen bases kept in FP8 only",
     )
     parser.add_argument(
+        "--fp8-lm-head",
+        action="store_true",
+        help="with --precision fp8: apply(fp8_lm_head=True), the LM head's GEMMs in FP8 too",
+    )
+    parser.add_argument(
         "--torchao-float8",
         action="store_true",
         help="torchao's float8 training (rowwise recipe) on the decoder's projections, before any patching",
@@ -185,6 +190,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.fast_accum and (args.config != "fusepatch" or args.precision != "fp8"):
         parser.error("--fast-accum: only with --config fusepatch --precision fp8 (fusepatch's FP8 GEMMs)")
+    if args.fp8_lm_head and (args.config != "fusepatch" or args.precision != "fp8"):
+        parser.error("--fp8-lm-head: only with --config fusepatch --precision fp8")
 
     spec = SHAPES[args.shape]
     seq, batch = args.seq or spec["seq"], args.batch or spec["batch"]
@@ -272,6 +279,7 @@ def build(args) -> tuple:
             cuda_graphs=args.cuda_graphs,
             precision=args.precision,
             drop_frozen_weights=args.drop_frozen_weights,
+            fp8_lm_head=args.fp8_lm_head,
         )
         info["apply_s"] = round(time.perf_counter() - start, 1)  # loads + self-tests: first-use compiles
         info["report"] = report.to_dict()["layers"]

@@ -14,7 +14,8 @@ tokenizer is a byte-level BPE trained on the first ``--tokenizer-mb`` MB of the 
 The model is ``examples/configs/qwen3_5_small_text.json`` with random weights (``--seed``) and the tokenizer's
 vocabulary, bf16, no activation checkpointing; ``--precision fp8`` is ``fusepatch.apply(model,
 precision="fp8")``, bf16 ``fusepatch.apply(model)``, ``--no-fusepatch`` the model as transformers builds it;
-``--fast-accum`` runs the FP8 GEMMs with fast accumulation (``benchmarks/fast_accum.py``).
+``--fast-accum`` runs the FP8 GEMMs with fast accumulation (``benchmarks/fast_accum.py``), ``--fp8-lm-head`` the LM
+head's GEMMs in FP8 too (``apply(fp8_lm_head=True)``).
 AdamW (weight decay 0.1, clip 1.0), linear warmup then cosine. Prints ``losses:`` (per step; the line
 ``benchmarks/studies/loss_curves.py`` reads), ``eval:`` (step=loss) and tokens/s. The standard library holds about 3M
 tokens at vocabulary 4096 (10.8 MB in Python 3.12): the defaults (300 steps of 4 x 2048) take 2.5M of them; a
@@ -183,7 +184,10 @@ def patch(model, args) -> str:
 
         use_fast_accumulation()
     # fp8 where FP8 cannot run (the CPU): fusepatch says so at WARNING and keeps the projections in bf16
-    report = fusepatch.apply(model, precision="fp8") if args.precision == "fp8" else fusepatch.apply(model)
+    if args.precision == "fp8":
+        report = fusepatch.apply(model, precision="fp8", fp8_lm_head=args.fp8_lm_head)
+    else:
+        report = fusepatch.apply(model)
     return str(report).splitlines()[0] if str(report) else ""
 
 
@@ -233,6 +237,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--fast-accum", action="store_true", help="FP8 GEMMs with use_fast_accum=True (benchmarks/fast_accum.py)"
     )
+    parser.add_argument(
+        "--fp8-lm-head", action="store_true", help="with --precision fp8: apply(fp8_lm_head=True), the head in FP8 too"
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--seed", type=int, default=0, help="the weights' initialisation (the data order is fixed)")
     parser.add_argument("--steps", type=int, default=300)
@@ -255,6 +262,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.fast_accum and (args.precision != "fp8" or args.no_fusepatch):
         parser.error("--fast-accum: only with --precision fp8 (fusepatch's FP8 GEMMs)")
+    if args.fp8_lm_head and (args.precision != "fp8" or args.no_fusepatch):
+        parser.error("--fp8-lm-head: only with --precision fp8 (fusepatch's FP8 GEMMs)")
     return args
 
 
@@ -263,6 +272,7 @@ def main(argv=None) -> int:
     data = build_data(args)
     model = build_model(args, data["vocab"], data["eos"])
     label = "unpatched" if args.no_fusepatch else args.precision + ("+fastaccum" if args.fast_accum else "")
+    label += "+head" if args.fp8_lm_head else ""
     print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, {label}, {args.device}")
     summary = patch(model, args)
     if summary:

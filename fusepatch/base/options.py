@@ -112,6 +112,30 @@ def drop_frozen_weights(value: object, precision: str | None) -> bool:
     return value
 
 
+def fp8_lm_head(value: object, precision: str | None) -> bool:
+    """``apply(fp8_lm_head=...)``: True or False, and True only with ``precision="fp8"`` (the head's GEMMs join the
+    projections')."""
+    value = boolean(value, "fp8_lm_head")
+    if value and precision != "fp8":
+        raise ValueError(
+            'fp8_lm_head=True runs the LM head\'s GEMMs in FP8 beside the projections; fix: pass precision="fp8" with it'
+        )
+    return value
+
+
+def row_precisions(precision: str | None, lm_head: bool) -> tuple[str, ...]:
+    """The ``Row.precision`` values an ``apply`` call selects: the precision's projections (``"fp8"``), and with
+    ``fp8_lm_head=True`` the heads computing their loss in it too (``"fp8-lm-head"``)."""
+    if precision is None:
+        return ()
+    return (precision, lm_head_precision(precision)) if lm_head else (precision,)
+
+
+def lm_head_precision(precision: str) -> str:
+    """The ``Row.precision`` of the heads whose loss runs in ``precision`` (``fp8_lm_head=True``)."""
+    return f"{precision}-lm-head"
+
+
 def optional_boolean(value: object, argument: str) -> bool | None:
     """True, False or None (``verbose``: None is its own level)."""
     if value is None or isinstance(value, bool):

@@ -128,7 +128,7 @@ def _plan(model: torch.nn.Module, request: Request) -> Plan:
     if options.switch("FUSEPATCH_DISABLE"):
         message = "FUSEPATCH_DISABLE is set: nothing patched, the model runs as transformers ships it"
         return dataclasses.replace(plan, message=message)
-    rows = rows_for(set(model_types), request.precision)
+    rows = rows_for(set(model_types), request.row_precisions)
     found, left = discover.matches(model, rows, features.owners) if rows else ({}, {})
     if not found:
         message = discover.no_rows(model, model_types)
@@ -224,6 +224,7 @@ def apply(
     verbose: bool | None = None,
     precision: str | None = None,
     drop_frozen_weights: bool = False,
+    fp8_lm_head: bool = False,
 ) -> PatchReport:
     """Patch every layer of ``model`` that the registry knows, in place.
 
@@ -260,6 +261,9 @@ def apply(
         drop_frozen_weights: with ``precision="fp8"``: a projection whose weight takes no gradient (LoRA's frozen
             base) keeps it in FP8 only from its first FP8 call: half its memory. The module's ``weight`` then
             raises if read for values (``revert`` puts back an FP8-rounded copy and says so).
+        fp8_lm_head: with ``precision="fp8"``: the causal LM's fused loss runs the LM head's three GEMMs in FP8 too
+            (op ``fp8_linear_cross_entropy``). Off by default: FP8 moves the loss's gradients several times further
+            from fp32 than bf16 does (docs/fp8.md, "Precision"). Where it cannot run the loss stays bf16, said.
         verbose: ``True``: log the whole report table; ``None``: one line of totals; ``False``: neither. Every
             fallback is logged at WARNING in all three (each distinct reason once, with its fix). The log shows
             without any logging set up (``FUSEPATCH_VERBOSITY``: error, warning, info, debug; default info).
@@ -278,7 +282,9 @@ def apply(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fusepatch.apply expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
-    request = checked(ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose, precision, drop_frozen_weights)
+    request = checked(
+        ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose, precision, drop_frozen_weights, fp8_lm_head
+    )
     model = discover.unwrapped(model)
     plan = _plan(model, request)
     if plan.message:  # nothing to patch: disabled, or no rows for the model

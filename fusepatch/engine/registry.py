@@ -35,12 +35,13 @@ def all_rows() -> list[Row]:
     return [*process_state().user_rows, *BUILTIN_ROWS]
 
 
-def rows_for(model_types: set[str], precision: str | None = None) -> list[Row]:
-    """The rows of these model types; rows of a precision only when that precision is asked for."""
+def rows_for(model_types: set[str], precisions: tuple[str, ...] = ()) -> list[Row]:
+    """The rows of these model types; rows of a precision only when that precision is asked for
+    (``Request.row_precisions``)."""
     return [
         row
         for row in all_rows()
-        if set(row.model_types) & model_types and (row.precision is None or row.precision == precision)
+        if set(row.model_types) & model_types and (row.precision is None or row.precision in precisions)
     ]
 
 

@@ -20,6 +20,7 @@ from fusepatch.layers.support.hooks import may_bypass
 from fusepatch.layers.support.labelled_rows import LabelledRows, check_fit
 from fusepatch.layers.support.packing import note_padding, traced_plain_call
 from fusepatch.layers.support.positions import FIND_PACKED, MASKING, plain_positions, skip_plain, wants_plain_positions
+from fusepatch.ops.fp8_linear_cross_entropy import aligned
 
 PLAIN_SLOT = "plain_positions"  # the context's slot (``bindings.inside``): the call gave transformers plain positions
 
@@ -84,8 +85,8 @@ def _causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
     state = self._fusepatch
     note_padding(kwargs.get("position_ids"), kwargs.get("attention_mask"))  # padded rows are not packed ones
     return_logits = kwargs.pop("return_logits", None)
-    dispatch = state.ops["linear_cross_entropy"]
     weight = self.lm_head.weight
+    dispatch = _loss_op(self, state.ops, weight)
     wanted = self.training if return_logits is None else True
     if not wanted or not _fuses_loss(self, dispatch, labels, logits_to_keep, weight.device.type):
         return state.original(*args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
@@ -180,6 +181,18 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
     except ImportError:  # torch without distributed
         return False
     return isinstance(tensor, DTensor)
+
+
+def _loss_op(self, ops: dict, weight: torch.Tensor):
+    """The loss's op: with ``fp8_lm_head=True`` (the row has ``fp8_linear_cross_entropy``) the FP8 one where it has
+    a fused kernel for the device and dtype and the head's shape suits its GEMMs (``apply`` said where not), else the
+    bf16 fused loss."""
+    fp8 = ops.get("fp8_linear_cross_entropy")
+    if fp8 is None or aligned(deepspeed.full_shape(weight)) is not None:  # ZeRO-3: a placeholder until gathered
+        return ops["linear_cross_entropy"]
+    if not fp8.choice(weight.device.type, dtype_name(_loss_dtype(weight, self))).fused:
+        return ops["linear_cross_entropy"]
+    return fp8
 
 
 def _fuses_loss(self, dispatch, labels, logits_to_keep, device_type: str) -> bool:

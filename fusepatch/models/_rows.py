@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fusepatch.base import options
 from fusepatch.base.row import Binding, Row
 from fusepatch.layers.attention import attention_forward, attn_names, gated_attention_forward
 from fusepatch.layers.base_model import base_model_forward
@@ -131,19 +132,30 @@ def family(
     ]
     types = (model_type, f"{model_type}_text") if image_text else (model_type,)
     module = f"transformers.models.{model_type}.modeling_{model_type}"
-    return [
-        Row(
-            types,
-            module,
-            prefix + name,
-            part.ops,
-            part.forward,
-            note=part.note,
-            bindings=part.bindings(module) if part.bindings else (),
-            role=part.role,
-        )
-        for name, part in filter(None, table)
-    ]
+    rows = []
+    for name, part in filter(None, table):
+        # a head's FP8 loss row first: under ``fp8_lm_head=True`` it matches the head before the plain row does
+        for variant in [fp8_head(part)] if part.role == "head" else []:
+            rows.append(_row(types, module, prefix + name, variant, precision=FP8_HEAD_PRECISION))
+        rows.append(_row(types, module, prefix + name, part))
+    return rows
+
+
+def _row(types: tuple[str, ...], module: str, layer: str, part: Part, precision: str | None = None) -> Row:
+    bindings = part.bindings(module) if part.bindings else ()
+    return Row(types, module, layer, part.ops, part.forward, note=part.note, bindings=bindings, role=part.role,
+               precision=precision)  # fmt: skip
+
+
+# ``apply(precision="fp8", fp8_lm_head=True)``: the head's row with both loss ops; its forward runs the FP8 one where
+# that op and the head's shape allow, else the bf16 one (``layers/causal_lm.py``)
+FP8_HEAD_PRECISION = options.lm_head_precision("fp8")
+
+
+def fp8_head(part: Part) -> Part:
+    """A head part whose loss may run the LM head's GEMMs in FP8."""
+    note = "; ".join(filter(None, (part.note, "LM head GEMMs in FP8 (fp8_lm_head=True)")))
+    return dataclasses.replace(part, ops=(*part.ops, "fp8_linear_cross_entropy"), note=note)
 
 
 # the decoder's projections under ``apply(model, precision=...)``, one part per precision: plain ``nn.Linear`` held

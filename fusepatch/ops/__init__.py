@@ -6,6 +6,7 @@ from fusepatch.base.op import Candidate, Op, SelfTest
 from fusepatch.ops.attention_gate import ATTENTION_GATE
 from fusepatch.ops.causal_conv1d import CAUSAL_CONV1D
 from fusepatch.ops.fp8_linear import FP8_LINEAR
+from fusepatch.ops.fp8_linear_cross_entropy import FP8_LINEAR_CROSS_ENTROPY
 from fusepatch.ops.gated_delta_rule import GATED_DELTA_RULE
 from fusepatch.ops.linear_cross_entropy import LINEAR_CROSS_ENTROPY
 from fusepatch.ops.moe_experts import MOE_EXPERTS
@@ -37,6 +38,7 @@ OPS: dict[str, Op] = {
         LINEAR_CROSS_ENTROPY,
         MOE_EXPERTS,
         FP8_LINEAR,
+        FP8_LINEAR_CROSS_ENTROPY,
     )
 }
 

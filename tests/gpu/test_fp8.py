@@ -116,6 +116,58 @@ def test_mini_model_trains_in_fp8_close_to_bf16():
     assert max(errors.values()) < 0.25, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
 
 
+@pytest.mark.parametrize("mib", [None, "64"], ids=["one-chunk", "four-chunks"])  # 64 MiB at 32,768: 1024 tokens
+def test_fp8_loss_on_the_gpu(mib, monkeypatch):
+    """The LM head's GEMMs in FP8 (``fp8_linear_cross_entropy``: fusepatch's cross-entropy kernels in its chunk loop)
+    against fp32: the loss within a tenth of FP8's band, both gradients in it (and not bf16's: the three GEMMs ran in
+    FP8), with one chunk and with several, the Trainer's count and a loss gradient other than 1."""
+    if mib is not None:
+        monkeypatch.setenv("FUSEPATCH_CE_LOGITS_MIB", mib)
+    fn = kernel("fp8_linear_cross_entropy", "scaled-mm", torch.bfloat16)
+    from fusepatch.ops.linear_cross_entropy import linear_cross_entropy_reference
+
+    tokens, hidden, vocab = 4001, 1024, 32768
+    h = torch.randn(tokens, hidden, device="cuda")
+    w = torch.randn(vocab, hidden, device="cuda") * hidden**-0.5
+    y = torch.randint(0, vocab, (tokens,), device="cuda")
+    y[::9] = -100
+    results = []
+    for f, dtype in ((linear_cross_entropy_reference, torch.float32), (fn, torch.bfloat16)):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (h, w)]
+        out = f(*leaves, y, num_items_in_batch=4321)
+        (out * 0.7).backward()
+        results.append((out, leaves[0].grad, leaves[1].grad))
+    errors = {n: relative_error(g, r) for n, g, r in zip(("loss", "dh", "dw"), results[1], results[0])}
+    record(f"fp8-loss-{mib or 'default'}", {"errors": errors, "band": FP8_ERROR})
+    assert errors["loss"] < FP8_ERROR[0] / 10, errors
+    assert all(0.015 < errors[n] < FP8_ERROR[1] for n in ("dh", "dw")), errors
+
+
+def test_mini_model_trains_its_head_in_fp8():
+    """``apply(precision="fp8", fp8_lm_head=True)`` on a mini Qwen3.5: the report chooses the FP8 loss's kernel, and a
+    step's loss and the head's gradient stay near the same model's with a bf16 head, yet differ from it."""
+    import fusepatch
+    from fusepatch.tools.tiny import tiny_model
+
+    base = tiny_model("qwen3_5_text", **MINI).cuda().to(torch.bfloat16)
+    plain, head = copy.deepcopy(base), copy.deepcopy(base)
+    fusepatch.apply(plain, precision="fp8", verbose=False)
+    report = fusepatch.apply(head, precision="fp8", fp8_lm_head=True, verbose=False)
+    chosen = {c.op: c.chosen for layer in report.layers for c in layer.choices}
+    assert chosen["fp8_linear_cross_entropy"] == "scaled-mm", report.log_lines()
+    ids = torch.randint(0, base.config.vocab_size, (2, 512), device="cuda")
+    losses, grads = [], []
+    for model in (plain, head):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(model.lm_head.weight.grad)
+    error = relative_error(grads[1], grads[0])
+    record("fp8-head-mini-model", {"losses": losses, "head_grad_error": error})
+    assert abs(losses[1] - losses[0]) / losses[0] < 0.01, losses
+    assert 1e-3 < error < 0.1, error
+
+
 def test_mini_model_lora_over_an_fp8_base():
     """peft LoRA over a mini Qwen3.5 model with ``precision="fp8"`` (peft first, as a training script does): the
     fused LoRA path runs the FP8 bases; loss near the bf16 LoRA model's, and the bases quantized once over two

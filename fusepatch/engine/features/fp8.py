@@ -1,5 +1,5 @@
-"""``apply(precision="fp8", drop_frozen_weights=True)``: what FP8 projections (``layers/fp8.py``) keep beyond their
-forward. A frozen projection keeps its weight in FP8 only (the ``drop_frozen`` flag; DoRA's bases excepted, their
+"""``apply(precision="fp8", drop_frozen_weights=True, fp8_lm_head=True)``: what FP8 projections (``layers/fp8.py``)
+keep beyond their forward, and the heads whose loss runs in FP8. A frozen projection keeps its weight in FP8 only (the ``drop_frozen`` flag; DoRA's bases excepted, their
 adapters read the weight; the dropped weight carries its FP8 copy, so it copies and pickles with the module),
 ``revert`` puts the weight back rounded and says so, and ``report`` counts the dropped weights. On a model as
 narrow as those where FP8 measured slower than bf16 without CUDA graphs, ``finish`` says so with the fix."""
@@ -10,12 +10,14 @@ import dataclasses
 
 import torch
 
+from fusepatch.backends import deepspeed
 from fusepatch.base.log import logger
 from fusepatch.engine.features.base import Feature, Patched
 from fusepatch.engine.features.cuda_graphs import decoder_stacks, graphed
 from fusepatch.engine.plan import Plan, Request, Resolved
 from fusepatch.engine.reporting import PatchReport
 from fusepatch.layers.fp8 import is_dropped, keep_what_variants_read, restore_dropped, say_restored, sharding_lines
+from fusepatch.ops.fp8_linear_cross_entropy import aligned
 
 ROUNDED = "fusepatch.revert(model) puts back rounded copies"
 # The widest hidden size at which FP8 projections measured slower than bf16 per synced step without CUDA graphs
@@ -36,6 +38,30 @@ def _hidden_size(model: torch.nn.Module) -> int | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", None)
     return hidden if isinstance(hidden, int) else None
+
+
+UNALIGNED_HEAD = (
+    "fusepatch: fp8_lm_head=True: %s, so the loss runs its GEMMs in bf16. Fix: pad the vocabulary, "
+    "model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=16)"
+)
+
+
+def _fp8_head(state) -> bool:
+    """Whether a patched head's loss may run in FP8 (patched under ``fp8_lm_head=True``)."""
+    return "fp8_linear_cross_entropy" in state.ops
+
+
+def _say_unaligned_heads(plan: Plan) -> None:
+    """Each head patched for an FP8 loss whose weight FP8 GEMMs cannot take: why, with the fix (at WARNING)."""
+    for row, modules in plan.found.items():
+        if "fp8_linear_cross_entropy" not in row.ops:
+            continue
+        for module in modules:
+            head = getattr(module, "lm_head", None)
+            weight = getattr(head, "weight", None)
+            why = None if weight is None else aligned(deepspeed.full_shape(weight))
+            if why is not None:
+                logger.warning(UNALIGNED_HEAD, why)
 
 
 class Fp8(Feature):
@@ -65,20 +91,28 @@ class Fp8(Feature):
     def kept(self, plan: Plan, request: Request, states: list) -> list[str]:
         other = dropping = 0
         for state in states:
-            if state.row.precision is not None and state.row.precision != request.precision:
+            if state.row.precision is None or state.row.role != "projection":
+                continue
+            if state.row.precision != request.precision:
                 other += 1
-            elif state.row.precision is not None and state.drop_frozen != request.drop_frozen_weights:
+            elif state.drop_frozen != request.drop_frozen_weights:
                 dropping += 1
         kept = [f"{other} FP8 projections keep their FP8 GEMMs (this call's precision={request.precision!r})"]
         kept = kept if other else []
         if dropping:
             kept.append(f"{dropping} FP8 projections keep drop_frozen_weights={not request.drop_frozen_weights}")
+        heads = [_fp8_head(state) for state in states if state.row.role == "head"]
+        if any(fp8 != request.fp8_lm_head for fp8 in heads):
+            kept.append(f"the LM head keeps fp8_lm_head={not request.fp8_lm_head}")
         return kept
 
     def finish(self, plan: Plan, resolved: Resolved, report: PatchReport, request: Request, newly: int) -> None:
-        """Where FP8 runs on a model as narrow as those it measured slower on without graphs: the fix. Not where
-        the layers keep an earlier apply's graphs, nor where none can be graphed (mixture-of-experts layers): there
-        the fix would not apply."""
+        """An LM head whose shape FP8 GEMMs cannot take under ``fp8_lm_head=True``: said, with the fix. Where FP8
+        runs on a model as narrow as those it measured slower on without graphs: the fix. Not where the layers keep
+        an earlier apply's graphs, nor where none can be graphed (mixture-of-experts layers): there the fix would
+        not apply."""
+        if request.fp8_lm_head and newly:
+            _say_unaligned_heads(plan)
         if request.precision != "fp8" or request.cuda_graphs or not newly:
             return
         if not any(choice.op == "fp8_linear" for _, choice in report.fused_ops):

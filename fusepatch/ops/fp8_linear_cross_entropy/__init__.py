@@ -1,0 +1,88 @@
+"""fp8_linear_cross_entropy: the fused loss (``linear_cross_entropy``) with the LM head's GEMMs in FP8, asked for
+with ``apply(model, precision="fp8", fp8_lm_head=True)``.
+
+Op signature: ``linear_cross_entropy``'s::
+
+    loss = fp8_linear_cross_entropy(hidden [N, H], weight [V, H], labels [N], ignore_index=-100, num_items_in_batch=None)
+
+The logits, the hidden-state gradient and the weight gradient run on FP8 tensor cores (``scaled_mm.FP8Gemms``); the
+loss's softmax and the logits' gradient are computed in fp32 from the bf16 logits, as in the bf16 loss. FP8's
+rounding moves the loss and both gradients further from fp32 than bf16's does (docs/fp8.md, "Precision"), which
+is why the head stays bf16 unless asked. The self-test's bound is FP8's error with room, as ``fp8_linear``'s.
+
+Where this op cannot run (no FP8 tensor cores, a CPU, fp32, a vocabulary or hidden size not a multiple of 16),
+the head computes the bf16 fused loss (``linear_cross_entropy``), and ``apply`` says why.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusepatch.base.op import Candidate, Op, SelfTest
+from fusepatch.base.requirements import DistributionVersion, InputRule, MinCapability
+from fusepatch.kernels.fp8_range import MULTIPLE
+from fusepatch.ops.common import TRITON_FIX, package_requirements, rand
+from fusepatch.ops.fp8_linear import TORCH_FIX
+from fusepatch.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
+
+
+def aligned(weight_shape: tuple[int, ...]) -> str | None:
+    """Why an LM head of this weight shape cannot run its GEMMs in FP8 (the vocabulary is the hidden-state
+    gradient's reduction dimension), or None."""
+    if len(weight_shape) == 2 and not weight_shape[0] % MULTIPLE and not weight_shape[1] % MULTIPLE:
+        return None
+    return f"lm_head weight {tuple(weight_shape)}: FP8 GEMMs need both dimensions multiples of {MULTIPLE}"
+
+
+def _load():
+    from fusepatch.ops.fp8_linear_cross_entropy.scaled_mm import load
+
+    return load()
+
+
+def _inputs(device, dtype, generator, packed=False, dims=None):
+    """A vocabulary and hidden size that are multiples of 16 (the FP8 GEMMs' alignment), 257 tokens (the weight
+    gradient's tokens padded), a seventh of the labels ignored, and the Trainer's count over a larger batch."""
+    dims = dims or {}
+    tokens, hidden_size, vocab = 257, dims.get("hidden", 128), 1024
+    hidden = rand((tokens, hidden_size), device, dtype, generator)
+    weight = rand((vocab, hidden_size), device, dtype, generator, scale=hidden_size**-0.5)
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+    labels[::7] = -100
+    num_items = int((labels != -100).sum()) + 37
+    return (hidden, weight, labels.to(device)), {"num_items_in_batch": num_items}
+
+
+def _dims(module) -> dict[str, int]:
+    return {"hidden": module.config.get_text_config().hidden_size}
+
+
+FP8_LINEAR_CROSS_ENTROPY = Op(
+    name="fp8_linear_cross_entropy",
+    summary="lm_head + cross-entropy with the head's three GEMMs in FP8 (e4m3, rowwise scales)",
+    reference=linear_cross_entropy_reference,
+    candidates=(
+        Candidate(
+            name="scaled-mm",
+            source="pip",
+            requirements=(
+                *package_requirements("triton", ">=3.0", "triton", TRITON_FIX),
+                MinCapability((8, 9), "FP8 tensor cores (Ada, Hopper or newer)"),
+                DistributionVersion("torch", ">=2.5", TORCH_FIX, why="torch._scaled_mm with rowwise scales"),
+            ),
+            load=_load,
+            inputs=InputRule(
+                kernel="FP8 LM head",
+                dtypes=("bfloat16", "float16"),
+                why={"float32": "FP8 training replaces bf16 GEMMs; an fp32 model computes in fp32"},
+                notes={"float32": "train in bf16 (torch_dtype=torch.bfloat16, or Trainer(bf16=True))"},
+            ),
+            provides="torch._scaled_mm (float8_e4m3fn, rowwise scales) in fusepatch's fused loss loop "
+            "(fusepatch.kernels.cross_entropy)",
+            distribution="torch",
+        ),
+    ),
+    # FP8 rounding, as fp8_linear's: the gradients land a few percent off fp32 (measured below the bound on the
+    # CPU with torch's own _scaled_mm; the loss far less)
+    selftest=SelfTest(_inputs, {"bfloat16": 0.05, "float16": 0.05}, _dims),
+)

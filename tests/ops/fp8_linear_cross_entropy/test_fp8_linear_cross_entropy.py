@@ -1,0 +1,200 @@
+"""The LM head's GEMMs in FP8 (``apply(model, precision="fp8", fp8_lm_head=True)``, op
+``fp8_linear_cross_entropy``) on the CPU, where torch computes ``torch._scaled_mm`` with rowwise scales: the loss and
+both gradients within FP8's error of fp32 and not bf16's (so the three GEMMs ran in FP8), the chunk loop's edges,
+the op's self-test, the model's loss through it, the bf16 loss where the head's shape does not suit FP8 (said, with
+the fix), and the argument's checks. The Triton cross-entropy kernel with these GEMMs on a GPU is
+tests/gpu/test_fp8.py's."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from helpers import cpu_candidates, lm_batch
+
+import fusepatch
+from fusepatch.kernels import scale
+from fusepatch.ops import linear_cross_entropy as lce
+from fusepatch.ops.common import relative_error
+from fusepatch.ops.fp8_linear.scaled_mm import fp8_linear
+from fusepatch.ops.fp8_linear_cross_entropy import scaled_mm
+from fusepatch.tools.tiny import tiny_model
+
+# FP8 GEMMs land 2.7% off fp32 on these inputs (each gradient; the loss 2e-4 to 1e-3), bf16 0.19%: the low bound
+# shows FP8 ran, the high one is the self-test's floor
+FP8_ERROR = (0.015, 0.05)
+
+
+def torch_ce(logits, target, inverse, ignore_index: int, grad: bool) -> torch.Tensor:
+    """``kernels/cross_entropy.cross_entropy_``'s contract in torch: per-token losses (0 where ignored) and, with
+    ``grad``, ``(softmax - onehot) * inverse`` written over the logits (zeros where ignored)."""
+    z = logits.float()
+    lse = torch.logsumexp(z, 1)
+    valid = target != ignore_index
+    loss = torch.where(valid, lse - z.gather(1, target.clamp_min(0)[:, None]).squeeze(1), 0.0)
+    if grad:
+        g = torch.softmax(z, 1)
+        g[torch.arange(len(target)), target.clamp_min(0)] -= 1
+        g *= torch.where(valid, inverse, 0.0)[:, None]
+        logits.copy_(g)
+    return loss
+
+
+@pytest.fixture
+def fp8_loss(monkeypatch):
+    """The op's loop with the torch cross-entropy (the Triton one needs a GPU), and torch's scaling in place of
+    the scaling kernel."""
+    monkeypatch.setattr(scale, "scale_unless_one_", lambda t, f: t if f.item() == 1.0 else t.mul_(f.to(t.dtype)))
+    return lce.loop(torch_ce, scaled_mm.FP8Gemms)
+
+
+def _data(tokens=600, hidden=128, vocab=1024, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=generator)
+    w = torch.randn(vocab, hidden, generator=generator) * hidden**-0.5
+    y = torch.randint(0, vocab, (tokens,), generator=generator)
+    y[::7] = -100
+    return h.bfloat16(), w.bfloat16(), y
+
+
+def _loss_and_grads(fn, h, w, y, scale_by=1.0, **kwargs):
+    h, w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    out = fn(h, w, y, **kwargs)
+    return (out, *torch.autograd.grad(out * scale_by, (h, w)))
+
+
+@pytest.mark.parametrize("mib", [None, "1"], ids=["one-chunk", "two-chunks"])  # 1 MiB: chunks of 512 and 88 tokens
+@pytest.mark.parametrize("num_items", [None, 611])
+def test_fp8_loss_is_fp8_precise_loss_and_both_gradients(fp8_loss, monkeypatch, mib, num_items):
+    """Loss, hidden-state and weight gradients against fp32: each gradient within FP8's error, far from bf16's;
+    the loss within a tenth of it; a loss gradient other than 1 (gradient accumulation) scales both."""
+    if mib is None:
+        monkeypatch.delenv("FUSEPATCH_CE_LOGITS_MIB", raising=False)
+    else:
+        monkeypatch.setenv("FUSEPATCH_CE_LOGITS_MIB", mib)
+    fn = lce.loop(torch_ce, scaled_mm.FP8Gemms)  # the chunk budget is read when the function is made
+    h, w, y = _data()
+    items = {"num_items_in_batch": num_items}
+    want = _loss_and_grads(lce.linear_cross_entropy_reference, h.float(), w.float(), y, 0.3, **items)
+    got = _loss_and_grads(fn, h, w, y, 0.3, **items)
+    bf16 = _loss_and_grads(lce.loop(torch_ce), h, w, y, 0.3, **items)
+    assert relative_error(got[0], want[0]) < FP8_ERROR[0] / 10
+    errors = [relative_error(g, r) for g, r in zip(got[1:], want[1:])]
+    assert all(FP8_ERROR[0] < e < FP8_ERROR[1] for e in errors), errors
+    assert all(relative_error(g, r) < 0.005 for g, r in zip(bf16[1:], want[1:]))  # what bf16 GEMMs give
+    assert got[1].dtype == got[2].dtype == torch.bfloat16
+
+
+def test_fp8_loss_edges(fp8_loss, monkeypatch):
+    """A frozen weight: the weight gradient's GEMM is skipped; no gradient wanted: the logits' GEMM alone; nothing
+    labelled: NaN as transformers' mean, every gradient 0; no tokens: a zero weight gradient of the weight's shape;
+    a head FP8 GEMMs cannot take raises with the shape."""
+    calls = []
+    plain = scaled_mm.fp8_mm
+    monkeypatch.setattr(scaled_mm, "fp8_mm", lambda *args: calls.append(args[0].shape) or plain(*args))
+    h, w, y = _data(tokens=64)
+    hidden = h.clone().requires_grad_()
+    (gh,) = torch.autograd.grad(fp8_loss(hidden, w, y), (hidden,))
+    assert len(calls) == 2 and gh.abs().sum() > 0  # the logits and the hidden-state gradient
+    calls.clear()
+    with torch.no_grad():
+        fp8_loss(h, w, y)
+    assert len(calls) == 1
+    nothing = torch.full_like(y, -100)
+    out, gh, gw = _loss_and_grads(fp8_loss, h, w, nothing)
+    assert out.isnan() and gh.abs().sum() == 0 and gw.abs().sum() == 0
+    out, gh, gw = _loss_and_grads(fp8_loss, h[:0], w, y[:0])
+    assert out.isnan() and gh.shape == (0, h.shape[1]) and gw.shape == w.shape and gw.abs().sum() == 0
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8_loss(h, w[:1000], y.clamp_max(999))
+
+
+def test_the_ops_self_test_passes_the_fp8_loss_and_refuses_a_wrong_one(fp8_loss, monkeypatch):
+    """The op's self-test, run on the CPU against this loop: passed; with the hidden-state gradient's GEMM off by
+    a tenth: refused."""
+    from fusepatch.base.op import Candidate
+    from fusepatch.base.requirements import InputRule
+    from fusepatch.engine import selftest
+    from fusepatch.ops import OPS
+
+    op, cpu = OPS["fp8_linear_cross_entropy"], InputRule(devices=("cpu",), dtypes=("bfloat16",))
+    selftest.clear_cache()
+    good = selftest.run(op, Candidate("good", "pip", (), lambda: fp8_loss, inputs=cpu), fp8_loss, "cpu", "bfloat16")
+    wrong = scaled_mm.FP8Gemms.grad_hidden
+    monkeypatch.setattr(scaled_mm.FP8Gemms, "grad_hidden", lambda self, g, out: (wrong(self, g, out), out.mul_(1.1)))
+    bad_loss = lce.loop(torch_ce, scaled_mm.FP8Gemms)
+    bad = selftest.run(op, Candidate("bad", "pip", (), lambda: bad_loss, inputs=cpu), bad_loss, "cpu", "bfloat16")
+    selftest.clear_cache()
+    assert good.ok, good.reason
+    assert not bad.ok and "differs from the reference" in bad.reason
+
+
+def _head_model(monkeypatch, fp8_loss, **overrides):
+    """A bf16 Qwen3.5 whose losses and projections have CPU stand-ins of their FP8 and bf16 kernels; the list of
+    their calls."""
+    from fusepatch.layers.support import projections
+
+    kernels = {
+        "linear_cross_entropy": lce.linear_cross_entropy_chunked,
+        "fp8_linear_cross_entropy": fp8_loss,
+        "fp8_linear": fp8_linear,
+    }
+    calls = cpu_candidates(monkeypatch, kernels)
+    monkeypatch.setattr(projections, "DEVICES", (*projections.DEVICES, "cpu"))
+    torch.manual_seed(0)
+    return tiny_model("qwen3_5_text", hidden_size=128, intermediate_size=256, **overrides).to(torch.bfloat16), calls
+
+
+def _losses(calls: list) -> list[str]:
+    return [op for op, _, _ in calls if op.endswith("cross_entropy")]
+
+
+def test_a_model_trains_its_head_in_fp8_when_asked(monkeypatch, fp8_loss):
+    """``fp8_lm_head=True``: the report names the FP8 loss's kernel, each step's loss runs through it (not the bf16
+    loss), and the loss and the head's gradient stay within FP8's error of the same model with a bf16 head, yet
+    differ from it; without the option the head's loss is the bf16 one."""
+    base, calls = _head_model(monkeypatch, fp8_loss)
+    plain, fp8 = copy.deepcopy(base), copy.deepcopy(base)
+    fusepatch.apply(plain, precision="fp8", verbose=False)
+    report = fusepatch.apply(fp8, precision="fp8", fp8_lm_head=True, verbose=False)
+    chosen = {c.op: c.chosen for layer in report.layers for c in layer.choices}
+    assert chosen["fp8_linear_cross_entropy"] == "cpu-standin", report.log_lines()
+    batch = lm_batch(base, length=48)
+    results = []
+    for model in (plain, fp8):
+        calls.clear()
+        loss = model(**batch).loss
+        loss.backward()
+        results.append((loss, model.lm_head.weight.grad, _losses(calls)))
+    assert results[0][2] == ["linear_cross_entropy"] and results[1][2] == ["fp8_linear_cross_entropy"]
+    assert abs(results[1][0].item() - results[0][0].item()) / results[0][0].item() < 0.01
+    error = relative_error(results[1][1], results[0][1])
+    assert 1e-3 < error < 0.1, error
+
+
+def test_a_head_fp8_cannot_take_keeps_the_bf16_loss_and_says_why(monkeypatch, fp8_loss, caplog):
+    """A vocabulary that is not a multiple of 16: ``apply`` says the head keeps bf16 GEMMs, with the fix (pad the
+    vocabulary), and the loss runs the bf16 op."""
+    model, calls = _head_model(monkeypatch, fp8_loss, vocab_size=500)
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        fusepatch.apply(model, precision="fp8", fp8_lm_head=True, verbose=False)
+    said = [r.getMessage() for r in caplog.records if "fp8_lm_head=True" in r.getMessage()]
+    assert len(said) == 1 and "(500, 128)" in said[0] and "pad_to_multiple_of=16" in said[0], said
+    calls.clear()
+    model(**lm_batch(model, length=16)).loss.backward()
+    assert _losses(calls) == ["linear_cross_entropy"]
+
+
+def test_fp8_lm_head_argument(caplog):
+    """Only with ``precision="fp8"``, only True or False; a model patched before keeps its head's loss, said."""
+    model = tiny_model("qwen3")
+    with pytest.raises(ValueError, match='pass precision="fp8" with it'):
+        fusepatch.apply(model, fp8_lm_head=True)
+    with pytest.raises(TypeError, match="fp8_lm_head expects True or False"):
+        fusepatch.apply(model, precision="fp8", fp8_lm_head="yes")
+    fusepatch.apply(model, precision="fp8", verbose=False)
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        fusepatch.apply(model, precision="fp8", fp8_lm_head=True, verbose=False)
+    assert any("the LM head keeps fp8_lm_head=False" in r.getMessage() for r in caplog.records)
