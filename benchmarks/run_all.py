@@ -46,7 +46,7 @@ CONFIGS = {
 # fusepatch+cudagraphs+quick (the library's apply(cuda_graphs=True)), fusepatch+cache+quick (the config's use_cache=True),
 # fusepatch+fp8+quick (apply(precision="fp8")), fusepatch+fp8+drop+quick (and drop_frozen_weights=True: LoRA's frozen
 # bases kept in FP8 only), fusepatch+fp8+fastaccum+quick (its GEMMs with use_fast_accum=True), fusepatch+fp8+fp8head
-# (apply(fp8_lm_head=True): the LM head's GEMMs in FP8 too),
+# (apply(lm_head_precision="fp8"): the LM head's GEMMs in FP8 too),
 # hf-fast+torchao+compile+quick (torchao's float8 rowwise, compiled as torchao advises),
 # hf-fast+torchao+compilelayers+quick (the same with each decoder layer compiled, as torchtitan does),
 # hf-fast+torchao+compileprojections+quick (only the projections compiled: fla and causal-conv1d stay),

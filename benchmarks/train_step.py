@@ -164,7 +164,7 @@ def main() -> int:
     parser.add_argument(
         "--fp8-lm-head",
         action="store_true",
-        help="with --precision fp8: apply(fp8_lm_head=True), the LM head's GEMMs in FP8 too",
+        help='with --precision fp8: apply(lm_head_precision="fp8"), the LM head\'s GEMMs in FP8 too',
     )
     parser.add_argument(
         "--torchao-float8",
@@ -279,7 +279,7 @@ def build(args) -> tuple:
             cuda_graphs=args.cuda_graphs,
             precision=args.precision,
             drop_frozen_weights=args.drop_frozen_weights,
-            fp8_lm_head=args.fp8_lm_head,
+            lm_head_precision="fp8" if args.fp8_lm_head else None,
         )
         info["apply_s"] = round(time.perf_counter() - start, 1)  # loads + self-tests: first-use compiles
         info["report"] = report.to_dict()["layers"]

@@ -442,9 +442,9 @@ def test_the_engine_holds_the_pipeline_and_features_hold_the_rest():
     assert not layers, f"engine/patch.py imports {layers}"
 
 
-# FP8's own places: its op folder, its kernels (kernels/: its quantization, and the producers that write their
+# FP8's own places: its op folders (the projections', the LM head's), its kernels (kernels/: its quantization, and the producers that write their
 # output's FP8 rows in the same pass), its layer and its feature module
-FP8_HOMES = ("ops/fp8_linear/", "kernels/", "layers/fp8.py", "engine/features/fp8.py")
+FP8_HOMES = ("ops/fp8_linear/", "ops/fp8_linear_cross_entropy/", "kernels/", "layers/fp8.py", "engine/features/fp8.py")
 # the others that may name it: the option's values, the feature and op tables, the rows, apply's docstring, the
 # demo's switch, and the decoder and shared projections that hand producers' FP8 rows on; a ninth is a sign FP8
 # leaks past its op again

@@ -15,7 +15,7 @@ The model is ``examples/configs/qwen3_5_small_text.json`` with random weights (`
 vocabulary, bf16, no activation checkpointing; ``--precision fp8`` is ``fusepatch.apply(model,
 precision="fp8")``, bf16 ``fusepatch.apply(model)``, ``--no-fusepatch`` the model as transformers builds it;
 ``--fast-accum`` runs the FP8 GEMMs with fast accumulation (``benchmarks/fast_accum.py``), ``--fp8-lm-head`` the LM
-head's GEMMs in FP8 too (``apply(fp8_lm_head=True)``).
+head's GEMMs in FP8 too (``apply(lm_head_precision="fp8")``).
 AdamW (weight decay 0.1, clip 1.0), linear warmup then cosine. Prints ``losses:`` (per step; the line
 ``benchmarks/studies/loss_curves.py`` reads), ``eval:`` (step=loss) and tokens/s. The standard library holds about 3M
 tokens at vocabulary 4096 (10.8 MB in Python 3.12): the defaults (300 steps of 4 x 2048) take 2.5M of them; a
@@ -185,7 +185,7 @@ def patch(model, args) -> str:
         use_fast_accumulation()
     # fp8 where FP8 cannot run (the CPU): fusepatch says so at WARNING and keeps the projections in bf16
     if args.precision == "fp8":
-        report = fusepatch.apply(model, precision="fp8", fp8_lm_head=args.fp8_lm_head)
+        report = fusepatch.apply(model, precision="fp8", lm_head_precision="fp8" if args.fp8_lm_head else None)
     else:
         report = fusepatch.apply(model)
     return str(report).splitlines()[0] if str(report) else ""
@@ -238,7 +238,9 @@ def parse_args(argv=None):
         "--fast-accum", action="store_true", help="FP8 GEMMs with use_fast_accum=True (benchmarks/fast_accum.py)"
     )
     parser.add_argument(
-        "--fp8-lm-head", action="store_true", help="with --precision fp8: apply(fp8_lm_head=True), the head in FP8 too"
+        "--fp8-lm-head",
+        action="store_true",
+        help='with --precision fp8: apply(lm_head_precision="fp8"), the head in FP8 too',
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--seed", type=int, default=0, help="the weights' initialisation (the data order is fixed)")

@@ -122,6 +122,9 @@ class Op:
     selftest: SelfTest | None = None
     # the position of the argument (a weight) its candidates may prepare (``Candidate.prepare``); None: none
     prepares: int | None = None
+    # the shapes its kernels take, where some they cannot: ``fits(shape of the argument at position 1) -> why not or
+    # None``, asked by a layer that has another op for the same call (a head's loss in another precision)
+    fits: Callable[[tuple[int, ...]], str | None] | None = None
 
     @property
     def eager(self) -> Candidate:

@@ -112,27 +112,27 @@ def drop_frozen_weights(value: object, precision: str | None) -> bool:
     return value
 
 
-def fp8_lm_head(value: object, precision: str | None) -> bool:
-    """``apply(fp8_lm_head=...)``: True or False, and True only with ``precision="fp8"`` (the head's GEMMs join the
-    projections')."""
-    value = boolean(value, "fp8_lm_head")
-    if value and precision != "fp8":
-        raise ValueError(
-            'fp8_lm_head=True runs the LM head\'s GEMMs in FP8 beside the projections; fix: pass precision="fp8" with it'
-        )
-    return value
+def lm_head_precision(value: object) -> str | None:
+    """``apply(lm_head_precision=...)``: None (the LM head's GEMMs in the model's own precision) or one of PRECISIONS
+    (any case), for the causal LM's fused loss."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in PRECISIONS:
+        return value.strip().lower()
+    raise ValueError(
+        f"lm_head_precision expects None or one of {', '.join(repr(p) for p in PRECISIONS)}, got {value!r}; fix: "
+        "name one of those to run the LM head's GEMMs in it, or None to leave them as they are"
+    )
 
 
-def row_precisions(precision: str | None, lm_head: bool) -> tuple[str, ...]:
-    """The ``Row.precision`` values an ``apply`` call selects: the precision's projections (``"fp8"``), and with
-    ``fp8_lm_head=True`` the heads computing their loss in it too (``"fp8-lm-head"``)."""
-    if precision is None:
-        return ()
-    return (precision, lm_head_precision(precision)) if lm_head else (precision,)
+def row_precisions(precision: str | None, lm_head: str | None) -> tuple[str, ...]:
+    """The ``Row.precision`` values an ``apply`` call selects: its ``precision``'s projections, and the heads whose
+    loss runs in ``lm_head_precision`` (``head_rows``)."""
+    return tuple(filter(None, (precision, lm_head and head_rows(lm_head))))
 
 
-def lm_head_precision(precision: str) -> str:
-    """The ``Row.precision`` of the heads whose loss runs in ``precision`` (``fp8_lm_head=True``)."""
+def head_rows(precision: str) -> str:
+    """The ``Row.precision`` of the heads whose loss runs its GEMMs in ``precision``."""
     return f"{precision}-lm-head"
 
 

@@ -35,8 +35,8 @@ class Row:
             (``q_proj``): a row for a generic class such as ``torch.nn.Linear``, whose subclasses (a quantized
             or already converted layer) are left as they are.
         precision: when set, the row applies only to the ``apply`` calls that select it (``Request.row_precisions``):
-            ``"fp8"`` for ``precision="fp8"``, ``"fp8-lm-head"`` for ``fp8_lm_head=True`` as well. Such a row comes
-            before the row it stands in for (the first row that matches a module patches it).
+            its ``precision``, and ``options.head_rows(lm_head_precision)``. Such a row comes before the row it
+            stands in for (the first row that matches a module patches it).
         fits: when set, a module the row matches is patched only if ``fits(module)`` is None; otherwise it gives
             why it is left as it is (``apply`` says it, naming the modules).
         bindings: the foreign module-level names the replacement forward needs replaced while a module of the row

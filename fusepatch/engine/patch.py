@@ -224,7 +224,7 @@ def apply(
     verbose: bool | None = None,
     precision: str | None = None,
     drop_frozen_weights: bool = False,
-    fp8_lm_head: bool = False,
+    lm_head_precision: str | None = None,
 ) -> PatchReport:
     """Patch every layer of ``model`` that the registry knows, in place.
 
@@ -261,17 +261,15 @@ def apply(
         drop_frozen_weights: with ``precision="fp8"``: a projection whose weight takes no gradient (LoRA's frozen
             base) keeps it in FP8 only from its first FP8 call: half its memory. The module's ``weight`` then
             raises if read for values (``revert`` puts back an FP8-rounded copy and says so).
-        fp8_lm_head: with ``precision="fp8"``: the causal LM's fused loss runs the LM head's three GEMMs in FP8 too
-            (op ``fp8_linear_cross_entropy``). Off by default: FP8 moves the loss's gradients several times further
-            from fp32 than bf16 does (docs/fp8.md, "Precision"). Where it cannot run the loss stays bf16, said.
+        lm_head_precision: ``"fp8"``: the fused loss runs the LM head's GEMMs in FP8 (op ``fp8_linear_cross_entropy``;
+            docs/fp8.md, "The LM head in FP8"); where it cannot, in the model's precision, and why is said.
         verbose: ``True``: log the whole report table; ``None``: one line of totals; ``False``: neither. Every
             fallback is logged at WARNING in all three (each distinct reason once, with its fix). The log shows
             without any logging set up (``FUSEPATCH_VERBOSITY``: error, warning, info, debug; default info).
 
     Raises:
-        TypeError, ValueError: an argument, or a ``FUSEPATCH_*`` variable (the docs' environment variables page), outside the values it
-            takes (``strict="no"``, ``compute_dtype=torch.int8``, ``FUSEPATCH_DISABLE=maybe``); the message names
-            the values it takes. Nothing is patched then.
+        TypeError, ValueError: an argument, or a ``FUSEPATCH_*`` variable (docs/env-vars.md), outside the values
+            it takes (``strict="no"``, ``FUSEPATCH_DISABLE=maybe``); the message names them. Nothing is patched.
         FusePatchError: ``strict=True`` and an op would fall back.
 
     Returns:
@@ -282,9 +280,8 @@ def apply(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fusepatch.apply expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
-    request = checked(
-        ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose, precision, drop_frozen_weights, fp8_lm_head
-    )
+    given = (ops, exclude, prefer, strict, compute_dtype, cuda_graphs, verbose, precision, drop_frozen_weights)
+    request = checked(*given, lm_head_precision)
     model = discover.unwrapped(model)
     plan = _plan(model, request)
     if plan.message:  # nothing to patch: disabled, or no rows for the model

@@ -32,12 +32,12 @@ class Request:
     mlp_recompute: bool = False  # FUSEPATCH_MLP_RECOMPUTE, read when apply runs
     precision: str | None = None  # one of ``options.PRECISIONS``: its rows too (None: the model's own precision)
     drop_frozen_weights: bool = False  # with a precision: frozen projections keep only that precision's copy
-    fp8_lm_head: bool = False  # with precision="fp8": the causal LM's loss runs the head's GEMMs in FP8 too
+    lm_head_precision: str | None = None  # one of ``options.PRECISIONS``: the causal LM's loss runs its GEMMs in it
 
     @property
     def row_precisions(self) -> tuple[str, ...]:
         """The ``Row.precision`` values this request selects (``options.row_precisions``)."""
-        return options.row_precisions(self.precision, self.fp8_lm_head)
+        return options.row_precisions(self.precision, self.lm_head_precision)
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ REPORT_REQUEST = Request(None, (), (), False, None, False, None)  # report(model
 
 
 def checked(ops=None, exclude=(), prefer=None, strict=False, compute_dtype=None, cuda_graphs=False, verbose=None,
-            precision=None, drop_frozen_weights=False, fp8_lm_head=False) -> Request:  # fmt: skip
+            precision=None, drop_frozen_weights=False, lm_head_precision=None) -> Request:  # fmt: skip
     """``apply``'s arguments and the ``FUSEPATCH_*`` variables checked: the request, or the error naming the values
     an argument or variable takes. Its parameters are ``apply``'s keyword arguments, defaults included."""
     # every FUSEPATCH_* variable, read or not on this call, all bad ones in one error (before the request reads one)
@@ -89,7 +89,7 @@ def checked(ops=None, exclude=(), prefer=None, strict=False, compute_dtype=None,
         mlp_recompute=options.switch("FUSEPATCH_MLP_RECOMPUTE"),
         precision=options.precision(precision),
         drop_frozen_weights=options.drop_frozen_weights(drop_frozen_weights, options.precision(precision)),
-        fp8_lm_head=options.fp8_lm_head(fp8_lm_head, options.precision(precision)),
+        lm_head_precision=options.lm_head_precision(lm_head_precision),
     )
     for name in [*(request.ops or ()), *request.exclude]:
         if name not in OPS:

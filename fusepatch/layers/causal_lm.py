@@ -20,7 +20,6 @@ from fusepatch.layers.support.hooks import may_bypass
 from fusepatch.layers.support.labelled_rows import LabelledRows, check_fit
 from fusepatch.layers.support.packing import note_padding, traced_plain_call
 from fusepatch.layers.support.positions import FIND_PACKED, MASKING, plain_positions, skip_plain, wants_plain_positions
-from fusepatch.ops.fp8_linear_cross_entropy import aligned
 
 PLAIN_SLOT = "plain_positions"  # the context's slot (``bindings.inside``): the call gave transformers plain positions
 
@@ -184,15 +183,18 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
 
 
 def _loss_op(self, ops: dict, weight: torch.Tensor):
-    """The loss's op: with ``fp8_lm_head=True`` (the row has ``fp8_linear_cross_entropy``) the FP8 one where it has
-    a fused kernel for the device and dtype and the head's shape suits its GEMMs (``apply`` said where not), else the
-    bf16 fused loss."""
-    fp8 = ops.get("fp8_linear_cross_entropy")
-    if fp8 is None or aligned(deepspeed.full_shape(weight)) is not None:  # ZeRO-3: a placeholder until gathered
-        return ops["linear_cross_entropy"]
-    if not fp8.choice(weight.device.type, dtype_name(_loss_dtype(weight, self))).fused:
-        return ops["linear_cross_entropy"]
-    return fp8
+    """The loss's op: under ``lm_head_precision`` (the row's second loss op) that precision's where it has a fused
+    kernel for the device and dtype and its GEMMs take the head's shape (``Op.fits``; ``apply`` said where not), else
+    the fused loss in the model's own precision."""
+    plain = ops["linear_cross_entropy"]
+    shape = tuple(deepspeed.full_shape(weight))  # ZeRO-3: a placeholder until gathered
+    dtype = dtype_name(_loss_dtype(weight, self))
+    for dispatch in ops.values():
+        if dispatch is plain or (dispatch.op.fits is not None and dispatch.op.fits(shape) is not None):
+            continue
+        if dispatch.choice(weight.device.type, dtype).fused:
+            return dispatch
+    return plain
 
 
 def _fuses_loss(self, dispatch, labels, logits_to_keep, device_type: str) -> bool:

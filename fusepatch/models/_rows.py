@@ -134,7 +134,7 @@ def family(
     module = f"transformers.models.{model_type}.modeling_{model_type}"
     rows = []
     for name, part in filter(None, table):
-        # a head's FP8 loss row first: under ``fp8_lm_head=True`` it matches the head before the plain row does
+        # a head's FP8 loss row first: under ``lm_head_precision="fp8"`` it matches the head before the plain row does
         for variant in [fp8_head(part)] if part.role == "head" else []:
             rows.append(_row(types, module, prefix + name, variant, precision=FP8_HEAD_PRECISION))
         rows.append(_row(types, module, prefix + name, part))
@@ -147,14 +147,14 @@ def _row(types: tuple[str, ...], module: str, layer: str, part: Part, precision:
                precision=precision)  # fmt: skip
 
 
-# ``apply(precision="fp8", fp8_lm_head=True)``: the head's row with both loss ops; its forward runs the FP8 one where
-# that op and the head's shape allow, else the bf16 one (``layers/causal_lm.py``)
-FP8_HEAD_PRECISION = options.lm_head_precision("fp8")
+# ``apply(lm_head_precision="fp8")``: the head's row with both loss ops; its forward runs the FP8 one where that op
+# and the head's shape allow, else the model's own precision's (``layers/causal_lm.py``)
+FP8_HEAD_PRECISION = options.head_rows("fp8")
 
 
 def fp8_head(part: Part) -> Part:
     """A head part whose loss may run the LM head's GEMMs in FP8."""
-    note = "; ".join(filter(None, (part.note, "LM head GEMMs in FP8 (fp8_lm_head=True)")))
+    note = "; ".join(filter(None, (part.note, "LM head GEMMs in FP8 (lm_head_precision='fp8')")))
     return dataclasses.replace(part, ops=(*part.ops, "fp8_linear_cross_entropy"), note=note)
 
 

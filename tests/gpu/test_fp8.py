@@ -144,7 +144,7 @@ def test_fp8_loss_on_the_gpu(mib, monkeypatch):
 
 
 def test_mini_model_trains_its_head_in_fp8():
-    """``apply(precision="fp8", fp8_lm_head=True)`` on a mini Qwen3.5: the report chooses the FP8 loss's kernel, and a
+    """``apply(precision="fp8", lm_head_precision="fp8")`` on a mini Qwen3.5: the report chooses the FP8 loss's kernel, and a
     step's loss and the head's gradient stay near the same model's with a bf16 head, yet differ from it."""
     import fusepatch
     from fusepatch.tools.tiny import tiny_model
@@ -152,7 +152,7 @@ def test_mini_model_trains_its_head_in_fp8():
     base = tiny_model("qwen3_5_text", **MINI).cuda().to(torch.bfloat16)
     plain, head = copy.deepcopy(base), copy.deepcopy(base)
     fusepatch.apply(plain, precision="fp8", verbose=False)
-    report = fusepatch.apply(head, precision="fp8", fp8_lm_head=True, verbose=False)
+    report = fusepatch.apply(head, precision="fp8", lm_head_precision="fp8", verbose=False)
     chosen = {c.op: c.chosen for layer in report.layers for c in layer.choices}
     assert chosen["fp8_linear_cross_entropy"] == "scaled-mm", report.log_lines()
     ids = torch.randint(0, base.config.vocab_size, (2, 512), device="cuda")

@@ -246,7 +246,7 @@ LOSS_BACKWARD_SCRIPT = textwrap.dedent(
     import torch
     from fusepatch.kernels.scale import scale_unless_one_
     from fusepatch.kernels.cross_entropy import cross_entropy_
-    from fusepatch.ops.linear_cross_entropy import _LinearCrossEntropyLoop
+    from fusepatch.ops.linear_cross_entropy import Gemms, _LinearCrossEntropyLoop
     from fusepatch.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
     # the kernel: scales in place by a device scalar, leaves the tensor alone when it is 1, any length
     for n in (1, 4095, 4097, 10001, 40961):  # 40961: more blocks than programs, each program strides
@@ -270,7 +270,7 @@ LOSS_BACKWARD_SCRIPT = textwrap.dedent(
     count = (labels != -100).sum().float()
 
     def loss_fn():
-        return _LinearCrossEntropyLoop.apply(hidden, weight, labels, count, -100, 16, cross_entropy_, True)
+        return _LinearCrossEntropyLoop.apply(hidden, weight, labels, count, -100, 16, cross_entropy_, True, Gemms)
 
     for scale in (1.0, 3.0):  # the loss's gradient 1 (plain training: skipped) or not (averaged, scaled)
         loss = loss_fn()
@@ -284,7 +284,7 @@ LOSS_BACKWARD_SCRIPT = textwrap.dedent(
     # zeroes the ignored rows' gradients, never multiplies them by 1 / 0)
     ignored = torch.full_like(labels, -100)
     none = (ignored != -100).sum().float()
-    empty = _LinearCrossEntropyLoop.apply(hidden, weight, ignored, none, -100, 16, cross_entropy_, True)
+    empty = _LinearCrossEntropyLoop.apply(hidden, weight, ignored, none, -100, 16, cross_entropy_, True, Gemms)
     gh, gw = torch.autograd.grad(empty, (hidden, weight))
     assert empty.isnan() and not gh.any() and not gw.any()
     loss = loss_fn()

@@ -1,4 +1,4 @@
-"""``apply(precision="fp8", drop_frozen_weights=True, fp8_lm_head=True)``: what FP8 projections (``layers/fp8.py``)
+"""``apply(precision="fp8", drop_frozen_weights=True, lm_head_precision="fp8")``: what FP8 projections (``layers/fp8.py``)
 keep beyond their forward, and the heads whose loss runs in FP8. A frozen projection keeps its weight in FP8 only (the ``drop_frozen`` flag; DoRA's bases excepted, their
 adapters read the weight; the dropped weight carries its FP8 copy, so it copies and pickles with the module),
 ``revert`` puts the weight back rounded and says so, and ``report`` counts the dropped weights. On a model as
@@ -41,13 +41,13 @@ def _hidden_size(model: torch.nn.Module) -> int | None:
 
 
 UNALIGNED_HEAD = (
-    "fusepatch: fp8_lm_head=True: %s, so the loss runs its GEMMs in bf16. Fix: pad the vocabulary, "
-    "model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=16)"
+    "fusepatch: lm_head_precision='fp8': %s, so the loss runs its GEMMs in the model's precision. Fix: pad the "
+    "vocabulary, model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=16)"
 )
 
 
 def _fp8_head(state) -> bool:
-    """Whether a patched head's loss may run in FP8 (patched under ``fp8_lm_head=True``)."""
+    """Whether a patched head's loss may run in FP8 (patched under ``lm_head_precision="fp8"``)."""
     return "fp8_linear_cross_entropy" in state.ops
 
 
@@ -101,17 +101,18 @@ class Fp8(Feature):
         kept = kept if other else []
         if dropping:
             kept.append(f"{dropping} FP8 projections keep drop_frozen_weights={not request.drop_frozen_weights}")
+        wanted = request.lm_head_precision == "fp8"
         heads = [_fp8_head(state) for state in states if state.row.role == "head"]
-        if any(fp8 != request.fp8_lm_head for fp8 in heads):
-            kept.append(f"the LM head keeps fp8_lm_head={not request.fp8_lm_head}")
+        if any(fp8 != wanted for fp8 in heads):
+            kept.append(f"the LM head keeps lm_head_precision={'fp8' if not wanted else None!r}")
         return kept
 
     def finish(self, plan: Plan, resolved: Resolved, report: PatchReport, request: Request, newly: int) -> None:
-        """An LM head whose shape FP8 GEMMs cannot take under ``fp8_lm_head=True``: said, with the fix. Where FP8
+        """An LM head whose shape FP8 GEMMs cannot take under ``lm_head_precision="fp8"``: said, with the fix. Where FP8
         runs on a model as narrow as those it measured slower on without graphs: the fix. Not where the layers keep
         an earlier apply's graphs, nor where none can be graphed (mixture-of-experts layers): there the fix would
         not apply."""
-        if request.fp8_lm_head and newly:
+        if request.lm_head_precision == "fp8" and newly:
             _say_unaligned_heads(plan)
         if request.precision != "fp8" or request.cuda_graphs or not newly:
             return

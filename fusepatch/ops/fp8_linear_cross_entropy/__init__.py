@@ -1,5 +1,5 @@
 """fp8_linear_cross_entropy: the fused loss (``linear_cross_entropy``) with the LM head's GEMMs in FP8, asked for
-with ``apply(model, precision="fp8", fp8_lm_head=True)``.
+with ``apply(model, lm_head_precision="fp8")``.
 
 Op signature: ``linear_cross_entropy``'s::
 
@@ -11,7 +11,7 @@ rounding moves the loss and both gradients further from fp32 than bf16's does (d
 is why the head stays bf16 unless asked. The self-test's bound is FP8's error with room, as ``fp8_linear``'s.
 
 Where this op cannot run (no FP8 tensor cores, a CPU, fp32, a vocabulary or hidden size not a multiple of 16),
-the head computes the bf16 fused loss (``linear_cross_entropy``), and ``apply`` says why.
+the head computes the model's own precision's fused loss (``linear_cross_entropy``), and ``apply`` says why.
 """
 
 from __future__ import annotations
@@ -85,4 +85,5 @@ FP8_LINEAR_CROSS_ENTROPY = Op(
     # FP8 rounding, as fp8_linear's: the gradients land a few percent off fp32 (measured below the bound on the
     # CPU with torch's own _scaled_mm; the loss far less)
     selftest=SelfTest(_inputs, {"bfloat16": 0.05, "float16": 0.05}, _dims),
+    fits=aligned,
 )

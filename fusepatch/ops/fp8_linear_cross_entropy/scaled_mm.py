@@ -5,7 +5,9 @@ gradient from the logits' gradient by tokens and the weight by hidden features; 
 vocabulary rows and hidden features, along the chunk's tokens (padded with zeros to a multiple of 16).
 
 The weight's two copies (by rows and by columns, each half of its bf16 bytes) are made once per loss call and freed
-at its end; the hidden states' rows once per call too, the rest per chunk. Both of the weight's dimensions must be
+at its end; the hidden states' rows once per call too, the rest per chunk. Measured on an H100 at Qwen3.5-27B's head
+(248,320 x 5120, two chunks of 2,048 tokens), the loss's peak was 5.24 GiB above the bf16 loss's while a later
+chunk's weight gradient was a whole second buffer; it is now added in blocks. Both of the weight's dimensions must be
 multiples of 16 (``aligned``): the vocabulary is the hidden-state gradient's reduction dimension.
 """
 
@@ -15,6 +17,8 @@ import torch
 
 from fusepatch.kernels.fp8_range import MULTIPLE
 from fusepatch.ops.fp8_linear.scaled_mm import fp8_mm, quantizers
+
+VOCAB_BLOCK = 16384  # rows of a later chunk's weight gradient made at a time: 160 MiB at hidden 5120 in bf16
 
 
 class FP8Gemms:
@@ -40,10 +44,16 @@ class FP8Gemms:
         out.copy_(fp8_mm(*self.quantize.rows(grad), *self.weight_columns, self.dtype))
 
     def grad_weight(self, grad: torch.Tensor, start: int, end: int, total: torch.Tensor | None) -> torch.Tensor:
-        g = self.quantize.columns(grad, MULTIPLE)
+        """The first chunk's GEMM writes the weight gradient; a later chunk's is added a block of vocabulary rows at
+        a time (``fp8_mm`` cannot add into its output), so no second weight-sized buffer lives beside it."""
+        g, g_inverse = self.quantize.columns(grad, MULTIPLE)
         h = self.quantize.columns(self.hidden[start:end], MULTIPLE)
-        part = fp8_mm(*g, *h, self.dtype)
-        return part if total is None else total.add_(part)
+        if total is None:
+            return fp8_mm(g, g_inverse, *h, self.dtype)
+        for first in range(0, g.shape[0], VOCAB_BLOCK):
+            rows = slice(first, first + VOCAB_BLOCK)
+            total[rows].add_(fp8_mm(g[rows], g_inverse[rows], *h, self.dtype))
+        return total
 
 
 def load():

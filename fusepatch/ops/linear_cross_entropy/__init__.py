@@ -115,7 +115,7 @@ def fla_num_chunks(tokens: int, vocab: int, element_size: int, budget_bytes: int
 class Gemms:
     """The chunk loop's three GEMMs in the inputs' dtype (tensor cores for bf16, fp32 accumulation inside each GEMM;
     fla's own default accumulates the weight gradient in fp32 SIMT GEMMs: 222 ms of a 430 ms 27B step). Another
-    precision's GEMMs (``ops/fp8_linear_cross_entropy``) take the same three calls."""
+    precision's loss op gives the loop its own GEMMs with the same three calls."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, wants_hidden: bool, wants_weight: bool) -> None:
         self.hidden, self.weight = hidden, weight

@@ -1,4 +1,4 @@
-"""The LM head's GEMMs in FP8 (``apply(model, precision="fp8", fp8_lm_head=True)``, op
+"""The LM head's GEMMs in FP8 (``apply(model, lm_head_precision="fp8")``, op
 ``fp8_linear_cross_entropy``) on the CPU, where torch computes ``torch._scaled_mm`` with rowwise scales: the loss and
 both gradients within FP8's error of fp32 and not bf16's (so the three GEMMs ran in FP8), the chunk loop's edges,
 the op's self-test, the model's loss through it, the bf16 loss where the head's shape does not suit FP8 (said, with
@@ -69,11 +69,13 @@ def _loss_and_grads(fn, h, w, y, scale_by=1.0, **kwargs):
 @pytest.mark.parametrize("num_items", [None, 611])
 def test_fp8_loss_is_fp8_precise_loss_and_both_gradients(fp8_loss, monkeypatch, mib, num_items):
     """Loss, hidden-state and weight gradients against fp32: each gradient within FP8's error, far from bf16's;
-    the loss within a tenth of it; a loss gradient other than 1 (gradient accumulation) scales both."""
+    the loss within a tenth of it; a loss gradient other than 1 (gradient accumulation) scales both. (A block of
+    the weight gradient left out or added twice lands far outside the band.)"""
     if mib is None:
         monkeypatch.delenv("FUSEPATCH_CE_LOGITS_MIB", raising=False)
-    else:
+    else:  # and the second chunk's weight gradient added in blocks of 300 vocabulary rows, the last one short
         monkeypatch.setenv("FUSEPATCH_CE_LOGITS_MIB", mib)
+        monkeypatch.setattr(scaled_mm, "VOCAB_BLOCK", 300)
     fn = lce.loop(torch_ce, scaled_mm.FP8Gemms)  # the chunk budget is read when the function is made
     h, w, y = _data()
     items = {"num_items_in_batch": num_items}
@@ -152,13 +154,13 @@ def _losses(calls: list) -> list[str]:
 
 
 def test_a_model_trains_its_head_in_fp8_when_asked(monkeypatch, fp8_loss):
-    """``fp8_lm_head=True``: the report names the FP8 loss's kernel, each step's loss runs through it (not the bf16
+    """``lm_head_precision="fp8"``: the report names the FP8 loss's kernel, each step's loss runs through it (not the bf16
     loss), and the loss and the head's gradient stay within FP8's error of the same model with a bf16 head, yet
     differ from it; without the option the head's loss is the bf16 one."""
     base, calls = _head_model(monkeypatch, fp8_loss)
     plain, fp8 = copy.deepcopy(base), copy.deepcopy(base)
     fusepatch.apply(plain, precision="fp8", verbose=False)
-    report = fusepatch.apply(fp8, precision="fp8", fp8_lm_head=True, verbose=False)
+    report = fusepatch.apply(fp8, precision="fp8", lm_head_precision="fp8", verbose=False)
     chosen = {c.op: c.chosen for layer in report.layers for c in layer.choices}
     assert chosen["fp8_linear_cross_entropy"] == "cpu-standin", report.log_lines()
     batch = lm_batch(base, length=48)
@@ -179,22 +181,29 @@ def test_a_head_fp8_cannot_take_keeps_the_bf16_loss_and_says_why(monkeypatch, fp
     vocabulary), and the loss runs the bf16 op."""
     model, calls = _head_model(monkeypatch, fp8_loss, vocab_size=500)
     with caplog.at_level(logging.WARNING, logger="fusepatch"):
-        fusepatch.apply(model, precision="fp8", fp8_lm_head=True, verbose=False)
-    said = [r.getMessage() for r in caplog.records if "fp8_lm_head=True" in r.getMessage()]
+        fusepatch.apply(model, precision="fp8", lm_head_precision="fp8", verbose=False)
+    said = [r.getMessage() for r in caplog.records if "lm_head_precision='fp8'" in r.getMessage()]
     assert len(said) == 1 and "(500, 128)" in said[0] and "pad_to_multiple_of=16" in said[0], said
     calls.clear()
     model(**lm_batch(model, length=16)).loss.backward()
     assert _losses(calls) == ["linear_cross_entropy"]
 
 
-def test_fp8_lm_head_argument(caplog):
-    """Only with ``precision="fp8"``, only True or False; a model patched before keeps its head's loss, said."""
+def test_lm_head_precision_argument(monkeypatch, fp8_loss, caplog):
+    """One of the precisions or None, any case; without ``precision`` the head alone runs in FP8 (the projections
+    as they are); a model patched before keeps its head's loss, said with the fix."""
     model = tiny_model("qwen3")
-    with pytest.raises(ValueError, match='pass precision="fp8" with it'):
-        fusepatch.apply(model, fp8_lm_head=True)
-    with pytest.raises(TypeError, match="fp8_lm_head expects True or False"):
-        fusepatch.apply(model, precision="fp8", fp8_lm_head="yes")
-    fusepatch.apply(model, precision="fp8", verbose=False)
+    with pytest.raises(ValueError, match="lm_head_precision expects None or one of 'fp8'"):
+        fusepatch.apply(model, lm_head_precision="fp4")
+    with pytest.raises(ValueError, match="lm_head_precision expects"):
+        fusepatch.apply(model, lm_head_precision=True)
+    fusepatch.apply(model, verbose=False)
     with caplog.at_level(logging.WARNING, logger="fusepatch"):
-        fusepatch.apply(model, precision="fp8", fp8_lm_head=True, verbose=False)
-    assert any("the LM head keeps fp8_lm_head=False" in r.getMessage() for r in caplog.records)
+        fusepatch.apply(model, lm_head_precision="FP8", verbose=False)
+    assert any("the LM head keeps lm_head_precision=None" in r.getMessage() for r in caplog.records)
+    alone, calls = _head_model(monkeypatch, fp8_loss)
+    report = fusepatch.apply(alone, lm_head_precision="fp8", verbose=False)
+    assert not any(c.op == "fp8_linear" for layer in report.layers for c in layer.choices)
+    calls.clear()
+    alone(**lm_batch(alone, length=16)).loss.backward()
+    assert _losses(calls) == ["fp8_linear_cross_entropy"]
