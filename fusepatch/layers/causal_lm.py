@@ -85,10 +85,11 @@ def _causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
     note_padding(kwargs.get("position_ids"), kwargs.get("attention_mask"))  # padded rows are not packed ones
     return_logits = kwargs.pop("return_logits", None)
     weight = self.lm_head.weight
-    dispatch = _loss_op(self, state.ops, weight)
     wanted = self.training if return_logits is None else True
-    if not wanted or not _fuses_loss(self, dispatch, labels, logits_to_keep, weight.device.type):
+    plain = state.ops["linear_cross_entropy"]
+    if not wanted or not _fuses_loss(self, plain, labels, logits_to_keep, weight.device.type):
         return state.original(*args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    dispatch = _loss_op(self, state.ops, weight)
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
@@ -183,10 +184,12 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
 
 
 def _loss_op(self, ops: dict, weight: torch.Tensor):
-    """The loss's op: under ``lm_head_precision`` (the row's second loss op) that precision's where it has a fused
-    kernel for the device and dtype and its GEMMs take the head's shape (``Op.fits``; ``apply`` said where not), else
-    the fused loss in the model's own precision."""
+    """The loss's op, for a call the fused loss takes (``_fuses_loss``): under ``lm_head_precision`` (the row's
+    second loss op) that precision's where it has a fused kernel for the device and dtype and its GEMMs take the
+    head's shape (``Op.fits``; ``apply`` said where not), else the fused loss in the model's own precision."""
     plain = ops["linear_cross_entropy"]
+    if len(ops) == 1:
+        return plain
     shape = tuple(deepspeed.full_shape(weight))  # ZeRO-3: a placeholder until gathered
     dtype = dtype_name(_loss_dtype(weight, self))
     for dispatch in ops.values():
