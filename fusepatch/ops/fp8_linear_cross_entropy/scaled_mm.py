@@ -22,9 +22,20 @@ VOCAB_BLOCK = 16384  # rows of a later chunk's weight gradient made at a time: 1
 
 
 class FP8Gemms:
-    """``Gemms`` on ``torch._scaled_mm`` (fast accumulation, as every FP8 GEMM of ``fp8_linear``)."""
+    """``Gemms`` on ``torch._scaled_mm`` (fast accumulation, as every FP8 GEMM of ``fp8_linear``).
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, wants_hidden: bool, wants_weight: bool) -> None:
+    The logits' gradient comes undivided by the loss's denominator (``SCALES_GRADIENT``): ``(softmax - onehot)``,
+    whose largest value in a token's row is its target's, about -1 for every token. Divided first, that value is
+    about ``-1 / denominator`` in every row, rounded to FP8 the same way in all of them (FP8's 3-bit mantissa: up to
+    6% off): the whole gradient would come out scaled by a factor set by the number of labels. The denominator's
+    inverse multiplies the rowwise inverse scales instead (exact in fp32); where nothing is labelled (an infinite
+    inverse) the gradient is zeros and stays zeros."""
+
+    SCALES_GRADIENT = True
+
+    def __init__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, wants_hidden: bool, wants_weight: bool, inverse: torch.Tensor
+    ) -> None:
         if weight.shape[0] % MULTIPLE or weight.shape[1] % MULTIPLE:
             raise ValueError(
                 f"fp8_linear_cross_entropy: lm_head weight {tuple(weight.shape)}: FP8 GEMMs need both dimensions "
@@ -32,6 +43,7 @@ class FP8Gemms:
             )
         self.quantize = quantizers(hidden.device)
         self.hidden, self.dtype = hidden, hidden.dtype
+        self.inverse = torch.nan_to_num(inverse.float(), posinf=0.0)
         self.hidden_rows = self.quantize.rows(hidden)
         self.weight_rows = self.quantize.rows(weight)
         self.weight_columns = self.quantize.columns(weight) if wants_hidden else None
@@ -41,12 +53,14 @@ class FP8Gemms:
         return fp8_mm(q[start:end], inverse[start:end], *self.weight_rows, self.dtype)
 
     def grad_hidden(self, grad: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(fp8_mm(*self.quantize.rows(grad), *self.weight_columns, self.dtype))
+        q, inverse = self.quantize.rows(grad)
+        out.copy_(fp8_mm(q, inverse * self.inverse, *self.weight_columns, self.dtype))
 
     def grad_weight(self, grad: torch.Tensor, start: int, end: int, total: torch.Tensor | None) -> torch.Tensor:
         """The first chunk's GEMM writes the weight gradient; a later chunk's is added a block of vocabulary rows at
         a time (``fp8_mm`` cannot add into its output), so no second weight-sized buffer lives beside it."""
         g, g_inverse = self.quantize.columns(grad, MULTIPLE)
+        g_inverse = g_inverse * self.inverse
         h = self.quantize.columns(self.hidden[start:end], MULTIPLE)
         if total is None:
             return fp8_mm(g, g_inverse, *h, self.dtype)

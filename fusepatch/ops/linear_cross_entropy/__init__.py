@@ -117,7 +117,13 @@ class Gemms:
     fla's own default accumulates the weight gradient in fp32 SIMT GEMMs: 222 ms of a 430 ms 27B step). Another
     precision's loss op gives the loop its own GEMMs with the same three calls."""
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, wants_hidden: bool, wants_weight: bool) -> None:
+    # True: the cross-entropy kernel writes the logits' gradient undivided (``inverse`` 1) and the two gradient GEMMs
+    # divide by the loss's denominator (``inverse``, given to the constructor) themselves
+    SCALES_GRADIENT = False
+
+    def __init__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, wants_hidden: bool, wants_weight: bool, inverse: torch.Tensor
+    ) -> None:
         self.hidden, self.weight = hidden, weight
 
     def logits(self, start: int, end: int) -> torch.Tensor:
@@ -140,7 +146,8 @@ class _LinearCrossEntropyLoop(torch.autograd.Function):
     by the loss's denominator, then the hidden-state gradient (a GEMM into its rows) and the weight gradient (the
     first chunk's GEMM writes it, later chunks add to it). ``ce(logits, target, inverse, ignore_index, grad)``
     is the kernel: fla's two functions (``_load_fla``) or fusepatch's (kernels/cross_entropy.py); ``gemms`` makes
-    the GEMMs (``Gemms``: in the inputs' dtype).
+    the GEMMs (``Gemms``: in the inputs' dtype; GEMMs that divide by the denominator themselves get the kernel's
+    gradient undivided, ``Gemms.SCALES_GRADIENT``).
 
     Why not fla's ``fused_linear_cross_entropy_fwd``: it zero-fills the weight gradient (2.5 GB at the 27B
     shape) and then adds every chunk into it, the first included (a fill plus a GEMM that reads the zeros back,
@@ -164,11 +171,12 @@ class _LinearCrossEntropyLoop(torch.autograd.Function):
             inverse = denominator.float().reciprocal().reshape(1)
             grad_hidden = torch.empty_like(hidden) if wants_hidden else None
             grad_weight = None
-            made = gemms(hidden, weight, wants_hidden, wants_weight)
+            made = gemms(hidden, weight, wants_hidden, wants_weight, inverse)
+            written = torch.ones_like(inverse) if gemms.SCALES_GRADIENT else inverse  # the kernel's gradient's factor
             for start in range(0, tokens, chunk):
                 end = min(start + chunk, tokens)
                 logits = made.logits(start, end)
-                losses[start:end] = ce(logits, labels[start:end], inverse, ignore_index, needs_grad)
+                losses[start:end] = ce(logits, labels[start:end], written, ignore_index, needs_grad)
                 if wants_hidden:  # the logits now hold their gradient
                     made.grad_hidden(logits, grad_hidden[start:end])
                 if wants_weight:
