@@ -17,6 +17,7 @@ import torch
 
 from fusepatch.kernels.fp8_range import MULTIPLE
 from fusepatch.ops.fp8_linear.scaled_mm import fp8_mm, quantizers
+from fusepatch.ops.linear_cross_entropy import LOOP_SKIP
 
 VOCAB_BLOCK = 16384  # rows of a later chunk's weight gradient made at a time: 160 MiB at hidden 5120 in bf16
 
@@ -32,6 +33,8 @@ class FP8Gemms:
     inverse) the gradient is zeros and stays zeros."""
 
     SCALES_GRADIENT = True
+    # this loss's loop as well as the model's own precision's, which the head runs where this op has no kernel
+    skip = f"{LOOP_SKIP},fp8_linear_cross_entropy/scaled-mm"
 
     def __init__(
         self, hidden: torch.Tensor, weight: torch.Tensor, wants_hidden: bool, wants_weight: bool, inverse: torch.Tensor

@@ -112,10 +112,16 @@ def fla_num_chunks(tokens: int, vocab: int, element_size: int, budget_bytes: int
     return max(1, -(-tokens // fla_chunk_tokens(vocab, element_size, budget_bytes)))
 
 
+LOOP_SKIP = "linear_cross_entropy/fla,linear_cross_entropy/triton"  # every candidate that runs the loop
+
+
 class Gemms:
     """The chunk loop's three GEMMs in the inputs' dtype (tensor cores for bf16, fp32 accumulation inside each GEMM;
     fla's own default accumulates the weight gradient in fp32 SIMT GEMMs: 222 ms of a 430 ms 27B step). Another
     precision's loss op gives the loop its own GEMMs with the same three calls."""
+
+    # the FUSEPATCH_SKIP value that leaves a loss with these GEMMs no candidate running the loop (a second backward)
+    skip = LOOP_SKIP
 
     # True: the cross-entropy kernel writes the logits' gradient undivided (``inverse`` 1) and the two gradient GEMMs
     # divide by the loss's denominator (``inverse``, given to the constructor) themselves
@@ -190,7 +196,7 @@ class _LinearCrossEntropyLoop(torch.autograd.Function):
             total = losses.sum() / denominator
         if needs_grad:
             ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.done = False
+        ctx.done, ctx.skip = False, gemms.skip
         return total
 
     @staticmethod
@@ -201,15 +207,12 @@ class _LinearCrossEntropyLoop(torch.autograd.Function):
             raise RuntimeError(
                 "fusepatch's fused linear cross-entropy supports one backward per forward (the first scales its "
                 "stored gradients in place); for a second backward through the same graph set "
-                f"FUSEPATCH_SKIP={LOOP_SKIP} (the torch-chunked loss keeps them)"
+                f"FUSEPATCH_SKIP={ctx.skip} (the torch-chunked loss keeps them)"
             )
         ctx.done = True
         factor = grad_output.detach().float()
         grads = [None if g is None else scale_unless_one_(g, factor) for g in ctx.saved_tensors]
         return *grads, None, None, None, None, None, None, None
-
-
-LOOP_SKIP = "linear_cross_entropy/fla,linear_cross_entropy/triton"  # every candidate that runs the loop
 
 
 def loop(ce, gemms: type[Gemms] = Gemms):

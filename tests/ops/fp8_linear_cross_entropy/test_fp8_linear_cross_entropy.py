@@ -227,3 +227,22 @@ def test_lm_head_precision_argument(monkeypatch, fp8_loss, caplog):
     calls.clear()
     alone(**lm_batch(alone, length=16)).loss.backward()
     assert _losses(calls) == ["fp8_linear_cross_entropy"]
+
+
+def test_a_second_backward_names_a_skip_that_reaches_the_fp8_loss(fp8_loss):
+    """The loop takes one backward per forward; its error's ``FUSEPATCH_SKIP`` value leaves the FP8 loss no
+    candidate but eager too (else the head's loss would run the same loop again and raise the same)."""
+    from fusepatch.base.options import skip_pairs
+    from fusepatch.ops import OPS
+
+    h, w, y = _data(tokens=64)
+    hidden = h.clone().requires_grad_()
+    loss = fp8_loss(hidden, w, y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward per forward") as raised:
+        loss.backward()
+    value = str(raised.value).split("FUSEPATCH_SKIP=")[1].split()[0]
+    candidates = {name: [c.name for c in op.candidates] for name, op in OPS.items()}
+    skipped = skip_pairs(value, candidates)
+    op = OPS["fp8_linear_cross_entropy"]
+    assert all((op.name, c.name) in skipped for c in op.candidates), value
