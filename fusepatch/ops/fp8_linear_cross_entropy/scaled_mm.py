@@ -61,15 +61,23 @@ class FP8Gemms:
 
     def grad_weight(self, grad: torch.Tensor, start: int, end: int, total: torch.Tensor | None) -> torch.Tensor:
         """The first chunk's GEMM writes the weight gradient; a later chunk's is added a block of vocabulary rows at
-        a time (``fp8_mm`` cannot add into its output), so no second weight-sized buffer lives beside it."""
+        a time (``fp8_mm`` cannot add into its output), so no second weight-sized buffer lives beside it. In fp16
+        the first chunk's is written in blocks too: ``_scaled_mm`` writes bf16, a whole copy cast after."""
         g, g_inverse = self.quantize.columns(grad, MULTIPLE)
         g_inverse = g_inverse * self.inverse
         h = self.quantize.columns(self.hidden[start:end], MULTIPLE)
-        if total is None:
+        if total is None and self.dtype == torch.bfloat16:
             return fp8_mm(g, g_inverse, *h, self.dtype)
+        written = total is None
+        if written:
+            total = g.new_empty((g.shape[0], h[0].shape[0]), dtype=self.dtype)
         for first in range(0, g.shape[0], VOCAB_BLOCK):
             rows = slice(first, first + VOCAB_BLOCK)
-            total[rows].add_(fp8_mm(g[rows], g_inverse[rows], *h, self.dtype))
+            block = fp8_mm(g[rows], g_inverse[rows], *h, torch.bfloat16)  # cast by the copy or the add
+            if written:
+                total[rows].copy_(block)
+            else:
+                total[rows].add_(block)
         return total
 
 

@@ -246,3 +246,27 @@ def test_a_second_backward_names_a_skip_that_reaches_the_fp8_loss(fp8_loss):
     skipped = skip_pairs(value, candidates)
     op = OPS["fp8_linear_cross_entropy"]
     assert all((op.name, c.name) in skipped for c in op.candidates), value
+
+
+@pytest.mark.parametrize("mib", [None, "1"], ids=["one-chunk", "two-chunks"])
+def test_an_fp16_weight_gradient_is_made_a_block_at_a_time(fp8_loss, monkeypatch, mib):
+    """``_scaled_mm`` writes bf16: an fp16 head's weight gradient is written a block of vocabulary rows at a time,
+    the first chunk's too, so no whole bf16 copy of it lives beside the fp16 one; within FP8's error of fp32."""
+    if mib is not None:
+        monkeypatch.setenv("FUSEPATCH_CE_LOGITS_MIB", mib)
+    monkeypatch.setattr(scaled_mm, "VOCAB_BLOCK", 300)
+    rows = []
+    plain = scaled_mm.fp8_mm
+    monkeypatch.setattr(
+        scaled_mm, "fp8_mm", lambda *args: rows.append((*args[0].shape, args[2].shape[0])) or plain(*args)
+    )
+    fn = lce.loop(torch_ce, scaled_mm.FP8Gemms)
+    h, w, y = _data()
+    want = _loss_and_grads(lce.linear_cross_entropy_reference, h.float(), w.float(), y)
+    got = _loss_and_grads(fn, h.half(), w.half(), y)
+    # the weight gradient's GEMMs: by hidden features along the tokens (the hidden-state gradient's: the vocabulary)
+    weight_gradient = [m for m, k, n in rows if n == h.shape[1] and k != w.shape[0]]
+    assert weight_gradient and max(weight_gradient) <= 300, rows
+    assert got[2].dtype == torch.float16
+    errors = [relative_error(g.float(), r) for g, r in zip(got[1:], want[1:])]
+    assert all(e < FP8_ERROR[1] for e in errors), errors
