@@ -16,6 +16,7 @@ from fusepatch.engine.features.base import Feature, Patched
 from fusepatch.engine.features.cuda_graphs import decoder_stacks, graphed
 from fusepatch.engine.plan import Plan, Request, Resolved
 from fusepatch.engine.reporting import PatchReport
+from fusepatch.kernels.fp8_range import MULTIPLE
 from fusepatch.layers.fp8 import is_dropped, keep_what_variants_read, restore_dropped, say_restored, sharding_lines
 from fusepatch.ops.fp8_linear_cross_entropy import aligned
 
@@ -40,10 +41,10 @@ def _hidden_size(model: torch.nn.Module) -> int | None:
     return hidden if isinstance(hidden, int) else None
 
 
-UNALIGNED_HEAD = (
-    "fusepatch: lm_head_precision='fp8': %s, so the loss runs its GEMMs in the model's precision. Fix: pad the "
-    "vocabulary, model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=16)"
-)
+UNALIGNED_HEAD = "fusepatch: lm_head_precision='fp8': %s, so the loss runs its GEMMs in the model's precision. Fix: %s"
+PAD_VOCABULARY = "pad the vocabulary, model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=16)"
+# a hidden size no padding of the vocabulary reaches: the option can only be left out
+LEAVE_HEAD = "apply with lm_head_precision=None (the hidden size is the model's own)"
 
 
 def _fp8_head(state) -> bool:
@@ -59,9 +60,11 @@ def _say_unaligned_heads(plan: Plan) -> None:
         for module in modules:
             head = getattr(module, "lm_head", None)
             weight = getattr(head, "weight", None)
-            why = None if weight is None else aligned(deepspeed.full_shape(weight))
+            shape = None if weight is None else tuple(deepspeed.full_shape(weight))
+            why = None if shape is None else aligned(shape)
             if why is not None:
-                logger.warning(UNALIGNED_HEAD, why)
+                hidden_fits = len(shape) == 2 and not shape[1] % MULTIPLE
+                logger.warning(UNALIGNED_HEAD, why, PAD_VOCABULARY if hidden_fits else LEAVE_HEAD)
 
 
 class Fp8(Feature):

@@ -270,3 +270,14 @@ def test_an_fp16_weight_gradient_is_made_a_block_at_a_time(fp8_loss, monkeypatch
     assert got[2].dtype == torch.float16
     errors = [relative_error(g.float(), r) for g, r in zip(got[1:], want[1:])]
     assert all(e < FP8_ERROR[1] for e in errors), errors
+
+
+def test_a_hidden_size_fp8_cannot_take_is_not_told_to_pad_the_vocabulary(caplog):
+    """A vocabulary in multiples of 16 but a hidden size not: padding the vocabulary would not help, so the fix
+    said is to leave the option unset."""
+    model = tiny_model("qwen3", hidden_size=72)
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        fusepatch.apply(model, lm_head_precision="fp8", verbose=False)
+    said = [r.getMessage() for r in caplog.records if "lm_head_precision='fp8'" in r.getMessage()]
+    assert len(said) == 1 and "(512, 72)" in said[0], said
+    assert "pad_to_multiple_of" not in said[0] and "lm_head_precision=None" in said[0], said
