@@ -86,10 +86,9 @@ def _causal_lm_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
     return_logits = kwargs.pop("return_logits", None)
     weight = self.lm_head.weight
     wanted = self.training if return_logits is None else True
-    plain = state.ops["linear_cross_entropy"]
-    if not wanted or not _fuses_loss(self, plain, labels, logits_to_keep, weight.device.type):
+    dispatch = _fused_loss_op(self, state.ops, labels, logits_to_keep) if wanted else None
+    if dispatch is None:
         return state.original(*args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
-    dispatch = _loss_op(self, state.ops, weight)
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
@@ -183,37 +182,33 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def _loss_op(self, ops: dict, weight: torch.Tensor):
-    """The loss's op, for a call the fused loss takes (``_fuses_loss``): under ``lm_head_precision`` (the row's
-    second loss op) that precision's where it has a fused kernel for the device and dtype and its GEMMs take the
-    head's shape (``Op.fits``; ``apply`` said where not), else the fused loss in the model's own precision."""
-    plain = ops["linear_cross_entropy"]
-    if len(ops) == 1:
-        return plain
-    shape = tuple(deepspeed.full_shape(weight))  # ZeRO-3: a placeholder until gathered
-    dtype = dtype_name(_loss_dtype(weight, self))
-    for dispatch in ops.values():
-        if dispatch is plain or (dispatch.op.fits is not None and dispatch.op.fits(shape) is not None):
-            continue
-        if dispatch.choice(weight.device.type, dtype).fused:
-            return dispatch
-    return plain
+def _fused_loss_op(self, ops: dict, labels, logits_to_keep):
+    """The op this call's loss goes through, or None for transformers' own forward.
 
-
-def _fuses_loss(self, dispatch, labels, logits_to_keep, device_type: str) -> bool:
-    """Whether this call's loss goes through the fused op: labels given, every position's logits asked for (an
-    int ``logits_to_keep`` of 0), an lm_head that is a plain linear map of its ``weight`` (``_linear_head``) without
-    bias, hooks or a forward set on it (the fused loss never calls it), and a fused candidate for the device and
-    dtype."""
-    return (
+    The fused loss takes the call where labels are given, every position's logits are asked for (an int
+    ``logits_to_keep`` of 0), and the lm_head is a plain linear map of its ``weight`` (``_linear_head``) without
+    bias, hooks or a forward set on it (the fused loss never calls it). Under ``lm_head_precision`` (the row's second
+    loss op) that precision's op runs where it has a fused kernel for the device and dtype and its GEMMs take the
+    head's shape (``Op.fits``; ``apply`` said where not), else the fused loss in the model's own precision where it
+    has one."""
+    if not (
         labels is not None
         and isinstance(logits_to_keep, int)
         and logits_to_keep == 0
         and getattr(self.lm_head, "bias", None) is None
         and may_bypass(self.lm_head, gathering=True)
         and _linear_head(self.lm_head)
-        and dispatch.choice(device_type, dtype_name(_loss_dtype(self.lm_head.weight, self))).fused
-    )
+    ):
+        return None
+    weight = self.lm_head.weight  # a real device here: a head another library loads per call was refused above
+    device, dtype = weight.device.type, dtype_name(_loss_dtype(weight, self))
+    shape = tuple(deepspeed.full_shape(weight))  # ZeRO-3: a placeholder until gathered
+    plain = ops["linear_cross_entropy"]
+    for dispatch in [d for d in ops.values() if d is not plain] + [plain]:
+        fits = dispatch.op.fits is None or dispatch.op.fits(shape) is None
+        if fits and dispatch.choice(device, dtype).fused:
+            return dispatch
+    return None
 
 
 def _linear_head(head: torch.nn.Module) -> bool:

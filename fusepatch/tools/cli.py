@@ -86,6 +86,8 @@ def _list(args: argparse.Namespace) -> int:
             ops.append(f"{name} [{' > '.join(c.name for c in ordered(all_ops()[name], prefer))} > eager]")
         if not ops and row.note:  # a forward with no kernel op (the rotary tables): what it does instead
             ops.append(f"({row.note})")
+        elif row.precision:  # a row that only an apply asking for its precision selects
+            ops.append(f"(when asked: {row.note})")
         patched = "patched" if row.forward is not None else "not patched"
         lines.append(f"{'/'.join(row.model_types):28s} {row.layer:36s} {patched:12s} {'; '.join(ops)}")
     print(fit("\n".join(lines), args.wide))

@@ -53,9 +53,10 @@ def _fp8_head(state) -> bool:
 
 
 def _say_unaligned_heads(plan: Plan) -> None:
-    """Each head patched for an FP8 loss whose weight FP8 GEMMs cannot take: why, with the fix (at WARNING)."""
+    """Each head patched for an FP8 loss whose weight FP8 GEMMs cannot take: why, with the fix (at WARNING). Not a
+    head another library computes (``plan.owners``: a trainer's fused head), whose loss fusepatch does not run."""
     for row, modules in plan.found.items():
-        if "fp8_linear_cross_entropy" not in row.ops:
+        if "fp8_linear_cross_entropy" not in row.ops or row in plan.owners:
             continue
         for module in modules:
             head = getattr(module, "lm_head", None)

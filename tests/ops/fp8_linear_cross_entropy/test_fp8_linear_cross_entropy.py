@@ -281,3 +281,43 @@ def test_a_hidden_size_fp8_cannot_take_is_not_told_to_pad_the_vocabulary(caplog)
     said = [r.getMessage() for r in caplog.records if "lm_head_precision='fp8'" in r.getMessage()]
     assert len(said) == 1 and "(512, 72)" in said[0], said
     assert "pad_to_multiple_of" not in said[0] and "lm_head_precision=None" in said[0], said
+
+
+def test_the_fp8_loss_runs_where_the_bf16_loss_is_excluded(monkeypatch, fp8_loss):
+    """``exclude="linear_cross_entropy"`` with ``lm_head_precision="fp8"``: the report chooses the FP8 loss's
+    kernel, and the step runs it (the bf16 loss's eager choice does not send the call to transformers' forward)."""
+    model, calls = _head_model(monkeypatch, fp8_loss)
+    report = fusepatch.apply(model, lm_head_precision="fp8", exclude="linear_cross_entropy", verbose=False)
+    chosen = {c.op: c.chosen for layer in report.layers for c in layer.choices}
+    assert chosen == {**chosen, "linear_cross_entropy": "eager", "fp8_linear_cross_entropy": "cpu-standin"}
+    calls.clear()
+    out = model(**lm_batch(model, length=16))
+    out.loss.backward()
+    assert _losses(calls) == ["fp8_linear_cross_entropy"] and out.logits is None
+
+
+def test_a_head_another_library_computes_is_not_warned_about(monkeypatch, fp8_loss, caplog):
+    """A head whose loss a trainer's fused head computes (a forward taking ``fused_lm_head``): fusepatch leaves it,
+    so an FP8 shape it could not take is not said."""
+    import types
+
+    model, _ = _head_model(monkeypatch, fp8_loss, vocab_size=500)
+    namespace = {"__name__": "my_trainer.head"}
+    exec("def forward(self, *args, fused_lm_head=False, **kwargs):\n    return None\n", namespace)
+    model.forward = types.MethodType(namespace["forward"], model)
+    with caplog.at_level(logging.WARNING, logger="fusepatch"):
+        report = fusepatch.apply(model, lm_head_precision="fp8", verbose=False)
+    head = next(layer for layer in report.layers if layer.layer == type(model).__name__)
+    assert not head.patched
+    assert not [r for r in caplog.records if "lm_head_precision='fp8'" in r.getMessage()]
+
+
+def test_the_list_says_which_rows_only_an_option_selects():
+    """``python -m fusepatch list``: a head's FP8 loss row and the FP8 projections say they apply when asked."""
+    from helpers import in_process
+
+    code, out, _ = in_process(["list", "--model-type", "qwen3", "--wide"])
+    lines = [line for line in out.splitlines() if "Qwen3ForCausalLM" in line]
+    assert code == 0 and len(lines) == 2, lines
+    assert "(when asked: LM head GEMMs in FP8 (lm_head_precision='fp8'))" in lines[0]
+    assert "when asked" not in lines[1]
