@@ -89,16 +89,21 @@ def boolean(value: object, argument: str) -> bool:
 PRECISIONS: tuple[str, ...] = ("fp8",)
 
 
-def precision(value: object) -> str | None:
-    """``apply(precision=...)``: None (the model's own GEMM precision) or one of PRECISIONS (any case)."""
+def _one_precision(value: object, argument: str, fix: str) -> str | None:
+    """None or one of PRECISIONS (any case), else the error naming them and ``fix``."""
     if value is None:
         return None
     if isinstance(value, str) and value.strip().lower() in PRECISIONS:
         return value.strip().lower()
     raise ValueError(
-        f"precision expects None or one of {', '.join(repr(p) for p in PRECISIONS)}, got {value!r}; fix: "
-        'precision="fp8" trains the decoder\'s projections with FP8 GEMMs, None leaves them as they are'
+        f"{argument} expects None or one of {', '.join(repr(p) for p in PRECISIONS)}, got {value!r}; fix: {fix}"
     )
+
+
+def precision(value: object) -> str | None:
+    """``apply(precision=...)``: None (the model's own GEMM precision) or one of PRECISIONS (any case)."""
+    fix = 'precision="fp8" trains the decoder\'s projections with FP8 GEMMs, None leaves them as they are'
+    return _one_precision(value, "precision", fix)
 
 
 def drop_frozen_weights(value: object, precision: str | None) -> bool:
@@ -115,14 +120,8 @@ def drop_frozen_weights(value: object, precision: str | None) -> bool:
 def lm_head_precision(value: object) -> str | None:
     """``apply(lm_head_precision=...)``: None (the LM head's GEMMs in the model's own precision) or one of PRECISIONS
     (any case), for the causal LM's fused loss."""
-    if value is None:
-        return None
-    if isinstance(value, str) and value.strip().lower() in PRECISIONS:
-        return value.strip().lower()
-    raise ValueError(
-        f"lm_head_precision expects None or one of {', '.join(repr(p) for p in PRECISIONS)}, got {value!r}; fix: "
-        "name one of those to run the LM head's GEMMs in it, or None to leave them as they are"
-    )
+    fix = "name one of those to run the LM head's GEMMs in it, or None to leave them as they are"
+    return _one_precision(value, "lm_head_precision", fix)
 
 
 def row_precisions(precision: str | None, lm_head: str | None) -> tuple[str, ...]:

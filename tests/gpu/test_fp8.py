@@ -91,6 +91,17 @@ def test_fp8_gemms_on_the_gpu(tokens, inputs, outputs, frozen):
     assert all(FP8_ERROR[0] < e < FP8_ERROR[1] for e in errors.values()), errors
 
 
+def _one_step_each(models, vocab_size: int) -> list[float]:
+    """One training step of each model on the same random tokens: the losses (the gradients left on the models)."""
+    ids = torch.randint(0, vocab_size, (2, 512), device="cuda")
+    losses = []
+    for model in models:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
 def test_mini_model_trains_in_fp8_close_to_bf16():
     """A mini Qwen3.5 model: apply(precision="fp8") chooses the FP8 kernel for every projection (the report
     says so), and one training step's loss and the projections' gradients stay near the bf16 patched model's."""
@@ -103,13 +114,8 @@ def test_mini_model_trains_in_fp8_close_to_bf16():
     report = fusepatch.apply(fp8, precision="fp8", verbose=False)
     chosen = {c.op: c.chosen for layer in report.layers for c in layer.choices}
     assert chosen["fp8_linear"] == "scaled-mm", report.log_lines()
-    ids = torch.randint(0, base.config.vocab_size, (2, 512), device="cuda")
-    losses, grads = [], []
-    for model in (bf16, fp8):
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    losses = _one_step_each((bf16, fp8), base.config.vocab_size)
+    grads = [{n: p.grad for n, p in model.named_parameters() if p.grad is not None} for model in (bf16, fp8)]
     errors = {n: relative_error(grads[1][n], g) for n, g in grads[0].items() if n.endswith("proj.weight")}
     record("fp8-mini-model", {"losses": losses, "worst": max(errors.values())})
     assert abs(losses[1] - losses[0]) / losses[0] < 0.02, losses
@@ -155,13 +161,8 @@ def test_mini_model_trains_its_head_in_fp8():
     report = fusepatch.apply(head, precision="fp8", lm_head_precision="fp8", verbose=False)
     chosen = {c.op: c.chosen for layer in report.layers for c in layer.choices}
     assert chosen["fp8_linear_cross_entropy"] == "scaled-mm", report.log_lines()
-    ids = torch.randint(0, base.config.vocab_size, (2, 512), device="cuda")
-    losses, grads = [], []
-    for model in (plain, head):
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        losses.append(loss.item())
-        grads.append(model.lm_head.weight.grad)
+    losses = _one_step_each((plain, head), base.config.vocab_size)
+    grads = [model.lm_head.weight.grad for model in (plain, head)]
     error = relative_error(grads[1], grads[0])
     record("fp8-head-mini-model", {"losses": losses, "head_grad_error": error})
     assert abs(losses[1] - losses[0]) / losses[0] < 0.01, losses

@@ -24,9 +24,28 @@ from fusepatch.kernels.fp8_range import MULTIPLE
 from fusepatch.ops.common import TRITON_FIX, package_requirements, rand
 from fusepatch.ops.fp8_linear.reference import fp8_linear_reference
 
-__all__ = ["FP8_LINEAR", "MULTIPLE"]
+__all__ = ["FP8_LINEAR", "MULTIPLE", "scaled_mm_candidate"]
 
 TORCH_FIX = "pip install --upgrade torch   (a CUDA build: torch._scaled_mm with rowwise scales)"
+# what an FP8 candidate on torch._scaled_mm needs (the projections' and the LM head's)
+_REQUIREMENTS = (
+    *package_requirements("triton", ">=3.0", "triton", TRITON_FIX),
+    MinCapability((8, 9), "FP8 tensor cores (Ada, Hopper or newer)"),
+    DistributionVersion("torch", ">=2.5", TORCH_FIX, why="torch._scaled_mm with rowwise scales"),
+)
+
+
+def scaled_mm_candidate(load, kernel: str, provides: str, **extra) -> Candidate:
+    """An FP8 candidate on ``torch._scaled_mm`` (the projections' and the LM head's): FP8 tensor cores, Triton for
+    the quantization kernels, bf16 or fp16 compute (an fp32 model keeps its fp32 GEMMs, and is told how to train in
+    bf16); ``extra``: the candidate's other fields (a frozen weight's ``prepare``)."""
+    inputs = InputRule(
+        kernel=kernel,
+        dtypes=("bfloat16", "float16"),
+        why={"float32": "FP8 training replaces bf16 GEMMs; an fp32 model computes in fp32"},
+        notes={"float32": "train in bf16 (torch_dtype=torch.bfloat16, or Trainer(bf16=True))"},
+    )
+    return Candidate("scaled-mm", "pip", _REQUIREMENTS, load, inputs, provides, distribution="torch", **extra)
 
 
 def _load():
@@ -68,23 +87,10 @@ FP8_LINEAR = Op(
     summary="linear projection with FP8 (e4m3, rowwise scales) forward and backward GEMMs",
     reference=fp8_linear_reference,
     candidates=(
-        Candidate(
-            name="scaled-mm",
-            source="pip",
-            requirements=(
-                *package_requirements("triton", ">=3.0", "triton", TRITON_FIX),
-                MinCapability((8, 9), "FP8 tensor cores (Ada, Hopper or newer)"),
-                DistributionVersion("torch", ">=2.5", TORCH_FIX, why="torch._scaled_mm with rowwise scales"),
-            ),
-            load=_load,
-            inputs=InputRule(
-                kernel="FP8 training",
-                dtypes=("bfloat16", "float16"),
-                why={"float32": "FP8 training replaces bf16 GEMMs; an fp32 model computes in fp32"},
-                notes={"float32": "train in bf16 (torch_dtype=torch.bfloat16, or Trainer(bf16=True))"},
-            ),
-            provides="torch._scaled_mm (float8_e4m3fn, rowwise scales) with fusepatch.kernels.fp8.quantize_rows",
-            distribution="torch",
+        scaled_mm_candidate(
+            _load,
+            "FP8 training",
+            "torch._scaled_mm (float8_e4m3fn, rowwise scales) with fusepatch.kernels.fp8.quantize_rows",
             prepare=_prepare,
             refresh=_refresh,
             restore=_restore,

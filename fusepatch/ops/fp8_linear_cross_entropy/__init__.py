@@ -16,13 +16,10 @@ the head computes the model's own precision's fused loss (``linear_cross_entropy
 
 from __future__ import annotations
 
-import torch
-
-from fusepatch.base.op import Candidate, Op, SelfTest
-from fusepatch.base.requirements import DistributionVersion, InputRule, MinCapability
+from fusepatch.base.op import Op, SelfTest
 from fusepatch.kernels.fp8_range import MULTIPLE
-from fusepatch.ops.common import TRITON_FIX, package_requirements, rand
-from fusepatch.ops.fp8_linear import TORCH_FIX
+from fusepatch.ops.fp8_linear import scaled_mm_candidate
+from fusepatch.ops.linear_cross_entropy import hidden_dims, loss_inputs
 from fusepatch.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 
 
@@ -41,20 +38,9 @@ def _load():
 
 
 def _inputs(device, dtype, generator, packed=False, dims=None):
-    """A vocabulary and hidden size that are multiples of 16 (the FP8 GEMMs' alignment), 257 tokens (the weight
-    gradient's tokens padded), a seventh of the labels ignored, and the Trainer's count over a larger batch."""
-    dims = dims or {}
-    tokens, hidden_size, vocab = 257, dims.get("hidden", 128), 1024
-    hidden = rand((tokens, hidden_size), device, dtype, generator)
-    weight = rand((vocab, hidden_size), device, dtype, generator, scale=hidden_size**-0.5)
-    labels = torch.randint(0, vocab, (tokens,), generator=generator)
-    labels[::7] = -100
-    num_items = int((labels != -100).sum()) + 37
-    return (hidden, weight, labels.to(device)), {"num_items_in_batch": num_items}
-
-
-def _dims(module) -> dict[str, int]:
-    return {"hidden": module.config.get_text_config().hidden_size}
+    """The bf16 loss's self-test call with a vocabulary that is a multiple of 16 (the FP8 GEMMs' alignment); its
+    257 tokens pad the weight gradient's."""
+    return loss_inputs(device, dtype, generator, packed, dims, vocab=1024)
 
 
 FP8_LINEAR_CROSS_ENTROPY = Op(
@@ -62,28 +48,15 @@ FP8_LINEAR_CROSS_ENTROPY = Op(
     summary="lm_head + cross-entropy with the head's three GEMMs in FP8 (e4m3, rowwise scales)",
     reference=linear_cross_entropy_reference,
     candidates=(
-        Candidate(
-            name="scaled-mm",
-            source="pip",
-            requirements=(
-                *package_requirements("triton", ">=3.0", "triton", TRITON_FIX),
-                MinCapability((8, 9), "FP8 tensor cores (Ada, Hopper or newer)"),
-                DistributionVersion("torch", ">=2.5", TORCH_FIX, why="torch._scaled_mm with rowwise scales"),
-            ),
-            load=_load,
-            inputs=InputRule(
-                kernel="FP8 LM head",
-                dtypes=("bfloat16", "float16"),
-                why={"float32": "FP8 training replaces bf16 GEMMs; an fp32 model computes in fp32"},
-                notes={"float32": "train in bf16 (torch_dtype=torch.bfloat16, or Trainer(bf16=True))"},
-            ),
-            provides="torch._scaled_mm (float8_e4m3fn, rowwise scales) in fusepatch's fused loss loop "
+        scaled_mm_candidate(
+            _load,
+            "FP8 LM head",
+            "torch._scaled_mm (float8_e4m3fn, rowwise scales) in fusepatch's fused loss loop "
             "(fusepatch.kernels.cross_entropy)",
-            distribution="torch",
         ),
     ),
     # FP8 rounding, as fp8_linear's: the gradients land a few percent off fp32 (measured below the bound on the
     # CPU with torch's own _scaled_mm; the loss far less)
-    selftest=SelfTest(_inputs, {"bfloat16": 0.05, "float16": 0.05}, _dims),
+    selftest=SelfTest(_inputs, {"bfloat16": 0.05, "float16": 0.05}, hidden_dims),
     fits=aligned,
 )

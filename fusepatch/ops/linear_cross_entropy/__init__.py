@@ -262,9 +262,11 @@ def _load_triton():
     return loop(cross_entropy_)
 
 
-def _inputs(device, dtype, generator, packed=False, dims=None):
+def loss_inputs(device, dtype, generator, packed=False, dims=None, vocab: int = 1000):
+    """The self-test's call: 257 tokens, a seventh of the labels ignored, and the Trainer's count over a larger
+    batch; the layer's hidden size (``dims``) and ``vocab``."""
     dims = dims or {}
-    tokens, hidden_size, vocab = 257, dims.get("hidden", 128), 1000
+    tokens, hidden_size = 257, dims.get("hidden", 128)
     hidden = rand((tokens, hidden_size), device, dtype, generator)
     weight = rand((vocab, hidden_size), device, dtype, generator, scale=hidden_size**-0.5)
     labels = torch.randint(0, vocab, (tokens,), generator=generator)
@@ -274,7 +276,7 @@ def _inputs(device, dtype, generator, packed=False, dims=None):
     return (hidden, weight, labels.to(device)), {"num_items_in_batch": num_items}
 
 
-def _dims(module) -> dict[str, int]:
+def hidden_dims(module) -> dict[str, int]:
     return {"hidden": module.config.get_text_config().hidden_size}
 
 
@@ -308,5 +310,5 @@ LINEAR_CROSS_ENTROPY = Op(
             distribution="torch",
         ),
     ),
-    selftest=SelfTest(_inputs, {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-4}, _dims),
+    selftest=SelfTest(loss_inputs, {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-4}, hidden_dims),
 )
