@@ -1,8 +1,9 @@
-"""``apply(precision="fp8", drop_frozen_weights=True, lm_head_precision="fp8")``: what FP8 projections (``layers/fp8.py``)
-keep beyond their forward, and the heads whose loss runs in FP8. A frozen projection keeps its weight in FP8 only (the ``drop_frozen`` flag; DoRA's bases excepted, their
-adapters read the weight; the dropped weight carries its FP8 copy, so it copies and pickles with the module),
-``revert`` puts the weight back rounded and says so, and ``report`` counts the dropped weights. On a model as
-narrow as those where FP8 measured slower than bf16 without CUDA graphs, ``finish`` says so with the fix."""
+"""``apply(precision="fp8", drop_frozen_weights=True, lm_head_precision="fp8")``: what FP8 projections
+(``layers/fp8.py``) keep beyond their forward, and the heads whose loss runs in FP8. A frozen projection keeps its
+weight in FP8 only (the ``drop_frozen`` flag; DoRA's bases excepted, their adapters read the weight; the dropped
+weight carries its FP8 copy, so it copies and pickles with the module), ``revert`` puts the weight back rounded and
+says so, and ``report`` counts the dropped weights. On a model as narrow as those where FP8 measured slower than
+bf16 without CUDA graphs, ``finish`` says so with the fix; a head FP8 GEMMs cannot take is said with its fix."""
 
 from __future__ import annotations
 
@@ -112,8 +113,8 @@ class Fp8(Feature):
         return kept
 
     def finish(self, plan: Plan, resolved: Resolved, report: PatchReport, request: Request, newly: int) -> None:
-        """An LM head whose shape FP8 GEMMs cannot take under ``lm_head_precision="fp8"``: said, with the fix. Where FP8
-        runs on a model as narrow as those it measured slower on without graphs: the fix. Not where the layers keep
+        """An LM head whose shape FP8 GEMMs cannot take under ``lm_head_precision="fp8"``: said, with the fix. Where
+        FP8 runs on a model as narrow as those it measured slower on without graphs: the fix. Not where the layers keep
         an earlier apply's graphs, nor where none can be graphed (mixture-of-experts layers): there the fix would
         not apply."""
         if request.lm_head_precision == "fp8" and newly:

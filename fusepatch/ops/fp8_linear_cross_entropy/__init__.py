@@ -3,7 +3,8 @@ with ``apply(model, lm_head_precision="fp8")``.
 
 Op signature: ``linear_cross_entropy``'s::
 
-    loss = fp8_linear_cross_entropy(hidden [N, H], weight [V, H], labels [N], ignore_index=-100, num_items_in_batch=None)
+    loss = fp8_linear_cross_entropy(hidden [N, H], weight [V, H], labels [N], ignore_index=-100,
+                                    num_items_in_batch=None)
 
 The logits, the hidden-state gradient and the weight gradient run on FP8 tensor cores (``scaled_mm.FP8Gemms``); the
 loss's softmax and the logits' gradient are computed in fp32 from the bf16 logits, as in the bf16 loss. FP8's
