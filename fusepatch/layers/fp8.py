@@ -16,6 +16,7 @@ from fusepatch.backends import deepspeed, fsdp2
 from fusepatch.base.dtypes import dtype_name
 from fusepatch.base.log import logger
 from fusepatch.base.state import current as process_state
+from fusepatch.kernels.fp8_range import unaligned
 from fusepatch.layers.support.hooks import autocast_dtype
 from fusepatch.layers.support.lora import variant_bases
 from fusepatch.ops.fp8_linear import MULTIPLE
@@ -40,7 +41,7 @@ RESIZED = f"resized since apply to a weight dimension that is not a multiple of 
 def aligned(module: torch.nn.Module) -> str | None:
     """``Row.fits`` of the FP8 rows: None for a projection FP8 GEMMs can compute, else why not."""
     rows, columns = deepspeed.full_shape(module.weight)  # a ZeRO-3 weight between its module's calls: a placeholder
-    return UNALIGNED if rows % MULTIPLE or columns % MULTIPLE else None
+    return None if unaligned((rows, columns)) is None else UNALIGNED
 
 
 def fp8_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

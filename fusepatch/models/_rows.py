@@ -134,9 +134,8 @@ def family(
     module = f"transformers.models.{model_type}.modeling_{model_type}"
     rows = []
     for name, part in filter(None, table):
-        # a head's FP8 loss row first: under ``lm_head_precision="fp8"`` it matches the head before the plain row does
-        for variant in [fp8_head(part)] if part.role == "head" else []:
-            rows.append(_row(types, module, prefix + name, variant, precision=FP8_HEAD_PRECISION))
+        if part.role == "head":  # its FP8 loss row first: under lm_head_precision="fp8" it matches the head first
+            rows.append(_row(types, module, prefix + name, fp8_head(part), precision=FP8_HEAD_PRECISION))
         rows.append(_row(types, module, prefix + name, part))
     return rows
 

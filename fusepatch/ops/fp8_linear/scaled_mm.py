@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from fusepatch.kernels import fp8_rows
-from fusepatch.kernels.fp8_range import FP8_MAX, FP8_TINY, MULTIPLE, padded
+from fusepatch.kernels.fp8_range import FP8_MAX, FP8_TINY, MULTIPLE, padded, unaligned
 
 FP8 = torch.float8_e4m3fn
 FAST_ACCUM = True  # every FP8 GEMM (module docstring: measured on the step and on a 300-step loss curve)
@@ -228,10 +228,9 @@ def _frozen_input_grad(grad: torch.Tensor, q: torch.Tensor, inverse: torch.Tenso
 
 
 def _aligned(weight: torch.Tensor) -> None:
-    if weight.shape[0] % MULTIPLE or weight.shape[1] % MULTIPLE:
-        raise ValueError(
-            f"fp8_linear: weight {tuple(weight.shape)}: FP8 GEMMs need both dimensions multiples of {MULTIPLE}"
-        )
+    why = unaligned(tuple(weight.shape))
+    if why is not None:
+        raise ValueError(f"fp8_linear: {why}")
 
 
 def fp8_linear(

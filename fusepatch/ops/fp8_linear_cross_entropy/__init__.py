@@ -18,7 +18,7 @@ the head computes the model's own precision's fused loss (``linear_cross_entropy
 from __future__ import annotations
 
 from fusepatch.base.op import Op, SelfTest
-from fusepatch.kernels.fp8_range import MULTIPLE
+from fusepatch.kernels.fp8_range import unaligned
 from fusepatch.ops.fp8_linear import scaled_mm_candidate
 from fusepatch.ops.linear_cross_entropy import hidden_dims, loss_inputs
 from fusepatch.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
@@ -27,9 +27,8 @@ from fusepatch.ops.linear_cross_entropy.reference import linear_cross_entropy_re
 def aligned(weight_shape: tuple[int, ...]) -> str | None:
     """Why an LM head of this weight shape cannot run its GEMMs in FP8 (the vocabulary is the hidden-state
     gradient's reduction dimension), or None."""
-    if len(weight_shape) == 2 and not weight_shape[0] % MULTIPLE and not weight_shape[1] % MULTIPLE:
-        return None
-    return f"lm_head weight {tuple(weight_shape)}: FP8 GEMMs need both dimensions multiples of {MULTIPLE}"
+    why = unaligned(weight_shape)
+    return None if why is None else f"lm_head {why}"
 
 
 def _load():

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fusepatch.kernels.fp8_range import MULTIPLE
+from fusepatch.kernels.fp8_range import MULTIPLE, unaligned
 from fusepatch.ops.fp8_linear.scaled_mm import fp8_mm, quantizers
 from fusepatch.ops.linear_cross_entropy import LOOP_SKIP
 
@@ -39,11 +39,9 @@ class FP8Gemms:
     def __init__(
         self, hidden: torch.Tensor, weight: torch.Tensor, wants_hidden: bool, wants_weight: bool, inverse: torch.Tensor
     ) -> None:
-        if weight.shape[0] % MULTIPLE or weight.shape[1] % MULTIPLE:
-            raise ValueError(
-                f"fp8_linear_cross_entropy: lm_head weight {tuple(weight.shape)}: FP8 GEMMs need both dimensions "
-                f"multiples of {MULTIPLE}"
-            )
+        why = unaligned(tuple(weight.shape))
+        if why is not None:
+            raise ValueError(f"fp8_linear_cross_entropy: lm_head {why}")
         self.quantize = quantizers(hidden.device)
         self.hidden, self.dtype = hidden, hidden.dtype
         self.inverse = torch.nan_to_num(inverse.float(), posinf=0.0)
