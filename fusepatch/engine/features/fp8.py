@@ -48,16 +48,16 @@ PAD_VOCABULARY = "pad the vocabulary, model.resize_token_embeddings(len(tokenize
 LEAVE_HEAD = "apply with lm_head_precision=None (the hidden size is the model's own)"
 
 
-def _fp8_head(state) -> bool:
-    """Whether a patched head's loss may run in FP8 (patched under ``lm_head_precision="fp8"``)."""
-    return "fp8_linear_cross_entropy" in state.ops
+def _fp8_head(ops) -> bool:
+    """Whether a head with these ops may run its loss in FP8 (its row under ``lm_head_precision="fp8"``)."""
+    return "fp8_linear_cross_entropy" in ops
 
 
 def _say_unaligned_heads(plan: Plan) -> None:
     """Each head patched for an FP8 loss whose weight FP8 GEMMs cannot take: why, with the fix (at WARNING). Not a
     head another library computes (``plan.owners``: a trainer's fused head), whose loss fusepatch does not run."""
     for row, modules in plan.found.items():
-        if "fp8_linear_cross_entropy" not in row.ops or row in plan.owners:
+        if not _fp8_head(row.ops) or row in plan.owners:
             continue
         for module in modules:
             head = getattr(module, "lm_head", None)
@@ -107,7 +107,7 @@ class Fp8(Feature):
         if dropping:
             kept.append(f"{dropping} FP8 projections keep drop_frozen_weights={not request.drop_frozen_weights}")
         wanted = request.lm_head_precision == "fp8"
-        heads = [_fp8_head(state) for state in states if state.row.role == "head"]
+        heads = [_fp8_head(state.ops) for state in states if state.row.role == "head"]
         if any(fp8 != wanted for fp8 in heads):
             kept.append(f"the LM head keeps lm_head_precision={'fp8' if not wanted else None!r}")
         return kept
