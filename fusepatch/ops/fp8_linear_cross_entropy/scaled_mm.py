@@ -30,20 +30,35 @@ class FP8Gemms:
     about ``-1 / denominator`` in every row, rounded to FP8 the same way in all of them (FP8's 3-bit mantissa: up to
     6% off): the whole gradient would come out scaled by a factor set by the number of labels. The denominator's
     inverse multiplies the rowwise inverse scales instead (exact in fp32); where nothing is labelled (an infinite
-    inverse) the gradient is zeros and stays zeros."""
+    inverse) the gradient is zeros and stays zeros.
+
+    The hidden-state gradient's GEMM takes the target's ``-1`` apart. Scaled to it, a token's row keeps nothing below
+    about 4e-6 of it (e4m3's smallest step under its largest value), and an untrained head at Qwen3.5's vocabulary
+    predicts about 4e-6 for every token: a sixth of the probabilities' mass was lost, biasing the gradient along any
+    direction the head's rows share. The row is quantized with its target's entry at the probability, and the
+    target's weight row subtracted after the GEMM (exact, in fp32). The weight gradient's GEMM scales by vocabulary
+    rows along the tokens, where a target's ``-1`` outweighs what it hides."""
 
     SCALES_GRADIENT = True
     # this loss's loop as well as the model's own precision's, which the head runs where this op has no kernel
     skip = f"{LOOP_SKIP},fp8_linear_cross_entropy/scaled-mm"
 
     def __init__(
-        self, hidden: torch.Tensor, weight: torch.Tensor, wants_hidden: bool, wants_weight: bool, inverse: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        ignore_index: int,
+        wants_hidden: bool,
+        wants_weight: bool,
+        inverse: torch.Tensor,
     ) -> None:
         why = unaligned(tuple(weight.shape))
         if why is not None:
             raise ValueError(f"fp8_linear_cross_entropy: lm_head {why}")
         self.quantize = quantizers(hidden.device)
-        self.hidden, self.dtype = hidden, hidden.dtype
+        self.hidden, self.weight, self.dtype = hidden, weight, hidden.dtype
+        self.labels, self.ignore_index = labels, ignore_index
         self.inverse = torch.nan_to_num(inverse.float(), posinf=0.0)
         self.hidden_rows = self.quantize.rows(hidden)
         self.weight_rows = self.quantize.rows(weight)
@@ -53,9 +68,19 @@ class FP8Gemms:
         q, inverse = self.hidden_rows
         return fp8_mm(q[start:end], inverse[start:end], *self.weight_rows, self.dtype)
 
-    def grad_hidden(self, grad: torch.Tensor, out: torch.Tensor) -> None:
+    def grad_hidden(self, grad: torch.Tensor, start: int, end: int, out: torch.Tensor) -> None:
+        """The probabilities through FP8, the targets' ``-1`` apart (see the class): while the rows are quantized
+        each labelled target's entry holds its probability (the ``-1`` added back, then the entry restored)."""
+        labels = self.labels[start:end]
+        row, column = torch.arange(labels.shape[0], device=labels.device), labels.clamp_min(0)
+        labelled = labels != self.ignore_index
+        target = grad[row, column]
+        grad[row, column] = target + labelled.to(grad.dtype)
         q, inverse = self.quantize.rows(grad)
-        out.copy_(fp8_mm(q, inverse * self.inverse, *self.weight_columns, self.dtype))
+        grad[row, column] = target  # the weight gradient's GEMM reads the whole gradient
+        per_row = torch.where(labelled, -self.inverse, 0.0)[:, None]  # the denominator's inverse where labelled
+        found = self.weight[column].float().mul_(per_row)
+        out.copy_(found.add_(fp8_mm(q, inverse * self.inverse, *self.weight_columns, self.dtype)))
 
     def grad_weight(self, grad: torch.Tensor, start: int, end: int, total: torch.Tensor | None) -> torch.Tensor:
         """The first chunk's GEMM writes the weight gradient; a later chunk's is added a block of vocabulary rows at

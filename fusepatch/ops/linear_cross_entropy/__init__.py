@@ -128,7 +128,14 @@ class Gemms:
     SCALES_GRADIENT = False
 
     def __init__(
-        self, hidden: torch.Tensor, weight: torch.Tensor, wants_hidden: bool, wants_weight: bool, inverse: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        ignore_index: int,
+        wants_hidden: bool,
+        wants_weight: bool,
+        inverse: torch.Tensor,
     ) -> None:
         self.hidden, self.weight = hidden, weight
 
@@ -136,8 +143,8 @@ class Gemms:
         """The logits of tokens ``start:end`` (a new tensor, its rows contiguous: the kernel writes over them)."""
         return torch.mm(self.hidden[start:end], self.weight.t())
 
-    def grad_hidden(self, grad: torch.Tensor, out: torch.Tensor) -> None:
-        """``out = grad @ weight``: the chunk's hidden-state gradient, written into its rows."""
+    def grad_hidden(self, grad: torch.Tensor, start: int, end: int, out: torch.Tensor) -> None:
+        """``out = grad @ weight``: the hidden-state gradient of tokens ``start:end``, written into their rows."""
         torch.mm(grad, self.weight, out=out)
 
     def grad_weight(self, grad: torch.Tensor, start: int, end: int, total: torch.Tensor | None) -> torch.Tensor:
@@ -177,14 +184,14 @@ class _LinearCrossEntropyLoop(torch.autograd.Function):
             inverse = denominator.float().reciprocal().reshape(1)
             grad_hidden = torch.empty_like(hidden) if wants_hidden else None
             grad_weight = None
-            made = gemms(hidden, weight, wants_hidden, wants_weight, inverse)
+            made = gemms(hidden, weight, labels, ignore_index, wants_hidden, wants_weight, inverse)
             written = torch.ones_like(inverse) if gemms.SCALES_GRADIENT else inverse  # the kernel's gradient's factor
             for start in range(0, tokens, chunk):
                 end = min(start + chunk, tokens)
                 logits = made.logits(start, end)
                 losses[start:end] = ce(logits, labels[start:end], written, ignore_index, needs_grad)
                 if wants_hidden:  # the logits now hold their gradient
-                    made.grad_hidden(logits, grad_hidden[start:end])
+                    made.grad_hidden(logits, start, end, grad_hidden[start:end])
                 if wants_weight:
                     grad_weight = made.grad_weight(logits, start, end, grad_weight)
                 # freed before the next chunk's GEMM allocates its logits, else two chunks' logits live at once
