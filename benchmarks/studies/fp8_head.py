@@ -2,6 +2,7 @@
 
     python benchmarks/studies/fp8_head.py --shape 27b --tokens 128 --logit-std 1.4 --peak 0 0.12 0.19 --out fp8-head.jsonl
     python benchmarks/studies/fp8_head.py --shape 2b --tokens 256 --logit-std 1.4 --peak 0 0.3 0.6 --out fp8-head.jsonl
+    python benchmarks/studies/fp8_head.py --shape 27b --tokens 128 --logit-std 1.4 --peak 0 0.19 --shared 0 0.5 --out fp8-head.jsonl
 
 The head computes ``logits = h @ W.T`` and, in the backward, ``dh = g @ W`` and ``dW = g.T @ h`` with
 ``g = (softmax(logits) - onehot(labels)) / tokens``. Configurations, each on the same bf16 values of ``h`` and
@@ -12,10 +13,16 @@ The head computes ``logits = h @ W.T`` and, in the backward, ``dh = g @ W`` and 
 - ``fp8-forward``: the logits' GEMM on float8_e4m3fn operands with rowwise power-of-two scales along the hidden
   dimension (``quantize_rows_reference``: the GPU kernels' bits), the backward as bf16;
 - ``fp8``: all three GEMMs so, each operand quantized along that GEMM's reduction dimension, as ``fp8_linear``
-  quantizes a projection's.
+  quantizes a projection's, and as the op does, the hidden-state gradient's rows quantized with each target's
+  entry at its probability, the target's weight row subtracted after the GEMM;
+- ``fp8-target-scaled``: as ``fp8`` with the target's ``-1`` inside the rows it scales (the op before ``f325145``):
+  a row keeps nothing below about 4e-6 of its largest entry, about what an untrained head predicts for every token
+  of Qwen3.5's vocabulary.
 
 The reference is the same math on those bf16 values in fp32 (the logits) and fp64 (the loss, ``dh``, ``dW``). Quantities: the loss, the logits'
-gradient ``g``, ``dh`` and ``dW`` (each ``||x - x_ref|| / ||x_ref||``). The inputs: ``h``, rows of unit RMS (a
+gradient ``g``, ``dh`` and ``dW`` (each ``||x - x_ref|| / ||x_ref||``), and ``dh_shared``: ``dh`` along a direction
+every row of ``W`` shares, ``--shared`` times a row's own spread (a trained head's rows share one; it moves every
+logit of a token alike, so the predictions and ``g`` do not change, only the hidden states' gradient along it). The inputs: ``h``, rows of unit RMS (a
 final norm's output); ``W`` normal with the spread that gives the logits the standard deviation ``--logit-std``
 (transformers' initialisation, 0.02, gives about 1.4 at hidden 5120; a trained head's logits spread further);
 labels drawn from the fp32 head's own distribution, as a trained model's targets are likely under it; ``--peak``:
@@ -51,7 +58,7 @@ from fusepatch.kernels.fp8_range import FP8_MAX  # noqa: E402
 from fusepatch.ops.fp8_linear.scaled_mm import FP8, quantize_rows_reference, row_scale_reference  # noqa: E402
 
 SHAPES = {"27b": (5120, 248320), "2b": (2048, 248320)}  # hidden, vocabulary (Qwen3.5)
-CONFIGS = ("bf16", "fp8-forward", "fp8")
+CONFIGS = ("bf16", "fp8-forward", "fp8", "fp8-target-scaled")
 CHUNK = 16384  # vocabulary rows per chunk
 
 
@@ -65,14 +72,26 @@ def rows(x: torch.Tensor) -> torch.Tensor:
     return q.float() * inverse
 
 
+def target_apart(g: torch.Tensor, labels: torch.Tensor, one: float) -> torch.Tensor:
+    """``g`` with each token's target entry at its probability: the ``-one`` of the target added back (in bf16)."""
+    g = g.clone()
+    index = torch.arange(len(labels))
+    g[index, labels] = bf16(g[index, labels] + one)
+    return g
+
+
 def through(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() / scale
 
 
-def run(hidden: int, vocab: int, tokens: int, logit_std: float, peak: float, seed: int) -> list[dict]:
+def run(hidden: int, vocab: int, tokens: int, logit_std: float, peak: float, shared: float, seed: int) -> list[dict]:
     generator = torch.Generator().manual_seed(seed)
     std = logit_std / math.sqrt(hidden)
-    W = bf16(torch.randn(vocab, hidden, generator=generator) * std)
+    W = torch.randn(vocab, hidden, generator=generator) * std
+    # a generator of its own: without a shared part the draws are those of the study before it had one
+    direction = torch.randn(hidden, generator=torch.Generator().manual_seed(seed + 1))
+    direction = torch.nn.functional.normalize(direction, dim=0)
+    W = bf16(W + shared * std * math.sqrt(hidden) * direction)
     h = torch.randn(tokens, hidden, generator=generator)
     if peak:  # each row leans towards one token's row of W: a confident prediction, as a trained model makes
         chosen = W[torch.randint(0, vocab, (tokens,), generator=generator)]
@@ -98,14 +117,17 @@ def run(hidden: int, vocab: int, tokens: int, logit_std: float, peak: float, see
     found = []
     for config in CONFIGS:
         start = time.perf_counter()
-        fp8_fwd, fp8_bwd = config != "bf16", config == "fp8"
+        fp8_fwd, fp8_bwd = config != "bf16", config.startswith("fp8-t") or config == "fp8"
         hq = rows(h) if fp8_fwd else h
         z = torch.cat([bf16(hq @ (rows(W[s:e]) if fp8_fwd else W[s:e]).t()) for s, e in chunks], 1)
         loss, g = loss_and_g(z, True)
         if fp8_bwd:
-            gq = rows(g)  # dh: g along the vocabulary, per token; W along the vocabulary, per hidden feature
+            # dh: g along the vocabulary, per token; W along the vocabulary, per hidden feature
+            apart = config == "fp8"  # each target's -1 outside the quantized rows, its weight row subtracted
+            gq = rows(target_apart(g, labels, 1 / tokens) if apart else g)
             scale = row_scale_reference(torch.stack([W[s:e].abs().amax(0) for s, e in chunks]).amax(0))
             dh = bf16(sum(gq[:, s:e] @ through(W[s:e], scale) for s, e in chunks))
+            dh = bf16(dh - W[labels] / tokens) if apart else dh
             hT = rows(h.t().contiguous())  # dW: g.T and h.T along the tokens
         else:
             dh = bf16(sum(g[:, s:e] @ W[s:e] for s, e in chunks))
@@ -127,6 +149,7 @@ def run(hidden: int, vocab: int, tokens: int, logit_std: float, peak: float, see
                 "config": config,
                 "logit_std": logit_std,
                 "peak": peak,
+                "shared": shared,
                 "measured_logit_std": round(float(logits.std()), 3),
                 "seed": seed,
                 "loss": loss,
@@ -137,6 +160,7 @@ def run(hidden: int, vocab: int, tokens: int, logit_std: float, peak: float, see
                     "g": error(g, g_ref),
                     "dh": error(dh, dh_ref),
                     "dW": math.sqrt(diff / norm),
+                    "dh_shared": error(dh @ direction, dh_ref @ direction),
                 },
                 "seconds": round(time.perf_counter() - start, 1),
             }
@@ -151,6 +175,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--logit-std", type=float, nargs="*", default=[1.4, 4.0])
     parser.add_argument("--peak", type=float, nargs="*", default=[0.0, 0.1], help="how far h leans to one token")
+    parser.add_argument("--shared", type=float, nargs="*", default=[0.0], help="W's rows' shared part (see above)")
     parser.add_argument("--seeds", type=int, nargs="*", default=[0])
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -169,8 +194,8 @@ def main(argv=None) -> int:
         "tokens": args.tokens,
     }
     for seed in args.seeds:
-        for spread, peak in itertools.product(args.logit_std, args.peak):
-            for row in run(hidden, vocab, args.tokens, spread, peak, seed):
+        for spread, peak, shared in itertools.product(args.logit_std, args.peak, args.shared):
+            for row in run(hidden, vocab, args.tokens, spread, peak, shared, seed):
                 if args.out:
                     with open(args.out, "a") as file:
                         file.write(json.dumps({**base, **row}) + "\n")
