@@ -13,11 +13,11 @@ The head computes ``logits = h @ W.T`` and, in the backward, ``dh = g @ W`` and 
 - ``fp8-forward``: the logits' GEMM on float8_e4m3fn operands with rowwise power-of-two scales along the hidden
   dimension (``quantize_rows_reference``: the GPU kernels' bits), the backward as bf16;
 - ``fp8``: all three GEMMs so, each operand quantized along that GEMM's reduction dimension, as ``fp8_linear``
-  quantizes a projection's, and as the op does, the hidden-state gradient's rows quantized with each target's
-  entry at its probability, the target's weight row subtracted after the GEMM;
-- ``fp8-target-scaled``: as ``fp8`` with the target's ``-1`` inside the rows it scales (the op before ``f325145``):
-  a row keeps nothing below about 4e-6 of its largest entry, about what an untrained head predicts for every token
-  of Qwen3.5's vocabulary.
+  quantizes a projection's, and as the op does, the hidden-state gradient's rows quantized without their targets'
+  entries, each target's weight row times its entry added after the GEMM;
+- ``fp8-target-scaled``: as ``fp8`` with each target's entry inside the row it scales (the op before it left them
+  out): a row keeps nothing below about 4e-6 of its largest entry, about what an untrained head predicts for every
+  token of Qwen3.5's vocabulary.
 
 The reference is the same math on those bf16 values in fp32 (the logits) and fp64 (the loss, ``dh``, ``dW``). Quantities: the loss, the logits'
 gradient ``g``, ``dh`` and ``dW`` (each ``||x - x_ref|| / ||x_ref||``), and ``dh_shared``: ``dh`` along a direction
@@ -72,14 +72,6 @@ def rows(x: torch.Tensor) -> torch.Tensor:
     return q.float() * inverse
 
 
-def target_apart(g: torch.Tensor, labels: torch.Tensor, one: float) -> torch.Tensor:
-    """``g`` with each token's target entry at its probability: the ``-one`` of the target added back (in bf16)."""
-    g = g.clone()
-    index = torch.arange(len(labels))
-    g[index, labels] = bf16(g[index, labels] + one)
-    return g
-
-
 def through(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() / scale
 
@@ -123,11 +115,12 @@ def run(hidden: int, vocab: int, tokens: int, logit_std: float, peak: float, sha
         loss, g = loss_and_g(z, True)
         if fp8_bwd:
             # dh: g along the vocabulary, per token; W along the vocabulary, per hidden feature
-            apart = config == "fp8"  # each target's -1 outside the quantized rows, its weight row subtracted
-            gq = rows(target_apart(g, labels, 1 / tokens) if apart else g)
+            apart = config == "fp8"  # each target's entry outside the quantized rows, its weight row added exactly
+            target = g[torch.arange(tokens), labels]
+            gq = rows(g.index_put((torch.arange(tokens), labels), torch.zeros(())) if apart else g)
             scale = row_scale_reference(torch.stack([W[s:e].abs().amax(0) for s, e in chunks]).amax(0))
             dh = bf16(sum(gq[:, s:e] @ through(W[s:e], scale) for s, e in chunks))
-            dh = bf16(dh - W[labels] / tokens) if apart else dh
+            dh = bf16(dh + W[labels] * target[:, None]) if apart else dh
             hT = rows(h.t().contiguous())  # dW: g.T and h.T along the tokens
         else:
             dh = bf16(sum(g[:, s:e] @ W[s:e] for s, e in chunks))

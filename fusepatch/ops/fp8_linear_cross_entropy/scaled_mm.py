@@ -32,12 +32,14 @@ class FP8Gemms:
     inverse multiplies the rowwise inverse scales instead (exact in fp32); where nothing is labelled (an infinite
     inverse) the gradient is zeros and stays zeros.
 
-    The hidden-state gradient's GEMM takes the target's ``-1`` apart. Scaled to it, a token's row keeps nothing below
-    about 4e-6 of it (e4m3's smallest step under its largest value), and an untrained head at Qwen3.5's vocabulary
-    predicts about 4e-6 for every token: a sixth of the probabilities' mass was lost, biasing the gradient along any
-    direction the head's rows share. The row is quantized with its target's entry at the probability, and the
-    target's weight row subtracted after the GEMM (exact, in fp32). The weight gradient's GEMM scales by vocabulary
-    rows along the tokens, where a target's ``-1`` outweighs what it hides."""
+    The hidden-state gradient's GEMM leaves each token's target entry out. Scaled to it (``p - 1``, about -1 while
+    the target is unlikely), a token's row keeps nothing below about 4e-6 of it (e4m3's smallest step under its
+    largest value), and an untrained head at Qwen3.5's vocabulary predicts about 4e-6 for every token: a sixth of
+    the probabilities' mass was lost, biasing the gradient along any direction the head's rows share. The rows are
+    quantized with their target entries at zero, and each target's weight row, times its entry, added after the
+    GEMM in fp32 (exact: a confident target's ``p - 1`` is small, so its row in FP8 would weigh its 3% error by
+    ``p / (1 - p)`` against it if ``p`` and ``-1`` were applied apart). The weight gradient's GEMM scales by
+    vocabulary rows along the tokens, where a target's entry outweighs what it hides."""
 
     SCALES_GRADIENT = True
     # this loss's loop as well as the model's own precision's, which the head runs where this op has no kernel
@@ -58,7 +60,7 @@ class FP8Gemms:
             raise ValueError(f"fp8_linear_cross_entropy: lm_head {why}")
         self.quantize = quantizers(hidden.device)
         self.hidden, self.weight, self.dtype = hidden, weight, hidden.dtype
-        self.labels, self.ignore_index = labels, ignore_index
+        self.labels = labels
         self.inverse = torch.nan_to_num(inverse.float(), posinf=0.0)
         self.hidden_rows = self.quantize.rows(hidden)
         self.weight_rows = self.quantize.rows(weight)
@@ -69,17 +71,15 @@ class FP8Gemms:
         return fp8_mm(q[start:end], inverse[start:end], *self.weight_rows, self.dtype)
 
     def grad_hidden(self, grad: torch.Tensor, start: int, end: int, out: torch.Tensor) -> None:
-        """The probabilities through FP8, the targets' ``-1`` apart (see the class): while the rows are quantized
-        each labelled target's entry holds its probability (the ``-1`` added back, then the entry restored)."""
+        """The rows through FP8 without their targets' entries, each target's weight row times its entry added in
+        fp32 (see the class). An ignored row is zeros: its entry at column 0 adds nothing."""
         labels = self.labels[start:end]
         row, column = torch.arange(labels.shape[0], device=labels.device), labels.clamp_min(0)
-        labelled = labels != self.ignore_index
         target = grad[row, column]
-        grad[row, column] = target + labelled.to(grad.dtype)
+        grad[row, column] = 0
         q, inverse = self.quantize.rows(grad)
         grad[row, column] = target  # the weight gradient's GEMM reads the whole gradient
-        per_row = torch.where(labelled, -self.inverse, 0.0)[:, None]  # the denominator's inverse where labelled
-        found = self.weight[column].float().mul_(per_row)
+        found = self.weight[column].float().mul_((target.float() * self.inverse)[:, None])
         out.copy_(found.add_(fp8_mm(q, inverse * self.inverse, *self.weight_columns, self.dtype)))
 
     def grad_weight(self, grad: torch.Tensor, start: int, end: int, total: torch.Tensor | None) -> torch.Tensor:
