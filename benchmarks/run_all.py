@@ -361,6 +361,8 @@ def record_rows(
             gpu_idle_ms_by_phase=idle.get("by_phase"),
             note=note,
         )
+        if r.get("kernel_split"):  # the profiled step's GEMMs, optimizer and rest (step_diagnostics.kernel_split)
+            row["kernel_split"] = r["kernel_split"]
         if r.get("host_syncs"):  # where the host waited for the GPU in one more step (step_diagnostics.host_syncs)
             row["host_syncs"] = r["host_syncs"]
         rows.append(row)

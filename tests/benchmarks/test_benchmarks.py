@@ -1387,6 +1387,15 @@ def test_the_record_names_every_setting_that_changes_the_step():
     assert (row["packed_docs"], row["prompt"], row["vary_seq"]) == (4, 0.3, 0.5)
 
 
+def test_the_record_keeps_where_the_steps_gpu_time_goes():
+    """A target missed is said with the step's profile: the row keeps the profiled step's kernel time as GEMMs, the
+    optimizer and the rest, with the rest's largest kernels (``step_diagnostics.kernel_split``)."""
+    split = {"gemm_ms": 94.03, "optimizer_ms": 38.56, "rest_ms": 52.09, "rest_top": [["_quantize_columns", 6.87]]}
+    result = {"config": "fusepatch+fp8", "shape": "27b", "layers": 8, "seq": 4096, "batch": 1, "tokens_per_s": 2.0}
+    (row,) = run_all.record_rows([{**result, "kernel_split": split}], code="abc1234", command="c", args=_record_args())
+    assert row["kernel_split"] == split
+
+
 def test_a_run_cut_off_keeps_the_record_rows_of_what_it_measured(tmp_path, monkeypatch):
     """``gpu_run.sh`` stops run_all.py at its time limit: the rows of the configurations that finished are in
     ``--record`` already, as their results are in ``--out``."""
