@@ -33,10 +33,11 @@ def torch_ce(logits, target, inverse, ignore_index: int, grad: bool) -> torch.Te
     z = logits.float()
     lse = torch.logsumexp(z, 1)
     valid = target != ignore_index
-    loss = torch.where(valid, lse - z.gather(1, target.clamp_min(0)[:, None]).squeeze(1), 0.0)
+    column = target.masked_fill(~valid, 0)  # an ignored label read as 0, as the kernel reads it (any ignore_index)
+    loss = torch.where(valid, lse - z.gather(1, column[:, None]).squeeze(1), 0.0)
     if grad:
         g = torch.softmax(z, 1)
-        g[torch.arange(len(target)), target.clamp_min(0)] -= 1
+        g[torch.arange(len(target)), column] -= 1
         g *= torch.where(valid, inverse, 0.0)[:, None]
         logits.copy_(g)
     return loss
@@ -150,6 +151,19 @@ def test_fp8_hidden_gradient_of_confident_targets(fp8_loss):
     got = _loss_and_grads(fp8_loss, h, w, y)
     error = relative_error(got[1], want[1])
     assert error < FP8_ERROR[1], error
+
+
+@pytest.mark.parametrize("ignore_index", [-1, 0, 1024], ids=["negative", "a-token", "past-the-vocabulary"])
+def test_fp8_loss_takes_any_ignore_index(fp8_loss, ignore_index):
+    """An ``ignore_index`` other than -100 (a vocabulary index, or one past the vocabulary as fp32's cross-entropy
+    and the kernel take it): its rows ignored, the loss and both gradients as near fp32 as with -100."""
+    h, w, y = _data()
+    y[::7] = ignore_index
+    want = _loss_and_grads(lce.linear_cross_entropy_reference, h.float(), w.float(), y, ignore_index=ignore_index)
+    got = _loss_and_grads(fp8_loss, h, w, y, ignore_index=ignore_index)
+    assert relative_error(got[0], want[0]) < FP8_ERROR[0] / 10
+    errors = [relative_error(g, r) for g, r in zip(got[1:], want[1:])]
+    assert errors[0] < 0.01 and errors[1] < FP8_ERROR[1], errors
 
 
 def test_fp8_loss_edges(fp8_loss, monkeypatch):
