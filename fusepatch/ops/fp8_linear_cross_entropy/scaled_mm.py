@@ -60,7 +60,7 @@ class FP8Gemms:
             raise ValueError(f"fp8_linear_cross_entropy: lm_head {why}")
         self.quantize = quantizers(hidden.device)
         self.hidden, self.weight, self.dtype = hidden, weight, hidden.dtype
-        self.labels = labels
+        self.labels, self.ignore_index = labels, ignore_index
         self.inverse = torch.nan_to_num(inverse.float(), posinf=0.0)
         self.hidden_rows = self.quantize.rows(hidden)
         self.weight_rows = self.quantize.rows(weight)
@@ -72,9 +72,11 @@ class FP8Gemms:
 
     def grad_hidden(self, grad: torch.Tensor, start: int, end: int, out: torch.Tensor) -> None:
         """The rows through FP8 without their targets' entries, each target's weight row times its entry added in
-        fp32 (see the class). An ignored row is zeros: its entry at column 0 adds nothing."""
+        fp32 (see the class). An ignored row is zeros: its entry at column 0 adds nothing (its label, any
+        ``ignore_index``, is read as 0, as the cross-entropy kernel reads it)."""
         labels = self.labels[start:end]
-        row, column = torch.arange(labels.shape[0], device=labels.device), labels.clamp_min(0)
+        row = torch.arange(labels.shape[0], device=labels.device)
+        column = labels.masked_fill(labels == self.ignore_index, 0)
         target = grad[row, column]
         grad[row, column] = 0
         q, inverse = self.quantize.rows(grad)
