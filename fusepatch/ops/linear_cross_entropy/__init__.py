@@ -48,11 +48,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits = _upcast(h @ weight.t())
             lse = torch.logsumexp(logits, dim=-1)
             valid = y != ignore_index
-            target = logits.gather(1, y.clamp_min(0)[:, None]).squeeze(1)
+            column = y.masked_fill(~valid, 0)  # an ignored label, whatever ignore_index is, read as 0
+            target = logits.gather(1, column[:, None]).squeeze(1)
             total += torch.where(valid, lse - target, 0.0).sum()
             if needs_grad:
                 probs = torch.exp(logits - lse[:, None])
-                probs[torch.arange(len(y), device=y.device), y.clamp_min(0)] -= 1.0
+                probs[torch.arange(len(y), device=y.device), column] -= 1.0
                 # ignored rows: 0, not 0 / 0 when no label counts (the loss is NaN then, its gradients 0)
                 probs *= torch.where(valid, denominator.to(probs.dtype).reciprocal(), 0.0)[:, None]
                 g = probs.to(hidden.dtype)

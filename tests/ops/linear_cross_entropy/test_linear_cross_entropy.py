@@ -37,6 +37,19 @@ def test_chunked_matches_the_reference_with_many_chunks(monkeypatch, num_items):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("ignore_index", [-1, 0, 777], ids=["negative", "a-token", "past-the-vocabulary"])
+def test_chunked_takes_any_ignore_index(ignore_index):
+    """An ``ignore_index`` other than -100, one past the vocabulary too (fp32's cross-entropy and the kernels take
+    it): the ignored rows' labels are read as 0, never as an index into the logits."""
+    h, w, y = _data()
+    y[::5] = ignore_index
+    ref = lce.linear_cross_entropy_reference(h, w, y, ignore_index=ignore_index)
+    out = lce.linear_cross_entropy_chunked(h, w, y, ignore_index=ignore_index)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(out, (h, w)), torch.autograd.grad(ref, (h, w))):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
 def _nothing_labelled_as_transformers(fn, h, w, y) -> None:
     """No label to predict: NaN, as transformers' mean over no tokens (``F.cross_entropy``) gives, and every
     gradient 0 as there; with ``num_items_in_batch`` the sum over no tokens, 0."""
