@@ -17,7 +17,7 @@ import torch
 
 from fusepatch.kernels.fp8_range import MULTIPLE, unaligned
 from fusepatch.ops.fp8_linear.scaled_mm import fp8_mm, quantizers
-from fusepatch.ops.linear_cross_entropy import LOOP_SKIP
+from fusepatch.ops.linear_cross_entropy import LOOP_SKIP, LossCall
 
 VOCAB_BLOCK = 16384  # rows of a later chunk's weight gradient made at a time: 160 MiB at hidden 5120 in bf16
 
@@ -45,26 +45,18 @@ class FP8Gemms:
     # this loss's loop as well as the model's own precision's, which the head runs where this op has no kernel
     skip = f"{LOOP_SKIP},fp8_linear_cross_entropy/scaled-mm"
 
-    def __init__(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        ignore_index: int,
-        wants_hidden: bool,
-        wants_weight: bool,
-        inverse: torch.Tensor,
-    ) -> None:
+    def __init__(self, call: LossCall) -> None:
+        weight = call.weight
         why = unaligned(tuple(weight.shape))
         if why is not None:
             raise ValueError(f"fp8_linear_cross_entropy: lm_head {why}")
-        self.quantize = quantizers(hidden.device)
-        self.hidden, self.weight, self.dtype = hidden, weight, hidden.dtype
-        self.labels, self.ignore_index = labels, ignore_index
-        self.inverse = torch.nan_to_num(inverse.float(), posinf=0.0)
-        self.hidden_rows = self.quantize.rows(hidden)
+        self.quantize = quantizers(call.hidden.device)
+        self.hidden, self.weight, self.dtype = call.hidden, weight, call.hidden.dtype
+        self.labels, self.ignore_index = call.labels, call.ignore_index
+        self.inverse = torch.nan_to_num(call.inverse.float(), posinf=0.0)
+        self.hidden_rows = self.quantize.rows(call.hidden)
         self.weight_rows = self.quantize.rows(weight)
-        self.weight_columns = self.quantize.columns(weight) if wants_hidden else None
+        self.weight_columns = self.quantize.columns(weight) if call.wants_hidden else None
 
     def logits(self, start: int, end: int) -> torch.Tensor:
         q, inverse = self.hidden_rows

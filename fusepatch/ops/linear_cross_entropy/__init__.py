@@ -12,6 +12,8 @@ no tokens is, and every gradient is 0 (the ignored rows' gradients are zeros, ne
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from fusepatch.backends.fla import CROSS_ENTROPY, check_signatures
@@ -116,6 +118,19 @@ def fla_num_chunks(tokens: int, vocab: int, element_size: int, budget_bytes: int
 LOOP_SKIP = "linear_cross_entropy/fla,linear_cross_entropy/triton"  # every candidate that runs the loop
 
 
+class LossCall(NamedTuple):
+    """What one call of the chunk loop gives its GEMMs (``Gemms``): the inputs, which gradients are wanted, and the
+    loss's denominator's inverse (``[1]``, fp32)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    labels: torch.Tensor
+    ignore_index: int
+    wants_hidden: bool
+    wants_weight: bool
+    inverse: torch.Tensor
+
+
 class Gemms:
     """The chunk loop's three GEMMs in the inputs' dtype (tensor cores for bf16, fp32 accumulation inside each GEMM;
     fla's own default accumulates the weight gradient in fp32 SIMT GEMMs: 222 ms of a 430 ms 27B step). Another
@@ -125,20 +140,11 @@ class Gemms:
     skip = LOOP_SKIP
 
     # True: the cross-entropy kernel writes the logits' gradient undivided (``inverse`` 1) and the two gradient GEMMs
-    # divide by the loss's denominator (``inverse``, given to the constructor) themselves
+    # divide by the loss's denominator (``LossCall.inverse``) themselves
     SCALES_GRADIENT = False
 
-    def __init__(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        ignore_index: int,
-        wants_hidden: bool,
-        wants_weight: bool,
-        inverse: torch.Tensor,
-    ) -> None:
-        self.hidden, self.weight = hidden, weight
+    def __init__(self, call: LossCall) -> None:
+        self.hidden, self.weight = call.hidden, call.weight
 
     def logits(self, start: int, end: int) -> torch.Tensor:
         """The logits of tokens ``start:end`` (a new tensor, its rows contiguous: the kernel writes over them)."""
@@ -185,7 +191,7 @@ class _LinearCrossEntropyLoop(torch.autograd.Function):
             inverse = denominator.float().reciprocal().reshape(1)
             grad_hidden = torch.empty_like(hidden) if wants_hidden else None
             grad_weight = None
-            made = gemms(hidden, weight, labels, ignore_index, wants_hidden, wants_weight, inverse)
+            made = gemms(LossCall(hidden, weight, labels, ignore_index, wants_hidden, wants_weight, inverse))
             written = torch.ones_like(inverse) if gemms.SCALES_GRADIENT else inverse  # the kernel's gradient's factor
             for start in range(0, tokens, chunk):
                 end = min(start + chunk, tokens)
