@@ -17,11 +17,14 @@ The head computes ``logits = h @ W.T`` and, in the backward, ``dh = g @ W`` and 
   entries, each target's weight row times its entry added after the GEMM;
 - ``fp8-target-scaled``: as ``fp8`` with each target's entry inside the row it scales (the op before it left them
   out): a row keeps nothing below about 4e-6 of its largest entry, about what an untrained head predicts for every
-  token of Qwen3.5's vocabulary.
+  token of Qwen3.5's vocabulary;
+- ``fp8-sum-corrected`` (not what the op runs: what a correction would give): as ``fp8``, and each token's quantized
+  probabilities' sum made exact along the head's mean row, adding ``(1 - p - sum) * mean(W)``: the part of the
+  rounding's bias that lies along a direction the head's rows share.
 
 The reference is the same math on those bf16 values in fp32 (the logits) and fp64 (the loss, ``dh``, ``dW``). Quantities: the loss, the logits'
 gradient ``g``, ``dh`` and ``dW`` (each ``||x - x_ref|| / ||x_ref||``), and ``dh_shared``: ``dh`` along a direction
-every row of ``W`` shares, ``--shared`` times a row's own spread (a trained head's rows share one; it moves every
+every row of ``W`` shares, ``--shared`` times a row's own spread (trained heads' rows tend to share one; it moves every
 logit of a token alike, so the predictions and ``g`` do not change, only the hidden states' gradient along it). The inputs: ``h``, rows of unit RMS (a
 final norm's output); ``W`` normal with the spread that gives the logits the standard deviation ``--logit-std``
 (transformers' initialisation, 0.02, gives about 1.4 at hidden 5120; a trained head's logits spread further);
@@ -58,7 +61,7 @@ from fusepatch.kernels.fp8_range import FP8_MAX  # noqa: E402
 from fusepatch.ops.fp8_linear.scaled_mm import FP8, quantize_rows_reference, row_scale_reference  # noqa: E402
 
 SHAPES = {"27b": (5120, 248320), "2b": (2048, 248320)}  # hidden, vocabulary (Qwen3.5)
-CONFIGS = ("bf16", "fp8-forward", "fp8", "fp8-target-scaled")
+CONFIGS = ("bf16", "fp8-forward", "fp8", "fp8-target-scaled", "fp8-sum-corrected")
 CHUNK = 16384  # vocabulary rows per chunk
 
 
@@ -76,7 +79,9 @@ def through(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() / scale
 
 
-def run(hidden: int, vocab: int, tokens: int, logit_std: float, peak: float, shared: float, seed: int) -> list[dict]:
+def run(
+    hidden: int, vocab: int, tokens: int, logit_std: float, peak: float, shared: float, seed: int, configs=CONFIGS
+) -> list[dict]:
     generator = torch.Generator().manual_seed(seed)
     std = logit_std / math.sqrt(hidden)
     W = torch.randn(vocab, hidden, generator=generator) * std
@@ -107,20 +112,25 @@ def run(hidden: int, vocab: int, tokens: int, logit_std: float, peak: float, sha
     loss_ref, g_ref = loss_and_g(logits, False)
     dh_ref = sum(g_ref[:, s:e].double() @ W[s:e].double() for s, e in chunks).float()
     found = []
-    for config in CONFIGS:
+    for config in configs:
         start = time.perf_counter()
-        fp8_fwd, fp8_bwd = config != "bf16", config.startswith("fp8-t") or config == "fp8"
+        fp8_fwd, fp8_bwd = config != "bf16", config not in ("bf16", "fp8-forward")
         hq = rows(h) if fp8_fwd else h
         z = torch.cat([bf16(hq @ (rows(W[s:e]) if fp8_fwd else W[s:e]).t()) for s, e in chunks], 1)
         loss, g = loss_and_g(z, True)
         if fp8_bwd:
             # dh: g along the vocabulary, per token; W along the vocabulary, per hidden feature
-            apart = config == "fp8"  # each target's entry outside the quantized rows, its weight row added exactly
+            apart = config != "fp8-target-scaled"  # each target's entry outside the quantized rows, added exactly
             target = g[torch.arange(tokens), labels]
             gq = rows(g.index_put((torch.arange(tokens), labels), torch.zeros(())) if apart else g)
             scale = row_scale_reference(torch.stack([W[s:e].abs().amax(0) for s, e in chunks]).amax(0))
             dh = bf16(sum(gq[:, s:e] @ through(W[s:e], scale) for s, e in chunks))
-            dh = bf16(dh + W[labels] * target[:, None]) if apart else dh
+            if apart:
+                dh = dh + W[labels] * target[:, None]
+            if config == "fp8-sum-corrected":  # the probabilities' exact sum, 1 - p (= -target), against the rows'
+                missing = -target.double() - gq.double().sum(1)
+                dh = dh + (missing[:, None] * W.double().mean(0)).float()
+            dh = bf16(dh)
             hT = rows(h.t().contiguous())  # dW: g.T and h.T along the tokens
         else:
             dh = bf16(sum(g[:, s:e] @ W[s:e] for s, e in chunks))
@@ -170,6 +180,7 @@ def main(argv=None) -> int:
     parser.add_argument("--peak", type=float, nargs="*", default=[0.0, 0.1], help="how far h leans to one token")
     parser.add_argument("--shared", type=float, nargs="*", default=[0.0], help="W's rows' shared part (see above)")
     parser.add_argument("--seeds", type=int, nargs="*", default=[0])
+    parser.add_argument("--configs", nargs="*", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -188,7 +199,7 @@ def main(argv=None) -> int:
     }
     for seed in args.seeds:
         for spread, peak, shared in itertools.product(args.logit_std, args.peak, args.shared):
-            for row in run(hidden, vocab, args.tokens, spread, peak, shared, seed):
+            for row in run(hidden, vocab, args.tokens, spread, peak, shared, seed, args.configs):
                 if args.out:
                     with open(args.out, "a") as file:
                         file.write(json.dumps({**base, **row}) + "\n")
